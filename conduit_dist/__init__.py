@@ -1,0 +1,40 @@
+"""conduit_dist: a distributed experience data plane for reinforcement learning.
+
+Public API::
+
+    import conduit_dist as cd
+    cd.init_distributed()
+    spec = cd.ExperienceSpec.from_batch(batch)
+    plane = cd.DataPlane(spec, capacity_per_rank=100_000, seed=0)
+    plane.put(batch)
+    sample = plane.fetch(256)
+"""
+
+from conduit_dist.collectives import (
+    destroy_distributed,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_rank_zero,
+)
+from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError, SpecError
+from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.spec import ExperienceSpec, FieldSpec
+
+__all__ = [
+    "ConfigError",
+    "DataPlane",
+    "EmptyStoreError",
+    "ExperienceSpec",
+    "FieldSpec",
+    "RoundError",
+    "RoundStats",
+    "SpecError",
+    "destroy_distributed",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_rank_zero",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,97 @@
+"""Process-group set-up: one ``init_distributed`` for the whole package."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from conduit_dist.errors import ConfigError
+
+_ENV_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {name}: expected an integer, got {raw!r}"
+        ) from None
+
+
+def init_distributed(
+    device: str | torch.device = "cpu", timeout_s: float = 120.0, backend: str | None = None
+) -> None:
+    """Initialise the default process group once (a no-op when one exists).
+
+    Under ``torchrun`` the rank and world size come from the environment; under plain ``python``
+    (no ``RANK``/``WORLD_SIZE``) a one-rank gloo group is created so the same code runs at world
+    size 1. The backend follows the device: ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (NCCL
+    for tensors on the GPU, gloo for CPU-side metadata).
+
+    Args:
+        device: the device experience is delivered to (``"cpu"`` or ``"cuda"``).
+        timeout_s: default timeout of the group's collectives, in seconds.
+        backend: override the backend string passed to ``init_process_group``.
+
+    Raises:
+        ConfigError: on malformed or inconsistent ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` values,
+            or a CUDA device on a machine without CUDA.
+    """
+    if dist.is_initialized():
+        return
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: got {device}, but CUDA is not available on this machine")
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if rank is None and world is None:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
+    if rank is None or world is None:
+        raise ConfigError(
+            f"RANK and WORLD_SIZE must be set together, got RANK={rank} WORLD_SIZE={world}"
+        )
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK: expected 0 <= RANK < WORLD_SIZE={world}, got {rank}")
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ConfigError(
+            "MASTER_ADDR and MASTER_PORT must be set with RANK/WORLD_SIZE (launch with torchrun)"
+        )
+    if device.type == "cuda":
+        local = _env_int("LOCAL_RANK") or 0
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+
+
+def get_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Number of ranks (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_rank_zero() -> bool:
+    """Whether this is global rank 0."""
+    return get_rank() == 0
+
+
+def destroy_distributed() -> None:
+    """Destroy the default process group if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,286 @@
+"""Experience specification: named fields, validation, and the fixed-size record layout.
+
+Every item of experience is stored as one *record*: a row of ``record_bytes`` bytes in which each
+field sits at an offset aligned to 8 bytes. Storage, the wire format and delivery buffers are all
+``[n, record_bytes]`` ``uint8`` tensors, so ingestion and delivery are plain byte copies, and a
+received batch is viewed field by field with ``Tensor.view(dtype)`` on aligned column slices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from conduit_dist.errors import SpecError
+
+_ALIGN = 8
+_SUPPORTED = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One named field of an experience item.
+
+    Args:
+        name: field name, the key of the batch dict.
+        shape: per-item shape (without the leading batch dimension); ``()`` for scalars.
+        dtype: element dtype.
+        allow_nonfinite: accept NaN/inf in a floating field (rejected by default).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    allow_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"field name must be a non-empty string, got {self.name!r}")
+        if self.dtype not in _SUPPORTED:
+            raise SpecError(
+                f"field {self.name!r}: dtype must be one of {[str(d) for d in _SUPPORTED]}, "
+                f"got {self.dtype}"
+            )
+        shape = tuple(int(s) for s in self.shape)
+        if any(s <= 0 for s in shape):
+            raise SpecError(f"field {self.name!r}: shape must be positive, got {shape}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def numel(self) -> int:
+        """Elements per item."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per item."""
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        """Whether the field holds floating-point values."""
+        return self.dtype.is_floating_point
+
+
+class ExperienceSpec:
+    """Named fields of one experience item and their packed record layout.
+
+    Fields are laid out grouped by dtype (so all ``float32`` fields form one contiguous column band
+    that a single reduction can check for non-finite values), each at an 8-byte aligned offset.
+
+    Args:
+        fields: a mapping ``name -> (shape, dtype)`` or a sequence of :class:`FieldSpec`.
+        allow_nonfinite: default for floating fields given as ``(shape, dtype)`` tuples.
+
+    Raises:
+        SpecError: on an empty spec, a duplicate name, an unsupported dtype or a bad shape.
+
+    Example:
+        >>> spec = ExperienceSpec({"obs": ((4,), torch.float32), "action": ((), torch.int64)})
+        >>> spec.record_bytes
+        24
+    """
+
+    def __init__(
+        self,
+        fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | list[FieldSpec],
+        allow_nonfinite: bool = False,
+    ) -> None:
+        if isinstance(fields, Mapping):
+            fields = [FieldSpec(n, tuple(s), d, allow_nonfinite) for n, (s, d) in fields.items()]
+        fields = list(fields)
+        if not fields:
+            raise SpecError("an ExperienceSpec needs at least one field, got none")
+        names = [f.name for f in fields]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise SpecError(f"field names must be unique, got duplicates {sorted(dup)}")
+        self.fields: dict[str, FieldSpec] = {f.name: f for f in fields}
+        # Group by dtype (largest itemsize first) so same-dtype fields are adjacent.
+        order = sorted(fields, key=lambda f: (-f.dtype.itemsize, str(f.dtype), names.index(f.name)))
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for f in order:
+            self.offsets[f.name] = off
+            off = _align(off + f.nbytes)
+        self.record_bytes: int = max(off, _ALIGN)
+        self._float_bands = self._bands(order)
+
+    def _bands(self, order: list[FieldSpec]) -> list[tuple[torch.dtype, int, int]]:
+        """Column bands ``(dtype, start, end)`` of adjacent checked float fields of one dtype."""
+        bands: list[tuple[torch.dtype, int, int]] = []
+        for f in order:
+            if not f.is_float or f.allow_nonfinite:
+                continue
+            start, end = self.offsets[f.name], self.offsets[f.name] + f.nbytes
+            if bands and bands[-1][0] == f.dtype and bands[-1][2] == start:
+                bands[-1] = (f.dtype, bands[-1][1], end)
+            else:
+                bands.append((f.dtype, start, end))
+        return bands
+
+    @classmethod
+    def from_batch(
+        cls, batch: Mapping[str, torch.Tensor], allow_nonfinite: bool = False
+    ) -> ExperienceSpec:
+        """Infer a spec from a dict of tensors that share a leading batch dimension.
+
+        Args:
+            batch: ``name -> tensor`` with shape ``[B, *item_shape]``.
+            allow_nonfinite: accept NaN/inf in floating fields.
+
+        Returns:
+            The spec whose fields have the per-item shapes and dtypes of ``batch``.
+
+        Raises:
+            SpecError: if ``batch`` is empty or a value is not a tensor with a batch dimension.
+        """
+        if not isinstance(batch, Mapping) or not batch:
+            raise SpecError(
+                f"batch must be a non-empty dict of tensors, got {type(batch).__name__}"
+            )
+        fields = []
+        for name, t in batch.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 1:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise SpecError(
+                    f"field {name!r}: expected a tensor with a leading batch dim, got {got}"
+                )
+            fields.append(FieldSpec(name, tuple(t.shape[1:]), t.dtype, allow_nonfinite))
+        return cls(fields)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}: {list(f.shape)} {f.dtype}" for n, f in self.fields.items())
+        return f"ExperienceSpec({inner}; record_bytes={self.record_bytes})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExperienceSpec) and self.fields == other.fields
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Raw experience bytes per item (without alignment padding)."""
+        return sum(f.nbytes for f in self.fields.values())
+
+    def validate(self, batch: Mapping[str, torch.Tensor]) -> int:
+        """Check names, dtypes, shapes and batch sizes of ``batch`` (not values).
+
+        Args:
+            batch: ``name -> tensor`` with a shared leading batch dimension.
+
+        Returns:
+            The batch size.
+
+        Raises:
+            SpecError: naming the field, the expected and the received value.
+        """
+        if not isinstance(batch, Mapping):
+            raise SpecError(f"batch: expected a dict of tensors, got {type(batch).__name__}")
+        if batch.keys() != self.fields.keys():
+            missing = sorted(self.fields.keys() - batch.keys())
+            extra = sorted(batch.keys() - self.fields.keys())
+            raise SpecError(
+                f"batch fields do not match the spec: missing {missing}, unexpected {extra} "
+                f"(expected {sorted(self.fields)})"
+            )
+        n = -1
+        for name, f in self.fields.items():
+            t = batch[name]
+            if not isinstance(t, torch.Tensor):
+                raise SpecError(f"field {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != f.dtype:
+                raise SpecError(f"field {name!r}: expected dtype {f.dtype}, got {t.dtype}")
+            if t.dim() != len(f.shape) + 1 or tuple(t.shape[1:]) != f.shape:
+                raise SpecError(
+                    f"field {name!r}: expected shape [B, {', '.join(map(str, f.shape))}], "
+                    f"got {list(t.shape)}"
+                )
+            if n < 0:
+                n, first = t.shape[0], name
+            elif t.shape[0] != n:
+                raise SpecError(
+                    f"field {name!r}: leading dimension {t.shape[0]} disagrees with "
+                    f"field {first!r} ({n})"
+                )
+        if n == 0:
+            raise SpecError("batch is empty: expected at least one item, got leading dim 0")
+        return n
+
+    def pack(self, batch: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        """Copy a validated batch into records ``out`` (``uint8 [B, record_bytes]``).
+
+        Args:
+            batch: a batch that passed :meth:`validate`.
+            out: destination rows; may be a row slice of a larger record tensor.
+        """
+        for name, f in self.fields.items():
+            self._column(out, name, f).copy_(batch[name])
+
+    def check_finite(self, records: torch.Tensor) -> None:
+        """Raise if any checked floating field of ``records`` holds NaN or inf.
+
+        One reduction per dtype band; only when a band's sum is not finite is each field checked
+        on its own to name the offender (a finite sum can also overflow to inf).
+
+        Raises:
+            SpecError: naming the field and the number of non-finite values.
+        """
+        for dtype, start, end in self._float_bands:
+            band = records[:, start:end].view(dtype)
+            if math.isfinite(float(band.sum(dtype=torch.float64))):
+                continue
+            for name, f in self.fields.items():
+                off = self.offsets[name]
+                if f.dtype == dtype and start <= off < end and not f.allow_nonfinite:
+                    bad = int((~torch.isfinite(self._column(records, name, f))).sum())
+                    if bad:
+                        raise SpecError(
+                            f"field {name!r}: expected finite values, got {bad} NaN/inf "
+                            "(pass allow_nonfinite=True in the spec to accept them)"
+                        )
+
+    def _column(self, records: torch.Tensor, name: str, f: FieldSpec) -> torch.Tensor:
+        off = self.offsets[name]
+        col = records[:, off : off + f.nbytes]
+        return col.view(f.dtype).view(records.shape[0], *f.shape)
+
+    def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """View records as a dict of field tensors (no copy; rows keep the record stride).
+
+        Args:
+            records: ``uint8 [B, record_bytes]`` with contiguous rows.
+
+        Returns:
+            ``name -> tensor [B, *shape]`` views into ``records``.
+        """
+        return {name: self._column(records, name, f) for name, f in self.fields.items()}
+
+    def empty_records(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Allocate ``n`` uninitialised records."""
+        return torch.empty((n, self.record_bytes), dtype=torch.uint8, device=device)
+
+    def state_dict(self) -> dict[str, object]:
+        """A plain description (names, shapes, dtype names) usable without pickle."""
+        return {
+            n: {"shape": list(f.shape), "dtype": str(f.dtype), "allow_nonfinite": f.allow_nonfinite}
+            for n, f in self.fields.items()
+        }

@@ -1,0 +1,61 @@
+"""Memory tiers: device memory (CUDA), pinned host memory and pageable host memory."""
+
+from __future__ import annotations
+
+import torch
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.tiers.base import Tier
+
+
+class MemoryTier(Tier):
+    """Record slots in one preallocated tensor.
+
+    Args:
+        slots: number of records.
+        record_bytes: bytes per record.
+        device: ``cpu`` for host memory, ``cuda[:i]`` for device memory.
+        pin_memory: page-lock host memory (only meaningful, and only allowed, where CUDA exists).
+
+    Raises:
+        ConfigError: for pinned memory without CUDA, or a CUDA device that is not available.
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        record_bytes: int,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__(slots, record_bytes)
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"tier device: got {device}, but CUDA is not available")
+        if pin_memory and (device.type != "cpu" or not torch.cuda.is_available()):
+            raise ConfigError(
+                f"pin_memory: pinned host memory needs device cpu on a CUDA machine, got {device} "
+                f"(cuda available: {torch.cuda.is_available()})"
+            )
+        self.kind = "device" if device.type == "cuda" else ("pinned" if pin_memory else "host")
+        self.device = device
+        self.data = torch.empty(
+            (slots, record_bytes), dtype=torch.uint8, device=device, pin_memory=pin_memory
+        )
+
+    def region(self, start: int, end: int) -> torch.Tensor:
+        return self.data[start:end]
+
+    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        torch.index_select(self.data, 0, slots, out=out)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"data": self.data}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        data = state["data"]
+        if data.shape != self.data.shape:
+            raise ConfigError(
+                f"tier data: expected shape {list(self.data.shape)}, got {list(data.shape)}"
+            )
+        self.data.copy_(data)

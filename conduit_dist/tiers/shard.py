@@ -1,0 +1,83 @@
+"""One rank's shard of the experience store: a FIFO ring of record slots over a tier."""
+
+from __future__ import annotations
+
+import torch
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.tiers.base import Tier
+
+
+class Shard:
+    """A ring of ``tier.slots`` records; when full, the oldest records are overwritten first.
+
+    Slot ``i`` holds the item written ``generation[i]``-th on this shard, so a global address
+    ``(rank, slot, generation)`` identifies an item even after its slot is reused.
+
+    Args:
+        tier: where the records live.
+    """
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self.capacity = tier.slots
+        self.write_pos = 0
+        self.size = 0
+        self.written = 0  # items ever written (the next item's generation)
+
+    def receive_region(self, n: int) -> torch.Tensor | None:
+        """Slots the next ``n`` items would occupy, as one contiguous view, if they do not wrap.
+
+        Lets a collective receive straight into storage; ``None`` when the write would wrap or
+        exceed the capacity (then :meth:`append` from a separate buffer).
+        """
+        if n > self.capacity or self.write_pos + n > self.capacity:
+            return None
+        return self.tier.region(self.write_pos, self.write_pos + n)
+
+    def commit(self, n: int) -> None:
+        """Account for ``n`` items already written at the write position."""
+        self.written += n
+        self.write_pos = (self.write_pos + n) % self.capacity
+        self.size = min(self.capacity, self.size + n)
+
+    def append(self, records: torch.Tensor) -> None:
+        """Write records in order; if more than the capacity arrive, only the newest are kept."""
+        n = records.shape[0]
+        if n == 0:
+            return
+        skip = max(0, n - self.capacity)
+        if skip:
+            self.written += skip
+            self.write_pos = (self.write_pos + skip) % self.capacity
+            records = records[skip:]
+            n = records.shape[0]
+        first = min(n, self.capacity - self.write_pos)
+        self.tier.write(self.write_pos, records[:first])
+        if first < n:
+            self.tier.write(0, records[first:])
+        self.commit(n)
+
+    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the records at ``slots`` into ``out``."""
+        self.tier.gather(slots, out)
+
+    def state_dict(self) -> dict[str, object]:
+        """Ring position, size and the tier's contents."""
+        return {
+            "write_pos": self.write_pos,
+            "size": self.size,
+            "written": self.written,
+            "tier": self.tier.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore a shard saved by :meth:`state_dict` with the same capacity and record size."""
+        if not 0 <= int(state["size"]) <= self.capacity:
+            raise ConfigError(f"shard size: expected 0..{self.capacity}, got {state['size']}")
+        self.tier.load_state_dict(state["tier"])
+        self.write_pos, self.size, self.written = (
+            int(state["write_pos"]),
+            int(state["size"]),
+            int(state["written"]),
+        )

@@ -1,0 +1,36 @@
+"""Batches whose fields are functions of an item id, so any row can be checked for integrity."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    ids = ids.to(torch.int64)
+    f = ids.to(torch.float64)
+    return {
+        "id": ids,
+        "obs": torch.stack([f * 0.5, -f, f + 0.25], dim=1).float(),
+        "reward": (f % 7).float(),
+        "done": ids % 3 == 0,
+        "frame": (ids[:, None] + torch.arange(5)[None, :]).remainder(251).to(torch.uint8),
+    }
+
+
+def assert_intact(batch: dict[str, torch.Tensor]) -> None:
+    """Every field of every row equals what :func:`make_batch` gives for that row's id."""
+    expected = make_batch(batch["id"])
+    for k, v in expected.items():
+        assert torch.equal(batch[k], v), f"field {k} corrupted"
+
+
+def spec():
+    from conduit_dist import ExperienceSpec
+
+    return ExperienceSpec.from_batch(make_batch(torch.arange(2)))
+
+
+def shard_items(plane) -> torch.Tensor:
+    """Ids of the items this rank's shard holds."""
+    recs = plane.shard.tier.data[: plane.shard.size]
+    return plane.spec.unpack(recs)["id"].clone()
