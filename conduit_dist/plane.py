@@ -17,6 +17,7 @@ from conduit_dist.sampling.uniform import UniformSampler, allocate
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import DoubleBuffer, RecordBuffer
 from conduit_dist.tiers import POLICIES, MemoryTier, Shard, plan_ingest
+from conduit_dist.tiers.placement import remainder_dealt
 
 _META = 4  # staged, request, weights version, weights bytes
 _plane_ids = itertools.count()
@@ -107,6 +108,7 @@ class DataPlane:
         self.capacity_per_rank = capacity_per_rank
         self.sizes = np.zeros(self.world, dtype=np.int64)  # every shard's size, on every rank
         self.ingested = 0  # items ingested over all ranks
+        self._dealt = 0  # round-robin remainder items dealt so far (where the next one goes)
         self.round = 0
         self.stats = RoundStats()
         self._stage = DoubleBuffer(spec.record_bytes, self.device)
@@ -114,6 +116,8 @@ class DataPlane:
         self._recv = RecordBuffer(spec.record_bytes, self.device)
         self._sampler = UniformSampler(self.seed, self.rank)
         self._weights = _WeightsState()
+        self._direct = 0  # items put straight into storage slots, counted at the next round
+        self._inflight = False  # a round is running asynchronously (set by the scheduler)
         self._failed: RoundError | None = None
         self._closed = False
 
@@ -146,11 +150,29 @@ class DataPlane:
         """
         self._check_open()
         n = self.spec.validate(batch)
+        self.spec.check_finite(batch)
+        rows = self._direct_rows(n)
+        if rows is not None:
+            self.spec.pack(batch, rows)
+            self._direct += n
+            return
         stage = self._stage.current
-        rows = stage.reserve(n)
-        self.spec.pack(batch, rows)
-        self.spec.check_finite(rows)
+        self.spec.pack(batch, stage.reserve(n))
         stage.commit(n)
+
+    def _direct_rows(self, n: int) -> torch.Tensor | None:
+        """At world size 1, the storage slots the next ``n`` items take, if writing there is safe.
+
+        Safe when no round is in flight (nothing samples meanwhile), nothing is staged yet this
+        round (put order is kept) and the slots do not wrap. The slots count at the next round;
+        until then they are invisible, as staged items are.
+        """
+        if self.world != 1 or self._inflight or self._stage.current.count:
+            return None
+        start = self.shard.write_pos + self._direct
+        if start + n > self.capacity_per_rank:
+            return None
+        return self.shard.tier.region(start, start + n)
 
     def fetch(self, batch_size: int) -> dict[str, torch.Tensor]:
         """Run a round and return this learner's batch, sampled uniformly from the global store.
@@ -235,10 +257,19 @@ class DataPlane:
         self.shard.tier.close()
 
     def state_dict(self) -> dict[str, object]:
-        """This rank's shard, the global sizes and the round counter (tensors and ints only)."""
+        """This rank's shard, the global sizes and the round counter (tensors and ints only).
+
+        Raises:
+            RuntimeError: if items were put since the last round (call ``flush()`` first).
+        """
+        if self._direct or self._stage.current.count:
+            raise RuntimeError(
+                "state_dict: items were put since the last round; call flush() (or fetch) first"
+            )
         return {
             "round": self.round,
             "ingested": self.ingested,
+            "dealt": self._dealt,
             "sizes": torch.from_numpy(self.sizes.copy()),
             "shard": self.shard.state_dict(),
             "sampler": self._sampler.state_dict(),
@@ -264,6 +295,7 @@ class DataPlane:
         self._sampler.load_state_dict(state["sampler"])
         self.sizes = sizes.astype(np.int64).copy()
         self.round, self.ingested = int(state["round"]), int(state["ingested"])
+        self._dealt = int(state["dealt"])
 
     # ------------------------------------------------------------------ rounds
 
@@ -291,19 +323,46 @@ class DataPlane:
         stats = RoundStats(round=r)
         t0 = time.perf_counter()
         staged = self._stage.take()
-        self.exchange.heartbeat(r)
-        meta = self._exchange_meta(staged.count, request, r)
-        self._ingest(staged, meta[:, 0], r, stats)
-        t1 = time.perf_counter()
-        counts = allocate(meta[:, 1], self.sizes, self.seed, r)
-        out = self._deliver(counts, request, r, stats, t1)
-        t3 = time.perf_counter()
-        self._weights.exchange(self.exchange, meta, self.learner_ranks[0], r)
-        stats.weights_ms = (time.perf_counter() - t3) * 1e3
-        stats.ingest_ms = (t1 - t0) * 1e3
+        if self.world == 1:
+            out = self._local_round(staged, request, r, stats, t0)
+        else:
+            self.exchange.heartbeat(r)
+            meta = self._exchange_meta(staged.count, request, r)
+            self._ingest(staged, meta[:, 0], r, stats)
+            t1 = time.perf_counter()
+            stats.ingest_ms = (t1 - t0) * 1e3
+            counts = allocate(meta[:, 1], self.sizes, self.seed, r)
+            out = self._deliver(counts, r, stats, t1)
+            t3 = time.perf_counter()
+            self._weights.exchange(self.exchange, meta, self.learner_ranks[0], r)
+            stats.weights_ms = (time.perf_counter() - t3) * 1e3
         stats.stored = len(self)
         self.stats = stats
         self.round = r + 1
+        return out
+
+    def _local_round(
+        self, staged: RecordBuffer, request: int, r: int, stats: RoundStats, t0: float
+    ) -> torch.Tensor:
+        """World size 1: the same semantics with no collectives."""
+        n_in = staged.count + self._direct
+        if self._direct:
+            self.shard.commit(self._direct)
+            self._direct = 0
+        if n_in:
+            self.shard.append(staged.view())
+            self.sizes[0] = self.shard.size
+            self.ingested += n_in
+        t1 = time.perf_counter()
+        stats.ingest_ms = (t1 - t0) * 1e3
+        size = self.shard.size
+        n_out = request if size else 0
+        out = torch.empty((n_out, self.spec.record_bytes), dtype=torch.uint8, device=self.device)
+        if n_out:
+            self.shard.gather(self._sampler.slots(n_out, size, r), out)
+        stats.sample_ms = (time.perf_counter() - t1) * 1e3
+        stats.items_in, stats.items_out = n_in, n_out
+        stats.bytes_in, stats.bytes_out = n_in * out.shape[1], n_out * out.shape[1]
         return out
 
     def _exchange_meta(self, staged: int, request: int, r: int) -> np.ndarray:
@@ -314,12 +373,10 @@ class DataPlane:
 
     def _ingest(self, staged: RecordBuffer, counts: np.ndarray, r: int, stats: RoundStats) -> None:
         """Move staged items to their owner shards in one fused all-to-all."""
-        plan = plan_ingest(self.placement, counts, self.ingested)
+        plan = plan_ingest(self.placement, counts, self._dealt)
         inflow = plan.sum(axis=0)
         n_in = int(inflow[self.rank])
-        if self.world == 1:
-            self.shard.append(staged.view())
-        elif plan.any():
+        if plan.any():
             direct = self.shard.receive_region(n_in)
             out = direct if direct is not None else self._recv.rows(n_in)
             self.exchange.all_to_all(
@@ -336,37 +393,30 @@ class DataPlane:
                 self.shard.append(out)
         self.sizes = np.minimum(self.sizes + inflow, self.capacity_per_rank)
         self.ingested += int(counts.sum())
+        self._dealt += remainder_dealt(counts)
         stats.items_in = n_in
         stats.bytes_in = n_in * self.spec.record_bytes
 
-    def _deliver(
-        self, counts: np.ndarray, request: int, r: int, stats: RoundStats, t1: float
-    ) -> torch.Tensor:
+    def _deliver(self, counts: np.ndarray, r: int, stats: RoundStats, t1: float) -> torch.Tensor:
         """Sample this shard's share of every learner's batch and deliver in one all-to-all."""
         to_learners = counts[:, self.rank]
         n_send, n_recv = int(to_learners.sum()), int(counts[self.rank].sum())
-        slots = self._sampler.slots(n_send, int(self.shard.size), r) if n_send else None
         out = torch.empty((n_recv, self.spec.record_bytes), dtype=torch.uint8, device=self.device)
-        if self.world == 1:
-            if n_send:
-                self.shard.gather(slots, out)
-            stats.sample_ms = (time.perf_counter() - t1) * 1e3
-        else:
-            send = self._send.rows(n_send)
-            if n_send:
-                self.shard.gather(slots, send)
-            t2 = time.perf_counter()
-            stats.sample_ms = (t2 - t1) * 1e3
-            if counts.any():
-                self.exchange.all_to_all(
-                    out,
-                    send,
-                    counts[self.rank].tolist(),
-                    to_learners.tolist(),
-                    r,
-                    "all_to_all(deliver)",
-                )
-            stats.deliver_ms = (time.perf_counter() - t2) * 1e3
+        send = self._send.rows(n_send)
+        if n_send:
+            self.shard.gather(self._sampler.slots(n_send, int(self.shard.size), r), send)
+        t2 = time.perf_counter()
+        stats.sample_ms = (t2 - t1) * 1e3
+        if counts.any():
+            self.exchange.all_to_all(
+                out,
+                send,
+                counts[self.rank].tolist(),
+                to_learners.tolist(),
+                r,
+                "all_to_all(deliver)",
+            )
+        stats.deliver_ms = (time.perf_counter() - t2) * 1e3
         stats.items_out = n_recv
         stats.bytes_out = n_recv * self.spec.record_bytes
         return out

@@ -83,8 +83,7 @@ class FieldSpec:
 class ExperienceSpec:
     """Named fields of one experience item and their packed record layout.
 
-    Fields are laid out grouped by dtype (so all ``float32`` fields form one contiguous column band
-    that a single reduction can check for non-finite values), each at an 8-byte aligned offset.
+    Fields are laid out by descending element size, each at an 8-byte aligned offset.
 
     Args:
         fields: a mapping ``name -> (shape, dtype)`` or a sequence of :class:`FieldSpec`.
@@ -114,28 +113,25 @@ class ExperienceSpec:
         if dup:
             raise SpecError(f"field names must be unique, got duplicates {sorted(dup)}")
         self.fields: dict[str, FieldSpec] = {f.name: f for f in fields}
-        # Group by dtype (largest itemsize first) so same-dtype fields are adjacent.
-        order = sorted(fields, key=lambda f: (-f.dtype.itemsize, str(f.dtype), names.index(f.name)))
+        order = sorted(fields, key=lambda f: -f.dtype.itemsize)
         self.offsets: dict[str, int] = {}
         off = 0
         for f in order:
             self.offsets[f.name] = off
             off = _align(off + f.nbytes)
         self.record_bytes: int = max(off, _ALIGN)
-        self._float_bands = self._bands(order)
-
-    def _bands(self, order: list[FieldSpec]) -> list[tuple[torch.dtype, int, int]]:
-        """Column bands ``(dtype, start, end)`` of adjacent checked float fields of one dtype."""
-        bands: list[tuple[torch.dtype, int, int]] = []
-        for f in order:
-            if not f.is_float or f.allow_nonfinite:
-                continue
-            start, end = self.offsets[f.name], self.offsets[f.name] + f.nbytes
-            if bands and bands[-1][0] == f.dtype and bands[-1][2] == start:
-                bands[-1] = (f.dtype, bands[-1][1], end)
-            else:
-                bands.append((f.dtype, start, end))
-        return bands
+        # floating fields checked for NaN/inf, with the dtype their sum accumulates in
+        self._checked = [
+            (f.name, torch.float64 if f.dtype == torch.float64 else torch.float32)
+            for f in fields
+            if f.is_float and not f.allow_nonfinite
+        ]
+        # (name, start, end, dtype, shape) per field: the hot path does no dict lookups
+        self._cols = [
+            (f.name, self.offsets[f.name], self.offsets[f.name] + f.nbytes, f.dtype, f.shape)
+            for f in fields
+        ]
+        self._dtypes = sorted({f.dtype for f in fields}, key=str)
 
     @classmethod
     def from_batch(
@@ -232,36 +228,35 @@ class ExperienceSpec:
             batch: a batch that passed :meth:`validate`.
             out: destination rows; may be a row slice of a larger record tensor.
         """
-        for name, f in self.fields.items():
-            self._column(out, name, f).copy_(batch[name])
+        n = out.shape[0]
+        for name, start, end, dtype, shape in self._cols:
+            out[:, start:end].view(dtype).view(n, *shape).copy_(batch[name])
 
-    def check_finite(self, records: torch.Tensor) -> None:
-        """Raise if any checked floating field of ``records`` holds NaN or inf.
+    def check_finite(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Raise if a checked floating field of a validated ``batch`` holds NaN or inf.
 
-        One reduction per dtype band; only when a band's sum is not finite is each field checked
-        on its own to name the offender (a finite sum can also overflow to inf).
+        One sum per field and a single host sync: NaN/inf in any field makes the total non-finite.
+        Only then (or when a sum of finite values overflowed) is each field checked exactly, to
+        name the offender.
 
         Raises:
             SpecError: naming the field and the number of non-finite values.
         """
-        for dtype, start, end in self._float_bands:
-            band = records[:, start:end].view(dtype)
-            if math.isfinite(float(band.sum(dtype=torch.float64))):
-                continue
-            for name, f in self.fields.items():
-                off = self.offsets[name]
-                if f.dtype == dtype and start <= off < end and not f.allow_nonfinite:
-                    bad = int((~torch.isfinite(self._column(records, name, f))).sum())
-                    if bad:
-                        raise SpecError(
-                            f"field {name!r}: expected finite values, got {bad} NaN/inf "
-                            "(pass allow_nonfinite=True in the spec to accept them)"
-                        )
-
-    def _column(self, records: torch.Tensor, name: str, f: FieldSpec) -> torch.Tensor:
-        off = self.offsets[name]
-        col = records[:, off : off + f.nbytes]
-        return col.view(f.dtype).view(records.shape[0], *f.shape)
+        if not self._checked:
+            return
+        total = None
+        for name, acc in self._checked:
+            s = batch[name].sum(dtype=acc)
+            total = s if total is None else total + s
+        if math.isfinite(float(total)):
+            return
+        for name, _ in self._checked:
+            bad = int((~torch.isfinite(batch[name])).sum())
+            if bad:
+                raise SpecError(
+                    f"field {name!r}: expected finite values, got {bad} NaN/inf "
+                    "(pass allow_nonfinite=True in the spec to accept them)"
+                )
 
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """View records as a dict of field tensors (no copy; rows keep the record stride).
@@ -272,7 +267,18 @@ class ExperienceSpec:
         Returns:
             ``name -> tensor [B, *shape]`` views into ``records``.
         """
-        return {name: self._column(records, name, f) for name, f in self.fields.items()}
+        n = records.shape[0]
+        wide = {dtype: records.view(dtype) for dtype in self._dtypes}
+        out = {}
+        for name, start, end, dtype, shape in self._cols:
+            size = dtype.itemsize
+            if shape == ():
+                out[name] = wide[dtype][:, start // size]
+            elif len(shape) == 1:
+                out[name] = wide[dtype][:, start // size : end // size]
+            else:
+                out[name] = wide[dtype][:, start // size : end // size].view(n, *shape)
+        return out
 
     def empty_records(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Allocate ``n`` uninitialised records."""

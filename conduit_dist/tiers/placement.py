@@ -19,10 +19,12 @@ def plan_ingest(policy: str, staged: np.ndarray, offset: int) -> np.ndarray:
     """Plan where this round's staged items go.
 
     Args:
-        policy: ``round_robin`` (the round's items are spread so shards fill evenly, the remainder
-            rotating with ``offset``) or ``local`` (items stay on the rank that put them).
+        policy: ``round_robin`` (each rank spreads its items over all shards in contiguous,
+            near-equal blocks; the remainders are dealt one by one, globally, starting at shard
+            ``offset % world``, so shard sizes never differ by more than one item) or ``local``
+            (items stay on the rank that put them).
         staged: ``[world]`` items staged on each rank.
-        offset: rotation of the remainder (e.g. items ingested so far).
+        offset: items dealt as remainders in earlier rounds (rotates where remainders go).
 
     Returns:
         ``int64 [world, world]`` item counts from each source to each destination.
@@ -35,13 +37,14 @@ def plan_ingest(policy: str, staged: np.ndarray, offset: int) -> np.ndarray:
         return np.diag(staged).astype(np.int64)
     if policy != "round_robin":
         raise ConfigError(f"placement: expected one of {POLICIES}, got {policy!r}")
-    total = int(staged.sum())
-    share = np.full(world, total // world, dtype=np.int64)
-    extra = (offset + np.arange(total % world)) % world
-    share[extra] += 1
-    # Lay the round's items on one line in source order; destination d takes a contiguous segment.
-    src_edges = np.concatenate([[0], np.cumsum(staged)])
-    dst_edges = np.concatenate([[0], np.cumsum(share)])
-    lo = np.maximum(src_edges[:-1, None], dst_edges[None, :-1])
-    hi = np.minimum(src_edges[1:, None], dst_edges[None, 1:])
-    return np.maximum(hi - lo, 0).astype(np.int64)
+    plan = np.repeat((staged // world)[:, None], world, axis=1).astype(np.int64)
+    rem = staged % world
+    starts = offset + np.concatenate([[0], np.cumsum(rem)[:-1]])
+    for src in np.nonzero(rem)[0]:
+        plan[src, (starts[src] + np.arange(rem[src])) % world] += 1
+    return plan
+
+
+def remainder_dealt(staged: np.ndarray) -> int:
+    """How many items a round-robin round dealt as remainders (advances ``offset``)."""
+    return int((staged % staged.shape[0]).sum())

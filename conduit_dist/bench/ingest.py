@@ -1,0 +1,100 @@
+"""``torchrun --standalone --nproc_per_node=2 -m conduit_dist.bench ingest``: ingestion goodput.
+
+Side by side in one run, per message size ``S`` per peer (64 KiB .. 64 MiB): every rank ``put``s
+``world * S`` bytes of experience (records of a 4 KB uint8 observation, an int64 action and a
+float32 reward) and runs a round with ``round_robin`` placement, which sends ``S`` to each peer and
+keeps ``S``; the baseline is one raw ``all_to_all_single`` of the same bytes from a ready buffer.
+Goodput = experience bytes ingested per rank per second. Medians over repeats; the JSON line's
+``summary`` has ``min_vs_raw_from_1MiB``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import conduit_dist as cd
+from conduit_dist.bench.common import emit
+
+KIB = 1024
+
+
+def _batch(n: int) -> dict[str, torch.Tensor]:
+    return {
+        "obs": torch.randint(0, 256, (n, 4000), dtype=torch.uint8),
+        "action": torch.randint(0, 6, (n,)),
+        "reward": torch.randn(n),
+    }
+
+
+def _timed(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    t = torch.tensor(samples, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
+    return statistics.median(t.tolist())
+
+
+def main(argv: list[str]) -> None:
+    """Run the ingest benchmark (every rank) and print the JSON line last on rank 0."""
+    p = argparse.ArgumentParser(prog="python -m conduit_dist.bench ingest")
+    p.add_argument("--sizes-kib", nargs="+", type=int, default=[64, 256, 1024, 4096, 16384, 65536])
+    p.add_argument("--repeats", type=int, default=9)
+    a = p.parse_args(argv)
+    cd.init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    spec = cd.ExperienceSpec.from_batch(_batch(1))
+    rows = []
+    for kib in a.sizes_kib:
+        per_peer = max(1, kib * KIB // spec.record_bytes)
+        n = per_peer * world
+        nbytes = n * spec.record_bytes
+        batch = _batch(n)
+        plane = cd.DataPlane(spec, capacity_per_rank=4 * n, seed=0, placement="round_robin")
+
+        def conduit(plane=plane, batch=batch):
+            plane.put(batch)
+            plane.flush()
+
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        t_plane = _timed(conduit, a.repeats, warmup=5)  # wrap the ring once: memory touched
+        t_raw = _timed(lambda src=src, dst=dst: dist.all_to_all_single(dst, src), a.repeats)
+        plane.close()
+        rows.append(
+            {
+                "per_peer_kib": per_peer * spec.record_bytes / KIB,
+                "conduit_gbps": nbytes / t_plane / 1e9,
+                "raw_gbps": nbytes / t_raw / 1e9,
+                "ratio": t_raw / t_plane,
+                "conduit_ms": t_plane * 1e3,
+                "raw_ms": t_raw * 1e3,
+            }
+        )
+        if rank == 0:
+            r = rows[-1]
+            print(
+                f"{kib:>6} KiB/peer  conduit {r['conduit_gbps']:.3f} GB/s "
+                f"({r['conduit_ms']:.2f} ms)"
+                f"  raw {r['raw_gbps']:.3f} GB/s ({r['raw_ms']:.2f} ms)  ratio {r['ratio']:.2f}",
+                flush=True,
+            )
+    big = [r["ratio"] for r in rows if r["per_peer_kib"] >= 1000]
+    if rank == 0:
+        summary = {"min_vs_raw_from_1MiB": min(big) if big else None}
+        emit("ingest", rows, summary, world=world, backend=dist.get_backend())
+    cd.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(__import__("sys").argv[1:])
