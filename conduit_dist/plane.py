@@ -115,6 +115,7 @@ class DataPlane:
         self._send = RecordBuffer(spec.record_bytes, self.device)
         self._recv = RecordBuffer(spec.record_bytes, self.device)
         self._sampler = UniformSampler(self.seed, self.rank)
+        self._alloc_gen = torch.Generator()
         self._weights = _WeightsState()
         self._direct = 0  # items put straight into storage slots, counted at the next round
         self._inflight = False  # a round is running asynchronously (set by the scheduler)
@@ -331,7 +332,7 @@ class DataPlane:
             self._ingest(staged, meta[:, 0], r, stats)
             t1 = time.perf_counter()
             stats.ingest_ms = (t1 - t0) * 1e3
-            counts = allocate(meta[:, 1], self.sizes, self.seed, r)
+            counts = allocate(meta[:, 1], self.sizes, self.seed, r, self._alloc_gen)
             out = self._deliver(counts, r, stats, t1)
             t3 = time.perf_counter()
             self._weights.exchange(self.exchange, meta, self.learner_ranks[0], r)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conduit_dist.sampling.base import mix, seeded
+from conduit_dist.sampling.base import seeded
 
 
-def allocate(requests: np.ndarray, sizes: np.ndarray, seed: int, round: int) -> np.ndarray:
+def allocate(
+    requests: np.ndarray, sizes: np.ndarray, seed: int, round: int, gen: torch.Generator
+) -> np.ndarray:
     """Per-learner, per-shard sample counts for one round.
 
     Args:
@@ -24,17 +26,23 @@ def allocate(requests: np.ndarray, sizes: np.ndarray, seed: int, round: int) -> 
         sizes: ``[world]`` items stored on each shard after this round's ingestion.
         seed: the run seed.
         round: the round number.
+        gen: a generator to reseed from ``(seed, round)`` (owned by the caller's plane).
 
     Returns:
         ``int64 [world, world]``: ``counts[learner, shard]``; rows sum to ``requests``. All zero
         when the store is empty.
     """
     world = sizes.shape[0]
+    counts = np.zeros((world, world), dtype=np.int64)
     total = int(sizes.sum())
     if total == 0 or not requests.any():
-        return np.zeros((world, world), dtype=np.int64)
-    rng = np.random.Generator(np.random.PCG64(mix(seed, round, 0x5A11)))
-    return rng.multinomial(requests.astype(np.int64), sizes / total).astype(np.int64)
+        return counts
+    gen = seeded(gen, seed, round, 0x5A11)
+    probs = torch.from_numpy(sizes.astype(np.float64))
+    for learner in np.nonzero(requests)[0]:
+        draws = torch.multinomial(probs, int(requests[learner]), replacement=True, generator=gen)
+        counts[learner] = torch.bincount(draws, minlength=world).numpy()
+    return counts
 
 
 class UniformSampler:

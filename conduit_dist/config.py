@@ -1,0 +1,163 @@
+"""Structured config schemas, registered in Hydra's ConfigStore (a misspelled key is an error).
+
+``conf/config.yaml`` lists ``base_config`` first in its defaults, so every YAML group file and
+every command-line override is merged onto these dataclasses in struct mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from conduit_dist.errors import ConfigError
+
+
+@dataclass
+class PlaneConfig:
+    """The data plane.
+
+    Attributes:
+        kind: ``conduit`` (the sharded data plane) or ``simple`` (a single-process ring buffer,
+            the baseline; world size 1 only).
+        capacity_per_rank: items each rank's shard holds.
+        placement: ``round_robin`` or ``local``.
+        timeout_s: seconds a collective may take before the round fails.
+    """
+
+    kind: str = "conduit"
+    capacity_per_rank: int = 50_000
+    placement: str = "round_robin"
+    timeout_s: float = 60.0
+
+
+@dataclass
+class EnvConfig:
+    """Environments each rank steps.
+
+    Attributes:
+        id: gymnasium environment id.
+        num_envs: vectorized environments per acting rank.
+    """
+
+    id: str = "CartPole-v1"
+    num_envs: int = 8
+
+
+@dataclass
+class AlgoConfig:
+    """DQN hyperparameters (per learner rank unless noted).
+
+    Attributes:
+        name: algorithm (``dqn``).
+        batch_size: items each learner fetches per update.
+        lr: Adam learning rate.
+        gamma: discount.
+        hidden: hidden layer widths of the Q-network.
+        tau: soft target-update rate per learner step (1.0 = hard copy every step).
+        target_every: learner steps between target updates.
+        eps_start: initial exploration rate.
+        eps_end: final exploration rate.
+        eps_decay_steps: env steps (all ranks) over which epsilon decays linearly.
+        learning_starts: env steps (all ranks) before the first update.
+        updates_per_iter: learner steps per iteration.
+        double_dqn: use the online network to pick the bootstrap action.
+        max_grad_norm: gradient clipping norm.
+        publish_every: learner steps between weight publications (disaggregated mode).
+    """
+
+    name: str = "dqn"
+    batch_size: int = 128
+    lr: float = 1e-3
+    gamma: float = 0.99
+    hidden: list[int] = field(default_factory=lambda: [128, 128])
+    tau: float = 0.01
+    target_every: int = 1
+    eps_start: float = 1.0
+    eps_end: float = 0.01
+    eps_decay_steps: int = 20_000
+    learning_starts: int = 2_000
+    updates_per_iter: int = 1
+    double_dqn: bool = True
+    max_grad_norm: float = 10.0
+    publish_every: int = 4
+
+
+@dataclass
+class LoggerConfig:
+    """Metrics.
+
+    Attributes:
+        kind: ``wandb``, ``console`` or ``none``.
+        mode: W&B mode: ``offline`` (default), ``online`` or ``disabled``.
+        project: W&B project.
+        log_every: iterations between aggregated metric logs.
+    """
+
+    kind: str = "wandb"
+    mode: str = "offline"
+    project: str = "conduit_dist"
+    log_every: int = 100
+
+
+@dataclass
+class TrainConfig:
+    """The main job (``train.py``).
+
+    Attributes:
+        seed: run seed (envs, networks, sampling).
+        device: ``cpu`` or ``cuda``.
+        total_env_steps: env steps over all ranks before stopping.
+        target_return: stop early once the mean return of the last 100 episodes reaches this
+            (``null``: never).
+        mode: ``colocated`` (every rank acts and learns) or ``disaggregated``.
+        learner_ranks: learner ranks in disaggregated mode.
+        max_policy_lag: disaggregated actors fail if their policy is more than this many published
+            versions behind the learner's latest.
+    """
+
+    seed: int = 0
+    device: str = "cpu"
+    total_env_steps: int = 100_000
+    target_return: float | None = None
+    mode: str = "colocated"
+    learner_ranks: list[int] = field(default_factory=lambda: [0])
+    max_policy_lag: int = 2
+    plane: PlaneConfig = field(default_factory=PlaneConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check values a schema's types cannot express.
+
+    Raises:
+        ConfigError: naming the field, the expected and the received value.
+    """
+    choices = [
+        ("mode", cfg.mode, ("colocated", "disaggregated")),
+        ("plane.kind", cfg.plane.kind, ("conduit", "simple")),
+        ("plane.placement", cfg.plane.placement, ("round_robin", "local")),
+        ("logger.kind", cfg.logger.kind, ("wandb", "console", "none")),
+        ("logger.mode", cfg.logger.mode, ("offline", "online", "disabled")),
+    ]
+    for name, got, allowed in choices:
+        if got not in allowed:
+            raise ConfigError(f"{name}: expected one of {list(allowed)}, got {got!r}")
+    checks = [
+        ("env.num_envs", cfg.env.num_envs >= 1, ">= 1", cfg.env.num_envs),
+        ("algo.batch_size", cfg.algo.batch_size >= 1, ">= 1", cfg.algo.batch_size),
+        ("total_env_steps", cfg.total_env_steps >= 1, ">= 1", cfg.total_env_steps),
+        ("logger.log_every", cfg.logger.log_every >= 1, ">= 1", cfg.logger.log_every),
+        ("algo.tau", 0 < cfg.algo.tau <= 1, "in (0, 1]", cfg.algo.tau),
+    ]
+    for name, ok, expected, got in checks:
+        if not ok:
+            raise ConfigError(f"{name}: expected {expected}, got {got!r}")
+
+
+def register() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=TrainConfig)

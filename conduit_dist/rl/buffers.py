@@ -1,0 +1,76 @@
+"""The single-process baseline buffer: what a plain DQN script uses instead of the data plane."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from conduit_dist.errors import ConfigError, EmptyStoreError
+from conduit_dist.plane import RoundStats
+
+
+class SimpleBuffer:
+    """A preallocated ring buffer with the data plane's ``put`` / ``fetch`` / ``flush`` surface.
+
+    World size 1 only; no validation beyond shapes. Used by ``plane.kind=simple`` to compare the
+    data plane against a plain buffer with the same hyperparameters.
+
+    Args:
+        example: a batch whose fields give shapes and dtypes.
+        capacity: items held.
+        seed: sampling seed.
+
+    Raises:
+        ConfigError: when used with more than one rank.
+    """
+
+    def __init__(self, example: Mapping[str, torch.Tensor], capacity: int, seed: int) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                f"plane.kind: 'simple' is single-process, got world size {dist.get_world_size()}"
+            )
+        self.data = {
+            k: torch.empty((capacity, *v.shape[1:]), dtype=v.dtype) for k, v in example.items()
+        }
+        self.capacity, self.pos, self.size = capacity, 0, 0
+        self.gen = torch.Generator().manual_seed(seed)
+        self.stats = RoundStats()
+        self.round = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def put(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Insert a batch (oldest items overwritten first)."""
+        t0 = time.perf_counter()
+        n = next(iter(batch.values())).shape[0]
+        for k, v in batch.items():
+            idx = (self.pos + torch.arange(n)) % self.capacity
+            self.data[k][idx] = v
+        self.pos = (self.pos + n) % self.capacity
+        self.size = min(self.capacity, self.size + n)
+        self.stats = RoundStats(round=self.round, ingest_ms=(time.perf_counter() - t0) * 1e3)
+
+    def flush(self) -> None:
+        """Nothing to move."""
+        self.round += 1
+
+    def fetch(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """Uniform sample with replacement."""
+        if self.size == 0:
+            raise EmptyStoreError("fetch: the buffer is empty")
+        t0 = time.perf_counter()
+        idx = torch.randint(self.size, (batch_size,), generator=self.gen)
+        out = {k: v.index_select(0, idx) for k, v in self.data.items()}
+        self.stats.sample_ms = (time.perf_counter() - t0) * 1e3
+        self.stats.stored = self.size
+        self.round += 1
+        return out
+
+    def close(self) -> None:
+        """Release memory."""
+        self.data = {}

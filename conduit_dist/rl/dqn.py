@@ -1,0 +1,109 @@
+"""DQN: Q-network, epsilon-greedy acting, double-DQN update with a soft-updated target."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conduit_dist.config import AlgoConfig
+
+
+class QNetwork(nn.Module):
+    """An MLP from observations to one Q-value per action.
+
+    Args:
+        obs_dim: observation size.
+        n_actions: number of discrete actions.
+        hidden: hidden layer widths.
+    """
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: list[int]) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = obs_dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, n_actions))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """Q-values ``[B, n_actions]``."""
+        return self.net(obs)
+
+
+class DQN:
+    """A DQN learner/actor around one Q-network (optionally DDP-wrapped for the update).
+
+    Args:
+        cfg: hyperparameters.
+        obs_dim: observation size.
+        n_actions: number of actions.
+        ddp: wrap the online network in DistributedDataParallel for updates.
+    """
+
+    def __init__(self, cfg: AlgoConfig, obs_dim: int, n_actions: int, ddp: bool) -> None:
+        self.cfg = cfg
+        self.n_actions = n_actions
+        self.q = QNetwork(obs_dim, n_actions, list(cfg.hidden))
+        self.target = copy.deepcopy(self.q).requires_grad_(False)
+        self.learner = nn.parallel.DistributedDataParallel(self.q) if ddp else self.q
+        self.opt = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
+        self.steps = 0
+
+    def epsilon(self, env_steps: int) -> float:
+        """Linearly decayed exploration rate at ``env_steps`` (all ranks)."""
+        frac = min(env_steps / max(self.cfg.eps_decay_steps, 1), 1.0)
+        return self.cfg.eps_start + frac * (self.cfg.eps_end - self.cfg.eps_start)
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, epsilon: float, gen: torch.Generator) -> torch.Tensor:
+        """Epsilon-greedy actions for a batch of observations."""
+        greedy = self.q(obs).argmax(dim=1)
+        explore = torch.rand(obs.shape[0], generator=gen) < epsilon
+        random = torch.randint(self.n_actions, (obs.shape[0],), generator=gen)
+        return torch.where(explore, random, greedy)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Huber TD loss on a batch (forward only; the caller runs backward)."""
+        obs, next_obs = batch["obs"], batch["next_obs"]
+        q = self.learner(obs).gather(1, batch["action"].view(-1, 1)).squeeze(1)
+        with torch.no_grad():
+            if self.cfg.double_dqn:
+                a = self.q(next_obs).argmax(dim=1, keepdim=True)
+                nq = self.target(next_obs).gather(1, a).squeeze(1)
+            else:
+                nq = self.target(next_obs).max(dim=1).values
+            notdone = (~batch["done"]).to(q.dtype)
+            target = batch["reward"] + self.cfg.gamma * notdone * nq
+        return F.smooth_l1_loss(q, target)
+
+    def step(self) -> None:
+        """Clip, apply the optimizer step and update the target network."""
+        nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.steps % self.cfg.target_every == 0:
+            with torch.no_grad():
+                for t, s in zip(self.target.parameters(), self.q.parameters()):
+                    t.lerp_(s, self.cfg.tau)
+
+    def state_dict(self) -> dict[str, object]:
+        """Networks, optimizer and step counter."""
+        return {
+            "q": self.q.state_dict(),
+            "target": self.target.state_dict(),
+            "opt": self.opt.state_dict(),
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore from :meth:`state_dict`."""
+        self.q.load_state_dict(state["q"])
+        self.target.load_state_dict(state["target"])
+        self.opt.load_state_dict(state["opt"])
+        self.steps = int(state["steps"])

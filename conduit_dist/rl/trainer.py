@@ -1,0 +1,233 @@
+"""The training loop behind ``train.py``: DQN through the data plane, colocated or disaggregated."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from conduit_dist.config import TrainConfig
+from conduit_dist.errors import ConfigError
+from conduit_dist.metrics import Logger, aggregate
+from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.rl.buffers import SimpleBuffer
+from conduit_dist.rl.dqn import DQN
+from conduit_dist.rl.env import VectorEnv
+from conduit_dist.spec import ExperienceSpec
+
+log = logging.getLogger("conduit_dist")
+
+_PHASES = ("ingest", "sample", "deliver", "wait", "total")
+
+
+@dataclass
+class _Window:
+    """Per-iteration measurements between two logs."""
+
+    start: float = field(default_factory=time.perf_counter)
+    ms: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in _PHASES})
+    bytes_in: int = 0
+    bytes_out: int = 0
+    learner_steps: int = 0
+    iterations: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def add(self, stats: RoundStats, wait_ms: float) -> None:
+        for p in ("ingest", "sample", "deliver"):
+            self.ms[p].append(getattr(stats, f"{p}_ms"))
+        self.ms["total"].append(stats.total_ms)
+        self.ms["wait"].append(wait_ms)
+        self.bytes_in += stats.bytes_in
+        self.bytes_out += stats.bytes_out
+
+
+class Trainer:
+    """Runs DQN with experience flowing through a :class:`DataPlane` (or the simple baseline).
+
+    Args:
+        cfg: the validated run config.
+        logger: where rank 0 logs (a no-op logger on other ranks).
+
+    Raises:
+        ConfigError: on an inconsistent mode / learner ranks / world size.
+    """
+
+    def __init__(self, cfg: TrainConfig, logger: Logger) -> None:
+        self.cfg, self.logger = cfg, logger
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        learners = self._learner_ranks()
+        self.is_learner = self.rank in learners
+        self.is_actor = cfg.mode == "colocated" or not self.is_learner
+        self.n_actors = self.world if cfg.mode == "colocated" else self.world - len(learners)
+        torch.manual_seed(cfg.seed + self.rank)
+        self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank)
+        probe = VectorEnv(cfg.env.id, 1, cfg.seed)
+        obs_dim, n_actions = probe.obs_dim, probe.n_actions
+        probe.close()
+        self.env = (
+            VectorEnv(cfg.env.id, cfg.env.num_envs, cfg.seed + 1000 * self.rank)
+            if self.is_actor
+            else None
+        )
+        ddp_group = self._ddp_group(learners)
+        self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp=ddp_group is not None)
+        if ddp_group is not None and ddp_group is not dist.group.WORLD:
+            self.agent.learner = torch.nn.parallel.DistributedDataParallel(
+                self.agent.q, process_group=ddp_group
+            )
+        self.plane = self._make_plane(obs_dim, learners)
+        self.env_steps = 0
+        self.policy_version = 0
+
+    def _learner_ranks(self) -> list[int]:
+        if self.cfg.mode == "colocated":
+            return list(range(self.world))
+        learners = sorted(set(self.cfg.learner_ranks))
+        if self.world < 2 or not learners or len(learners) >= self.world:
+            raise ConfigError(
+                f"learner_ranks: disaggregated mode needs learners and at least one actor among "
+                f"{self.world} ranks, got {list(self.cfg.learner_ranks)}"
+            )
+        if any(not 0 <= r < self.world for r in learners):
+            raise ConfigError(
+                f"learner_ranks: expected ranks in 0..{self.world - 1}, got {learners}"
+            )
+        return learners
+
+    def _ddp_group(self, learners: list[int]):
+        if len(learners) < 2:
+            return None
+        if len(learners) == self.world:
+            return dist.group.WORLD
+        group = dist.new_group(learners)  # collective: every rank calls it
+        return group if self.is_learner else None
+
+    def _make_plane(self, obs_dim: int, learners: list[int]):
+        example = {
+            "obs": torch.zeros(1, obs_dim),
+            "action": torch.zeros(1, dtype=torch.int64),
+            "reward": torch.zeros(1),
+            "next_obs": torch.zeros(1, obs_dim),
+            "done": torch.zeros(1, dtype=torch.bool),
+        }
+        pc = self.cfg.plane
+        if pc.kind == "simple":
+            return SimpleBuffer(example, pc.capacity_per_rank, self.cfg.seed)
+        return DataPlane(
+            ExperienceSpec.from_batch(example),
+            pc.capacity_per_rank,
+            seed=self.cfg.seed,
+            device=self.cfg.device,
+            placement=pc.placement,
+            learner_ranks=learners,
+            timeout_s=pc.timeout_s,
+        )
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> dict[str, float]:
+        """Train until ``total_env_steps`` or ``target_return``; returns a summary."""
+        cfg = self.cfg
+        steps_per_iter = cfg.env.num_envs * self.n_actors
+        iters = math.ceil(cfg.total_env_steps / steps_per_iter)
+        start, window, it = time.perf_counter(), _Window(), 0
+        summary = {"return_100": float("nan"), "reached_target": False}
+        if cfg.mode == "disaggregated" and self.is_learner:
+            self.plane.publish_weights(self.agent.q)
+        for it in range(1, iters + 1):
+            self._iteration(window)
+            if it % cfg.logger.log_every == 0 or it == iters:
+                summary = {"reached_target": False, **self._log(window)}
+                window = _Window()
+                if cfg.target_return is not None and summary["return_100"] >= cfg.target_return:
+                    summary["reached_target"] = True
+                    break
+        summary.update(env_steps=self.env_steps, wall_s=time.perf_counter() - start, iterations=it)
+        return summary
+
+    def _iteration(self, window: _Window) -> None:
+        cfg = self.cfg
+        if self.is_actor:
+            eps = self.agent.epsilon(self.env_steps)
+            actions = self.agent.act(self.env.obs, eps, self.gen)
+            self.plane.put(self.env.step(actions))
+        self.env_steps += cfg.env.num_envs * self.n_actors
+        learning = self.env_steps >= cfg.algo.learning_starts
+        for _ in range(cfg.algo.updates_per_iter if learning else 1):
+            if learning and self.is_learner:
+                t0 = time.perf_counter()
+                batch = self.plane.fetch(cfg.algo.batch_size)
+                window.add(self.plane.stats, (time.perf_counter() - t0) * 1e3)
+                loss = self.agent.loss(batch)
+                loss.backward()
+                self.agent.step()
+                window.learner_steps += 1
+                window.losses.append(float(loss))
+                if cfg.mode == "disaggregated" and self.agent.steps % cfg.algo.publish_every == 0:
+                    self.policy_version = self.plane.publish_weights(self.agent.q)
+            else:
+                t0 = time.perf_counter()
+                self.plane.flush()
+                window.add(self.plane.stats, (time.perf_counter() - t0) * 1e3)
+        if cfg.mode == "disaggregated" and not self.is_learner:
+            self.policy_version = self.plane.pull_weights(self.agent.q)
+        window.iterations += 1
+
+    def _log(self, window: _Window) -> dict[str, float]:
+        """Aggregate the window over ranks (a collective) and log on rank 0."""
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        returns = list(self.env.returns) if self.env is not None else []
+        k = math.ceil(100 / self.n_actors)
+        recent = returns[-k:]
+        local = {
+            "ret_sum": sum(recent),
+            "ret_n": len(recent),
+            "episodes": self.env.episodes if self.env is not None else 0,
+            "learner_steps_per_s": window.learner_steps / elapsed,
+            "loss": sum(window.losses) / len(window.losses) if window.losses else 0.0,
+            "bytes_in": window.bytes_in,
+            "bytes_out": window.bytes_out,
+            "items": len(self.plane),
+        }
+        for p, vals in window.ms.items():
+            local[f"{p}_ms"] = sum(vals) / len(vals) if vals else 0.0
+        agg = aggregate(local)
+        world = self.world
+        n = agg["ret_n_mean"] * world
+        ret100 = agg["ret_sum_mean"] * world / n if n else float("nan")
+        capacity = self.cfg.plane.capacity_per_rank * (
+            world if self.cfg.plane.kind == "conduit" else 1
+        )
+        metrics = {
+            "rl/episode_return_100": ret100,
+            "rl/episodes": agg["episodes_mean"] * world,
+            "rate/env_steps_per_s": self.cfg.env.num_envs
+            * self.n_actors
+            * window.iterations
+            / elapsed,
+            "rate/learner_steps_per_s": agg["learner_steps_per_s_mean"],
+            "train/loss": agg["loss_mean"],
+            "train/epsilon": self.agent.epsilon(self.env_steps),
+            "train/policy_version": float(self.policy_version),
+            "store/items": agg["items_max"],
+            "store/occupancy": agg["items_max"] / capacity,
+            "path/bytes_in": agg["bytes_in_mean"] * world,
+            "path/bytes_out": agg["bytes_out_mean"] * world,
+            "learner_steps": float(self.agent.steps),
+        }
+        for p in _PHASES:
+            metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
+            metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]
+        self.logger.log(metrics, self.env_steps)
+        return {"return_100": ret100, **metrics}
+
+    def close(self) -> None:
+        """Close the plane and the environments."""
+        self.plane.close()
+        if self.env is not None:
+            self.env.close()

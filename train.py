@@ -1,0 +1,57 @@
+"""Main job: DQN through the conduit_dist data plane.
+
+torchrun --standalone --nproc_per_node=2 train.py experiment=smoke
+python train.py                       # world size 1
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import conduit_dist as cd
+from conduit_dist.config import TrainConfig, register, validate
+from conduit_dist.launch import prepare_hydra_argv
+from conduit_dist.logging import log_rank_zero
+from conduit_dist.metrics import make_logger
+from conduit_dist.rl.trainer import Trainer
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    """Compose, initialise, build, run, close (also on failure)."""
+    cfg: TrainConfig = OmegaConf.to_object(dcfg)
+    validate(cfg)
+    run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+    cd.init_distributed(device=cfg.device, timeout_s=cfg.plane.timeout_s)
+    logger = trainer = None
+    try:
+        logger = make_logger(
+            cfg.logger.kind,
+            cfg.logger.mode,
+            cfg.logger.project,
+            cfg.total_env_steps,
+            OmegaConf.to_container(dcfg, resolve=True),
+            run_dir,
+        )
+        trainer = Trainer(cfg, logger)
+        summary = trainer.run()
+        log_rank_zero(
+            "done: %s",
+            {k: summary[k] for k in ("env_steps", "wall_s", "return_100", "reached_target")},
+        )
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if logger is not None:
+            logger.close()
+        cd.destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.argv = prepare_hydra_argv(sys.argv)
+    main()
