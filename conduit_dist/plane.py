@@ -3,58 +3,40 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
-from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError, SpecError
-from conduit_dist.sampling.uniform import UniformSampler, allocate
+from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError
+from conduit_dist.rounds import RoundRunner, RoundStats, RoundTicket
+from conduit_dist.sched import PHASES, BackwardTrigger, FetchTiming, Timeline, split
+from conduit_dist.sched.scheduler import MODES, Scheduler, now
 from conduit_dist.spec import ExperienceSpec
-from conduit_dist.staging import DoubleBuffer, RecordBuffer
-from conduit_dist.tiers import POLICIES, MemoryTier, Shard, plan_ingest
-from conduit_dist.tiers.placement import remainder_dealt
+from conduit_dist.staging import DoubleBuffer
+from conduit_dist.tiers import POLICIES, MemoryTier, Shard
+from conduit_dist.weights import WeightsState
 
-_META = 4  # staged, request, weights version, weights bytes
 _plane_ids = itertools.count()
 
-
-@dataclass
-class RoundStats:
-    """What one round did and how long each phase took (milliseconds, this rank)."""
-
-    round: int = -1
-    ingest_ms: float = 0.0
-    sample_ms: float = 0.0
-    deliver_ms: float = 0.0
-    weights_ms: float = 0.0
-    items_in: int = 0
-    items_out: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    stored: int = 0
-
-    @property
-    def total_ms(self) -> float:
-        """Wall time of the whole round."""
-        return self.ingest_ms + self.sample_ms + self.deliver_ms + self.weights_ms
-
-    def as_dict(self) -> dict[str, float]:
-        """Plain dict, with ``total_ms``."""
-        return {**asdict(self), "total_ms": self.total_ms}
+__all__ = ["DataPlane", "RoundStats"]
 
 
 class DataPlane:
     """A sharded experience store whose ingestion and delivery are torch.distributed collectives.
 
-    Every rank hosts one shard of ``capacity_per_rank`` items. ``put`` validates and stages a batch
-    locally; a *round* (run by ``fetch`` on learners and ``flush`` on actors, once per iteration on
-    every rank) moves staged items to their owner shards in one fused ``all_to_all_single``, draws
-    each learner's batch uniformly from the global store, and delivers it in a second one.
+    Every rank hosts one shard of ``capacity_per_rank`` items. ``put`` validates a batch and stages
+    it locally; a *round* (one per ``fetch`` on learners, one per ``flush`` on actors; every rank
+    runs the same number) moves staged items to their owner shards in one fused
+    ``all_to_all_single``, draws each learner's batch uniformly from the global store, and delivers
+    it in a second one.
+
+    With ``schedule="overlap"`` and a module attached (:meth:`attach`), the round for the next
+    ``fetch`` is launched when the module's backward pass starts and runs on a worker thread, so
+    ``fetch`` only waits for what has not finished. Such a batch may miss this rank's puts made
+    after the launch (at most one round of them, and only if ``max_lag >= 1``); every fetch reports
+    its lag and its exposed/hidden time in :attr:`last_fetch`.
 
     Args:
         spec: fields of one experience item.
@@ -66,13 +48,18 @@ class DataPlane:
             are actors: they ``put`` and call :meth:`flush` once per iteration.
         timeout_s: seconds any collective of a round may take before it fails with
             :class:`RoundError`.
+        schedule: ``overlap`` (default) or ``sync`` (request-driven: the round runs inside
+            ``fetch``).
+        max_lag: rounds of this rank's own puts a fetched batch may miss (``0``: none; overlap
+            then only happens between fetches announced with ``fetch(..., more=True)``).
 
     Raises:
-        ConfigError: on a bad capacity, placement, device or learner rank.
+        ConfigError: on a bad capacity, placement, schedule, lag, device or learner rank.
 
     Example:
         >>> cd.init_distributed()
         >>> plane = cd.DataPlane(spec, capacity_per_rank=100_000, seed=0)
+        >>> plane.attach(model)           # optional: overlap rounds with backward
         >>> plane.put(transitions)        # every iteration, on every rank
         >>> batch = plane.fetch(256)      # learners; actors call plane.flush() instead
     """
@@ -87,6 +74,8 @@ class DataPlane:
         placement: str = "round_robin",
         learner_ranks: Sequence[int] | None = None,
         timeout_s: float = 60.0,
+        schedule: str = "overlap",
+        max_lag: int = 1,
     ) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
@@ -94,31 +83,50 @@ class DataPlane:
             raise ConfigError(f"capacity_per_rank: expected an int >= 1, got {capacity_per_rank!r}")
         if placement not in POLICIES:
             raise ConfigError(f"placement: expected one of {POLICIES}, got {placement!r}")
+        if schedule not in MODES:
+            raise ConfigError(f"schedule: expected one of {MODES}, got {schedule!r}")
+        if not isinstance(max_lag, int) or max_lag < 0:
+            raise ConfigError(f"max_lag: expected an int >= 0, got {max_lag!r}")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s: expected > 0 seconds, got {timeout_s}")
         self.spec = spec
         self.device = torch.device(device)
-        self.seed = int(seed)
-        self.placement = placement
+        self.seed, self.placement, self.schedule, self.max_lag = (
+            int(seed),
+            placement,
+            schedule,
+            max_lag,
+        )
+        self.capacity_per_rank = capacity_per_rank
         self.exchange = Exchange(timeout_s, name=str(next(_plane_ids)))
         self.rank, self.world = self.exchange.rank, self.exchange.world
         self.learner_ranks = self._check_learners(learner_ranks)
         self.is_learner = self.rank in self.learner_ranks
         self.shard = Shard(MemoryTier(capacity_per_rank, spec.record_bytes, self.device))
-        self.capacity_per_rank = capacity_per_rank
-        self.sizes = np.zeros(self.world, dtype=np.int64)  # every shard's size, on every rank
-        self.ingested = 0  # items ingested over all ranks
-        self._dealt = 0  # round-robin remainder items dealt so far (where the next one goes)
-        self.round = 0
+        self._weights = WeightsState()
+        self._runner = RoundRunner(
+            spec,
+            self.shard,
+            self.exchange,
+            self.seed,
+            placement,
+            self.learner_ranks[0],
+            self.device,
+        )
+        self._sched = Scheduler(schedule, self._runner, self._weights, self.device, timeout_s)
+        cuda = self.device.type == "cuda"
+        self._stage = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
+        self.timeline = Timeline(self.rank)
+        self.round = 0  # rounds prepared so far (the next round's number)
         self.stats = RoundStats()
-        self._stage = DoubleBuffer(spec.record_bytes, self.device)
-        self._send = RecordBuffer(spec.record_bytes, self.device)
-        self._recv = RecordBuffer(spec.record_bytes, self.device)
-        self._sampler = UniformSampler(self.seed, self.rank)
-        self._alloc_gen = torch.Generator()
-        self._weights = _WeightsState()
+        self.last_fetch: FetchTiming | None = None
         self._direct = 0  # items put straight into storage slots, counted at the next round
-        self._inflight = False  # a round is running asynchronously (set by the scheduler)
+        self._put_seq = 0
+        self._last_batch = 0
+        self._more = False
+        self._fetched = False  # a fetch happened since the last prefetch launch
+        self._trigger: BackwardTrigger | None = None
+        self._subset_gen = torch.Generator().manual_seed(self.seed + 7 * self.rank)
         self._failed: RoundError | None = None
         self._closed = False
 
@@ -136,8 +144,13 @@ class DataPlane:
     # ------------------------------------------------------------------ public API
 
     def __len__(self) -> int:
-        """Items stored over all shards as of the latest round."""
-        return int(self.sizes.sum())
+        """Items stored over all shards as of the latest completed round."""
+        return int(self._runner.sizes.sum())
+
+    @property
+    def sizes(self):
+        """``int64 [world]``: items on each shard as of the latest completed round."""
+        return self._runner.sizes
 
     def put(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Validate a batch and stage it for the next round.
@@ -148,18 +161,29 @@ class DataPlane:
         Raises:
             SpecError: on a missing or extra field, wrong dtype or shape, disagreeing batch sizes,
                 an empty batch or non-finite floats; nothing is staged then.
+            ConfigError: with ``max_lag=0``, when a round for the next fetch is already in flight
+                (the batch would miss this experience).
         """
         self._check_open()
+        t0 = now()
         n = self.spec.validate(batch)
         self.spec.check_finite(batch)
+        pending = self._sched.pending
+        if self.max_lag == 0 and pending is not None and pending.kind == "prefetch":
+            raise ConfigError(
+                "put: max_lag=0, but the round for the next fetch was launched already "
+                "(fetch(..., more=True)); put before the first fetch of an iteration"
+            )
         rows = self._direct_rows(n)
         if rows is not None:
             self.spec.pack(batch, rows)
             self._direct += n
-            return
-        stage = self._stage.current
-        self.spec.pack(batch, stage.reserve(n))
-        stage.commit(n)
+        else:
+            stage = self._stage.current
+            self.spec.pack(batch, stage.reserve(n))
+            stage.commit(n)
+        self._put_seq += 1
+        self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
 
     def _direct_rows(self, n: int) -> torch.Tensor | None:
         """At world size 1, the storage slots the next ``n`` items take, if writing there is safe.
@@ -168,18 +192,22 @@ class DataPlane:
         round (put order is kept) and the slots do not wrap. The slots count at the next round;
         until then they are invisible, as staged items are.
         """
-        if self.world != 1 or self._inflight or self._stage.current.count:
+        if self.world != 1 or self._sched.pending is not None or self._stage.current.count:
             return None
         start = self.shard.write_pos + self._direct
         if start + n > self.capacity_per_rank:
             return None
         return self.shard.tier.region(start, start + n)
 
-    def fetch(self, batch_size: int) -> dict[str, torch.Tensor]:
-        """Run a round and return this learner's batch, sampled uniformly from the global store.
+    def fetch(self, batch_size: int, *, more: bool = False) -> dict[str, torch.Tensor]:
+        """Return this learner's batch, sampled uniformly with replacement from the global store.
+
+        Runs this call's round, or waits for the one launched at the last backward.
 
         Args:
             batch_size: items to return.
+            more: another fetch follows before the next ``put`` (minibatches of one rollout); with
+                ``max_lag=0`` only such fetches let the next round start during backward.
 
         Returns:
             ``name -> tensor [batch_size, *shape]`` on the plane's device. The tensors are views
@@ -187,7 +215,8 @@ class DataPlane:
             stride; call ``.contiguous()`` where a kernel needs dense rows).
 
         Raises:
-            ConfigError: on an actor rank, or a non-positive ``batch_size``.
+            ConfigError: on an actor rank, a non-positive ``batch_size``, or a batch size larger
+                than the round launched for it at backward.
             RoundError: if the round failed or timed out on some rank.
             EmptyStoreError: if nothing is stored yet (the round itself completed).
         """
@@ -198,24 +227,111 @@ class DataPlane:
             )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-        records = self._run_round(batch_size)
-        if records.shape[0] != batch_size:
+        self._check_open()
+        t_wait = now()
+        prefetched, lag = False, 0
+        pending = self._sched.pending
+        if pending is not None and pending.kind == "prefetch":
+            p, records, stats = self._guard(self._sched.wait)
+            prefetched, lag = True, int(self._put_seq > p.put_seq)
+        else:
+            if pending is not None:
+                self._finish(*self._guard(self._sched.wait)[1:])
+            records, stats = self._guard(lambda: self._sched.run(self._prepare(batch_size)))
+        self._finish(records, stats)
+        self._fetched, self._last_batch, self._more = True, batch_size, more
+        rows = records.shape[0]
+        if rows == 0:
             raise EmptyStoreError(
-                f"fetch({batch_size}) on rank {self.rank} in round {self.round - 1}: the store is "
+                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: the store is "
                 f"empty (0 items over {self.world} shards); put experience before fetching"
             )
-        return self.spec.unpack(records)
+        if rows < batch_size:
+            raise ConfigError(
+                f"fetch: batch_size {batch_size} is larger than the {rows} items of the round "
+                "launched for it at backward; keep the batch size fixed, or use schedule='sync'"
+            )
+        if rows > batch_size:  # a uniform random subset of i.i.d. draws is i.i.d. too
+            keep = torch.randperm(rows, generator=self._subset_gen)[:batch_size]
+            records = records.index_select(0, keep.to(records.device))
+        batch = self.spec.unpack(records)
+        self._account(stats, prefetched, lag, t_wait, now())
+        return batch
 
     def flush(self) -> None:
         """Take part in a round without fetching: move staged items to their shards.
 
-        Actors call this once per iteration (after their ``put``), at the point where learners call
-        :meth:`fetch`; every rank must run the same number of rounds.
+        Actors call this once per iteration (after their ``put``), where learners call
+        :meth:`fetch`. In ``overlap`` mode the round runs in the background and this call returns
+        at once (after the previous round finished).
 
         Raises:
-            RoundError: if the round failed or timed out on some rank.
+            RoundError: if a round failed or timed out on some rank.
         """
-        self._run_round(0)
+        self._check_open()
+        pending = self._sched.pending
+        if pending is not None:
+            _, records, stats = self._guard(self._sched.wait)
+            self._finish(records, stats)
+            if pending.kind == "prefetch":  # launched at backward: it is this call's round
+                return
+        ticket = self._prepare(0)
+        if self.schedule == "overlap":
+            self._sched.launch(ticket, "flush", self._put_seq)
+        else:
+            self._finish(*self._guard(lambda: self._sched.run(ticket)))
+
+    def wait(self) -> None:
+        """Block until no round is running (e.g. before reading ``len(plane)`` after an
+        overlapped ``flush``). A round launched at backward stays attributed to the next fetch.
+
+        Raises:
+            RoundError: if the finished round failed.
+        """
+        self._check_open()
+        pending = self._sched.pending
+        if pending is None:
+            return
+        if pending.kind == "flush":
+            self._finish(*self._guard(self._sched.wait)[1:])
+        else:
+            self._sched.settle()
+
+    def attach(self, module: nn.Module) -> None:
+        """Launch the next fetch's round when ``module``'s backward starts (``overlap`` mode).
+
+        Args:
+            module: the learner's module, plain or DDP-wrapped. Only forwards whose outputs
+                require grad count; several backward passes per fetch launch one round.
+
+        Raises:
+            ConfigError: if a module is attached already.
+        """
+        if self._trigger is not None and self._trigger.attached:
+            raise ConfigError("attach: a module is attached already; call detach() first")
+
+        def forward_span(start: float, end: float) -> None:
+            self.timeline.add("forward", Timeline.LEARNER, start, end)
+
+        self._trigger = BackwardTrigger(module, self._on_backward, forward_span)
+
+    def detach(self) -> None:
+        """Remove the hooks (a launched round still completes at the next call)."""
+        if self._trigger is not None:
+            self._trigger.remove()
+            self._trigger = None
+
+    def _on_backward(self) -> None:
+        t = now()
+        self.timeline.add("backward start", Timeline.LEARNER, t, t)
+        if self.schedule != "overlap" or self._closed or self._failed is not None:
+            return
+        if self._sched.pending is not None or not self._fetched:
+            return
+        if self.max_lag == 0 and not self._more:
+            return
+        self._fetched = False
+        self._sched.launch(self._prepare(self._last_batch), "prefetch", self._put_seq)
 
     def publish_weights(self, module: nn.Module) -> int:
         """Stage ``module``'s state for broadcast to every rank in the next round.
@@ -237,6 +353,9 @@ class DataPlane:
     def pull_weights(self, module: nn.Module) -> int:
         """Load the latest weights received from the learners into ``module``.
 
+        In ``overlap`` mode an actor's ``flush`` returns before its round ends, so this loads the
+        weights of the previous round (one round older).
+
         Args:
             module: a module with the same parameters and buffers as the learner's.
 
@@ -249,13 +368,22 @@ class DataPlane:
         self._check_open()
         return self._weights.pull(_unwrap(module))
 
+    def export_trace(self, path: str) -> str:
+        """Write this rank's timeline as Chrome trace JSON (open in Perfetto); returns the path."""
+        return self.timeline.export(path)
+
     def close(self) -> None:
-        """Release the plane's process group and buffers. Safe to call twice."""
+        """Finish a launched round, remove hooks, release the group. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self.exchange.close()
-        self.shard.tier.close()
+        self.detach()
+        try:
+            if self._failed is None:
+                self._sched.close()
+        finally:
+            self.exchange.close()
+            self.shard.tier.close()
 
     def state_dict(self) -> dict[str, object]:
         """This rank's shard, the global sizes and the round counter (tensors and ints only).
@@ -263,17 +391,15 @@ class DataPlane:
         Raises:
             RuntimeError: if items were put since the last round (call ``flush()`` first).
         """
+        self._guard(self._sched.drain)
         if self._direct or self._stage.current.count:
             raise RuntimeError(
                 "state_dict: items were put since the last round; call flush() (or fetch) first"
             )
         return {
             "round": self.round,
-            "ingested": self.ingested,
-            "dealt": self._dealt,
-            "sizes": torch.from_numpy(self.sizes.copy()),
+            "runner": self._runner.state_dict(),
             "shard": self.shard.state_dict(),
-            "sampler": self._sampler.state_dict(),
             "spec": self.spec.state_dict(),
         }
 
@@ -287,16 +413,12 @@ class DataPlane:
             raise ConfigError(
                 f"spec: checkpoint has {state['spec']}, plane has {self.spec.state_dict()}"
             )
-        sizes = state["sizes"].numpy()
-        if sizes.shape[0] != self.world:
-            raise ConfigError(
-                f"world size: checkpoint has {sizes.shape[0]}, plane has {self.world}"
-            )
+        world = state["runner"]["sizes"].shape[0]
+        if world != self.world:
+            raise ConfigError(f"world size: checkpoint has {world}, plane has {self.world}")
         self.shard.load_state_dict(state["shard"])
-        self._sampler.load_state_dict(state["sampler"])
-        self.sizes = sizes.astype(np.int64).copy()
-        self.round, self.ingested = int(state["round"]), int(state["ingested"])
-        self._dealt = int(state["dealt"])
+        self._runner.load_state_dict(state["runner"])
+        self.round = int(state["round"])
 
     # ------------------------------------------------------------------ rounds
 
@@ -311,168 +433,41 @@ class DataPlane:
                 self._failed.ranks,
             )
 
-    def _run_round(self, request: int) -> torch.Tensor:
-        self._check_open()
+    def _guard(self, fn):
         try:
-            return self._round(request)
+            return fn()
         except RoundError as exc:
             self._failed = exc
             raise
 
-    def _round(self, request: int) -> torch.Tensor:
-        r = self.round
-        stats = RoundStats(round=r)
-        t0 = time.perf_counter()
-        staged = self._stage.take()
-        if self.world == 1:
-            out = self._local_round(staged, request, r, stats, t0)
-        else:
-            self.exchange.heartbeat(r)
-            meta = self._exchange_meta(staged.count, request, r)
-            self._ingest(staged, meta[:, 0], r, stats)
-            t1 = time.perf_counter()
-            stats.ingest_ms = (t1 - t0) * 1e3
-            counts = allocate(meta[:, 1], self.sizes, self.seed, r, self._alloc_gen)
-            out = self._deliver(counts, r, stats, t1)
-            t3 = time.perf_counter()
-            self._weights.exchange(self.exchange, meta, self.learner_ranks[0], r)
-            stats.weights_ms = (time.perf_counter() - t3) * 1e3
-        stats.stored = len(self)
-        self.stats = stats
-        self.round = r + 1
-        return out
-
-    def _local_round(
-        self, staged: RecordBuffer, request: int, r: int, stats: RoundStats, t0: float
-    ) -> torch.Tensor:
-        """World size 1: the same semantics with no collectives."""
-        n_in = staged.count + self._direct
-        if self._direct:
-            self.shard.commit(self._direct)
-            self._direct = 0
-        if n_in:
-            self.shard.append(staged.view())
-            self.sizes[0] = self.shard.size
-            self.ingested += n_in
-        t1 = time.perf_counter()
-        stats.ingest_ms = (t1 - t0) * 1e3
-        size = self.shard.size
-        n_out = request if size else 0
-        out = torch.empty((n_out, self.spec.record_bytes), dtype=torch.uint8, device=self.device)
-        if n_out:
-            self.shard.gather(self._sampler.slots(n_out, size, r), out)
-        stats.sample_ms = (time.perf_counter() - t1) * 1e3
-        stats.items_in, stats.items_out = n_in, n_out
-        stats.bytes_in, stats.bytes_out = n_in * out.shape[1], n_out * out.shape[1]
-        return out
-
-    def _exchange_meta(self, staged: int, request: int, r: int) -> np.ndarray:
-        local = torch.tensor(
-            [staged, request, self._weights.version, self._weights.nbytes], dtype=torch.int64
+    def _prepare(self, request: int) -> RoundTicket:
+        """Snapshot what the next round moves (called on the thread that owns ``put``)."""
+        ticket = RoundTicket(
+            self.round, request, self._stage.take(), self._direct, self._weights.snapshot()
         )
-        return self.exchange.all_gather(local, r).numpy()
+        self._direct = 0
+        self.round += 1
+        return ticket
 
-    def _ingest(self, staged: RecordBuffer, counts: np.ndarray, r: int, stats: RoundStats) -> None:
-        """Move staged items to their owner shards in one fused all-to-all."""
-        plan = plan_ingest(self.placement, counts, self._dealt)
-        inflow = plan.sum(axis=0)
-        n_in = int(inflow[self.rank])
-        if plan.any():
-            direct = self.shard.receive_region(n_in)
-            out = direct if direct is not None else self._recv.rows(n_in)
-            self.exchange.all_to_all(
-                out,
-                staged.view(),
-                plan[:, self.rank].tolist(),
-                plan[self.rank].tolist(),
-                r,
-                "all_to_all(ingest)",
-            )
-            if direct is not None:
-                self.shard.commit(n_in)
-            else:
-                self.shard.append(out)
-        self.sizes = np.minimum(self.sizes + inflow, self.capacity_per_rank)
-        self.ingested += int(counts.sum())
-        self._dealt += remainder_dealt(counts)
-        stats.items_in = n_in
-        stats.bytes_in = n_in * self.spec.record_bytes
+    def _finish(self, records: torch.Tensor, stats: RoundStats) -> None:
+        self.stats = stats
+        for phase, (a, b) in stats.spans.items():
+            self.timeline.add(phase, Timeline.PLANE, a, b, round=stats.round)
 
-    def _deliver(self, counts: np.ndarray, r: int, stats: RoundStats, t1: float) -> torch.Tensor:
-        """Sample this shard's share of every learner's batch and deliver in one all-to-all."""
-        to_learners = counts[:, self.rank]
-        n_send, n_recv = int(to_learners.sum()), int(counts[self.rank].sum())
-        out = torch.empty((n_recv, self.spec.record_bytes), dtype=torch.uint8, device=self.device)
-        send = self._send.rows(n_send)
-        if n_send:
-            self.shard.gather(self._sampler.slots(n_send, int(self.shard.size), r), send)
-        t2 = time.perf_counter()
-        stats.sample_ms = (t2 - t1) * 1e3
-        if counts.any():
-            self.exchange.all_to_all(
-                out,
-                send,
-                counts[self.rank].tolist(),
-                to_learners.tolist(),
-                r,
-                "all_to_all(deliver)",
-            )
-        stats.deliver_ms = (time.perf_counter() - t2) * 1e3
-        stats.items_out = n_recv
-        stats.bytes_out = n_recv * self.spec.record_bytes
-        return out
-
-
-class _WeightsState:
-    """Versioned, packed module state for the learner-to-actor broadcast (no pickle)."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self.buf: torch.Tensor | None = None
-        self.broadcast = 0  # last version broadcast (the same on every rank)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.numel()
-
-    @staticmethod
-    def _layout(module: nn.Module) -> tuple[ExperienceSpec, dict[str, torch.Tensor]]:
-        state = {k: v.detach()[None] for k, v in module.state_dict().items()}
-        if not state:
-            raise SpecError("weights: expected a module with parameters or buffers, got none")
-        return ExperienceSpec.from_batch(state, allow_nonfinite=True), state
-
-    def publish(self, module: nn.Module) -> None:
-        spec, state = self._layout(module)
-        if self.buf is None or self.buf.numel() != spec.record_bytes:
-            self.buf = torch.empty(spec.record_bytes, dtype=torch.uint8)
-        spec.pack(state, self.buf.view(1, -1))
-        self.version += 1
-
-    def exchange(self, ex: Exchange, meta: np.ndarray, src: int, r: int) -> None:
-        """Broadcast from ``src`` when its version is newer than the last broadcast (all ranks)."""
-        version, nbytes = int(meta[src, 2]), int(meta[src, 3])
-        if version <= self.broadcast:
-            return
-        if ex.rank != src and (self.buf is None or self.buf.numel() != nbytes):
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
-        ex.broadcast(self.buf, src, r)
-        self.broadcast = self.version = version
-
-    def pull(self, module: nn.Module) -> int:
-        if self.version == 0 or self.buf is None:
-            return 0
-        spec, state = self._layout(module)
-        if spec.record_bytes != self.buf.numel():
-            raise SpecError(
-                f"weights: module state packs to {spec.record_bytes} bytes, the published weights "
-                f"are {self.buf.numel()} bytes; is it the learner's architecture?"
-            )
-        fields = spec.unpack(self.buf.view(1, -1))
-        with torch.no_grad():
-            for name, t in state.items():
-                t.copy_(fields[name])
-        return self.version
+    def _account(
+        self, stats: RoundStats, prefetched: bool, lag: int, t_wait: float, t_end: float
+    ) -> None:
+        phases = {p: split(stats.spans[p], (t_wait, t_end)) for p in PHASES if p in stats.spans}
+        hidden = sum(h for _, h in phases.values())
+        self.last_fetch = FetchTiming(
+            round=stats.round,
+            prefetched=prefetched,
+            lag_rounds=lag,
+            exposed_ms=(t_end - t_wait) * 1e3,
+            hidden_ms=hidden * 1e3,
+            phases={p: (e * 1e3, h * 1e3) for p, (e, h) in phases.items()},
+        )
+        self.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, t_end, round=stats.round)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

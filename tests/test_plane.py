@@ -32,6 +32,7 @@ def _exactly_once(rank, world, placement):
         batch = plane.fetch(8)
         assert_intact(batch)
     plane.flush()
+    plane.wait()
     held = shard_items(plane)
     assert_intact(make_batch(held))
     plane.close()
@@ -59,6 +60,7 @@ def _fifo(rank, world):
     for it in range(5):
         plane.put(make_batch(_ids(rank, it, 4)))
         plane.flush()
+    plane.wait()
     held = sorted(shard_items(plane).tolist())
     plane.close()
     return held, len(plane)
@@ -137,6 +139,7 @@ def _weights(rank, world):
             plane.fetch(2)
         else:
             plane.flush()
+            plane.wait()  # overlap mode: the flush's round (and its broadcast) runs in background
             versions.append(plane.pull_weights(net))
             assert float(net[0].weight[0, 0]) == it + 1.0
     if rank == 1:
@@ -210,9 +213,11 @@ def test_rejected_put_stores_nothing():
         with pytest.raises(cd.SpecError):
             plane.put(bad)
     plane.flush()
+    plane.wait()
     assert len(plane) == 0
     plane.put(good)
     plane.flush()
+    plane.wait()
     assert sorted(shard_items(plane).tolist()) == list(range(5))
     plane.close()
 

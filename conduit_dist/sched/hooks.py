@@ -1,0 +1,86 @@
+"""Backward-start detection on a learner's module, with no change to the user's loss code.
+
+A forward hook on the module registers, for each forward whose outputs require grad, a hook on
+those output tensors. The first output gradient computed is the start of the module's backward
+pass: the trigger calls ``on_backward`` once (per forward), on whatever thread autograd runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+class BackwardTrigger:
+    """Calls ``on_backward()`` when backward reaches ``module``'s outputs.
+
+    Args:
+        module: the learner's module (a DDP wrapper is unwrapped: hooks go on ``.module``).
+        on_backward: called at backward start (at most once per forward with grad).
+        on_forward: called after every forward with its ``(start, end)`` times (optional).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        on_backward: Callable[[], None],
+        on_forward: Callable[[float, float], None] | None = None,
+    ) -> None:
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            module = module.module
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"attach: expected an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self._on_backward = on_backward
+        self._on_forward = on_forward
+        self._forward_start = 0.0
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_hook),
+            module.register_forward_hook(self._forward_hook),
+        ]
+        self.backward_started: float | None = None
+
+    def _pre_hook(self, _module: nn.Module, _inputs: Any) -> None:
+        self._forward_start = time.perf_counter()
+
+    def _forward_hook(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
+        if self._on_forward is not None:
+            self._on_forward(self._forward_start, time.perf_counter())
+        outs = [t for t in _tensors(output) if t.requires_grad]
+        if not outs:
+            return
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                self.backward_started = time.perf_counter()
+                self._on_backward()
+
+        for t in outs:
+            t.register_hook(hook)
+
+    def remove(self) -> None:
+        """Remove every hook this trigger registered."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are still in place."""
+        return bool(self._handles)

@@ -1,0 +1,145 @@
+"""When rounds run: inline (``sync``) or on a worker thread launched at backward (``overlap``).
+
+Rounds run one at a time, in the same order on every rank. In ``overlap`` mode a single worker
+thread executes them: gloo moves the bytes on its own threads, and on CUDA the round runs on a side
+stream whose completion is published as an event the consumer's stream waits on.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from conduit_dist.errors import RoundError
+from conduit_dist.rounds import RoundRunner, RoundStats, RoundTicket
+from conduit_dist.weights import WeightsState
+
+MODES = ("overlap", "sync")
+
+
+@dataclass
+class Pending:
+    """A round launched before the call it belongs to.
+
+    Attributes:
+        kind: ``prefetch`` (launched at backward; it is the next fetch's or flush's round) or
+            ``flush`` (launched by an overlapped flush; it is that flush's round).
+        ticket: what the round moves.
+        future: the worker's result.
+        put_seq: this rank's put counter when the round was prepared.
+    """
+
+    kind: str
+    ticket: RoundTicket
+    future: Future
+    put_seq: int
+
+
+class Scheduler:
+    """Executes rounds inline or on a worker thread.
+
+    Args:
+        mode: ``overlap`` or ``sync``.
+        runner: runs one round.
+        weights: the plane's weights state (broadcast within rounds).
+        device: the plane's device (CUDA gets a side stream and events).
+        timeout_s: the collectives' timeout; a launched round that has not finished in
+            ``4 * timeout_s`` fails.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        runner: RoundRunner,
+        weights: WeightsState,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.mode = mode
+        self.runner, self.weights = runner, weights
+        self.timeout_s = timeout_s
+        self.pending: Pending | None = None
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-round")
+            if mode == "overlap"
+            else None
+        )
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _execute(self, ticket: RoundTicket):
+        if self._stream is None:
+            out, stats = self.runner.run(ticket, self.weights)
+            return out, stats, None
+        with torch.cuda.stream(self._stream):
+            out, stats = self.runner.run(ticket, self.weights)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        event.synchronize()  # the round's time includes its device work
+        return out, stats, event
+
+    def _adopt(self, out: torch.Tensor, event) -> torch.Tensor:
+        """Make ``out`` (produced on the side stream) safe to use on the current stream."""
+        if event is not None:
+            current = torch.cuda.current_stream(out.device)
+            current.wait_event(event)
+            out.record_stream(current)
+        return out
+
+    def run(self, ticket: RoundTicket) -> tuple[torch.Tensor, RoundStats]:
+        """Run a round inline."""
+        out, stats, event = self._execute(ticket)
+        return self._adopt(out, event), stats
+
+    def launch(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
+        """Start a round on the worker thread (``overlap`` mode only; one at a time)."""
+        assert self._pool is not None and self.pending is None, "one launched round at a time"
+        self.pending = Pending(kind, ticket, self._pool.submit(self._execute, ticket), put_seq)
+
+    def wait(self) -> tuple[Pending, torch.Tensor, RoundStats]:
+        """Wait for the launched round and clear it.
+
+        Raises:
+            RoundError: if the round failed, or did not finish within ``4 * timeout_s``.
+        """
+        p, self.pending = self.pending, None
+        assert p is not None
+        try:
+            out, stats, event = p.future.result(timeout=4 * self.timeout_s)
+        except FutureTimeout:
+            raise RoundError(
+                f"round {p.ticket.round}: not finished after {4 * self.timeout_s:.0f}s",
+                round=p.ticket.round,
+            ) from None
+        return p, self._adopt(out, event), stats
+
+    def settle(self) -> None:
+        """Block until no round is running; a prefetched round stays pending for its fetch."""
+        if self.pending is not None:
+            try:
+                self.pending.future.result(timeout=4 * self.timeout_s)
+            except FutureTimeout:
+                pass  # reported with context by wait()
+            except Exception:
+                pass
+
+    def drain(self) -> None:
+        """Finish a launched round, if any (its delivered batch is dropped)."""
+        if self.pending is not None:
+            self.wait()
+
+    def close(self) -> None:
+        """Stop the worker (after draining)."""
+        try:
+            self.drain()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+
+def now() -> float:
+    """The clock used for spans (``time.perf_counter``)."""
+    return time.perf_counter()

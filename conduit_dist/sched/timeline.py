@@ -1,0 +1,104 @@
+"""Exposed / hidden accounting per fetch, and a per-rank Chrome trace (viewable in Perfetto)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+_T0 = time.perf_counter()
+PHASES = ("ingest", "sample", "deliver", "weights")
+
+
+@dataclass
+class FetchTiming:
+    """Where one fetch's experience-path time went (milliseconds, this rank).
+
+    Attributes:
+        round: the round that delivered the batch.
+        prefetched: whether the round was launched before ``fetch`` (during backward).
+        lag_rounds: rounds of puts on this rank the batch may miss (0 or 1; never above max_lag).
+        exposed_ms: time the learner waited inside ``fetch``.
+        hidden_ms: round time that ran before ``fetch`` was called (overlapped with compute).
+        phases: per phase, ``(exposed_ms, hidden_ms)``.
+    """
+
+    round: int
+    prefetched: bool
+    lag_rounds: int
+    exposed_ms: float
+    hidden_ms: float
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def split(interval: tuple[float, float], wait: tuple[float, float]) -> tuple[float, float]:
+    """Split ``interval`` into (exposed, hidden) seconds: exposed is its overlap with ``wait``."""
+    a, b = interval
+    exposed = max(0.0, min(b, wait[1]) - max(a, wait[0]))
+    return exposed, max(0.0, (b - a) - exposed)
+
+
+class Timeline:
+    """Per-rank events for a Chrome trace: learner phases and data-plane phases on separate tracks.
+
+    Args:
+        rank: this rank (the trace's process id).
+        max_events: events kept (oldest dropped first).
+    """
+
+    LEARNER, PLANE = 1, 2
+
+    def __init__(self, rank: int, max_events: int = 200_000) -> None:
+        self.rank = rank
+        self.max_events = max_events
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+
+    def add(self, name: str, track: int, start: float, end: float, **args: object) -> None:
+        """Record a complete event (``perf_counter`` seconds)."""
+        ev = {
+            "name": name,
+            "ph": "X",
+            "pid": self.rank,
+            "tid": track,
+            "ts": (start - _T0) * 1e6,
+            "dur": max(end - start, 0.0) * 1e6,
+            "args": args,
+        }
+        with self._lock:
+            self.events.append(ev)
+            if len(self.events) > self.max_events:
+                del self.events[: len(self.events) - self.max_events]
+
+    def export(self, path: str) -> str:
+        """Write the trace as Chrome trace JSON; returns the path."""
+        meta = [
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": self.rank,
+                "args": {"name": f"rank {self.rank}"},
+            },
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": self.rank,
+                "tid": self.LEARNER,
+                "args": {"name": "learner phases"},
+            },
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": self.rank,
+                "tid": self.PLANE,
+                "args": {"name": "data plane (collectives)"},
+            },
+        ]
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with self._lock:
+            events = meta + list(self.events)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        return path

@@ -1,0 +1,193 @@
+"""Step-phase scheduler: overlap returns the batches sync returns, lag rules, hooks, accounting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from plane_helpers import assert_intact, make_batch, spec
+
+import conduit_dist as cd
+
+
+def _ids(rank: int, it: int, n: int) -> torch.Tensor:
+    return rank * 1_000_000 + it * 1_000 + torch.arange(n)
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a learner with a long backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Learner(torch.nn.Module):
+    def __init__(self, slow: float = 0.0) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+        self.slow = slow
+
+    def forward(self, x):
+        return SlowBackward.apply(self.lin(x), self.slow)
+
+
+def _train_step(model, batch):
+    model(batch["obs"]).sum().backward()
+
+
+def _off_policy(rank, world, schedule):
+    """max_lag=1: overlap puts before fetch; the sync twin puts after fetch (same rounds)."""
+    plane = cd.DataPlane(spec(), capacity_per_rank=500, seed=4, schedule=schedule)
+    model = Learner()
+    if schedule == "overlap":
+        plane.attach(model)
+    got, stored, lags = [], [], []
+    for it in range(6):
+        if schedule == "overlap" or it == 0:
+            plane.put(make_batch(_ids(rank, it, 5 + rank)))
+        b = plane.fetch(7)
+        assert_intact(b)
+        got.append(b["id"].tolist())
+        stored.append(len(plane))
+        if schedule == "sync" and it > 0:
+            plane.put(make_batch(_ids(rank, it, 5 + rank)))
+        lags.append(plane.last_fetch.lag_rounds if plane.last_fetch else None)
+        _train_step(model, b)
+    plane.close()
+    return got, stored, lags
+
+
+def test_overlap_returns_exactly_the_sync_batches_and_lags_at_most_one_round():
+    over = run_ranks(_off_policy, 2, "overlap")
+    sync = run_ranks(_off_policy, 2, "sync")
+    for rank in range(2):
+        assert over[rank][0] == sync[rank][0]
+        assert over[rank][2] == [0, 1, 1, 1, 1, 1]
+        # fetch k (k >= 1) saw every item put up to iteration k - 1 on every rank: never misses
+        # experience put two iterations earlier
+        per_iter = 5 + 6
+        assert over[rank][1] == [per_iter] + [per_iter * k for k in range(1, 6)]
+
+
+def _on_policy(rank, world, schedule):
+    """max_lag=0: each iteration puts a rollout, then fetches 3 minibatches with more=True."""
+    plane = cd.DataPlane(spec(), capacity_per_rank=500, seed=9, schedule=schedule, max_lag=0)
+    model = Learner()
+    plane.attach(model)
+    got, prefetched = [], []
+    total = 0
+    for it in range(3):
+        plane.put(make_batch(_ids(rank, it, 4)))
+        total += 4 * world
+        for mb in range(3):
+            b = plane.fetch(6, more=mb < 2)
+            assert len(plane) == total  # never misses experience put before it
+            assert plane.last_fetch.lag_rounds == 0
+            prefetched.append(plane.last_fetch.prefetched)
+            got.append(b["id"].tolist())
+            _train_step(model, b)
+    if schedule == "overlap":
+        plane.fetch(6, more=True)
+        _train_step(model, b)
+        with pytest.raises(cd.ConfigError, match="max_lag=0"):
+            plane.put(make_batch(_ids(rank, 9, 4)))
+    plane.close()
+    return got, prefetched
+
+
+def test_max_lag_zero_overlaps_only_between_minibatches():
+    over = run_ranks(_on_policy, 2, "overlap")
+    sync = run_ranks(_on_policy, 2, "sync")
+    for rank in range(2):
+        assert over[rank][0] == sync[rank][0]
+        assert over[rank][1] == [False, True, True] * 3
+        assert sync[rank][1] == [False] * 9
+
+
+def _accounting(rank, world):
+    plane = cd.DataPlane(spec(), capacity_per_rank=5000, seed=1)
+    model = Learner(slow=0.05)
+    plane.attach(model)
+    timings = []
+    for it in range(5):
+        plane.put(make_batch(_ids(rank, it, 200)))
+        b = plane.fetch(256)
+        timings.append(plane.last_fetch)
+        _train_step(model, b)
+    path = plane.export_trace(f"/tmp/conduit_trace_test_{rank}.json")
+    plane.close()
+    return [(t.prefetched, t.exposed_ms, t.hidden_ms, sorted(t.phases)) for t in timings], path
+
+
+def test_accounting_and_trace():
+    import json
+
+    res = run_ranks(_accounting, 2)
+    for rank, (timings, path) in res.items():
+        first, rest = timings[0], timings[1:]
+        assert not first[0] and first[2] == 0.0  # sync first round: nothing hidden
+        for prefetched, exposed, hidden, phases in rest:
+            assert prefetched and hidden > 0  # ran during the 50 ms backward
+            assert phases == ["deliver", "ingest", "sample", "weights"]
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        names = {(e["name"], e.get("tid")) for e in events}
+        assert ("fetch (waiting)", 1) in names and ("ingest", 2) in names
+        assert ("forward", 1) in names and ("backward start", 1) in names
+
+
+def test_hooks_removed_on_close_and_special_models():
+    cd.init_distributed()
+    # no parameter requires grad: no backward, every fetch runs its round itself
+    frozen = Learner().requires_grad_(False)
+    plane = cd.DataPlane(spec(), capacity_per_rank=100)
+    plane.attach(frozen)
+    assert len(frozen._forward_hooks) == 1 and len(frozen._forward_pre_hooks) == 1
+    plane.put(make_batch(torch.arange(10)))
+    for _ in range(3):
+        b = plane.fetch(4)
+        frozen(b["obs"])
+        assert not plane.last_fetch.prefetched
+    plane.close()
+    assert not frozen._forward_hooks and not frozen._forward_pre_hooks
+
+    # gradient accumulation: two backward passes per fetch launch one round
+    model = Learner()
+    plane = cd.DataPlane(spec(), capacity_per_rank=100)
+    plane.attach(torch.nn.parallel.DistributedDataParallel(model))
+    plane.put(make_batch(torch.arange(10)))
+    rounds = []
+    for _ in range(4):
+        b = plane.fetch(4)
+        rounds.append(plane.last_fetch.round)
+        _train_step(model, b)
+        _train_step(model, b)
+    assert rounds == [0, 1, 2, 3]
+    # evaluation (no backward) between fetches: the round runs inside fetch
+    with torch.no_grad():
+        b = plane.fetch(4)  # the round launched by the last backward
+        model(b["obs"])
+        b = plane.fetch(4)
+    assert not plane.last_fetch.prefetched
+    with pytest.raises(cd.ConfigError, match="attached already"):
+        plane.attach(model)
+    plane.detach()
+    assert not model._forward_hooks
+    plane.close()
+
+
+def test_schedule_and_lag_arguments_are_checked():
+    cd.init_distributed()
+    with pytest.raises(cd.ConfigError, match="schedule.*'later'"):
+        cd.DataPlane(spec(), capacity_per_rank=4, schedule="later")
+    with pytest.raises(cd.ConfigError, match="max_lag.*-1"):
+        cd.DataPlane(spec(), capacity_per_rank=4, max_lag=-1)
