@@ -23,12 +23,18 @@ class PlaneConfig:
         capacity_per_rank: items each rank's shard holds.
         placement: ``round_robin`` or ``local``.
         timeout_s: seconds a collective may take before the round fails.
+        schedule: ``overlap`` (rounds launched at backward start) or ``sync`` (inside fetch).
+        max_lag: rounds of a rank's own puts a fetched batch may miss (0 or more).
+        trace_dir: write each rank's Chrome trace here at the end (``null``: no trace).
     """
 
     kind: str = "conduit"
     capacity_per_rank: int = 50_000
     placement: str = "round_robin"
     timeout_s: float = 60.0
+    schedule: str = "overlap"
+    max_lag: int = 1
+    trace_dir: str | None = None
 
 
 @dataclass
@@ -139,6 +145,7 @@ def validate(cfg: TrainConfig) -> None:
         ("mode", cfg.mode, ("colocated", "disaggregated")),
         ("plane.kind", cfg.plane.kind, ("conduit", "simple")),
         ("plane.placement", cfg.plane.placement, ("round_robin", "local")),
+        ("plane.schedule", cfg.plane.schedule, ("overlap", "sync")),
         ("logger.kind", cfg.logger.kind, ("wandb", "console", "none")),
         ("logger.mode", cfg.logger.mode, ("offline", "online", "disabled")),
     ]
@@ -151,6 +158,7 @@ def validate(cfg: TrainConfig) -> None:
         ("total_env_steps", cfg.total_env_steps >= 1, ">= 1", cfg.total_env_steps),
         ("logger.log_every", cfg.logger.log_every >= 1, ">= 1", cfg.logger.log_every),
         ("algo.tau", 0 < cfg.algo.tau <= 1, "in (0, 1]", cfg.algo.tau),
+        ("plane.max_lag", cfg.plane.max_lag >= 0, ">= 0", cfg.plane.max_lag),
     ]
     for name, ok, expected, got in checks:
         if not ok:

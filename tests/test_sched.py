@@ -132,10 +132,10 @@ def test_accounting_and_trace():
     import json
 
     res = run_ranks(_accounting, 2)
-    for rank, (timings, path) in res.items():
+    for timings, path in res.values():
         first, rest = timings[0], timings[1:]
         assert not first[0] and first[2] == 0.0  # sync first round: nothing hidden
-        for prefetched, exposed, hidden, phases in rest:
+        for prefetched, _exposed, hidden, phases in rest:
             assert prefetched and hidden > 0  # ran during the 50 ms backward
             assert phases == ["deliver", "ingest", "sample", "weights"]
         with open(path) as f:

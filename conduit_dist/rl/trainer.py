@@ -21,7 +21,7 @@ from conduit_dist.spec import ExperienceSpec
 
 log = logging.getLogger("conduit_dist")
 
-_PHASES = ("ingest", "sample", "deliver", "wait", "total")
+_PHASES = ("ingest", "sample", "deliver", "wait", "total", "exposed", "hidden", "iteration")
 
 
 @dataclass
@@ -36,11 +36,13 @@ class _Window:
     iterations: int = 0
     losses: list[float] = field(default_factory=list)
 
-    def add(self, stats: RoundStats, wait_ms: float) -> None:
+    def add(self, stats: RoundStats, wait_ms: float, hidden_ms: float = 0.0) -> None:
         for p in ("ingest", "sample", "deliver"):
             self.ms[p].append(getattr(stats, f"{p}_ms"))
         self.ms["total"].append(stats.total_ms)
         self.ms["wait"].append(wait_ms)
+        self.ms["exposed"].append(wait_ms)
+        self.ms["hidden"].append(hidden_ms)
         self.bytes_in += stats.bytes_in
         self.bytes_out += stats.bytes_out
 
@@ -81,6 +83,9 @@ class Trainer:
                 self.agent.q, process_group=ddp_group
             )
         self.plane = self._make_plane(obs_dim, learners)
+        if isinstance(self.plane, DataPlane) and self.is_learner:
+            self.plane.attach(self.agent.learner)
+        self.records: list[tuple[float, float, float]] = []  # (iteration, exposed, hidden) ms
         self.env_steps = 0
         self.policy_version = 0
 
@@ -126,6 +131,8 @@ class Trainer:
             placement=pc.placement,
             learner_ranks=learners,
             timeout_s=pc.timeout_s,
+            schedule=pc.schedule,
+            max_lag=pc.max_lag,
         )
 
     # ------------------------------------------------------------------ loop
@@ -152,17 +159,23 @@ class Trainer:
 
     def _iteration(self, window: _Window) -> None:
         cfg = self.cfg
+        t_iter = time.perf_counter()
         if self.is_actor:
             eps = self.agent.epsilon(self.env_steps)
             actions = self.agent.act(self.env.obs, eps, self.gen)
             self.plane.put(self.env.step(actions))
         self.env_steps += cfg.env.num_envs * self.n_actors
         learning = self.env_steps >= cfg.algo.learning_starts
+        learned, exposed_ms, hidden_ms = False, 0.0, 0.0
         for _ in range(cfg.algo.updates_per_iter if learning else 1):
             if learning and self.is_learner:
                 t0 = time.perf_counter()
                 batch = self.plane.fetch(cfg.algo.batch_size)
-                window.add(self.plane.stats, (time.perf_counter() - t0) * 1e3)
+                timing = getattr(self.plane, "last_fetch", None)
+                wait_ms = (time.perf_counter() - t0) * 1e3
+                hidden_ms = timing.hidden_ms if timing is not None else 0.0
+                window.add(self.plane.stats, wait_ms, hidden_ms)
+                exposed_ms, learned = wait_ms, True
                 loss = self.agent.loss(batch)
                 loss.backward()
                 self.agent.step()
@@ -177,6 +190,10 @@ class Trainer:
         if cfg.mode == "disaggregated" and not self.is_learner:
             self.policy_version = self.plane.pull_weights(self.agent.q)
         window.iterations += 1
+        iter_ms = (time.perf_counter() - t_iter) * 1e3
+        window.ms["iteration"].append(iter_ms)
+        if learned:
+            self.records.append((iter_ms, exposed_ms, hidden_ms))
 
     def _log(self, window: _Window) -> dict[str, float]:
         """Aggregate the window over ranks (a collective) and log on rank 0."""
@@ -224,10 +241,15 @@ class Trainer:
             metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
             metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]
         self.logger.log(metrics, self.env_steps)
+        if hasattr(self.logger, "log_histogram") and window.ms["exposed"]:
+            self.logger.log_histogram("path/exposed_ms_hist", window.ms["exposed"], self.env_steps)
+            self.logger.log_histogram("path/hidden_ms_hist", window.ms["hidden"], self.env_steps)
         return {"return_100": ret100, **metrics}
 
     def close(self) -> None:
-        """Close the plane and the environments."""
+        """Export the trace (if configured), close the plane and the environments."""
+        if self.cfg.plane.trace_dir and isinstance(self.plane, DataPlane):
+            self.plane.export_trace(f"{self.cfg.plane.trace_dir}/trace_rank{self.rank}.json")
         self.plane.close()
         if self.env is not None:
             self.env.close()
