@@ -152,11 +152,14 @@ class DataPlane:
         """``int64 [world]``: items on each shard as of the latest completed round."""
         return self._runner.sizes
 
-    def put(self, batch: Mapping[str, torch.Tensor]) -> None:
+    def put(self, batch: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
         """Validate a batch and stage it for the next round.
 
         Args:
             batch: ``name -> tensor [B, *shape]`` matching the spec (any device).
+            donate: hand the tensors over instead of copying them now: they are packed by the
+                round (in ``overlap`` mode, during backward). Like a buffer given to ``isend``,
+                they must not be modified until the next round has completed.
 
         Raises:
             SpecError: on a missing or extra field, wrong dtype or shape, disagreeing batch sizes,
@@ -174,8 +177,10 @@ class DataPlane:
                 "put: max_lag=0, but the round for the next fetch was launched already "
                 "(fetch(..., more=True)); put before the first fetch of an iteration"
             )
-        rows = self._direct_rows(n)
-        if rows is not None:
+        rows = None if donate else self._direct_rows(n)
+        if donate:
+            self._stage.current.defer(n, dict(batch))
+        elif rows is not None:
             self.spec.pack(batch, rows)
             self._direct += n
         else:

@@ -18,7 +18,7 @@ import torch
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.sampling.uniform import UniformSampler, allocate
 from conduit_dist.spec import ExperienceSpec
-from conduit_dist.staging import RecordBuffer
+from conduit_dist.staging import OutputPool, RecordBuffer
 from conduit_dist.tiers import Shard, plan_ingest
 from conduit_dist.tiers.placement import remainder_dealt
 from conduit_dist.weights import WeightsSnapshot, WeightsState
@@ -110,10 +110,12 @@ class RoundRunner:
         self._alloc_gen = torch.Generator()
         self._send = RecordBuffer(spec.record_bytes, device)
         self._recv = RecordBuffer(spec.record_bytes, device)
+        self.outputs = OutputPool(spec.record_bytes, device)
 
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
         stats = RoundStats(round=t.round)
+        t.staged.pack_deferred(self.spec)
         if self.world == 1:
             out = self._local(t, stats)
         else:
@@ -145,7 +147,7 @@ class RoundRunner:
         stats.mark("ingest", t0, t1)
         size = self.shard.size
         n_out = t.request if size else 0
-        out = torch.empty((n_out, self.spec.record_bytes), dtype=torch.uint8, device=self.device)
+        out = self.outputs.acquire(n_out)
         if n_out:
             self.shard.gather(self.sampler.slots(n_out, size, t.round), out)
         stats.mark("sample", t1, time.perf_counter())
@@ -193,7 +195,7 @@ class RoundRunner:
         """Sample this shard's share of every learner's batch and deliver in one all-to-all."""
         to_learners = counts[:, self.rank]
         n_send, n_recv = int(to_learners.sum()), int(counts[self.rank].sum())
-        out = torch.empty((n_recv, self.spec.record_bytes), dtype=torch.uint8, device=self.device)
+        out = self.outputs.acquire(n_recv)
         send = self._send.rows(n_send)
         if n_send:
             self.shard.gather(self.sampler.slots(n_send, int(self.shard.size), r), send)

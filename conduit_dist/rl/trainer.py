@@ -180,7 +180,7 @@ class Trainer:
                 loss.backward()
                 self.agent.step()
                 window.learner_steps += 1
-                window.losses.append(float(loss))
+                window.losses.append(float(loss.detach()))
                 if cfg.mode == "disaggregated" and self.agent.steps % cfg.algo.publish_every == 0:
                     self.policy_version = self.plane.publish_weights(self.agent.q)
             else:

@@ -39,7 +39,9 @@ class MemoryTier(Tier):
             )
         self.kind = "device" if device.type == "cuda" else ("pinned" if pin_memory else "host")
         self.device = device
-        self.data = torch.empty(
+        # zero-filled: every page is touched now, not during a round (a first touch is ~20x
+        # slower than a copy into memory already touched)
+        self.data = torch.zeros(
             (slots, record_bytes), dtype=torch.uint8, device=device, pin_memory=pin_memory
         )
 
