@@ -378,15 +378,29 @@ class DataPlane:
         return self.timeline.export(path)
 
     def close(self) -> None:
-        """Finish a launched round, remove hooks, release the group. Safe to call twice."""
+        """Run the closing round, remove hooks, release the group. Safe to call twice.
+
+        Collective: every rank calls it. A round launched at backward on a learner has no call to
+        belong to any more, so it serves as that rank's closing round; ranks without one run a
+        closing round (which also ingests anything still staged), so every rank runs the same
+        number of rounds.
+
+        Raises:
+            RoundError: if the closing round fails (the group is released all the same).
+        """
         if self._closed:
             return
-        self._closed = True
         self.detach()
         try:
             if self._failed is None:
-                self._sched.close()
+                pending = self._sched.pending
+                if pending is not None:
+                    self._finish(*self._guard(self._sched.wait)[1:])
+                if pending is None or pending.kind != "prefetch":
+                    self._finish(*self._guard(lambda: self._sched.run(self._prepare(0))))
         finally:
+            self._closed = True
+            self._sched.close(abandon=self._failed is not None)
             self.exchange.close()
             self.shard.tier.close()
 

@@ -131,13 +131,15 @@ class Scheduler:
         if self.pending is not None:
             self.wait()
 
-    def close(self) -> None:
-        """Stop the worker (after draining)."""
+    def close(self, abandon: bool = False) -> None:
+        """Stop the worker after draining; ``abandon`` (after a failure) neither drains nor waits."""
+        if abandon:
+            self.pending = None
         try:
             self.drain()
         finally:
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown(wait=not abandon)
 
 
 def now() -> float:
