@@ -132,7 +132,7 @@ class Scheduler:
             self.wait()
 
     def close(self, abandon: bool = False) -> None:
-        """Stop the worker after draining; ``abandon`` (after a failure) neither drains nor waits."""
+        """Stop the worker after draining; ``abandon`` (after a failure): no drain, no wait."""
         if abandon:
             self.pending = None
         try:
