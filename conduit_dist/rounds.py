@@ -111,6 +111,7 @@ class RoundRunner:
         self._send = RecordBuffer(spec.record_bytes, device)
         self._recv = RecordBuffer(spec.record_bytes, device)
         self.outputs = OutputPool(spec.record_bytes, device)
+        self._dev_stage = RecordBuffer(spec.record_bytes, device)  # H2D copy of staged records
 
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
@@ -174,9 +175,12 @@ class RoundRunner:
         if plan.any():
             direct = self.shard.receive_region(n_in)
             out = direct if direct is not None else self._recv.rows(n_in)
+            inp = staged.view()
+            if inp.device != self.device:  # pinned host staging -> device, on this (side) stream
+                inp = self._dev_stage.rows(inp.shape[0]).copy_(inp, non_blocking=True)
             self.exchange.all_to_all(
                 out,
-                staged.view(),
+                inp,
                 plan[:, self.rank].tolist(),
                 plan[self.rank].tolist(),
                 r,

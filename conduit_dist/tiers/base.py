@@ -35,8 +35,8 @@ class Tier(ABC):
         """Copy the records at ``slots`` (int64) into ``out`` (``[len(slots), record_bytes]``)."""
 
     def write(self, start: int, records: torch.Tensor) -> None:
-        """Copy ``records`` into slots ``[start, start + len(records))``."""
-        self.region(start, start + records.shape[0]).copy_(records)
+        """Copy ``records`` into slots ``[start, start + len(records))`` (async from pinned)."""
+        self.region(start, start + records.shape[0]).copy_(records, non_blocking=True)
 
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:

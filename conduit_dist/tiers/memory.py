@@ -49,7 +49,7 @@ class MemoryTier(Tier):
         return self.data[start:end]
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        torch.index_select(self.data, 0, slots, out=out)
+        torch.index_select(self.data, 0, slots.to(self.data.device, non_blocking=True), out=out)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"data": self.data}
