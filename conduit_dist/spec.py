@@ -8,6 +8,7 @@ received batch is viewed field by field with ``Tensor.view(dtype)`` on aligned c
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from conduit_dist.errors import SpecError
+
+try:
+    from conduit_dist._native import _pack as _native
+except ImportError:  # a source checkout that was not built: pip install -e .
+    _native = None
+    logging.getLogger("conduit_dist").warning(
+        "conduit_dist._native._pack is not built (run pip install -e .): packing records uses "
+        "torch's strided copies, slower for small fields"
+    )
 
 _ALIGN = 8
 _SUPPORTED = (
@@ -132,6 +142,8 @@ class ExperienceSpec:
             for f in fields
         ]
         self._dtypes = sorted({f.dtype for f in fields}, key=str)
+        self._sizes = tuple(end - start for _, start, end, _, _ in self._cols)
+        self._starts = tuple(start for _, start, _, _, _ in self._cols)
 
     @classmethod
     def from_batch(
@@ -229,6 +241,22 @@ class ExperienceSpec:
             out: destination rows; may be a row slice of a larger record tensor.
         """
         n = out.shape[0]
+        if (
+            _native is not None
+            and out.device.type == "cpu"
+            and out.stride() == (self.record_bytes, 1)
+        ):
+            # contiguous CPU sources (copies only where a field is not), one memcpy per row/field
+            srcs = [batch[name].cpu().contiguous() for name, *_ in self._cols]
+            _native.pack_rows(
+                out.data_ptr(),
+                self.record_bytes,
+                n,
+                tuple(t.data_ptr() for t in srcs),
+                self._sizes,
+                self._starts,
+            )
+            return
         for name, start, end, dtype, shape in self._cols:
             out[:, start:end].view(dtype).view(n, *shape).copy_(batch[name])
 

@@ -96,3 +96,15 @@ def test_bad_spec_definitions():
         FieldSpec("x", (0,), torch.float32)
     with pytest.raises(SpecError, match="leading batch dim"):
         ExperienceSpec.from_batch({"x": torch.tensor(1.0)})
+
+
+def test_pack_handles_non_contiguous_fields():
+    b = small_batch(5)
+    b["obs"] = torch.randn(5, 2, 3).transpose(1, 2)  # [5, 3, 2], not contiguous
+    b["reward"] = torch.randn(10)[::2]
+    spec = ExperienceSpec.from_batch(b)
+    rec = spec.empty_records(5)
+    spec.pack(b, rec)
+    out = spec.unpack(rec)
+    for k, v in b.items():
+        assert torch.equal(out[k], v), k

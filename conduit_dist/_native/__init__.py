@@ -1,0 +1,1 @@
+"""Native helpers, built by ``pip install`` (setup.py). See ``pack.c``."""
