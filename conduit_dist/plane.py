@@ -9,6 +9,9 @@ import torch
 from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.model import BandwidthModel, build
+from conduit_dist.collectives.topology import discover
+from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError
 from conduit_dist.rounds import RoundRunner, RoundStats, RoundTicket
 from conduit_dist.sched import PHASES, BackwardTrigger, FetchTiming, Timeline, split
@@ -19,6 +22,8 @@ from conduit_dist.tiers import POLICIES, MemoryTier, Shard
 from conduit_dist.weights import WeightsState
 
 _plane_ids = itertools.count()
+# declared link numbers (measured on 2 loopback gloo ranks, 2-core machine): used when not probing
+DECLARED = (1.5e-4, {"self": 8.0, "host": 1.5, "net": 0.1})
 
 __all__ = ["DataPlane", "RoundStats"]
 
@@ -52,6 +57,13 @@ class DataPlane:
             ``fetch``).
         max_lag: rounds of this rank's own puts a fetched batch may miss (``0``: none; overlap
             then only happens between fetches announced with ``fetch(..., more=True)``).
+        strategy: ``auto`` (the bandwidth model picks per exchange) or a strategy name to force:
+            ``all_to_all``, ``p2p``, ``chunked4``, ``gather``.
+        bandwidth: ``declared`` (the model from ``declared_bandwidth``; no start-up cost),
+            ``calibrate`` (probe the links at start-up, cached in ``bandwidth_cache``), or a
+            :class:`~conduit_dist.collectives.model.BandwidthModel`.
+        declared_bandwidth: ``(latency_s, {"self": GB/s, "host": GB/s, "net": GB/s})``.
+        bandwidth_cache: directory of calibration caches (``None``: no cache).
 
     Raises:
         ConfigError: on a bad capacity, placement, schedule, lag, device or learner rank.
@@ -76,6 +88,10 @@ class DataPlane:
         timeout_s: float = 60.0,
         schedule: str = "overlap",
         max_lag: int = 1,
+        strategy: str = "auto",
+        bandwidth: str | BandwidthModel = "declared",
+        declared_bandwidth: tuple[float, dict[str, float]] = DECLARED,
+        bandwidth_cache: str | None = "~/.cache/conduit_dist",
     ) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
@@ -104,6 +120,11 @@ class DataPlane:
         self.is_learner = self.rank in self.learner_ranks
         self.shard = Shard(MemoryTier(capacity_per_rank, spec.record_bytes, self.device))
         self._weights = WeightsState()
+        self.topology = discover(self.exchange.group)
+        self.bandwidth, self.calibration_s = self._bandwidth(
+            bandwidth, declared_bandwidth, bandwidth_cache
+        )
+        transport = Transport(self.exchange, self.topology, self.bandwidth, strategy)
         self._runner = RoundRunner(
             spec,
             self.shard,
@@ -112,6 +133,7 @@ class DataPlane:
             placement,
             self.learner_ranks[0],
             self.device,
+            transport,
         )
         self._sched = Scheduler(schedule, self._runner, self._weights, self.device, timeout_s)
         cuda = self.device.type == "cuda"
@@ -129,6 +151,17 @@ class DataPlane:
         self._subset_gen = torch.Generator().manual_seed(self.seed + 7 * self.rank)
         self._failed: RoundError | None = None
         self._closed = False
+
+    def _bandwidth(self, bandwidth, declared, cache) -> tuple[BandwidthModel, float]:
+        if isinstance(bandwidth, BandwidthModel):
+            return bandwidth, 0.0
+        if bandwidth not in ("declared", "calibrate"):
+            raise ConfigError(
+                f"bandwidth: expected 'declared', 'calibrate' or a model, got {bandwidth!r}"
+            )
+        latency_s, gbps = declared
+        fallback = BandwidthModel.declared(latency_s, gbps)
+        return build(self.exchange, self.topology, bandwidth == "calibrate", cache, fallback)
 
     def _check_learners(self, learner_ranks: Sequence[int] | None) -> tuple[int, ...]:
         if learner_ranks is None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.transport import Move, Transport
 from conduit_dist.sampling.uniform import UniformSampler, allocate
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import OutputPool, RecordBuffer
@@ -43,6 +44,7 @@ class RoundStats:
     bytes_out: int = 0
     stored: int = 0
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    moves: list[Move] = field(default_factory=list)
 
     @property
     def total_ms(self) -> float:
@@ -58,6 +60,7 @@ class RoundStats:
         """Plain dict of the numbers, with ``total_ms``."""
         d = asdict(self)
         d.pop("spans")
+        d.pop("moves")
         return {**d, "total_ms": self.total_ms}
 
 
@@ -83,6 +86,7 @@ class RoundRunner:
         placement: placement policy.
         weights_src: rank whose published weights are broadcast.
         device: where delivered batches live.
+        transport: runs each exchange with the strategy the bandwidth model chooses.
     """
 
     def __init__(
@@ -94,8 +98,10 @@ class RoundRunner:
         placement: str,
         weights_src: int,
         device: torch.device,
+        transport: Transport | None = None,
     ) -> None:
         self.spec, self.shard, self.exchange = spec, shard, exchange
+        self.transport = transport
         self.rank, self.world = exchange.rank, exchange.world
         self.seed, self.placement, self.weights_src, self.device = (
             seed,
@@ -178,14 +184,7 @@ class RoundRunner:
             inp = staged.view()
             if inp.device != self.device:  # pinned host staging -> device, on this (side) stream
                 inp = self._dev_stage.rows(inp.shape[0]).copy_(inp, non_blocking=True)
-            self.exchange.all_to_all(
-                out,
-                inp,
-                plan[:, self.rank].tolist(),
-                plan[self.rank].tolist(),
-                r,
-                "all_to_all(ingest)",
-            )
+            stats.moves.append(self.transport.move(out, inp, plan, r, "ingest"))
             if direct is not None:
                 self.shard.commit(n_in)
             else:
@@ -205,15 +204,8 @@ class RoundRunner:
             self.shard.gather(self.sampler.slots(n_send, int(self.shard.size), r), send)
         t2 = time.perf_counter()
         stats.mark("sample", t1, t2)
-        if counts.any():
-            self.exchange.all_to_all(
-                out,
-                send,
-                counts[self.rank].tolist(),
-                to_learners.tolist(),
-                r,
-                "all_to_all(deliver)",
-            )
+        if counts.any():  # rows[shard, learner]
+            stats.moves.append(self.transport.move(out, send, counts.T.copy(), r, "deliver"))
         stats.mark("deliver", t2, time.perf_counter())
         stats.items_out, stats.bytes_out = n_recv, n_recv * self.spec.record_bytes
         return out

@@ -60,7 +60,9 @@ def main(argv: list[str]) -> None:
         n = per_peer * world
         nbytes = n * spec.record_bytes
         batch = _batch(n)
-        plane = cd.DataPlane(spec, capacity_per_rank=4 * n, seed=0, placement="round_robin")
+        plane = cd.DataPlane(
+            spec, capacity_per_rank=4 * n, seed=0, placement="round_robin", schedule="sync"
+        )
 
         def conduit(plane=plane, batch=batch):
             plane.put(batch)

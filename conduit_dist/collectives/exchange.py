@@ -126,6 +126,24 @@ class Exchange:
         )
         self._call(work, op, round)
 
+    def wait_all(self, launch, op: str, round: int) -> None:
+        """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout."""
+        start = time.monotonic()
+        try:
+            works = launch()
+        except Exception as exc:
+            self._fail(op, round, start, exc)
+        for work in works:
+            self._wait(work, op, round)
+
+    def gather(
+        self, send: torch.Tensor, recv: list[torch.Tensor] | None, dst: int, round: int, op: str
+    ) -> None:
+        """``gather`` of equal-sized tensors to global rank ``dst``."""
+        self._call(
+            lambda: dist.gather(send, recv, dst=dst, group=self.group, async_op=True), op, round
+        )
+
     def broadcast(self, buf: torch.Tensor, src: int, round: int) -> None:
         """Broadcast ``buf`` from global rank ``src``."""
         if self.world == 1:

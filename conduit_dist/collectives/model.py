@@ -1,0 +1,267 @@
+"""The bandwidth model: predict each strategy's time for a round's byte matrix, and choose.
+
+For a byte matrix ``M[src, dst]`` and the link class of every pair (``self``, ``host``, ``net``)
+a strategy's time is modelled as
+
+    T = alpha * calls + sum_c  B_c / beta_c
+
+- ``calls``: the collective calls or messages on the critical rank: 1 for the fused all-to-all;
+  the non-empty peers a rank sends to plus receives from (max over ranks) for point-to-point, times
+  the pieces for chunked point-to-point; the destinations that receive anything for gather.
+- ``B_c``: bytes over links of class ``c`` on the critical rank: ``max_r max(out_c(r), in_c(r))``
+  (a rank sends and receives at once). For ``self`` that is the rank's own chunk (a local copy).
+  Gather pads every chunk to a destination's largest, so its ``B_c`` counts
+  ``(world - 1) * max_s M[s, d]`` per destination ``d`` (on the root's links).
+
+``alpha`` (seconds per call) and ``1/beta_c`` (seconds per byte) are fitted per strategy by
+least squares on relative error from a short probe (:func:`calibrate`), or declared in config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.strategies import NAMES, Strategy, make_strategies
+from conduit_dist.collectives.topology import LINKS, Topology
+from conduit_dist.errors import ConfigError
+
+log = logging.getLogger("conduit_dist")
+
+FEATURES = ("calls", *(f"bytes_{c}" for c in LINKS))
+CACHE_VERSION = 1
+
+
+def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray:
+    """The model's features ``[calls, B_self, B_host, B_net]`` of a strategy on a byte matrix.
+
+    Args:
+        strategy: a strategy name.
+        matrix: ``[world, world]`` bytes from each source to each destination.
+        links: ``[world, world]`` link class index (into ``LINKS``) of each pair.
+    """
+    world = matrix.shape[0]
+    x = np.zeros(len(FEATURES))
+    if strategy == "gather":
+        dests = np.nonzero(matrix.sum(axis=0))[0]
+        x[0] = len(dests)
+        for d in dests:
+            padded = (world - 1) * matrix[:, d].max()
+            cls = 2 if (links[:, d] == 2).any() else 1
+            x[1] += matrix[d, d]
+            x[1 + cls] += padded
+        return x
+    for c in range(len(LINKS)):
+        mask = links == c
+        out_c = (matrix * mask).sum(axis=1)
+        in_c = (matrix * mask).sum(axis=0)
+        x[1 + c] = np.maximum(out_c, in_c).max()
+    if strategy == "all_to_all":
+        x[0] = 1.0
+    else:
+        nz = (matrix > 0) & (links != 0)
+        msgs = (nz.sum(axis=1) + nz.sum(axis=0)).max()
+        pieces = 4 if strategy.startswith("chunked") else 1
+        x[0] = msgs * pieces
+    return x
+
+
+@dataclass
+class BandwidthModel:
+    """Coefficients per strategy: ``[alpha, 1/beta_self, 1/beta_host, 1/beta_net]``.
+
+    Attributes:
+        coef: strategy name -> coefficient vector (seconds per call, seconds per byte).
+        source: where the numbers came from (``probe``, ``cache``, ``config``).
+    """
+
+    coef: dict[str, np.ndarray] = field(default_factory=dict)
+    source: str = "config"
+
+    def predict(self, strategy: str, matrix: np.ndarray, links: np.ndarray) -> float:
+        """Predicted seconds of ``strategy`` on ``matrix``."""
+        return float(features(strategy, matrix, links) @ self.coef[strategy])
+
+    def choose(self, matrix: np.ndarray, links: np.ndarray, allowed=None) -> tuple[str, float]:
+        """The strategy with the least predicted time, and that time."""
+        names = [n for n in self.coef if allowed is None or n in allowed]
+        preds = {n: self.predict(n, matrix, links) for n in names}
+        best = min(preds, key=preds.get)
+        return best, preds[best]
+
+    def to_json(self) -> dict[str, object]:
+        """Plain JSON description."""
+        return {n: c.tolist() for n, c in self.coef.items()}
+
+    @classmethod
+    def declared(cls, alpha_s: float, gbps: dict[str, float]) -> BandwidthModel:
+        """A model from declared numbers (``calibrate=false``): one latency, a bandwidth per link.
+
+        Point-to-point pays ``alpha`` per message, gather per destination, all-to-all once.
+        """
+        missing = [c for c in LINKS if c not in gbps]
+        if missing:
+            raise ConfigError(f"bandwidth.gbps: expected keys {list(LINKS)}, missing {missing}")
+        inv = [1.0 / (gbps[c] * 1e9) for c in LINKS]
+        coef = {n: np.array([alpha_s, *inv]) for n in NAMES}
+        return cls(coef, "config")
+
+
+def fit(samples: list[tuple[np.ndarray, float]]) -> np.ndarray:
+    """Non-negative least squares on relative error: ``x @ coef ~= t`` for ``(x, t)`` samples.
+
+    Features that never vary (e.g. no cross-host bytes on one host) get coefficient 0.
+    """
+    X = np.array([x for x, _ in samples], dtype=np.float64)
+    t = np.array([t for _, t in samples], dtype=np.float64)
+    w = 1.0 / np.maximum(t, 1e-9)
+    active = list(np.nonzero(np.abs(X).sum(axis=0) > 0)[0])
+    coef = np.zeros(X.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(X[:, active] * w[:, None], t * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
+    return coef
+
+
+# ---------------------------------------------------------------------------- calibration
+
+PROBE_SIZES = (1024, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
+PROBE_REPEATS = 5
+
+
+def probe_matrices(world: int, per_peer: int) -> dict[str, np.ndarray]:
+    """Byte patterns of the probe: uniform, uniform without self chunks (so local-copy and link
+    bytes can be told apart), and one hot destination."""
+    uniform = np.full((world, world), per_peer, dtype=np.int64)
+    cross = uniform.copy()
+    np.fill_diagonal(cross, 0)
+    hot = np.zeros((world, world), dtype=np.int64)
+    hot[:, 0] = per_peer
+    return {"uniform": uniform, "cross": cross, "hot": hot}
+
+
+def time_strategy(
+    ex: Exchange, strat: Strategy, matrix: np.ndarray, repeats: int, round: int = -1
+) -> float:
+    """Median seconds of ``strat`` moving ``matrix`` bytes (the slowest rank's, on every rank)."""
+    me = ex.rank
+    rows_out, rows_in = matrix[me].tolist(), matrix[:, me].tolist()
+    inp = torch.randint(0, 255, (int(sum(rows_out)), 1), dtype=torch.uint8)
+    out = torch.empty((int(sum(rows_in)), 1), dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        if dist.is_initialized() and ex.world > 1:
+            dist.barrier(group=ex.group)
+        t0 = time.perf_counter()
+        strat.run(ex, out, inp, rows_in, rows_out, round, "probe", matrix)
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([float(np.median(times[1:]))], dtype=torch.float64)
+    if ex.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ex.group)
+    return float(t)
+
+
+def calibrate(
+    ex: Exchange, topo: Topology, sizes=PROBE_SIZES, repeats=PROBE_REPEATS
+) -> BandwidthModel:
+    """Time every strategy at a few sizes and patterns, fit each (a collective: every rank)."""
+    strategies = make_strategies()
+    links = topo.link_matrix()
+    samples: dict[str, list[tuple[np.ndarray, float]]] = {n: [] for n in strategies}
+    for size in sizes:
+        for matrix in probe_matrices(ex.world, size).values():
+            for name, strat in strategies.items():
+                t = time_strategy(ex, strat, matrix, repeats)
+                samples[name].append((features(name, matrix, links), t))
+    return BandwidthModel({n: fit(s) for n, s in samples.items()}, "probe")
+
+
+def cache_path(cache_dir: str, backend: str, topo: Topology) -> str:
+    """Where the calibration of this backend, world size and host layout is cached."""
+    return os.path.join(
+        os.path.expanduser(cache_dir), f"bandwidth-{backend}-w{topo.world}-{topo.key()}.json"
+    )
+
+
+def load_cache(path: str, backend: str, topo: Topology) -> BandwidthModel | None:
+    """The cached model, or ``None`` (with a warning) if missing, corrupt or for another layout."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("version") != CACHE_VERSION or data.get("backend") != backend:
+            raise ValueError(f"version/backend {data.get('version')}/{data.get('backend')}")
+        if data.get("world") != topo.world or data.get("hosts") != topo.key():
+            raise ValueError(f"layout world={data.get('world')} hosts={data.get('hosts')}")
+        coef = {n: np.array(data["coef"][n], dtype=np.float64) for n in NAMES}
+        if any(c.shape != (len(FEATURES),) or not np.isfinite(c).all() for c in coef.values()):
+            raise ValueError("bad coefficient vector")
+    except Exception as exc:
+        log.warning("bandwidth cache %s ignored (%s); re-probing", path, exc)
+        return None
+    return BandwidthModel(coef, "cache")
+
+
+def save_cache(path: str, model: BandwidthModel, backend: str, topo: Topology) -> None:
+    """Write the model (atomically)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = {
+        "version": CACHE_VERSION,
+        "backend": backend,
+        "world": topo.world,
+        "hosts": topo.key(),
+        "features": list(FEATURES),
+        "coef": model.to_json(),
+    }
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
+    """Rank 0's model on every rank (``None`` everywhere if any rank has none)."""
+    if ex.world == 1:
+        return model
+    ok = torch.tensor([1 if model is not None else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ex.group)
+    if not int(ok):
+        return None
+    flat = torch.tensor(np.concatenate([model.coef[n] for n in NAMES]), dtype=torch.float64)
+    dist.broadcast(flat, src=0, group=ex.group)
+    parts = flat.numpy().reshape(len(NAMES), len(FEATURES))
+    return BandwidthModel({n: parts[i].copy() for i, n in enumerate(NAMES)}, model.source)
+
+
+def build(
+    ex: Exchange,
+    topo: Topology,
+    calibrate_now: bool,
+    cache_dir: str | None,
+    declared: BandwidthModel,
+) -> tuple[BandwidthModel, float]:
+    """The model every rank uses, and the seconds it took (cache, probe, or declared numbers)."""
+    start = time.perf_counter()
+    if not calibrate_now or ex.world == 1:
+        return declared, 0.0
+    backend = str(dist.get_backend(ex.group))
+    path = cache_path(cache_dir, backend, topo) if cache_dir else None
+    model = agree(ex, load_cache(path, backend, topo) if path else None)
+    if model is None:
+        model = agree(ex, calibrate(ex, topo))
+        first_on_host = topo.host_of.index(topo.host_of[ex.rank]) == ex.rank
+        if path and first_on_host:  # one writer per host
+            save_cache(path, model, backend, topo)
+    return model, time.perf_counter() - start

@@ -1,0 +1,89 @@
+"""Topology discovery: which ranks share a host, exchanged once at start."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LINKS = ("self", "host", "net")  # same process, same host, across hosts
+_NAME_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Hosts of every rank and the link class of every pair.
+
+    Attributes:
+        hosts: host name of each rank.
+        host_of: host index of each rank (0-based, in order of first appearance).
+    """
+
+    hosts: tuple[str, ...]
+    host_of: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+        return len(self.hosts)
+
+    @property
+    def num_hosts(self) -> int:
+        """Number of distinct hosts."""
+        return len(set(self.hosts))
+
+    def link(self, a: int, b: int) -> str:
+        """Link class between ranks ``a`` and ``b``: ``self``, ``host`` or ``net``."""
+        if a == b:
+            return "self"
+        return "host" if self.host_of[a] == self.host_of[b] else "net"
+
+    def link_matrix(self) -> np.ndarray:
+        """``[world, world]`` link class index (into :data:`LINKS`) of every pair."""
+        h = np.array(self.host_of)
+        m = np.where(h[:, None] == h[None, :], 1, 2)
+        np.fill_diagonal(m, 0)
+        return m
+
+    def key(self) -> str:
+        """A short stable key of the layout (for calibration caches)."""
+        text = ",".join(self.hosts)
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    @classmethod
+    def single_host(cls, world: int, name: str = "localhost") -> Topology:
+        """Every rank on one host."""
+        return cls(tuple([name] * world), tuple([0] * world))
+
+    @classmethod
+    def from_hosts(cls, hosts: list[str]) -> Topology:
+        """Build from each rank's host name."""
+        order: dict[str, int] = {}
+        for h in hosts:
+            order.setdefault(h, len(order))
+        return cls(tuple(hosts), tuple(order[h] for h in hosts))
+
+
+def discover(group: dist.ProcessGroup | None = None) -> Topology:
+    """Exchange host names once (a collective on ``group``; CPU tensors, no pickle).
+
+    Returns:
+        The job's :class:`Topology` (one host at world size 1 or without a process group).
+    """
+    name = socket.gethostname()
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return Topology.from_hosts([name])
+    world = dist.get_world_size(group)
+    raw = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+    local = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = torch.empty(world * _NAME_BYTES, dtype=torch.uint8)
+    dist.all_gather_single(out, local, group=group)
+    hosts = [
+        bytes(out[i * _NAME_BYTES : (i + 1) * _NAME_BYTES].tolist()).rstrip(b"\0").decode()
+        for i in range(world)
+    ]
+    return Topology.from_hosts(hosts)

@@ -1,0 +1,81 @@
+"""Transport: for each exchange of a round, choose the strategy the model predicts cheapest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.model import BandwidthModel
+from conduit_dist.collectives.strategies import NAMES, make_strategies
+from conduit_dist.collectives.topology import Topology
+from conduit_dist.errors import ConfigError
+
+
+@dataclass
+class Move:
+    """One exchange as it happened: strategy, predicted and measured milliseconds."""
+
+    op: str
+    strategy: str
+    predicted_ms: float
+    measured_ms: float
+
+
+class Transport:
+    """Runs a round's exchanges with the strategy chosen by the bandwidth model (or forced).
+
+    Args:
+        ex: the plane's collectives.
+        topo: the job's topology.
+        model: the bandwidth model every rank agrees on.
+        strategy: ``auto`` or one of the strategy names (forces it).
+
+    Raises:
+        ConfigError: on an unknown strategy.
+    """
+
+    def __init__(self, ex: Exchange, topo: Topology, model: BandwidthModel, strategy: str = "auto"):
+        if strategy != "auto" and strategy not in NAMES:
+            raise ConfigError(
+                f"strategy: expected 'auto' or one of {list(NAMES)}, got {strategy!r}"
+            )
+        self.ex, self.topo, self.model, self.forced = ex, topo, model, strategy
+        self.links = topo.link_matrix()
+        self.strategies = make_strategies()
+        self._choices: dict[bytes, tuple[str, float]] = {}
+
+    def choose(self, matrix_bytes: np.ndarray) -> tuple[str, float]:
+        """Strategy and predicted seconds for a byte matrix (memoised per matrix)."""
+        key = matrix_bytes.tobytes()
+        hit = self._choices.get(key)
+        if hit is None:
+            if self.forced != "auto":
+                hit = (self.forced, self.model.predict(self.forced, matrix_bytes, self.links))
+            else:
+                hit = self.model.choose(matrix_bytes, self.links)
+            if len(self._choices) > 1024:
+                self._choices.clear()
+            self._choices[key] = hit
+        return hit
+
+    def move(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        rows: np.ndarray,
+        round: int,
+        op: str,
+    ) -> Move:
+        """Move record rows: ``rows[src, dst]`` (the same on every rank) of ``width`` bytes."""
+        me = self.ex.rank
+        width = inp.shape[1] * inp.element_size() if inp.dim() == 2 else 1
+        name, pred = self.choose(rows * width)
+        t0 = time.perf_counter()
+        self.strategies[name].run(
+            self.ex, out, inp, rows[:, me].tolist(), rows[me].tolist(), round, op, rows
+        )
+        return Move(op, name, pred * 1e3, (time.perf_counter() - t0) * 1e3)

@@ -1,0 +1,170 @@
+"""Bandwidth model: fit, choice, strategies byte-identical on real ranks, calibration cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import run_ranks
+
+from conduit_dist.collectives.model import (
+    FEATURES,
+    BandwidthModel,
+    cache_path,
+    features,
+    fit,
+    load_cache,
+    save_cache,
+)
+from conduit_dist.collectives.strategies import NAMES
+from conduit_dist.collectives.topology import Topology
+
+
+def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
+    rng = np.random.default_rng(0)
+    alpha, inv_host, inv_self = 120e-6, 1 / 1.6e9, 1 / 9e9
+    links = Topology.single_host(2).link_matrix()
+    samples = []
+    for size in [1e3, 1e4, 1e5, 1e6, 1e7, 5e7]:
+        for pattern in ("uniform", "cross"):
+            m = np.full((2, 2), size) if pattern == "uniform" else np.array([[0, size], [size, 0]])
+            x = features("all_to_all", m, links)
+            t = x @ np.array([alpha, inv_self, inv_host, 0.0]) * rng.uniform(0.97, 1.03)
+            samples.append((x, t))
+    coef = fit(samples)
+    assert coef[0] == pytest.approx(alpha, rel=0.1)
+    assert coef[2] == pytest.approx(inv_host, rel=0.1)
+    assert coef[3] == 0.0  # no cross-host bytes on one host: nothing to fit
+
+
+def test_features_encode_the_algorithmic_factors():
+    topo = Topology.from_hosts(["a", "a", "b", "b"])
+    links = topo.link_matrix()
+    m = np.zeros((4, 4))
+    m[0, 1], m[0, 2], m[3, 0] = 100, 50, 7
+    x = dict(zip(FEATURES, features("all_to_all", m, links)))
+    # rank 0 sends 100 within its host, and over the network sends 50 while receiving 7 (duplex)
+    assert x["calls"] == 1 and x["bytes_host"] == 100 and x["bytes_net"] == 50
+    p2p = dict(zip(FEATURES, features("p2p", m, links)))
+    assert p2p["calls"] == 3  # rank 0 sends to 2 peers and receives from 1
+    assert dict(zip(FEATURES, features("chunked4", m, links)))["calls"] == 12
+    g = dict(zip(FEATURES, features("gather", m, links)))
+    assert g["calls"] == 3  # three destinations receive
+    assert g["bytes_net"] == 3 * 100 + 3 * 50 + 3 * 7  # padded to the largest chunk, world - 1 each
+
+
+def test_choose_returns_the_argmin_of_the_model():
+    links = Topology.single_host(3).link_matrix()
+    cheap_calls = np.array([1e-3, 0, 1e-9, 0])
+    cheap_bytes = np.array([1e-2, 0, 1e-11, 0])
+    model = BandwidthModel(
+        {
+            "all_to_all": cheap_calls,
+            "p2p": cheap_bytes,
+            "chunked4": cheap_bytes * 2,
+            "gather": cheap_calls * 3,
+        }
+    )
+    small = np.full((3, 3), 10)
+    big = np.full((3, 3), 10**9)
+    for m in (small, big):
+        name, t = model.choose(m, links)
+        preds = {n: model.predict(n, m, links) for n in model.coef}
+        assert name == min(preds, key=preds.get) and t == min(preds.values())
+    assert model.choose(small, links)[0] == "all_to_all"
+    assert model.choose(big, links)[0] == "p2p"
+
+
+def _strategies(rank, world, pattern):
+    import conduit_dist as cd
+    from conduit_dist.collectives.exchange import Exchange
+    from conduit_dist.collectives.strategies import make_strategies
+
+    cd.init_distributed()
+    ex = Exchange(30.0)
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 6, (world, world))
+    if pattern == "empty":
+        rows[1, :] = 0
+        rows[:, 2 % world] = 0
+    if pattern == "hot":
+        rows[:] = 0
+        rows[:, 0] = [3, 9, 1][:world]
+    width = 24
+    inp = torch.cat(
+        [
+            torch.full((int(rows[rank, d]), width), 16 * rank + d, dtype=torch.uint8)
+            for d in range(world)
+        ]
+    )
+    results = {}
+    for name, strat in make_strategies().items():
+        out = torch.full((int(rows[:, rank].sum()), width), 255, dtype=torch.uint8)
+        strat.run(ex, out, inp, rows[:, rank].tolist(), rows[rank].tolist(), 0, "test", rows)
+        results[name] = out.clone()
+    ex.close()
+    expected = torch.cat(
+        [
+            torch.full((int(rows[s, rank]), width), 16 * s + rank, dtype=torch.uint8)
+            for s in range(world)
+        ]
+    )
+    return {n: torch.equal(v, expected) for n, v in results.items()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_strategy_is_byte_identical_with_uneven_and_empty_splits(world):
+    for pattern in ("uneven", "empty", "hot"):
+        res = run_ranks(_strategies, world, pattern)
+        for rank, ok in res.items():
+            assert all(ok.values()), (pattern, rank, ok)
+            assert set(ok) == set(NAMES)
+
+
+def test_cache_round_trip_and_corrupt_or_mismatched_cache_is_ignored(tmp_path, caplog):
+    topo = Topology.single_host(2)
+    model = BandwidthModel({n: np.array([1e-4, 1e-10, 6e-10, 0.0]) for n in NAMES}, "probe")
+    path = cache_path(str(tmp_path), "gloo", topo)
+    save_cache(path, model, "gloo", topo)
+    loaded = load_cache(path, "gloo", topo)
+    assert loaded is not None and loaded.source == "cache"
+    assert all(np.allclose(loaded.coef[n], model.coef[n]) for n in NAMES)
+    caplog.set_level(logging.WARNING, logger="conduit_dist")
+    assert load_cache(path, "gloo", Topology.single_host(3)) is None  # other world size
+    assert "ignored" in caplog.text
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert load_cache(path, "gloo", topo) is None
+    data = {"version": 1, "backend": "gloo", "world": 2, "hosts": topo.key(), "coef": {"p2p": [1]}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+    assert load_cache(path, "gloo", topo) is None
+
+
+def _calibrated_plane(rank, world, cache_dir):
+    from plane_helpers import make_batch, spec
+
+    import conduit_dist as cd
+
+    cd.init_distributed()
+    plane = cd.DataPlane(spec(), 100, bandwidth="calibrate", bandwidth_cache=cache_dir)
+    plane.put(make_batch(torch.arange(10) + 100 * rank))
+    plane.fetch(4)
+    out = plane.bandwidth.source, plane.calibration_s, [m.strategy for m in plane.stats.moves]
+    plane.close()
+    return out
+
+
+def test_calibration_probes_once_then_reuses_the_cache_and_reprobes_a_corrupt_one(tmp_path):
+    first = run_ranks(_calibrated_plane, 2, str(tmp_path))
+    assert {r[0] for r in first.values()} == {"probe"}
+    assert all(r[2] for r in first.values())  # the round's exchanges record their strategy
+    second = run_ranks(_calibrated_plane, 2, str(tmp_path))
+    assert {r[0] for r in second.values()} == {"cache"}
+    for f in tmp_path.iterdir():
+        f.write_text("corrupt")
+    third = run_ranks(_calibrated_plane, 2, str(tmp_path))
+    assert {r[0] for r in third.values()} == {"probe"}
