@@ -26,6 +26,13 @@ class PlaneConfig:
         schedule: ``overlap`` (rounds launched at backward start) or ``sync`` (inside fetch).
         max_lag: rounds of a rank's own puts a fetched batch may miss (0 or more).
         trace_dir: write each rank's Chrome trace here at the end (``null``: no trace).
+        strategy: ``auto`` (the bandwidth model chooses per exchange) or a strategy to force:
+            ``all_to_all``, ``p2p``, ``chunked4``, ``gather``.
+        calibrate: probe the links at start-up (cached in ``bandwidth_cache``); ``false`` uses the
+            declared ``latency_us`` and ``gbps`` instead.
+        bandwidth_cache: directory of calibration caches.
+        latency_us: declared per-call latency (when not calibrating).
+        gbps: declared bandwidth per link class ``self``, ``host``, ``net`` (GB/s).
     """
 
     kind: str = "conduit"
@@ -35,6 +42,11 @@ class PlaneConfig:
     schedule: str = "overlap"
     max_lag: int = 1
     trace_dir: str | None = None
+    strategy: str = "auto"
+    calibrate: bool = True
+    bandwidth_cache: str = "~/.cache/conduit_dist"
+    latency_us: float = 150.0
+    gbps: dict[str, float] = field(default_factory=lambda: {"self": 8.0, "host": 1.5, "net": 0.1})
 
 
 @dataclass
@@ -146,6 +158,7 @@ def validate(cfg: TrainConfig) -> None:
         ("plane.kind", cfg.plane.kind, ("conduit", "simple")),
         ("plane.placement", cfg.plane.placement, ("round_robin", "local")),
         ("plane.schedule", cfg.plane.schedule, ("overlap", "sync")),
+        ("plane.strategy", cfg.plane.strategy, ("auto", "all_to_all", "p2p", "chunked4", "gather")),
         ("logger.kind", cfg.logger.kind, ("wandb", "console", "none")),
         ("logger.mode", cfg.logger.mode, ("offline", "online", "disabled")),
     ]

@@ -46,14 +46,18 @@ def test_features_encode_the_algorithmic_factors():
     m = np.zeros((4, 4))
     m[0, 1], m[0, 2], m[3, 0] = 100, 50, 7
     x = dict(zip(FEATURES, features("all_to_all", m, links)))
-    # rank 0 sends 100 within its host, and over the network sends 50 while receiving 7 (duplex)
+    # rank 0 sends 100 within its host (copied by the CPU, both directions count), and over the
+    # network sends 50 while receiving 7 (duplex: the larger counts)
     assert x["calls"] == 1 and x["bytes_host"] == 100 and x["bytes_net"] == 50
+    m2 = m.copy()
+    m2[1, 0] = 30  # now rank 0 also receives 30 within its host
+    assert dict(zip(FEATURES, features("all_to_all", m2, links)))["bytes_host"] == 130
     p2p = dict(zip(FEATURES, features("p2p", m, links)))
     assert p2p["calls"] == 3  # rank 0 sends to 2 peers and receives from 1
     assert dict(zip(FEATURES, features("chunked4", m, links)))["calls"] == 12
     g = dict(zip(FEATURES, features("gather", m, links)))
     assert g["calls"] == 3  # three destinations receive
-    assert g["bytes_net"] == 3 * 100 + 3 * 50 + 3 * 7  # padded to the largest chunk, world - 1 each
+    assert g["bytes_net"] == 4 * 100 + 4 * 50 + 4 * 7  # padded to the largest chunk, world each
 
 
 def test_choose_returns_the_argmin_of_the_model():
@@ -71,11 +75,19 @@ def test_choose_returns_the_argmin_of_the_model():
     small = np.full((3, 3), 10)
     big = np.full((3, 3), 10**9)
     for m in (small, big):
-        name, t = model.choose(m, links)
+        name, t = model.choose(m, links, margin=0.0)
         preds = {n: model.predict(n, m, links) for n in model.coef}
         assert name == min(preds, key=preds.get) and t == min(preds.values())
     assert model.choose(small, links)[0] == "all_to_all"
     assert model.choose(big, links)[0] == "p2p"
+    # a predicted gain within the tie margin keeps the fused all-to-all
+    close = BandwidthModel(
+        {"all_to_all": np.array([1.0, 0, 0, 0]), "p2p": np.array([0.45, 0, 0, 0])}
+    )
+    one = np.array([[0, 1], [0, 0]])
+    two = Topology.single_host(2).link_matrix()
+    assert close.choose(one, two, margin=0.15)[0] == "p2p"  # 1 message: 0.45 vs 1.0
+    assert close.choose(np.array([[0, 1], [1, 0]]), two, margin=0.15)[0] == "all_to_all"  # 0.9
 
 
 def _strategies(rank, world, pattern):

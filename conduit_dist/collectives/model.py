@@ -8,10 +8,12 @@ a strategy's time is modelled as
 - ``calls``: the collective calls or messages on the critical rank: 1 for the fused all-to-all;
   the non-empty peers a rank sends to plus receives from (max over ranks) for point-to-point, times
   the pieces for chunked point-to-point; the destinations that receive anything for gather.
-- ``B_c``: bytes over links of class ``c`` on the critical rank: ``max_r max(out_c(r), in_c(r))``
-  (a rank sends and receives at once). For ``self`` that is the rank's own chunk (a local copy).
-  Gather pads every chunk to a destination's largest, so its ``B_c`` counts
-  ``(world - 1) * max_s M[s, d]`` per destination ``d`` (on the root's links).
+- ``B_c``: bytes over links of class ``c`` on the critical rank. Across hosts a NIC sends and
+  receives at once: ``max_r max(out(r), in(r))``. Within a host (loopback TCP or shared memory) the
+  CPU copies both directions: ``max_r (out(r) + in(r))`` (measured here: a uniform exchange takes
+  1.7x a one-directional one of the same size). ``self`` is the rank's own chunk (a local copy).
+  Gather pads every chunk to a destination's largest and the root takes them one after another,
+  so its bytes count ``world * max_s M[s, d]`` per destination ``d``.
 
 ``alpha`` (seconds per call) and ``1/beta_c`` (seconds per byte) are fitted per strategy by
 least squares on relative error from a short probe (:func:`calibrate`), or declared in config.
@@ -38,6 +40,7 @@ log = logging.getLogger("conduit_dist")
 
 FEATURES = ("calls", *(f"bytes_{c}" for c in LINKS))
 CACHE_VERSION = 1
+TIE_MARGIN = 0.15
 
 
 def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray:
@@ -54,16 +57,21 @@ def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray
         dests = np.nonzero(matrix.sum(axis=0))[0]
         x[0] = len(dests)
         for d in dests:
-            padded = (world - 1) * matrix[:, d].max()
+            padded = world * matrix[:, d].max()
             cls = 2 if (links[:, d] == 2).any() else 1
             x[1] += matrix[d, d]
             x[1 + cls] += padded
         return x
-    for c in range(len(LINKS)):
+    for c, link in enumerate(LINKS):
         mask = links == c
         out_c = (matrix * mask).sum(axis=1)
         in_c = (matrix * mask).sum(axis=0)
-        x[1 + c] = np.maximum(out_c, in_c).max()
+        if link == "self":
+            x[1 + c] = out_c.max()
+        elif link == "host":
+            x[1 + c] = (out_c + in_c).max()
+        else:
+            x[1 + c] = np.maximum(out_c, in_c).max()
     if strategy == "all_to_all":
         x[0] = 1.0
     else:
@@ -90,11 +98,21 @@ class BandwidthModel:
         """Predicted seconds of ``strategy`` on ``matrix``."""
         return float(features(strategy, matrix, links) @ self.coef[strategy])
 
-    def choose(self, matrix: np.ndarray, links: np.ndarray, allowed=None) -> tuple[str, float]:
-        """The strategy with the least predicted time, and that time."""
+    def choose(
+        self, matrix: np.ndarray, links: np.ndarray, allowed=None, margin: float = TIE_MARGIN
+    ) -> tuple[str, float]:
+        """The strategy with the least predicted time, and that time.
+
+        Ties go to the fused all-to-all: it is kept unless another strategy is predicted more
+        than ``margin`` (relative) faster. Point-to-point's time on gloo varies far more from call
+        to call than the fused collective's, so a small predicted gain is not worth its risk.
+        """
         names = [n for n in self.coef if allowed is None or n in allowed]
         preds = {n: self.predict(n, matrix, links) for n in names}
         best = min(preds, key=preds.get)
+        default = preds.get("all_to_all")
+        if default is not None and preds[best] >= default * (1 - margin):
+            return "all_to_all", default
         return best, preds[best]
 
     def to_json(self) -> dict[str, object]:
@@ -136,8 +154,8 @@ def fit(samples: list[tuple[np.ndarray, float]]) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- calibration
 
-PROBE_SIZES = (1024, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
-PROBE_REPEATS = 5
+PROBE_SIZES = (1024, 16 * 1024, 256 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+PROBE_REPEATS = 7
 
 
 def probe_matrices(world: int, per_peer: int) -> dict[str, np.ndarray]:
@@ -264,4 +282,5 @@ def build(
         first_on_host = topo.host_of.index(topo.host_of[ex.rank]) == ex.rank
         if path and first_on_host:  # one writer per host
             save_cache(path, model, backend, topo)
+        dist.barrier(group=ex.group)  # the cache is complete before any rank looks again
     return model, time.perf_counter() - start

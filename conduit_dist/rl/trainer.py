@@ -21,7 +21,18 @@ from conduit_dist.spec import ExperienceSpec
 
 log = logging.getLogger("conduit_dist")
 
-_PHASES = ("ingest", "sample", "deliver", "wait", "total", "exposed", "hidden", "iteration")
+_PHASES = (
+    "ingest",
+    "sample",
+    "deliver",
+    "wait",
+    "total",
+    "exposed",
+    "hidden",
+    "iteration",
+    "predicted_move",
+    "measured_move",
+)
 
 
 @dataclass
@@ -43,6 +54,9 @@ class _Window:
         self.ms["wait"].append(wait_ms)
         self.ms["exposed"].append(wait_ms)
         self.ms["hidden"].append(hidden_ms)
+        for move in getattr(stats, "moves", ()):  # the bandwidth model's prediction vs reality
+            self.ms["predicted_move"].append(move.predicted_ms)
+            self.ms["measured_move"].append(move.measured_ms)
         self.bytes_in += stats.bytes_in
         self.bytes_out += stats.bytes_out
 
@@ -133,6 +147,10 @@ class Trainer:
             timeout_s=pc.timeout_s,
             schedule=pc.schedule,
             max_lag=pc.max_lag,
+            strategy=pc.strategy,
+            bandwidth="calibrate" if pc.calibrate else "declared",
+            declared_bandwidth=(pc.latency_us * 1e-6, dict(pc.gbps)),
+            bandwidth_cache=pc.bandwidth_cache,
         )
 
     # ------------------------------------------------------------------ loop
