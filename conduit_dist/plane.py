@@ -54,7 +54,7 @@ class DataPlane:
         timeout_s: seconds any collective of a round may take before it fails with
             :class:`RoundError`.
         schedule: ``overlap`` (default) or ``sync`` (request-driven: the round runs inside
-            ``fetch``).
+            ``fetch``). A single CPU rank has nothing to overlap and always runs rounds inline.
         max_lag: rounds of this rank's own puts a fetched batch may miss (``0``: none; overlap
             then only happens between fetches announced with ``fetch(..., more=True)``).
         strategy: ``auto`` (the bandwidth model picks per exchange) or a strategy name to force:
@@ -135,7 +135,16 @@ class DataPlane:
             self.device,
             transport,
         )
-        self._sched = Scheduler(schedule, self._runner, self._weights, self.device, timeout_s)
+        # one CPU rank has no collective to wait for: a background round would only add a thread
+        # handoff, so rounds run inline there (the lag rules are those of sync: none)
+        self._overlap = schedule == "overlap" and (self.world > 1 or self.device.type == "cuda")
+        self._sched = Scheduler(
+            "overlap" if self._overlap else "sync",
+            self._runner,
+            self._weights,
+            self.device,
+            timeout_s,
+        )
         cuda = self.device.type == "cuda"
         self._stage = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
         self.timeline = Timeline(self.rank)
@@ -314,7 +323,7 @@ class DataPlane:
             if pending.kind == "prefetch":  # launched at backward: it is this call's round
                 return
         ticket = self._prepare(0)
-        if self.schedule == "overlap":
+        if self._overlap:
             self._sched.launch(ticket, "flush", self._put_seq)
         else:
             self._finish(*self._guard(lambda: self._sched.run(ticket)))
@@ -362,7 +371,7 @@ class DataPlane:
     def _on_backward(self) -> None:
         t = now()
         self.timeline.add("backward start", Timeline.LEARNER, t, t)
-        if self.schedule != "overlap" or self._closed or self._failed is not None:
+        if not self._overlap or self._closed or self._failed is not None:
             return
         if self._sched.pending is not None or not self._fetched:
             return

@@ -145,14 +145,13 @@ def test_accounting_and_trace():
         assert ("forward", 1) in names and ("backward start", 1) in names
 
 
-def test_hooks_removed_on_close_and_special_models():
-    cd.init_distributed()
+def _special_models(rank, world):
     # no parameter requires grad: no backward, every fetch runs its round itself
     frozen = Learner().requires_grad_(False)
     plane = cd.DataPlane(spec(), capacity_per_rank=100)
     plane.attach(frozen)
     assert len(frozen._forward_hooks) == 1 and len(frozen._forward_pre_hooks) == 1
-    plane.put(make_batch(torch.arange(10)))
+    plane.put(make_batch(torch.arange(10) + 100 * rank))
     for _ in range(3):
         b = plane.fetch(4)
         frozen(b["obs"])
@@ -164,17 +163,19 @@ def test_hooks_removed_on_close_and_special_models():
     model = Learner()
     plane = cd.DataPlane(spec(), capacity_per_rank=100)
     plane.attach(torch.nn.parallel.DistributedDataParallel(model))
-    plane.put(make_batch(torch.arange(10)))
-    rounds = []
+    plane.put(make_batch(torch.arange(10) + 100 * rank))
+    rounds, prefetched = [], []
     for _ in range(4):
         b = plane.fetch(4)
         rounds.append(plane.last_fetch.round)
+        prefetched.append(plane.last_fetch.prefetched)
         _train_step(model, b)
         _train_step(model, b)
-    assert rounds == [0, 1, 2, 3]
+    assert rounds == [0, 1, 2, 3] and prefetched == [False, True, True, True]
     # evaluation (no backward) between fetches: the round runs inside fetch
     with torch.no_grad():
         b = plane.fetch(4)  # the round launched by the last backward
+        assert plane.last_fetch.prefetched
         model(b["obs"])
         b = plane.fetch(4)
     assert not plane.last_fetch.prefetched
@@ -183,6 +184,11 @@ def test_hooks_removed_on_close_and_special_models():
     plane.detach()
     assert not model._forward_hooks
     plane.close()
+    return True
+
+
+def test_hooks_removed_on_close_and_special_models():
+    assert all(run_ranks(_special_models, 2).values())
 
 
 def test_schedule_and_lag_arguments_are_checked():
