@@ -1,4 +1,4 @@
-"""Builds the one native helper (row packing); everything else is in pyproject.toml."""
+"""Builds the native helpers (row packing, NaN/inf counting); the rest is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -7,7 +7,7 @@ setup(
         Extension(
             "conduit_dist._native._pack",
             ["conduit_dist/_native/pack.c"],
-            extra_compile_args=["-O2"],
+            extra_compile_args=["-O3"],
         )
     ]
 )

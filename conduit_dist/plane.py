@@ -64,6 +64,7 @@ class DataPlane:
             :class:`~conduit_dist.collectives.model.BandwidthModel`.
         declared_bandwidth: ``(latency_s, {"self": GB/s, "host": GB/s, "net": GB/s})``.
         bandwidth_cache: directory of calibration caches (``None``: no cache).
+        trace: record a per-rank timeline for :meth:`export_trace` (a few microseconds per call).
 
     Raises:
         ConfigError: on a bad capacity, placement, schedule, lag, device or learner rank.
@@ -92,6 +93,7 @@ class DataPlane:
         bandwidth: str | BandwidthModel = "declared",
         declared_bandwidth: tuple[float, dict[str, float]] = DECLARED,
         bandwidth_cache: str | None = "~/.cache/conduit_dist",
+        trace: bool = False,
     ) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
@@ -147,10 +149,10 @@ class DataPlane:
         )
         cuda = self.device.type == "cuda"
         self._stage = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
-        self.timeline = Timeline(self.rank)
+        self.timeline = Timeline(self.rank, enabled=trace)
         self.round = 0  # rounds prepared so far (the next round's number)
         self.stats = RoundStats()
-        self.last_fetch: FetchTiming | None = None
+        self._last: tuple | None = None  # what last_fetch is computed from
         self._direct = 0  # items put straight into storage slots, counted at the next round
         self._put_seq = 0
         self._last_batch = 0
@@ -416,8 +418,30 @@ class DataPlane:
         return self._weights.pull(_unwrap(module))
 
     def export_trace(self, path: str) -> str:
-        """Write this rank's timeline as Chrome trace JSON (open in Perfetto); returns the path."""
+        """Write this rank's timeline as Chrome trace JSON (open in Perfetto); returns the path.
+
+        Raises:
+            ConfigError: if the plane was built without ``trace=True``.
+        """
+        if not self.timeline.enabled:
+            raise ConfigError("export_trace: tracing is off; build the plane with trace=True")
         return self.timeline.export(path)
+
+    @property
+    def last_fetch(self) -> FetchTiming | None:
+        """Exposed/hidden accounting of the latest fetch (``None`` before the first)."""
+        if self._last is None:
+            return None
+        stats, prefetched, lag, t_wait, t_end = self._last
+        phases = {p: split(stats.spans[p], (t_wait, t_end)) for p in PHASES if p in stats.spans}
+        return FetchTiming(
+            round=stats.round,
+            prefetched=prefetched,
+            lag_rounds=lag,
+            exposed_ms=(t_end - t_wait) * 1e3,
+            hidden_ms=sum(h for _, h in phases.values()) * 1e3,
+            phases={p: (e * 1e3, h * 1e3) for p, (e, h) in phases.items()},
+        )
 
     def close(self) -> None:
         """Run the closing round, remove hooks, release the group. Safe to call twice.
@@ -512,22 +536,15 @@ class DataPlane:
 
     def _finish(self, records: torch.Tensor, stats: RoundStats) -> None:
         self.stats = stats
+        if not self.timeline.enabled:
+            return
         for phase, (a, b) in stats.spans.items():
             self.timeline.add(phase, Timeline.PLANE, a, b, round=stats.round)
 
     def _account(
         self, stats: RoundStats, prefetched: bool, lag: int, t_wait: float, t_end: float
     ) -> None:
-        phases = {p: split(stats.spans[p], (t_wait, t_end)) for p in PHASES if p in stats.spans}
-        hidden = sum(h for _, h in phases.values())
-        self.last_fetch = FetchTiming(
-            round=stats.round,
-            prefetched=prefetched,
-            lag_rounds=lag,
-            exposed_ms=(t_end - t_wait) * 1e3,
-            hidden_ms=hidden * 1e3,
-            phases={p: (e * 1e3, h * 1e3) for p, (e, h) in phases.items()},
-        )
+        self._last = (stats, prefetched, lag, t_wait, t_end)
         self.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, t_end, round=stats.round)
 
 

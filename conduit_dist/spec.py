@@ -27,6 +27,7 @@ except ImportError:  # a source checkout that was not built: pip install -e .
     )
 
 _ALIGN = 8
+_KIND = {torch.float32: 4, torch.float64: 8, torch.float16: 2, torch.bfloat16: 3}
 _SUPPORTED = (
     torch.float16,
     torch.bfloat16,
@@ -271,6 +272,20 @@ class ExperienceSpec:
             SpecError: naming the field and the number of non-finite values.
         """
         if not self._checked:
+            return
+        if _native is not None:
+            for name, _ in self._checked:
+                t = batch[name]
+                if t.device.type == "cpu":
+                    t = t.contiguous()
+                    bad = _native.count_nonfinite(t.data_ptr(), t.numel(), _KIND[t.dtype])
+                else:
+                    bad = int((~torch.isfinite(t)).sum())
+                if bad:
+                    raise SpecError(
+                        f"field {name!r}: expected finite values, got {bad} NaN/inf "
+                        "(pass allow_nonfinite=True in the spec to accept them)"
+                    )
             return
         total = None
         for name, acc in self._checked:

@@ -131,6 +131,8 @@ class OutputPool:
 
     def acquire(self, rows: int) -> torch.Tensor:
         """A ``[rows, record_bytes]`` buffer nobody else references."""
+        if rows == 0:
+            return torch.empty((0, self.record_bytes), dtype=torch.uint8, device=self.device)
         for buf, idle in self._pool:
             if buf.shape[0] >= rows and _use_count(buf) == idle:
                 self.reused += 1

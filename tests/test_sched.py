@@ -114,7 +114,7 @@ def test_max_lag_zero_overlaps_only_between_minibatches():
 
 
 def _accounting(rank, world):
-    plane = cd.DataPlane(spec(), capacity_per_rank=5000, seed=1)
+    plane = cd.DataPlane(spec(), capacity_per_rank=5000, seed=1, trace=True)
     model = Learner(slow=0.05)
     plane.attach(model)
     timings = []

@@ -151,6 +151,7 @@ class Trainer:
             bandwidth="calibrate" if pc.calibrate else "declared",
             declared_bandwidth=(pc.latency_us * 1e-6, dict(pc.gbps)),
             bandwidth_cache=pc.bandwidth_cache,
+            trace=pc.trace_dir is not None,
         )
 
     # ------------------------------------------------------------------ loop

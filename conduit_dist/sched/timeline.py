@@ -46,18 +46,22 @@ class Timeline:
     Args:
         rank: this rank (the trace's process id).
         max_events: events kept (oldest dropped first).
+        enabled: record events (off: ``add`` returns at once).
     """
 
     LEARNER, PLANE = 1, 2
 
-    def __init__(self, rank: int, max_events: int = 200_000) -> None:
+    def __init__(self, rank: int, max_events: int = 200_000, enabled: bool = True) -> None:
         self.rank = rank
+        self.enabled = enabled
         self.max_events = max_events
         self.events: list[dict] = []
         self._lock = threading.Lock()
 
     def add(self, name: str, track: int, start: float, end: float, **args: object) -> None:
         """Record a complete event (``perf_counter`` seconds)."""
+        if not self.enabled:
+            return
         ev = {
             "name": name,
             "ph": "X",
