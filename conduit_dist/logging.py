@@ -13,8 +13,3 @@ def log_rank_zero(msg: str, *args: object, level: int = logging.INFO) -> None:
     """Log ``msg`` on global rank 0 only."""
     if get_rank() == 0:
         logger.log(level, msg, *args)
-
-
-def log_all_ranks(msg: str, *args: object, level: int = logging.INFO) -> None:
-    """Log ``msg`` on every rank, prefixed with the rank."""
-    logger.log(level, f"[rank {get_rank()}] {msg}", *args)

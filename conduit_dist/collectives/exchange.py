@@ -46,7 +46,6 @@ class Exchange:
             self.group = dist.new_group(timeout=self.timeout, backend=backend)
         self._prefix = f"{_HB_PREFIX}{name}/"
         self._store = _default_store()
-        self.bytes_sent = 0
 
     def heartbeat(self, round: int) -> None:
         """Record in the rendezvous store that this rank has reached ``round``."""
@@ -119,8 +118,6 @@ class Exchange:
         op: str = "all_to_all",
     ) -> None:
         """Fused ``all_to_all_single`` of record rows (splits in rows along dim 0)."""
-        row_bytes = inp.element_size() * (inp[0].numel() if inp.shape[0] else 0)
-        self.bytes_sent += (sum(in_splits) - in_splits[self.rank]) * row_bytes
         work = lambda: dist.all_to_all_single(  # noqa: E731
             out, inp, out_splits, in_splits, group=self.group, async_op=True
         )
@@ -155,12 +152,7 @@ class Exchange:
         )
 
     def _call(self, launch, op: str, round: int) -> None:
-        start = time.monotonic()
-        try:
-            work = launch()
-        except Exception as exc:
-            self._fail(op, round, start, exc)
-        self._wait(work, op, round)
+        self.wait_all(lambda: [launch()], op, round)
 
     def close(self) -> None:
         """Destroy the plane's process group (not the default one)."""
