@@ -20,7 +20,7 @@ import torch.distributed as dist
 import conduit_dist as cd
 from conduit_dist.bench.common import emit
 from conduit_dist.collectives.exchange import Exchange
-from conduit_dist.collectives.model import build, features
+from conduit_dist.collectives.model import build, features, time_strategies
 from conduit_dist.collectives.strategies import make_strategies
 from conduit_dist.collectives.topology import discover
 
@@ -35,32 +35,6 @@ def skews(world: int, size: int) -> dict[str, np.ndarray]:
     empty = uniform.copy()
     empty[-1, :] = 0
     return {"uniform": uniform, "hot": hot, "empty": empty}
-
-
-def interleaved(
-    ex: Exchange, strategies: dict, matrix: np.ndarray, repeats: int
-) -> dict[str, float]:
-    """Median seconds per strategy, the strategies taking turns each repeat (so a noisy moment
-    hits all of them), slowest rank per sample."""
-    import time
-
-    import torch
-
-    me = ex.rank
-    rows_out, rows_in = matrix[me].tolist(), matrix[:, me].tolist()
-    inp = torch.randint(0, 255, (int(sum(rows_out)), 1), dtype=torch.uint8)
-    out = torch.empty((int(sum(rows_in)), 1), dtype=torch.uint8)
-    names = list(strategies)
-    samples = torch.zeros(repeats + 1, len(names), dtype=torch.float64)
-    for rep in range(repeats + 1):
-        for j, name in enumerate(names):
-            dist.barrier(group=ex.group)
-            t0 = time.perf_counter()
-            strategies[name].run(ex, out, inp, rows_in, rows_out, -1, "bench", matrix)
-            samples[rep, j] = time.perf_counter() - t0
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ex.group)
-    med = samples[1:].median(dim=0).values  # the first repeat is warm-up
-    return {n: float(med[j]) for j, n in enumerate(names)}
 
 
 def main(argv: list[str]) -> None:
@@ -89,7 +63,7 @@ def main(argv: list[str]) -> None:
     for kib in a.sizes_kib:
         for skew, matrix in skews(ex.world, kib * KIB).items():
             reps = a.repeats if kib < 4096 else max(3, a.repeats // 3)
-            measured = interleaved(ex, strategies, matrix, reps)
+            measured = time_strategies(ex, strategies, matrix, reps)
             predicted = {n: float(features(n, matrix, links) @ model.coef[n]) for n in strategies}
             chosen, _ = model.choose(matrix, links)
             best = min(measured, key=measured.get)

@@ -169,25 +169,32 @@ def probe_matrices(world: int, per_peer: int) -> dict[str, np.ndarray]:
     return {"uniform": uniform, "cross": cross, "hot": hot}
 
 
-def time_strategy(
-    ex: Exchange, strat: Strategy, matrix: np.ndarray, repeats: int, round: int = -1
-) -> float:
-    """Median seconds of ``strat`` moving ``matrix`` bytes (the slowest rank's, on every rank)."""
+def time_strategies(
+    ex: Exchange, strategies: dict[str, Strategy], matrix: np.ndarray, repeats: int
+) -> dict[str, float]:
+    """Median seconds of every strategy moving ``matrix`` bytes (the slowest rank's).
+
+    The strategies take turns within each repeat, as exchanges alternate with other collectives
+    in a round (back-to-back calls of one strategy run warmer than it ever does in a round), and a
+    noisy moment hits all of them alike. The first repeat is a warm-up.
+    """
     me = ex.rank
     rows_out, rows_in = matrix[me].tolist(), matrix[:, me].tolist()
     inp = torch.randint(0, 255, (int(sum(rows_out)), 1), dtype=torch.uint8)
     out = torch.empty((int(sum(rows_in)), 1), dtype=torch.uint8)
-    times = []
-    for _ in range(repeats + 1):
-        if dist.is_initialized() and ex.world > 1:
-            dist.barrier(group=ex.group)
-        t0 = time.perf_counter()
-        strat.run(ex, out, inp, rows_in, rows_out, round, "probe", matrix)
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([float(np.median(times[1:]))], dtype=torch.float64)
+    names = list(strategies)
+    samples = torch.zeros(repeats + 1, len(names), dtype=torch.float64)
+    for rep in range(repeats + 1):
+        for j, name in enumerate(names):
+            if ex.world > 1:
+                dist.barrier(group=ex.group)
+            t0 = time.perf_counter()
+            strategies[name].run(ex, out, inp, rows_in, rows_out, -1, "probe", matrix)
+            samples[rep, j] = time.perf_counter() - t0
     if ex.world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ex.group)
-    return float(t)
+        dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ex.group)
+    med = samples[1:].median(dim=0).values
+    return {n: float(med[j]) for j, n in enumerate(names)}
 
 
 def calibrate(
@@ -199,8 +206,7 @@ def calibrate(
     samples: dict[str, list[tuple[np.ndarray, float]]] = {n: [] for n in strategies}
     for size in sizes:
         for matrix in probe_matrices(ex.world, size).values():
-            for name, strat in strategies.items():
-                t = time_strategy(ex, strat, matrix, repeats)
+            for name, t in time_strategies(ex, strategies, matrix, repeats).items():
                 samples[name].append((features(name, matrix, links), t))
     return BandwidthModel({n: fit(s) for n, s in samples.items()}, "probe")
 

@@ -100,6 +100,7 @@ class GatherToOwner(Strategy):
 
     def __init__(self) -> None:
         self._pad: torch.Tensor | None = None
+        self._recv: list[torch.Tensor] = []
 
     def run(self, ex, out, inp, out_splits, in_splits, round, op, matrix):
         world, me = ex.world, ex.rank
@@ -112,19 +113,22 @@ class GatherToOwner(Strategy):
             mine = inp[i_off[dst] : i_off[dst + 1]]
             send = self._buffer(biggest, width, inp.dtype, inp.device)
             send[: mine.shape[0]].copy_(mine)
-            recv = (
-                [
-                    torch.empty((biggest, width), dtype=out.dtype, device=out.device)
-                    for _ in range(world)
-                ]
-                if me == dst
-                else None
-            )
+            recv = self._recv_buffers(world, biggest, width, out) if me == dst else None
             ex.gather(send, recv, dst, round, f"{op}[gather]")
             if me == dst:
                 for src in range(world):
                     n = out_splits[src]
                     out[o_off[src] : o_off[src] + n].copy_(recv[src][:n])
+
+    def _recv_buffers(self, world: int, rows: int, width: int, like: torch.Tensor) -> list:
+        """Reused receive buffers (fresh memory costs a page fault per page on every call)."""
+        bufs = self._recv
+        if len(bufs) != world or bufs[0].shape[0] < rows or bufs[0].shape[1] != width:
+            self._recv = [
+                torch.empty((rows, width), dtype=like.dtype, device=like.device)
+                for _ in range(world)
+            ]
+        return [b[:rows] for b in self._recv]
 
     def _buffer(self, rows: int, width: int, dtype, device) -> torch.Tensor:
         if self._pad is None or self._pad.shape[0] < rows or self._pad.shape[1] != width:
