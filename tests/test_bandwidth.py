@@ -32,12 +32,14 @@ def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
         for pattern in ("uniform", "cross"):
             m = np.full((2, 2), size) if pattern == "uniform" else np.array([[0, size], [size, 0]])
             x = features("all_to_all", m, links)
-            t = x @ np.array([alpha, inv_self, inv_host, 0.0]) * rng.uniform(0.97, 1.03)
+            t = x @ np.array([alpha, inv_self, inv_host, inv_host, 0.0, 0.0])
+            t *= rng.uniform(0.97, 1.03)
             samples.append((x, t))
     coef = fit(samples)
     assert coef[0] == pytest.approx(alpha, rel=0.1)
     assert coef[2] == pytest.approx(inv_host, rel=0.1)
-    assert coef[3] == 0.0  # no cross-host bytes on one host: nothing to fit
+    assert coef[3] == pytest.approx(inv_host, rel=0.1)  # loopback: both directions cost
+    assert coef[4] == coef[5] == 0.0  # no cross-host bytes on one host: nothing to fit
 
 
 def test_features_encode_the_algorithmic_factors():
@@ -46,12 +48,13 @@ def test_features_encode_the_algorithmic_factors():
     m = np.zeros((4, 4))
     m[0, 1], m[0, 2], m[3, 0] = 100, 50, 7
     x = dict(zip(FEATURES, features("all_to_all", m, links)))
-    # rank 0 sends 100 within its host (copied by the CPU, both directions count), and over the
-    # network sends 50 while receiving 7 (duplex: the larger counts)
-    assert x["calls"] == 1 and x["bytes_host"] == 100 and x["bytes_net"] == 50
+    # rank 0 sends 100 within its host, and over the network sends 50 while receiving 7
+    assert x["calls"] == 1 and x["bytes_host"] == 100 and x["both_host"] == 0
+    assert x["bytes_net"] == 50 and x["both_net"] == 7
     m2 = m.copy()
-    m2[1, 0] = 30  # now rank 0 also receives 30 within its host
-    assert dict(zip(FEATURES, features("all_to_all", m2, links)))["bytes_host"] == 130
+    m2[1, 0] = 30  # now rank 0 also receives 30 within its host: 30 bytes move both ways
+    x2 = dict(zip(FEATURES, features("all_to_all", m2, links)))
+    assert x2["bytes_host"] == 100 and x2["both_host"] == 30
     p2p = dict(zip(FEATURES, features("p2p", m, links)))
     assert p2p["calls"] == 3  # rank 0 sends to 2 peers and receives from 1
     assert dict(zip(FEATURES, features("chunked4", m, links)))["calls"] == 12
@@ -62,8 +65,8 @@ def test_features_encode_the_algorithmic_factors():
 
 def test_choose_returns_the_argmin_of_the_model():
     links = Topology.single_host(3).link_matrix()
-    cheap_calls = np.array([1e-3, 0, 1e-9, 0])
-    cheap_bytes = np.array([1e-2, 0, 1e-11, 0])
+    cheap_calls = np.array([1e-3, 0, 1e-9, 1e-9, 0, 0])
+    cheap_bytes = np.array([1e-2, 0, 1e-11, 1e-11, 0, 0])
     model = BandwidthModel(
         {
             "all_to_all": cheap_calls,
@@ -82,7 +85,7 @@ def test_choose_returns_the_argmin_of_the_model():
     assert model.choose(big, links)[0] == "p2p"
     # a predicted gain within the tie margin keeps the fused all-to-all
     close = BandwidthModel(
-        {"all_to_all": np.array([1.0, 0, 0, 0]), "p2p": np.array([0.45, 0, 0, 0])}
+        {"all_to_all": np.array([1.0, 0, 0, 0, 0, 0]), "p2p": np.array([0.45, 0, 0, 0, 0, 0])}
     )
     one = np.array([[0, 1], [0, 0]])
     two = Topology.single_host(2).link_matrix()
@@ -138,7 +141,9 @@ def test_every_strategy_is_byte_identical_with_uneven_and_empty_splits(world):
 
 def test_cache_round_trip_and_corrupt_or_mismatched_cache_is_ignored(tmp_path, caplog):
     topo = Topology.single_host(2)
-    model = BandwidthModel({n: np.array([1e-4, 1e-10, 6e-10, 0.0]) for n in NAMES}, "probe")
+    model = BandwidthModel(
+        {n: np.array([1e-4, 1e-10, 6e-10, 5e-10, 0.0, 0.0]) for n in NAMES}, "probe"
+    )
     path = cache_path(str(tmp_path), "gloo", topo)
     save_cache(path, model, "gloo", topo)
     loaded = load_cache(path, "gloo", topo)
@@ -150,7 +155,7 @@ def test_cache_round_trip_and_corrupt_or_mismatched_cache_is_ignored(tmp_path, c
     with open(path, "w") as f:
         f.write("{not json")
     assert load_cache(path, "gloo", topo) is None
-    data = {"version": 1, "backend": "gloo", "world": 2, "hosts": topo.key(), "coef": {"p2p": [1]}}
+    data = {"version": 2, "backend": "gloo", "world": 2, "hosts": topo.key(), "coef": {"p2p": [1]}}
     with open(path, "w") as f:
         json.dump(data, f)
     assert load_cache(path, "gloo", topo) is None

@@ -3,15 +3,16 @@
 For a byte matrix ``M[src, dst]`` and the link class of every pair (``self``, ``host``, ``net``)
 a strategy's time is modelled as
 
-    T = alpha * calls + sum_c  B_c / beta_c
+    T = alpha * calls + sum_c  B_c / beta_c + D_c * gamma_c
 
 - ``calls``: the collective calls or messages on the critical rank: 1 for the fused all-to-all;
   the non-empty peers a rank sends to plus receives from (max over ranks) for point-to-point, times
   the pieces for chunked point-to-point; the destinations that receive anything for gather.
-- ``B_c``: bytes over links of class ``c`` on the critical rank. Across hosts a NIC sends and
-  receives at once: ``max_r max(out(r), in(r))``. Within a host (loopback TCP or shared memory) the
-  CPU copies both directions: ``max_r (out(r) + in(r))`` (measured here: a uniform exchange takes
-  1.7x a one-directional one of the same size). ``self`` is the rank's own chunk (a local copy).
+- ``B_c``, ``D_c``: bytes over links of class ``c`` on the critical rank, one direction
+  (``max_r max(out(r), in(r))``) and both directions at once (``max_r min(out(r), in(r))``). A
+  full-duplex link fits ``D_c``'s coefficient to 0; a link whose two directions share a resource
+  (loopback TCP, where the CPU copies both ways; measured here: 1.7x) fits it to about ``1/beta``.
+  ``self`` is the rank's own chunk (a local copy).
   Gather pads every chunk to a destination's largest and the root takes them one after another,
   so its bytes count ``world * max_s M[s, d]`` per destination ``d``.
 
@@ -38,13 +39,14 @@ from conduit_dist.errors import ConfigError
 
 log = logging.getLogger("conduit_dist")
 
-FEATURES = ("calls", *(f"bytes_{c}" for c in LINKS))
-CACHE_VERSION = 1
+FEATURES = ("calls", "bytes_self", "bytes_host", "both_host", "bytes_net", "both_net")
+_COL = {"self": 1, "host": 2, "net": 4}  # column of B_c; D_c (both directions) follows it
+CACHE_VERSION = 2
 TIE_MARGIN = 0.15
 
 
 def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray:
-    """The model's features ``[calls, B_self, B_host, B_net]`` of a strategy on a byte matrix.
+    """The model's features (:data:`FEATURES`) of a strategy on a byte matrix.
 
     Args:
         strategy: a strategy name.
@@ -58,20 +60,19 @@ def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray
         x[0] = len(dests)
         for d in dests:
             padded = world * matrix[:, d].max()
-            cls = 2 if (links[:, d] == 2).any() else 1
             x[1] += matrix[d, d]
-            x[1 + cls] += padded
+            x[_COL["net" if (links[:, d] == 2).any() else "host"]] += padded
         return x
     for c, link in enumerate(LINKS):
         mask = links == c
         out_c = (matrix * mask).sum(axis=1)
         in_c = (matrix * mask).sum(axis=0)
+        col = _COL[link]
         if link == "self":
-            x[1 + c] = out_c.max()
-        elif link == "host":
-            x[1 + c] = (out_c + in_c).max()
-        else:
-            x[1 + c] = np.maximum(out_c, in_c).max()
+            x[col] = out_c.max()
+        else:  # one direction's bytes, and the bytes moving both ways at once
+            x[col] = np.maximum(out_c, in_c).max()
+            x[col + 1] = np.minimum(out_c, in_c).max()
     if strategy == "all_to_all":
         x[0] = 1.0
     else:
@@ -84,7 +85,7 @@ def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray
 
 @dataclass
 class BandwidthModel:
-    """Coefficients per strategy: ``[alpha, 1/beta_self, 1/beta_host, 1/beta_net]``.
+    """Coefficients per strategy, in :data:`FEATURES` order (seconds per call or per byte).
 
     Attributes:
         coef: strategy name -> coefficient vector (seconds per call, seconds per byte).
@@ -128,8 +129,10 @@ class BandwidthModel:
         missing = [c for c in LINKS if c not in gbps]
         if missing:
             raise ConfigError(f"bandwidth.gbps: expected keys {list(LINKS)}, missing {missing}")
-        inv = [1.0 / (gbps[c] * 1e9) for c in LINKS]
-        coef = {n: np.array([alpha_s, *inv]) for n in NAMES}
+        inv = {c: 1.0 / (gbps[c] * 1e9) for c in LINKS}
+        # within a host the CPU copies both directions; a network link is full duplex
+        vec = [alpha_s, inv["self"], inv["host"], inv["host"], inv["net"], 0.0]
+        coef = {n: np.array(vec) for n in NAMES}
         return cls(coef, "config")
 
 
