@@ -18,7 +18,7 @@ from conduit_dist.sched import PHASES, BackwardTrigger, FetchTiming, Timeline, s
 from conduit_dist.sched.scheduler import MODES, Scheduler, now
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import DoubleBuffer
-from conduit_dist.tiers import POLICIES, MemoryTier, Shard
+from conduit_dist.tiers import POLICIES, make_shard
 from conduit_dist.weights import WeightsState
 
 _plane_ids = itertools.count()
@@ -65,6 +65,11 @@ class DataPlane:
         declared_bandwidth: ``(latency_s, {"self": GB/s, "host": GB/s, "net": GB/s})``.
         bandwidth_cache: directory of calibration caches (``None``: no cache).
         trace: record a per-rank timeline for :meth:`export_trace` (a few microseconds per call).
+        tiers: the shard's tiers, fastest first, as ``(kind, items)`` with kinds ``device``,
+            ``pinned``, ``host``, ``disk``; the items must add up to ``capacity_per_rank``.
+            Default: one memory tier on ``device``. Newest items live in the first tier; older
+            ones are demoted down the list, and the last tier evicts its oldest.
+        disk_dir: directory for ``disk`` tiers (files removed on close).
 
     Raises:
         ConfigError: on a bad capacity, placement, schedule, lag, device or learner rank.
@@ -94,6 +99,8 @@ class DataPlane:
         declared_bandwidth: tuple[float, dict[str, float]] = DECLARED,
         bandwidth_cache: str | None = "~/.cache/conduit_dist",
         trace: bool = False,
+        tiers: Sequence[tuple[str, int]] | None = None,
+        disk_dir: str | None = None,
     ) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
@@ -120,7 +127,7 @@ class DataPlane:
         self.rank, self.world = self.exchange.rank, self.exchange.world
         self.learner_ranks = self._check_learners(learner_ranks)
         self.is_learner = self.rank in self.learner_ranks
-        self.shard = Shard(MemoryTier(capacity_per_rank, spec.record_bytes, self.device))
+        self.shard = make_shard(tiers, capacity_per_rank, spec.record_bytes, self.device, disk_dir)
         self._weights = WeightsState()
         self.topology = discover(self.exchange.group)
         self.bandwidth, self.calibration_s = self._bandwidth(
@@ -243,10 +250,7 @@ class DataPlane:
         """
         if self.world != 1 or self._sched.pending is not None or self._stage.current.count:
             return None
-        start = self.shard.write_pos + self._direct
-        if start + n > self.capacity_per_rank:
-            return None
-        return self.shard.tier.region(start, start + n)
+        return self.shard.direct_region(self._direct, n)
 
     def fetch(self, batch_size: int, *, more: bool = False) -> dict[str, torch.Tensor]:
         """Return this learner's batch, sampled uniformly with replacement from the global store.
@@ -417,6 +421,10 @@ class DataPlane:
         self._check_open()
         return self._weights.pull(_unwrap(module))
 
+    def store_stats(self) -> dict[str, object]:
+        """This rank's shard: items and bytes per tier, demotions and evictions so far."""
+        return self.shard.stats()
+
     def export_trace(self, path: str) -> str:
         """Write this rank's timeline as Chrome trace JSON (open in Perfetto); returns the path.
 
@@ -468,7 +476,7 @@ class DataPlane:
             self._closed = True
             self._sched.close(abandon=self._failed is not None)
             self.exchange.close()
-            self.shard.tier.close()
+            self.shard.close()
 
     def state_dict(self) -> dict[str, object]:
         """This rank's shard, the global sizes and the round counter (tensors and ints only).

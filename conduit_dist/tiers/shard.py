@@ -35,6 +35,30 @@ class Shard:
             return None
         return self.tier.region(self.write_pos, self.write_pos + n)
 
+    def direct_region(self, ahead: int, n: int) -> torch.Tensor | None:
+        """Slots ``ahead`` items past the write position for ``n`` items, if they do not wrap."""
+        start = self.write_pos + ahead
+        if start + n > self.capacity:
+            return None
+        return self.tier.region(start, start + n)
+
+    def stats(self) -> dict[str, object]:
+        """Items and bytes in the tier (one tier: nothing is demoted; overwrites are evictions)."""
+        tier = self.tier
+        tiers = [
+            {
+                "kind": tier.kind,
+                "items": self.size,
+                "bytes": self.size * tier.record_bytes,
+                "capacity_bytes": tier.capacity_bytes,
+            }
+        ]
+        return {"tiers": tiers, "demotions": 0, "evictions": max(0, self.written - self.size)}
+
+    def close(self) -> None:
+        """Release the tier."""
+        self.tier.close()
+
     def commit(self, n: int) -> None:
         """Account for ``n`` items already written at the write position."""
         self.written += n

@@ -1,0 +1,175 @@
+"""A shard spanning several tiers, newest items in the fastest: demotion, eviction, exact sampling.
+
+Items keep FIFO order across tiers: every item in tier ``k + 1`` is older than every item in tier
+``k``. New items enter tier 0; when it is full its oldest items are *demoted* (copied) to tier 1,
+and so on; the last tier *evicts* its oldest. No tier ever holds more than its slots. Sampling
+addresses items logically (``0 .. size-1``, newest tier first) and maps them to physical slots,
+so a uniform draw over logical indices is uniform over every item whichever tier holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.tiers.base import Tier
+
+
+@dataclass
+class _Ring:
+    tier: Tier
+    start: int = 0  # physical slot of the oldest item
+    size: int = 0
+
+    @property
+    def cap(self) -> int:
+        return self.tier.slots
+
+    def end(self) -> int:
+        return (self.start + self.size) % self.cap
+
+
+class TieredShard:
+    """One rank's shard over ``tiers`` (fastest first).
+
+    Args:
+        tiers: the tiers, fastest first (e.g. host memory, then disk).
+
+    Raises:
+        ConfigError: on no tiers, or tiers of different record sizes.
+    """
+
+    def __init__(self, tiers: list[Tier]) -> None:
+        if not tiers:
+            raise ConfigError("tiers: expected at least one tier, got none")
+        sizes = {t.record_bytes for t in tiers}
+        if len(sizes) != 1:
+            raise ConfigError(f"tiers: expected one record size, got {sorted(sizes)}")
+        self.rings = [_Ring(t) for t in tiers]
+        self.capacity = sum(t.slots for t in tiers)
+        self.written = 0
+        self.demotions = 0
+        self.evictions = 0
+
+    @property
+    def size(self) -> int:
+        """Items held over all tiers."""
+        return sum(r.size for r in self.rings)
+
+    # ------------------------------------------------------------------ writes
+
+    def _make_room(self, k: int, n: int) -> None:
+        """Free ``n`` slots in tier ``k``: demote its oldest (the last tier evicts them)."""
+        ring = self.rings[k]
+        excess = ring.size + n - ring.cap
+        if excess <= 0:
+            return
+        if k + 1 < len(self.rings):
+            idx = (ring.start + torch.arange(excess)) % ring.cap
+            oldest = ring.tier.data.index_select(0, idx)
+            self._push(k + 1, oldest)
+            self.demotions += excess
+        else:
+            self.evictions += excess
+        ring.start = (ring.start + excess) % ring.cap
+        ring.size -= excess
+
+    def _push(self, k: int, records: torch.Tensor) -> None:
+        ring = self.rings[k]
+        for a in range(0, records.shape[0], ring.cap):  # chunks that fit the tier
+            chunk = records[a : a + ring.cap]
+            n = chunk.shape[0]
+            self._make_room(k, n)
+            pos = ring.end()
+            first = min(n, ring.cap - pos)
+            ring.tier.write(pos, chunk[:first])
+            if first < n:
+                ring.tier.write(0, chunk[first:])
+            ring.size += n
+
+    def append(self, records: torch.Tensor) -> None:
+        """Add records (oldest first); older items move down the tiers to make room."""
+        if records.shape[0] > self.capacity:
+            self.evictions += records.shape[0] - self.capacity
+            records = records[-self.capacity :]
+        self.written += records.shape[0]
+        self._push(0, records)
+
+    def receive_region(self, n: int) -> torch.Tensor | None:
+        """Contiguous tier-0 slots for the next ``n`` items (after making room), or ``None``."""
+        ring = self.rings[0]
+        if n > ring.cap:
+            return None
+        self._make_room(0, n)
+        pos = ring.end()
+        if pos + n > ring.cap:
+            return None
+        return ring.tier.region(pos, pos + n)
+
+    def commit(self, n: int) -> None:
+        """Account for ``n`` items received into the region from :meth:`receive_region`."""
+        self.rings[0].size += n
+        self.written += n
+
+    def direct_region(self, ahead: int, n: int) -> torch.Tensor | None:
+        """Writing ahead of a round is not supported across tiers (it would need a demotion)."""
+        return None
+
+    # ------------------------------------------------------------------ reads
+
+    def gather(self, logical: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the items at logical indices (newest tier first) into ``out``."""
+        offset = 0
+        for ring in self.rings:
+            if ring.size == 0:
+                continue
+            mask = (logical >= offset) & (logical < offset + ring.size)
+            pos = mask.nonzero().squeeze(1)
+            if pos.numel():
+                phys = (logical[pos] - offset + ring.start) % ring.cap
+                rows = ring.tier.data.index_select(0, phys.to(ring.tier.data.device))
+                out.index_copy_(0, pos.to(out.device), rows.to(out.device, non_blocking=True))
+            offset += ring.size
+
+    def stats(self) -> dict[str, object]:
+        """Items and bytes per tier, demotions and evictions so far."""
+        tiers = [
+            {
+                "kind": r.tier.kind,
+                "items": r.size,
+                "bytes": r.size * r.tier.record_bytes,
+                "capacity_bytes": r.tier.capacity_bytes,
+            }
+            for r in self.rings
+        ]
+        return {"tiers": tiers, "demotions": self.demotions, "evictions": self.evictions}
+
+    def state_dict(self) -> dict[str, object]:
+        """Ring positions, counters and every tier's contents."""
+        return {
+            "rings": [
+                {"start": r.start, "size": r.size, "tier": r.tier.state_dict()} for r in self.rings
+            ],
+            "written": self.written,
+            "demotions": self.demotions,
+            "evictions": self.evictions,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore from :meth:`state_dict` (same tiers and sizes)."""
+        if len(state["rings"]) != len(self.rings):
+            raise ConfigError(
+                f"tiers: checkpoint has {len(state['rings'])}, shard has {len(self.rings)}"
+            )
+        for ring, saved in zip(self.rings, state["rings"]):
+            ring.tier.load_state_dict(saved["tier"])
+            ring.start, ring.size = int(saved["start"]), int(saved["size"])
+        self.written = int(state["written"])
+        self.demotions, self.evictions = int(state["demotions"]), int(state["evictions"])
+
+    def close(self) -> None:
+        """Close every tier (disk files are removed)."""
+        for ring in self.rings:
+            ring.tier.close()
