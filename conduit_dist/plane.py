@@ -48,7 +48,9 @@ class DataPlane:
         capacity_per_rank: items each rank's shard holds; the oldest are overwritten first.
         seed: run seed; with the round number it fixes every sample drawn.
         device: where the shard lives and batches are delivered (``cpu`` or ``cuda``).
-        placement: ``round_robin`` (shards fill evenly) or ``local`` (items stay where put).
+        placement: ``round_robin`` (shards fill evenly), ``local`` (items stay where put) or
+            ``bandwidth_aware`` (cheapest shard to ingest into and deliver from, within fair
+            shares of capacity; see ``tiers/placement.py``).
         learner_ranks: ranks that fetch; ``None`` means every rank (colocated). The other ranks
             are actors: they ``put`` and call :meth:`flush` once per iteration.
         timeout_s: seconds any collective of a round may take before it fails with
@@ -70,6 +72,10 @@ class DataPlane:
             Default: one memory tier on ``device``. Newest items live in the first tier; older
             ones are demoted down the list, and the last tier evicts its oldest.
         disk_dir: directory for ``disk`` tiers (files removed on close).
+        sampling: ``exact`` (each learner's batch uniform over the global store) or
+            ``stratified`` (shards contribute in proportion to their sizes over all learners,
+            read local-first: colocated learners read mostly their own shard; one learner's batch
+            is then not uniform on its own, see ``sampling/stratified.py``).
 
     Raises:
         ConfigError: on a bad capacity, placement, schedule, lag, device or learner rank.
@@ -101,6 +107,7 @@ class DataPlane:
         trace: bool = False,
         tiers: Sequence[tuple[str, int]] | None = None,
         disk_dir: str | None = None,
+        sampling: str = "exact",
     ) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
@@ -108,6 +115,8 @@ class DataPlane:
             raise ConfigError(f"capacity_per_rank: expected an int >= 1, got {capacity_per_rank!r}")
         if placement not in POLICIES:
             raise ConfigError(f"placement: expected one of {POLICIES}, got {placement!r}")
+        if sampling not in ("exact", "stratified"):
+            raise ConfigError(f"sampling: expected 'exact' or 'stratified', got {sampling!r}")
         if schedule not in MODES:
             raise ConfigError(f"schedule: expected one of {MODES}, got {schedule!r}")
         if not isinstance(max_lag, int) or max_lag < 0:
@@ -143,6 +152,8 @@ class DataPlane:
             self.learner_ranks[0],
             self.device,
             transport,
+            sampling,
+            self.learner_ranks,
         )
         # one CPU rank has no collective to wait for: a background round would only add a thread
         # handoff, so rounds run inline there (the lag rules are those of sync: none)

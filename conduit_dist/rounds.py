@@ -17,11 +17,12 @@ import torch
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.transport import Move, Transport
+from conduit_dist.sampling.stratified import allocate_stratified
 from conduit_dist.sampling.uniform import UniformSampler, allocate
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import OutputPool, RecordBuffer
 from conduit_dist.tiers import Shard, plan_ingest
-from conduit_dist.tiers.placement import remainder_dealt
+from conduit_dist.tiers.placement import plan_bandwidth_aware, remainder_dealt
 from conduit_dist.weights import WeightsSnapshot, WeightsState
 
 
@@ -87,6 +88,9 @@ class RoundRunner:
         weights_src: rank whose published weights are broadcast.
         device: where delivered batches live.
         transport: runs each exchange with the strategy the bandwidth model chooses.
+        sampling: ``exact`` (every learner's batch uniform over the global store) or
+            ``stratified`` (see ``sampling/stratified.py``).
+        learners: ranks that fetch (for ``bandwidth_aware`` placement).
     """
 
     def __init__(
@@ -99,9 +103,14 @@ class RoundRunner:
         weights_src: int,
         device: torch.device,
         transport: Transport | None = None,
+        sampling: str = "exact",
+        learners: tuple[int, ...] = (),
     ) -> None:
         self.spec, self.shard, self.exchange = spec, shard, exchange
         self.transport = transport
+        self.sampling = sampling
+        self.learners = np.zeros(exchange.world, dtype=bool)
+        self.learners[list(learners) or slice(None)] = True
         self.rank, self.world = exchange.rank, exchange.world
         self.seed, self.placement, self.weights_src, self.device = (
             seed,
@@ -132,7 +141,17 @@ class RoundRunner:
             self._ingest(t.staged, meta[:, 0], t.round, stats)
             t1 = time.perf_counter()
             stats.mark("ingest", t0, t1)
-            counts = allocate(meta[:, 1], self.sizes, self.seed, t.round, self._alloc_gen)
+            if self.sampling == "stratified":
+                counts = allocate_stratified(
+                    meta[:, 1],
+                    self.sizes,
+                    self.seed,
+                    t.round,
+                    self._alloc_gen,
+                    self.transport.links,
+                )
+            else:
+                counts = allocate(meta[:, 1], self.sizes, self.seed, t.round, self._alloc_gen)
             out = self._deliver(counts, t.round, stats, t1)
             t3 = time.perf_counter()
             weights.exchange(self.exchange, meta, self.weights_src, t.round, t.weights)
@@ -175,7 +194,11 @@ class RoundRunner:
 
     def _ingest(self, staged: RecordBuffer, counts: np.ndarray, r: int, stats: RoundStats) -> None:
         """Move staged items to their owner shards in one fused all-to-all."""
-        plan = plan_ingest(self.placement, counts, self.dealt)
+        if self.placement == "bandwidth_aware":
+            capacities = np.full(self.world, self.shard.capacity, dtype=np.int64)
+            plan = plan_bandwidth_aware(counts, capacities, self.learners, self.transport.links)
+        else:
+            plan = plan_ingest(self.placement, counts, self.dealt)
         inflow = plan.sum(axis=0)
         n_in = int(inflow[self.rank])
         if plan.any():

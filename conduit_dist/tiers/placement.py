@@ -12,7 +12,7 @@ import numpy as np
 
 from conduit_dist.errors import ConfigError
 
-POLICIES = ("round_robin", "local")
+POLICIES = ("round_robin", "local", "bandwidth_aware")
 
 
 def plan_ingest(policy: str, staged: np.ndarray, offset: int) -> np.ndarray:
@@ -35,6 +35,8 @@ def plan_ingest(policy: str, staged: np.ndarray, offset: int) -> np.ndarray:
     world = staged.shape[0]
     if policy == "local":
         return np.diag(staged).astype(np.int64)
+    if policy == "bandwidth_aware":
+        raise ConfigError("placement: bandwidth_aware needs plan_bandwidth_aware (links, learners)")
     if policy != "round_robin":
         raise ConfigError(f"placement: expected one of {POLICIES}, got {policy!r}")
     plan = np.repeat((staged // world)[:, None], world, axis=1).astype(np.int64)
@@ -48,3 +50,55 @@ def plan_ingest(policy: str, staged: np.ndarray, offset: int) -> np.ndarray:
 def remainder_dealt(staged: np.ndarray) -> int:
     """How many items a round-robin round dealt as remainders (advances ``offset``)."""
     return int((staged % staged.shape[0]).sum())
+
+
+def plan_bandwidth_aware(
+    staged: np.ndarray,
+    capacities: np.ndarray,
+    learners: np.ndarray,
+    links: np.ndarray,
+    link_cost: tuple[float, float, float] = (0.0, 1.0, 8.0),
+    reads_per_write: float = 4.0,
+) -> np.ndarray:
+    """Place each source's items where delivering them will cost least, within fair shares.
+
+    The cost of putting an item from ``s`` on shard ``d`` is the link cost of ingesting it
+    (``s -> d``) plus ``reads_per_write`` times the cost of delivering it from ``d`` to the nearest
+    learner (0 when ``d`` is a learner: with stratified sampling it is read locally). Each shard
+    takes at most its fair share of the round's items (proportional to its capacity, rounded up),
+    so shards fill evenly relative to capacity and no shard's ring turns over faster than the
+    others'. Pairs (source, shard) are filled cheapest first over all sources at once (ties: lower
+    ranks), so a source's own shard goes to it before a neighbour spills into it. The same on
+    every rank.
+
+    Args:
+        staged: ``[world]`` items staged on each rank.
+        capacities: ``[world]`` items each shard holds.
+        learners: ``[world]`` bool, ranks that fetch.
+        links: ``[world, world]`` link class index (0 self, 1 host, 2 net).
+        link_cost: relative cost per item of each link class.
+        reads_per_write: how many times an item is expected to be delivered.
+
+    Returns:
+        ``int64 [world, world]`` item counts from each source to each destination.
+    """
+    world = staged.shape[0]
+    per_link = np.asarray(link_cost)[links]  # [src, dst]
+    learner_cols = per_link[:, learners] if learners.any() else per_link
+    deliver = learner_cols.min(axis=1)  # shard d -> its nearest learner
+    cost = per_link + reads_per_write * deliver[None, :]
+    total = int(staged.sum())
+    quota = np.ceil(total * capacities / capacities.sum()).astype(np.int64)
+    plan = np.zeros((world, world), dtype=np.int64)
+    left = staged.astype(np.int64).copy()
+    srcs = np.nonzero(left)[0]
+    pairs = sorted((cost[s, d], s, d) for s in srcs for d in range(world))
+    for _, src, dst in pairs:
+        take = min(int(left[src]), int(quota[dst]))
+        if take:
+            plan[src, dst] += take
+            quota[dst] -= take
+            left[src] -= take
+    for src in np.nonzero(left)[0]:  # only if rounding left no quota: cheapest shard takes it
+        plan[src, min(range(world), key=lambda d: (cost[src, d], d))] += left[src]
+    return plan
