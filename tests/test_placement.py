@@ -22,11 +22,14 @@ def test_bandwidth_aware_keeps_balanced_items_local_and_spills_to_the_nearest():
     hot = plan_bandwidth_aware(np.array([30, 10, 0, 0]), np.full(4, 100), ALL, LINKS)
     assert hot[0, 0] == 10 and hot[1, 1] == 10  # every shard takes its fair share...
     assert hot.sum(axis=0).tolist() == [10, 10, 10, 10]  # ...and no more
-    # disaggregated: the learner's host receives first (items are read more often than written)
+    # actors on host b, the learner on host a: fair shares put half of the round on host a; with
+    # delivery weighted in, host a's shards are filled from the nearest sources first
+    learner = np.array([True, False, False, False])
     actors = plan_bandwidth_aware(
-        np.array([0, 0, 20, 20]), np.full(4, 100), ALL * [1, 0, 0, 0], LINKS
+        np.array([0, 0, 20, 20]), np.full(4, 100), learner, LINKS, reads_per_write=4.0
     )
     assert actors[:, :2].sum() == 20 and actors[2, 0] == 10
+    assert actors[2, 2] == 0  # the own shard is costlier than feeding the learner's host
     assert (plan_ingest("round_robin", np.array([10, 10, 10, 10]), 0) == 2).sum() >= 8
 
 

@@ -58,13 +58,15 @@ def plan_bandwidth_aware(
     learners: np.ndarray,
     links: np.ndarray,
     link_cost: tuple[float, float, float] = (0.0, 1.0, 8.0),
-    reads_per_write: float = 4.0,
+    reads_per_write: float = 0.0,
 ) -> np.ndarray:
     """Place each source's items where delivering them will cost least, within fair shares.
 
     The cost of putting an item from ``s`` on shard ``d`` is the link cost of ingesting it
     (``s -> d``) plus ``reads_per_write`` times the cost of delivering it from ``d`` to the nearest
-    learner (0 when ``d`` is a learner: with stratified sampling it is read locally). Each shard
+    learner. That second term is 0 by default: both samplers draw from shards in proportion to
+    their sizes, and with every ring full the sizes do not depend on where items went, so where an
+    item lives does not change how many bytes delivery moves; only ingestion differs. Each shard
     takes at most its fair share of the round's items (proportional to its capacity, rounded up),
     so shards fill evenly relative to capacity and no shard's ring turns over faster than the
     others'. Pairs (source, shard) are filled cheapest first over all sources at once (ties: lower
