@@ -1,0 +1,214 @@
+"""``python -m conduit_dist.bench placement`` (and under torchrun for the multi-rank part).
+
+Three parts, one JSON line last:
+
+1. **Disk tier** (plain ``python``, one rank): a store of ``--gib`` GiB of Atari-like
+   transitions whose host tier holds a quarter and the disk tier the rest; every item fetched
+   is checked, and sample throughput is compared with a host-only store of the same size.
+2. **Delivery per round** (under torchrun, 2+ ranks, colocated): median measured delivery time of
+   ``exact`` sampling with ``round_robin`` placement against ``stratified`` with
+   ``bandwidth_aware``, same volume.
+3. **Declared topologies** (predicted by the bandwidth model with datasheet numbers): nodes of 8
+   GPUs with NVLink inside (``host``) and InfiniBand between (``net``), colocated and
+   disaggregated roles, balanced and skewed producers; the three policies under both samplers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import conduit_dist as cd
+from conduit_dist.bench.common import emit
+from conduit_dist.collectives.model import BandwidthModel
+from conduit_dist.collectives.topology import Topology
+from conduit_dist.sampling.stratified import allocate_stratified
+from conduit_dist.sampling.uniform import allocate
+from conduit_dist.tiers.placement import plan_bandwidth_aware, plan_ingest
+
+ITEM = (4, 84, 84)
+
+
+def _atari(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    pattern = torch.arange(28224, dtype=torch.int64).remainder(256).to(torch.uint8)
+    obs = (ids.remainder(251).to(torch.uint8)[:, None] + pattern[None, :]).view(-1, *ITEM)
+    return {"obs": obs, "id": ids.to(torch.int64), "reward": ids.float()}
+
+
+def _check(batch: dict[str, torch.Tensor]) -> None:
+    want = _atari(batch["id"])
+    assert torch.equal(batch["obs"], want["obs"]) and torch.equal(batch["reward"], want["reward"])
+
+
+def disk_tier(gib: float, batch: int, fetches: int) -> dict:
+    """Fill a host+disk store of ``gib`` GiB, sample it, compare with host-only."""
+    cd.init_distributed()
+    spec = cd.ExperienceSpec.from_batch(_atari(torch.arange(1)))
+    items = int(gib * 2**30 // spec.record_bytes)
+    host = items // 4
+    out = {
+        "items": items,
+        "record_bytes": spec.record_bytes,
+        "gib": items * spec.record_bytes / 2**30,
+    }
+    with tempfile.TemporaryDirectory(prefix="conduit_disk_") as d:
+        for name, tiers in (
+            ("host+disk", [("host", host), ("disk", items - host)]),
+            ("host", None),
+        ):
+            t0 = time.perf_counter()
+            plane = cd.DataPlane(spec, items, seed=0, tiers=tiers, disk_dir=d)
+            for start in range(0, items, 2048):
+                plane.put(_atari(torch.arange(start, min(items, start + 2048))))
+                plane.flush()
+            fill = time.perf_counter() - t0
+            assert len(plane) == items, (len(plane), items)
+            seen = 0
+            t1 = time.perf_counter()
+            for _ in range(fetches):
+                b = plane.fetch(batch)
+                _check(b)
+                seen += b["id"].numel()
+            rate = seen / (time.perf_counter() - t1)
+            out[name] = {"fill_s": fill, "sample_items_per_s": rate, **plane.store_stats()}
+            plane.close()
+    out["disk_over_host_sampling"] = (
+        out["host+disk"]["sample_items_per_s"] / out["host"]["sample_items_per_s"]
+    )
+    return out
+
+
+def delivery(rounds: int, batch: int) -> dict:
+    """Median measured delivery ms per round: exact+round_robin vs stratified+bandwidth_aware."""
+    spec = cd.ExperienceSpec.from_batch(_atari(torch.arange(1)))
+    rank = dist.get_rank()
+    res = {}
+    for sampling, placement in (("exact", "round_robin"), ("stratified", "bandwidth_aware")):
+        plane = cd.DataPlane(
+            spec, 8 * batch, seed=1, sampling=sampling, placement=placement, schedule="sync"
+        )
+        times = []
+        for it in range(rounds + 3):
+            plane.put(_atari(rank * 10**6 + it * batch + torch.arange(batch)))
+            b = plane.fetch(batch)
+            if it >= 3:
+                times.append(plane.stats.deliver_ms)
+        _check(b)
+        plane.close()
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        res[f"{sampling}+{placement}"] = float(t)
+    res["stratified_delivery_cut"] = (
+        1 - res["stratified+bandwidth_aware"] / res["exact+round_robin"]
+    )
+    return res
+
+
+def _topologies() -> dict[str, tuple[Topology, np.ndarray, np.ndarray]]:
+    """name -> (topology, learner mask, items put per rank per round)."""
+    out = {}
+    for nodes in (2, 4, 16):
+        topo = Topology.from_hosts([f"n{i // 8}" for i in range(8 * nodes)])
+        world = topo.world
+        out[f"{nodes}x8 colocated"] = (topo, np.ones(world, bool), np.full(world, 64))
+        learners = np.zeros(world, bool)
+        learners[:8] = True
+        put = np.where(learners, 0, 64)
+        out[f"{nodes}x8 disaggregated"] = (topo, learners, put)  # node 0 learns, others act
+    hosts = [f"n{i}" for i in range(4) for _ in range(8)] + [
+        f"p{i}" for i in range(4) for _ in range(4)
+    ]
+    topo = Topology.from_hosts(hosts)  # mixed nodes: 4 of 8 GPUs, 4 of 4 GPUs
+    out["mixed 8+4 colocated"] = (topo, np.ones(topo.world, bool), np.full(topo.world, 64))
+    skew = np.full(topo.world, 32)
+    skew[:8] = 160  # one node's envs are 5x faster
+    out["mixed skewed producers"] = (topo, np.ones(topo.world, bool), skew)
+    return out
+
+
+def predicted(record_bytes: int, batch: int) -> dict:
+    """Predicted ingest + delivery seconds per (topology, sampling, policy) with datasheet links."""
+    # datasheets: HBM3 copy ~2 TB/s on the GPU, NVLink 4 ~450 GB/s per direction per GPU,
+    # NDR InfiniBand 400 Gb/s = 50 GB/s per GPU; ~20 us per collective call
+    model = BandwidthModel.declared(20e-6, {"self": 2000.0, "host": 450.0, "net": 50.0})
+    rows, gains, losses = [], [], []
+    gen = torch.Generator()
+    for name, (topo, learners, put) in _topologies().items():
+        links, world = topo.link_matrix(), topo.world
+        capacity = np.full(world, 10_000)
+        requests = np.where(learners, batch, 0)
+        for sampling in ("exact", "stratified"):
+            times = {}
+            for policy in ("local", "round_robin", "bandwidth_aware"):
+                if policy == "bandwidth_aware":
+                    plan = plan_bandwidth_aware(put, capacity, learners, links)
+                else:
+                    plan = plan_ingest(policy, put, 0)
+                # steady state: a shard that receives items is full, one that never does is empty
+                sizes = np.where(plan.sum(axis=0) > 0, capacity, 0)
+                if sampling == "exact":
+                    counts = allocate(requests, sizes, 0, 1, gen)
+                else:
+                    counts = allocate_stratified(requests, sizes, 0, 1, gen, links)
+                t_ingest = model.choose(plan * record_bytes, links)[1]
+                times[policy] = t_ingest + model.choose(counts.T * record_bytes, links)[1]
+            best = min(times.values())
+            gains.append(1 - times["bandwidth_aware"] / times["round_robin"])
+            losses.append(times["bandwidth_aware"] / best - 1)
+            rows.append(
+                {
+                    "topology": name,
+                    "sampling": sampling,
+                    **{f"{k}_ms": v * 1e3 for k, v in times.items()},
+                }
+            )
+    return {"rows": rows, "min_gain_vs_round_robin": min(gains), "max_loss_vs_best": max(losses)}
+
+
+def main(argv: list[str]) -> None:
+    """Run the parts that fit how it was launched; rank 0 prints the JSON line last."""
+    p = argparse.ArgumentParser(prog="python -m conduit_dist.bench placement")
+    p.add_argument("--gib", type=float, default=10.0, help="size of the disk-tier store")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--fetches", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=20)
+    a = p.parse_args(argv)
+    cd.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    record_bytes = cd.ExperienceSpec.from_batch(_atari(torch.arange(1))).record_bytes
+    deliv = delivery(a.rounds, a.batch) if world > 1 else None
+    disk = disk_tier(a.gib, a.batch, a.fetches) if world == 1 and a.gib > 0 else None
+    if rank == 0:
+        pred = predicted(record_bytes, a.batch)
+        for r in pred["rows"]:
+            print(
+                f"{r['topology']:>24} {r['sampling']:>10}: local {r['local_ms']:.3f} ms, "
+                f"round_robin {r['round_robin_ms']:.3f} ms, "
+                f"bandwidth_aware {r['bandwidth_aware_ms']:.3f} ms"
+            )
+        if disk:
+            print(
+                f"disk tier: {disk['gib']:.2f} GiB ({disk['items']} items), sampling host+disk "
+                f"{disk['host+disk']['sample_items_per_s']:,.0f}/s vs host "
+                f"{disk['host']['sample_items_per_s']:,.0f}/s"
+            )
+        if deliv:
+            print(f"delivery per round: {deliv}")
+        summary = {
+            "stratified_delivery_cut": deliv["stratified_delivery_cut"] if deliv else None,
+            "predicted_gain_vs_round_robin": pred["min_gain_vs_round_robin"],
+            "max_predicted_loss_vs_best": pred["max_loss_vs_best"],
+            "disk_tier_ok": disk is not None,
+        }
+        emit("placement", pred["rows"], summary, disk=disk, delivery=deliv)
+    cd.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(__import__("sys").argv[1:])
