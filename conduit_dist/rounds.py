@@ -111,6 +111,7 @@ class RoundRunner:
         self.sampling = sampling
         self.learners = np.zeros(exchange.world, dtype=bool)
         self.learners[list(learners) or slice(None)] = True
+        self._requests = np.zeros(exchange.world, dtype=np.int64)  # this round's fetch sizes
         self.rank, self.world = exchange.rank, exchange.world
         self.seed, self.placement, self.weights_src, self.device = (
             seed,
@@ -138,6 +139,7 @@ class RoundRunner:
             t0 = time.perf_counter()
             self.exchange.heartbeat(t.round)
             meta = self._meta(t)
+            self._requests = meta[:, 1]
             self._ingest(t.staged, meta[:, 0], t.round, stats)
             t1 = time.perf_counter()
             stats.mark("ingest", t0, t1)
@@ -196,7 +198,10 @@ class RoundRunner:
         """Move staged items to their owner shards in one fused all-to-all."""
         if self.placement == "bandwidth_aware":
             capacities = np.full(self.world, self.shard.capacity, dtype=np.int64)
-            plan = plan_bandwidth_aware(counts, capacities, self.learners, self.transport.links)
+            replay = float(self._requests.sum()) / max(int(counts.sum()), 1)
+            plan = plan_bandwidth_aware(
+                counts, capacities, self.learners, self.transport.links, reads_per_write=replay
+            )
         else:
             plan = plan_ingest(self.placement, counts, self.dealt)
         inflow = plan.sum(axis=0)

@@ -16,20 +16,19 @@ LINKS = Topology.from_hosts(["a", "a", "b", "b"]).link_matrix()
 ALL = np.ones(4, dtype=bool)
 
 
-def test_bandwidth_aware_keeps_balanced_items_local_and_spills_to_the_nearest():
+def test_bandwidth_aware_weighs_ingestion_against_delivery():
     even = plan_bandwidth_aware(np.array([10, 10, 10, 10]), np.full(4, 100), ALL, LINKS)
-    assert (even == np.diag([10, 10, 10, 10])).all()
-    hot = plan_bandwidth_aware(np.array([30, 10, 0, 0]), np.full(4, 100), ALL, LINKS)
-    assert hot[0, 0] == 10 and hot[1, 1] == 10  # every shard takes its fair share...
-    assert hot.sum(axis=0).tolist() == [10, 10, 10, 10]  # ...and no more
-    # actors on host b, the learner on host a: fair shares put half of the round on host a; with
-    # delivery weighted in, host a's shards are filled from the nearest sources first
+    assert (even == np.diag([10, 10, 10, 10])).all()  # colocated: everything stays local
+    # a shard takes at most its capacity per round; the rest goes to the nearest shard
+    hot = plan_bandwidth_aware(np.array([30, 0, 0, 0]), np.full(4, 12), ALL, LINKS)
+    assert hot[0].tolist() == [12, 12, 3, 3]  # equally far shards share the overflow
+    # actors on host b, the learner on host a
     learner = np.array([True, False, False, False])
-    actors = plan_bandwidth_aware(
-        np.array([0, 0, 20, 20]), np.full(4, 100), learner, LINKS, reads_per_write=4.0
-    )
-    assert actors[:, :2].sum() == 20 and actors[2, 0] == 10
-    assert actors[2, 2] == 0  # the own shard is costlier than feeding the learner's host
+    put = np.array([0, 0, 20, 20])
+    low = plan_bandwidth_aware(put, np.full(4, 100), learner, LINKS, reads_per_write=0.2)
+    assert (low == np.diag(put)).all()  # few reads per write: items stay with their actors
+    high = plan_bandwidth_aware(put, np.full(4, 100), learner, LINKS, reads_per_write=8.0)
+    assert high[:, 0].sum() == 40  # many reads per write: they move next to the learner
     assert (plan_ingest("round_robin", np.array([10, 10, 10, 10]), 0) == 2).sum() >= 8
 
 

@@ -147,7 +147,10 @@ def predicted(record_bytes: int, batch: int) -> dict:
             times = {}
             for policy in ("local", "round_robin", "bandwidth_aware"):
                 if policy == "bandwidth_aware":
-                    plan = plan_bandwidth_aware(put, capacity, learners, links)
+                    replay = requests.sum() / put.sum()
+                    plan = plan_bandwidth_aware(
+                        put, capacity, learners, links, reads_per_write=replay
+                    )
                 else:
                     plan = plan_ingest(policy, put, 0)
                 # steady state: a shard that receives items is full, one that never does is empty

@@ -58,20 +58,17 @@ def plan_bandwidth_aware(
     learners: np.ndarray,
     links: np.ndarray,
     link_cost: tuple[float, float, float] = (0.0, 1.0, 8.0),
-    reads_per_write: float = 0.0,
+    reads_per_write: float = 1.0,
 ) -> np.ndarray:
-    """Place each source's items where delivering them will cost least, within fair shares.
+    """Place each source's items where ingesting and then delivering them costs least.
 
     The cost of putting an item from ``s`` on shard ``d`` is the link cost of ingesting it
-    (``s -> d``) plus ``reads_per_write`` times the cost of delivering it from ``d`` to the nearest
-    learner. That second term is 0 by default: both samplers draw from shards in proportion to
-    their sizes, and with every ring full the sizes do not depend on where items went, so where an
-    item lives does not change how many bytes delivery moves; only ingestion differs. Each shard
-    takes at most its fair share of the round's items (proportional to its capacity, rounded up),
-    so shards fill evenly relative to capacity and no shard's ring turns over faster than the
-    others'. Pairs (source, shard) are filled cheapest first over all sources at once (ties: lower
-    ranks), so a source's own shard goes to it before a neighbour spills into it. The same on
-    every rank.
+    (``s -> d``) plus ``reads_per_write`` (items the learners fetch per item put, i.e. the replay
+    ratio of the round) times the cost of delivering from ``d`` to its nearest learner. So at a
+    low replay ratio items stay where they were produced, and at a high one they move next to the
+    learners that will read them. A shard takes at most its capacity in one round (more would be
+    evicted in the same round); cost levels are filled cheapest first over all sources, and a
+    source's items are spread evenly over equally cheap shards. The same on every rank.
 
     Args:
         staged: ``[world]`` items staged on each rank.
@@ -79,7 +76,7 @@ def plan_bandwidth_aware(
         learners: ``[world]`` bool, ranks that fetch.
         links: ``[world, world]`` link class index (0 self, 1 host, 2 net).
         link_cost: relative cost per item of each link class.
-        reads_per_write: how many times an item is expected to be delivered.
+        reads_per_write: items fetched per item put in the round.
 
     Returns:
         ``int64 [world, world]`` item counts from each source to each destination.
@@ -89,18 +86,21 @@ def plan_bandwidth_aware(
     learner_cols = per_link[:, learners] if learners.any() else per_link
     deliver = learner_cols.min(axis=1)  # shard d -> its nearest learner
     cost = per_link + reads_per_write * deliver[None, :]
-    total = int(staged.sum())
-    quota = np.ceil(total * capacities / capacities.sum()).astype(np.int64)
+    room = capacities.astype(np.int64).copy()
     plan = np.zeros((world, world), dtype=np.int64)
     left = staged.astype(np.int64).copy()
-    srcs = np.nonzero(left)[0]
-    pairs = sorted((cost[s, d], s, d) for s in srcs for d in range(world))
-    for _, src, dst in pairs:
-        take = min(int(left[src]), int(quota[dst]))
-        if take:
-            plan[src, dst] += take
-            quota[dst] -= take
-            left[src] -= take
-    for src in np.nonzero(left)[0]:  # only if rounding left no quota: cheapest shard takes it
+    for level in np.unique(np.round(cost, 9)):  # cheapest level first, over all sources
+        for src in np.nonzero(left)[0]:
+            dsts = [d for d in range(world) if np.isclose(cost[src, d], level) and room[d] > 0]
+            while left[src] and dsts:  # spread evenly over the equally cheap shards
+                share = -(-int(left[src]) // len(dsts))
+                for d in list(dsts):
+                    take = min(share, int(left[src]), int(room[d]))
+                    plan[src, d] += take
+                    room[d] -= take
+                    left[src] -= take
+                    if room[d] == 0:
+                        dsts.remove(d)
+    for src in np.nonzero(left)[0]:  # more than the whole store in one round: cheapest takes it
         plan[src, min(range(world), key=lambda d: (cost[src, d], d))] += left[src]
     return plan
