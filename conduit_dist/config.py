@@ -7,6 +7,7 @@ every command-line override is merged onto these dataclasses in struct mode.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -21,7 +22,13 @@ class PlaneConfig:
         kind: ``conduit`` (the sharded data plane) or ``simple`` (a single-process ring buffer,
             the baseline; world size 1 only).
         capacity_per_rank: items each rank's shard holds.
-        placement: ``round_robin`` or ``local``.
+        placement: ``round_robin``, ``local`` or ``bandwidth_aware``.
+        sampling: ``exact`` (each learner's batch uniform over the global store) or
+            ``stratified`` (proportional over shards, read local-first).
+        tiers: the shard's tiers, fastest first, as ``[[kind, items], ...]`` (kinds ``device``,
+            ``pinned``, ``host``, ``disk``) adding up to ``capacity_per_rank``; ``null``: one
+            memory tier.
+        disk_dir: directory for disk tiers.
         timeout_s: seconds a collective may take before the round fails.
         schedule: ``overlap`` (rounds launched at backward start) or ``sync`` (inside fetch).
         max_lag: rounds of a rank's own puts a fetched batch may miss (0 or more).
@@ -38,6 +45,9 @@ class PlaneConfig:
     kind: str = "conduit"
     capacity_per_rank: int = 50_000
     placement: str = "round_robin"
+    sampling: str = "exact"
+    tiers: list[list[Any]] | None = None
+    disk_dir: str | None = None
     timeout_s: float = 60.0
     schedule: str = "overlap"
     max_lag: int = 1
@@ -156,7 +166,8 @@ def validate(cfg: TrainConfig) -> None:
     choices = [
         ("mode", cfg.mode, ("colocated", "disaggregated")),
         ("plane.kind", cfg.plane.kind, ("conduit", "simple")),
-        ("plane.placement", cfg.plane.placement, ("round_robin", "local")),
+        ("plane.placement", cfg.plane.placement, ("round_robin", "local", "bandwidth_aware")),
+        ("plane.sampling", cfg.plane.sampling, ("exact", "stratified")),
         ("plane.schedule", cfg.plane.schedule, ("overlap", "sync")),
         ("plane.strategy", cfg.plane.strategy, ("auto", "all_to_all", "p2p", "chunked4", "gather")),
         ("logger.kind", cfg.logger.kind, ("wandb", "console", "none")),

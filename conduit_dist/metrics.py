@@ -6,7 +6,8 @@ Metric namespace (every logger uses the same names):
 - ``rate/env_steps_per_s``, ``rate/learner_steps_per_s``
 - ``path/<phase>_ms_{mean,max}`` for phases ``ingest``, ``sample``, ``deliver``, ``wait`` (time the
   learner waited for its batch), plus ``path/bytes_in``, ``path/bytes_out``
-- ``store/items``, ``store/occupancy``
+- ``store/items``, ``store/occupancy``, ``store/tier<i>_<kind>_bytes``, ``store/demotions``,
+  ``store/evictions``
 - ``train/loss``, ``train/epsilon``, ``train/policy_version``
 
 Step axes: ``env_steps`` (all ranks) for ``rl/*``, ``rate/*``, ``train/*``, ``store/*`` and

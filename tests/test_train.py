@@ -110,3 +110,20 @@ def test_world_size_one_plain_python(tmp_path, plane):
     ]
     res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_tiers_sampling_and_placement_from_the_command_line(tmp_path):
+    disk = tmp_path / "disk"
+    res = _torchrun(
+        tmp_path,
+        "experiment=smoke",
+        "logger=none",
+        "total_env_steps=1600",
+        "algo.learning_starts=200",
+        "plane.tiers=[[host,1000],[disk,3000]]",
+        f"plane.disk_dir={disk}",
+        "plane.sampling=stratified",
+        "plane.placement=bandwidth_aware",
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not list(disk.iterdir())  # disk tier files removed on close

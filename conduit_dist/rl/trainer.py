@@ -152,6 +152,9 @@ class Trainer:
             declared_bandwidth=(pc.latency_us * 1e-6, dict(pc.gbps)),
             bandwidth_cache=pc.bandwidth_cache,
             trace=pc.trace_dir is not None,
+            sampling=pc.sampling,
+            tiers=[(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
+            disk_dir=pc.disk_dir,
         )
 
     # ------------------------------------------------------------------ loop
@@ -232,6 +235,11 @@ class Trainer:
         }
         for p, vals in window.ms.items():
             local[f"{p}_ms"] = sum(vals) / len(vals) if vals else 0.0
+        store = self.plane.store_stats() if isinstance(self.plane, DataPlane) else None
+        if store is not None:
+            for i, tier in enumerate(store["tiers"]):
+                local[f"tier{i}_{tier['kind']}_bytes"] = tier["bytes"]
+            local["demotions"], local["evictions"] = store["demotions"], store["evictions"]
         agg = aggregate(local)
         world = self.world
         n = agg["ret_n_mean"] * world
@@ -256,6 +264,12 @@ class Trainer:
             "path/bytes_out": agg["bytes_out_mean"] * world,
             "learner_steps": float(self.agent.steps),
         }
+        if store is not None:  # bytes per tier (mean over ranks), demotions and evictions (sums)
+            for i, tier in enumerate(store["tiers"]):
+                key = f"tier{i}_{tier['kind']}_bytes"
+                metrics[f"store/{key}"] = agg[f"{key}_mean"]
+            metrics["store/demotions"] = agg["demotions_mean"] * world
+            metrics["store/evictions"] = agg["evictions_mean"] * world
         for p in _PHASES:
             metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
             metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]
