@@ -30,7 +30,8 @@ class PlaneConfig:
             memory tier.
         disk_dir: directory for disk tiers.
         timeout_s: seconds a collective may take before the round fails.
-        schedule: ``overlap`` (rounds launched at backward start) or ``sync`` (inside fetch).
+        schedule: ``overlap`` (rounds launched at backward start), ``sync`` (inside fetch) or
+            ``auto`` (each learner tries both and keeps the faster).
         max_lag: rounds of a rank's own puts a fetched batch may miss (0 or more).
         trace_dir: write each rank's Chrome trace here at the end (``null``: no trace).
         strategy: ``auto`` (the bandwidth model chooses per exchange) or a strategy to force:
@@ -49,7 +50,7 @@ class PlaneConfig:
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None
     timeout_s: float = 60.0
-    schedule: str = "overlap"
+    schedule: str = "auto"
     max_lag: int = 1
     trace_dir: str | None = None
     strategy: str = "auto"
@@ -168,7 +169,7 @@ def validate(cfg: TrainConfig) -> None:
         ("plane.kind", cfg.plane.kind, ("conduit", "simple")),
         ("plane.placement", cfg.plane.placement, ("round_robin", "local", "bandwidth_aware")),
         ("plane.sampling", cfg.plane.sampling, ("exact", "stratified")),
-        ("plane.schedule", cfg.plane.schedule, ("overlap", "sync")),
+        ("plane.schedule", cfg.plane.schedule, ("overlap", "sync", "auto")),
         ("plane.strategy", cfg.plane.strategy, ("auto", "all_to_all", "p2p", "chunked4", "gather")),
         ("logger.kind", cfg.logger.kind, ("wandb", "console", "none")),
         ("logger.mode", cfg.logger.mode, ("offline", "online", "disabled")),

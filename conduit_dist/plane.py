@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import statistics
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -22,6 +24,7 @@ from conduit_dist.tiers import POLICIES, make_shard
 from conduit_dist.weights import WeightsState
 
 _plane_ids = itertools.count()
+log = logging.getLogger("conduit_dist")
 # declared link numbers (measured on 2 loopback gloo ranks, 2-core machine): used when not probing
 DECLARED = (1.5e-4, {"self": 8.0, "host": 1.5, "net": 0.1})
 
@@ -55,8 +58,11 @@ class DataPlane:
             are actors: they ``put`` and call :meth:`flush` once per iteration.
         timeout_s: seconds any collective of a round may take before it fails with
             :class:`RoundError`.
-        schedule: ``overlap`` (default) or ``sync`` (request-driven: the round runs inside
-            ``fetch``). A single CPU rank has nothing to overlap and always runs rounds inline.
+        schedule: ``overlap`` (default), ``sync`` (request-driven: the round runs inside
+            ``fetch``) or ``auto`` (each learner times ``auto_trial`` iterations in each mode,
+            sync first, and keeps the faster; see :attr:`chosen_schedule`). A single CPU rank has
+            nothing to overlap and always runs rounds inline.
+        auto_trial: iterations timed per mode with ``schedule="auto"``.
         max_lag: rounds of this rank's own puts a fetched batch may miss (``0``: none; overlap
             then only happens between fetches announced with ``fetch(..., more=True)``).
         strategy: ``auto`` (the bandwidth model picks per exchange) or a strategy name to force:
@@ -108,6 +114,7 @@ class DataPlane:
         tiers: Sequence[tuple[str, int]] | None = None,
         disk_dir: str | None = None,
         sampling: str = "exact",
+        auto_trial: int = 50,
     ) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
@@ -117,8 +124,8 @@ class DataPlane:
             raise ConfigError(f"placement: expected one of {POLICIES}, got {placement!r}")
         if sampling not in ("exact", "stratified"):
             raise ConfigError(f"sampling: expected 'exact' or 'stratified', got {sampling!r}")
-        if schedule not in MODES:
-            raise ConfigError(f"schedule: expected one of {MODES}, got {schedule!r}")
+        if schedule not in (*MODES, "auto"):
+            raise ConfigError(f"schedule: expected one of {(*MODES, 'auto')}, got {schedule!r}")
         if not isinstance(max_lag, int) or max_lag < 0:
             raise ConfigError(f"max_lag: expected an int >= 0, got {max_lag!r}")
         if timeout_s <= 0:
@@ -157,9 +164,12 @@ class DataPlane:
         )
         # one CPU rank has no collective to wait for: a background round would only add a thread
         # handoff, so rounds run inline there (the lag rules are those of sync: none)
-        self._overlap = schedule == "overlap" and (self.world > 1 or self.device.type == "cuda")
+        can_overlap = self.world > 1 or self.device.type == "cuda"
+        self._overlap = schedule == "overlap" and can_overlap
+        # schedule="auto": a per-rank trial, sync then overlap, keeps the faster (see _auto_tick)
+        self._trial = _Trial(auto_trial) if schedule == "auto" and can_overlap else None
         self._sched = Scheduler(
-            "overlap" if self._overlap else "sync",
+            "overlap" if (self._overlap or self._trial) else "sync",
             self._runner,
             self._weights,
             self.device,
@@ -304,6 +314,8 @@ class DataPlane:
             records, stats = self._guard(lambda: self._sched.run(self._prepare(batch_size)))
         self._finish(records, stats)
         self._fetched, self._last_batch, self._more = True, batch_size, more
+        if self._trial is not None:
+            self._auto_tick(t_wait)
         rows = records.shape[0]
         if rows == 0:
             raise EmptyStoreError(
@@ -321,6 +333,35 @@ class DataPlane:
         batch = self.spec.unpack(records)
         self._account(stats, prefetched, lag, t_wait, now())
         return batch
+
+    @property
+    def chosen_schedule(self) -> str:
+        """The schedule in force on this rank (``auto``: the trial's pick once it is over)."""
+        if self._trial is not None and self._trial.choice is None:
+            return "auto (trial)"
+        return "overlap" if self._overlap else "sync"
+
+    def _auto_tick(self, t: float) -> None:
+        """Record the iteration that ended at this fetch; switch modes as the trial says."""
+        trial = self._trial
+        if trial.choice is not None:
+            return
+        phase = "overlap" if self._overlap else "sync"
+        if trial.last is not None:
+            trial.add(phase, (t - trial.last) * 1e3)
+        trial.last = t
+        if phase == "sync" and trial.done("sync"):
+            self._overlap, trial.last = True, None  # next: overlap (from the next backward on)
+        elif phase == "overlap" and trial.done("overlap"):
+            trial.choose()
+            self._overlap = trial.choice == "overlap"
+            log.info(
+                "rank %d: schedule=auto chose %s (median iteration sync %.2f ms, overlap %.2f ms)",
+                self.rank,
+                trial.choice,
+                trial.median("sync"),
+                trial.median("overlap"),
+            )
 
     def flush(self) -> None:
         """Take part in a round without fetching: move staged items to their shards.
@@ -565,6 +606,31 @@ class DataPlane:
     ) -> None:
         self._last = (stats, prefetched, lag, t_wait, t_end)
         self.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, t_end, round=stats.round)
+
+
+class _Trial:
+    """Iteration times per schedule during ``schedule="auto"`` (the first fifth is warm-up)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 5:
+            raise ConfigError(f"auto_trial: expected >= 5 iterations per mode, got {n}")
+        self.n = n
+        self.times: dict[str, list[float]] = {"sync": [], "overlap": []}
+        self.last: float | None = None
+        self.choice: str | None = None
+
+    def add(self, phase: str, ms: float) -> None:
+        self.times[phase].append(ms)
+
+    def done(self, phase: str) -> bool:
+        return len(self.times[phase]) >= self.n
+
+    def median(self, phase: str) -> float:
+        kept = self.times[phase][self.n // 5 :]
+        return statistics.median(kept) if kept else float("inf")
+
+    def choose(self) -> None:
+        self.choice = "overlap" if self.median("overlap") < self.median("sync") else "sync"
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

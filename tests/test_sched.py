@@ -197,3 +197,27 @@ def test_schedule_and_lag_arguments_are_checked():
         cd.DataPlane(spec(), capacity_per_rank=4, schedule="later")
     with pytest.raises(cd.ConfigError, match="max_lag.*-1"):
         cd.DataPlane(spec(), capacity_per_rank=4, max_lag=-1)
+
+
+def _auto(rank, world):
+    plane = cd.DataPlane(spec(), capacity_per_rank=500, seed=3, schedule="auto", auto_trial=6)
+    model = Learner()
+    plane.attach(model)
+    modes = []
+    for it in range(20):
+        plane.put(make_batch(_ids(rank, it, 4)))
+        b = plane.fetch(5)
+        modes.append((plane.chosen_schedule, plane.last_fetch.prefetched))
+        _train_step(model, b)
+    trial = plane._trial
+    medians = (trial.median("sync"), trial.median("overlap"))
+    plane.close()
+    return modes, trial.choice, medians
+
+
+def test_auto_schedule_tries_sync_then_overlap_and_keeps_the_faster():
+    for modes, choice, (sync_ms, overlap_ms) in run_ranks(_auto, 2).values():
+        assert [p for _, p in modes[:7]] == [False] * 7  # sync trial: no prefetch
+        assert any(p for _, p in modes[7:13])  # overlap trial: rounds launched at backward
+        assert choice == ("overlap" if overlap_ms < sync_ms else "sync")
+        assert {m for m, _ in modes[14:]} == {choice}

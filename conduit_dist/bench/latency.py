@@ -150,7 +150,7 @@ def _dqn(iters: int) -> dict[str, dict[str, float]]:
     register()
     conf = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
     out = {}
-    for schedule in ("sync", "overlap"):
+    for schedule in ("sync", "overlap", "auto"):
         with initialize_config_dir(config_dir=os.path.abspath(conf), version_base="1.3"):
             dcfg = compose(
                 "config",
@@ -278,7 +278,7 @@ def main(argv: list[str]) -> None:
                     f"(items {r['items']}, compute {r['compute_ms']:.1f} ms)"
                 )
         if dqn:
-            for m in ("sync", "overlap"):
+            for m in ("sync", "overlap", "auto"):
                 d = dqn[m]
                 print(
                     f"dqn_{m}: iteration {d['iteration_ms']:.2f} ms, exposed {d['exposed_ms']:.3f}"
@@ -288,6 +288,9 @@ def main(argv: list[str]) -> None:
             )
             summary["dqn_iteration_reduction"] = (
                 1 - dqn["overlap"]["iteration_ms"] / dqn["sync"]["iteration_ms"]
+            )
+            summary["dqn_auto_iteration_reduction"] = (
+                1 - dqn["auto"]["iteration_ms"] / dqn["sync"]["iteration_ms"]
             )
         rows = [
             {"learner": name, "mode": m, "items_per_iteration": r["items"], **v}
