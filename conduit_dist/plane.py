@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import statistics
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -16,7 +15,8 @@ from conduit_dist.collectives.topology import discover
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError
 from conduit_dist.rounds import RoundRunner, RoundStats, RoundTicket
-from conduit_dist.sched import PHASES, BackwardTrigger, FetchTiming, Timeline, split
+from conduit_dist.sched import BackwardTrigger, FetchTiming, Timeline, fetch_timing
+from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.scheduler import MODES, Scheduler, now
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import DoubleBuffer
@@ -167,7 +167,7 @@ class DataPlane:
         can_overlap = self.world > 1 or self.device.type == "cuda"
         self._overlap = schedule == "overlap" and can_overlap
         # schedule="auto": a per-rank trial, sync then overlap, keeps the faster (see _auto_tick)
-        self._trial = _Trial(auto_trial) if schedule == "auto" and can_overlap else None
+        self._trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
         self._sched = Scheduler(
             "overlap" if (self._overlap or self._trial) else "sync",
             self._runner,
@@ -342,26 +342,12 @@ class DataPlane:
         return "overlap" if self._overlap else "sync"
 
     def _auto_tick(self, t: float) -> None:
-        """Record the iteration that ended at this fetch; switch modes as the trial says."""
-        trial = self._trial
-        if trial.choice is not None:
-            return
-        phase = "overlap" if self._overlap else "sync"
-        if trial.last is not None:
-            trial.add(phase, (t - trial.last) * 1e3)
-        trial.last = t
-        if phase == "sync" and trial.done("sync"):
-            self._overlap, trial.last = True, None  # next: overlap (from the next backward on)
-        elif phase == "overlap" and trial.done("overlap"):
-            trial.choose()
-            self._overlap = trial.choice == "overlap"
-            log.info(
-                "rank %d: schedule=auto chose %s (median iteration sync %.2f ms, overlap %.2f ms)",
-                self.rank,
-                trial.choice,
-                trial.median("sync"),
-                trial.median("overlap"),
-            )
+        """Feed the auto trial the iteration that ended at this fetch; follow its mode."""
+        mode = self._trial.tick(t, "overlap" if self._overlap else "sync")
+        if mode is not None:
+            self._overlap = mode == "overlap"
+            if self._trial.choice is not None:
+                log.info("rank %d: %s", self.rank, self._trial.describe())
 
     def flush(self) -> None:
         """Take part in a round without fetching: move staged items to their shards.
@@ -492,16 +478,7 @@ class DataPlane:
         """Exposed/hidden accounting of the latest fetch (``None`` before the first)."""
         if self._last is None:
             return None
-        stats, prefetched, lag, t_wait, t_end = self._last
-        phases = {p: split(stats.spans[p], (t_wait, t_end)) for p in PHASES if p in stats.spans}
-        return FetchTiming(
-            round=stats.round,
-            prefetched=prefetched,
-            lag_rounds=lag,
-            exposed_ms=(t_end - t_wait) * 1e3,
-            hidden_ms=sum(h for _, h in phases.values()) * 1e3,
-            phases={p: (e * 1e3, h * 1e3) for p, (e, h) in phases.items()},
-        )
+        return fetch_timing(*self._last)
 
     def close(self) -> None:
         """Run the closing round, remove hooks, release the group. Safe to call twice.
@@ -606,31 +583,6 @@ class DataPlane:
     ) -> None:
         self._last = (stats, prefetched, lag, t_wait, t_end)
         self.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, t_end, round=stats.round)
-
-
-class _Trial:
-    """Iteration times per schedule during ``schedule="auto"`` (the first fifth is warm-up)."""
-
-    def __init__(self, n: int) -> None:
-        if n < 5:
-            raise ConfigError(f"auto_trial: expected >= 5 iterations per mode, got {n}")
-        self.n = n
-        self.times: dict[str, list[float]] = {"sync": [], "overlap": []}
-        self.last: float | None = None
-        self.choice: str | None = None
-
-    def add(self, phase: str, ms: float) -> None:
-        self.times[phase].append(ms)
-
-    def done(self, phase: str) -> bool:
-        return len(self.times[phase]) >= self.n
-
-    def median(self, phase: str) -> float:
-        kept = self.times[phase][self.n // 5 :]
-        return statistics.median(kept) if kept else float("inf")
-
-    def choose(self) -> None:
-        self.choice = "overlap" if self.median("overlap") < self.median("sync") else "sync"
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

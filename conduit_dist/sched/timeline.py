@@ -33,6 +33,27 @@ class FetchTiming:
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
+def fetch_timing(stats, prefetched: bool, lag: int, t_wait: float, t_end: float) -> FetchTiming:
+    """Split a fetch's round into exposed and hidden time, per phase.
+
+    Args:
+        stats: the round's ``RoundStats`` (phase spans in ``perf_counter`` seconds).
+        prefetched: whether the round was launched before the fetch.
+        lag: rounds of this rank's puts the batch may miss.
+        t_wait: when the fetch started waiting.
+        t_end: when it returned.
+    """
+    phases = {p: split(stats.spans[p], (t_wait, t_end)) for p in PHASES if p in stats.spans}
+    return FetchTiming(
+        round=stats.round,
+        prefetched=prefetched,
+        lag_rounds=lag,
+        exposed_ms=(t_end - t_wait) * 1e3,
+        hidden_ms=sum(h for _, h in phases.values()) * 1e3,
+        phases={p: (e * 1e3, h * 1e3) for p, (e, h) in phases.items()},
+    )
+
+
 def split(interval: tuple[float, float], wait: tuple[float, float]) -> tuple[float, float]:
     """Split ``interval`` into (exposed, hidden) seconds: exposed is its overlap with ``wait``."""
     a, b = interval
