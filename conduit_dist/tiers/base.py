@@ -1,13 +1,18 @@
-"""The tier interface: a fixed number of record slots in one kind of memory."""
+"""The tier interface: a fixed number of record slots in one kind of memory.
+
+Every tier keeps its slots as one ``uint8 [slots, record_bytes]`` tensor, ``self.data``, set by
+the subclass (device memory, pinned or pageable host memory, a memory-mapped file); reads and
+writes are tensor ops on it, so they are written once, here.
+"""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
 
+from conduit_dist.errors import ConfigError
 
-class Tier(ABC):
+
+class Tier:
     """Fixed-size record slots (``uint8 [slots, record_bytes]``) in one kind of memory.
 
     Args:
@@ -16,6 +21,7 @@ class Tier(ABC):
     """
 
     kind: str = "abstract"
+    data: torch.Tensor
 
     def __init__(self, slots: int, record_bytes: int) -> None:
         self.slots = slots
@@ -26,25 +32,35 @@ class Tier(ABC):
         """Bytes this tier holds at most."""
         return self.slots * self.record_bytes
 
-    @abstractmethod
     def region(self, start: int, end: int) -> torch.Tensor:
         """A writable, contiguous view of slots ``[start, end)`` (received into directly)."""
+        return self.data[start:end]
 
-    @abstractmethod
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the records at ``slots`` (int64) into ``out`` (``[len(slots), record_bytes]``)."""
+        torch.index_select(self.data, 0, slots.to(self.data.device, non_blocking=True), out=out)
 
     def write(self, start: int, records: torch.Tensor) -> None:
         """Copy ``records`` into slots ``[start, start + len(records))`` (async from pinned)."""
         self.region(start, start + records.shape[0]).copy_(records, non_blocking=True)
 
-    @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The tier's contents as tensors."""
+        """The tier's contents."""
+        return {"data": self.data}
 
-    @abstractmethod
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore contents saved by :meth:`state_dict`."""
+        """Restore contents saved by :meth:`state_dict` (same slots and record size).
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+        Raises:
+            ConfigError: on a different shape.
+        """
+        data = state["data"]
+        if data.shape != self.data.shape:
+            raise ConfigError(
+                f"{self.kind} tier data: expected shape {list(self.data.shape)}, "
+                f"got {list(data.shape)}"
+            )
+        self.data.copy_(data)
+
+    def close(self) -> None:
         """Release the tier's memory or files."""

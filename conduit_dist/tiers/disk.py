@@ -47,23 +47,6 @@ class DiskTier(Tier):
             slots, record_bytes
         )
 
-    def region(self, start: int, end: int) -> torch.Tensor:
-        return self.data[start:end]
-
-    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        torch.index_select(self.data, 0, slots, out=out)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"data": self.data}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        data = state["data"]
-        if data.shape != self.data.shape:
-            raise ConfigError(
-                f"disk tier data: expected {list(self.data.shape)}, got {list(data.shape)}"
-            )
-        self.data.copy_(data)
-
     def close(self) -> None:
         """Unmap, and remove the file unless ``keep``."""
         self.data = None

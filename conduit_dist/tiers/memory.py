@@ -44,20 +44,3 @@ class MemoryTier(Tier):
         self.data = torch.zeros(
             (slots, record_bytes), dtype=torch.uint8, device=device, pin_memory=pin_memory
         )
-
-    def region(self, start: int, end: int) -> torch.Tensor:
-        return self.data[start:end]
-
-    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        torch.index_select(self.data, 0, slots.to(self.data.device, non_blocking=True), out=out)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"data": self.data}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        data = state["data"]
-        if data.shape != self.data.shape:
-            raise ConfigError(
-                f"tier data: expected shape {list(self.data.shape)}, got {list(data.shape)}"
-            )
-        self.data.copy_(data)
