@@ -129,7 +129,10 @@ class TieredShard:
             pos = mask.nonzero().squeeze(1)
             if pos.numel():
                 phys = (logical[pos] - offset + ring.start) % ring.cap
-                rows = ring.tier.data.index_select(0, phys.to(ring.tier.data.device))
+                rows = torch.empty(
+                    (pos.numel(), out.shape[1]), dtype=out.dtype, device=ring.tier.data.device
+                )
+                ring.tier.gather(phys, rows)
                 out.index_copy_(0, pos.to(out.device), rows.to(out.device, non_blocking=True))
             offset += ring.size
 
