@@ -141,8 +141,6 @@ class TrainConfig:
             (``null``: never).
         mode: ``colocated`` (every rank acts and learns) or ``disaggregated``.
         learner_ranks: learner ranks in disaggregated mode.
-        max_policy_lag: disaggregated actors fail if their policy is more than this many published
-            versions behind the learner's latest.
     """
 
     seed: int = 0
@@ -151,7 +149,6 @@ class TrainConfig:
     target_return: float | None = None
     mode: str = "colocated"
     learner_ranks: list[int] = field(default_factory=lambda: [0])
-    max_policy_lag: int = 2
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

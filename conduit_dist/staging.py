@@ -127,7 +127,6 @@ class OutputPool:
     def __init__(self, record_bytes: int, device: torch.device, size: int = 3) -> None:
         self.record_bytes, self.device, self.size = record_bytes, device, size
         self._pool: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when unreferenced)
-        self.reused = 0
 
     def acquire(self, rows: int) -> torch.Tensor:
         """A ``[rows, record_bytes]`` buffer nobody else references."""
@@ -135,7 +134,6 @@ class OutputPool:
             return torch.empty((0, self.record_bytes), dtype=torch.uint8, device=self.device)
         for buf, idle in self._pool:
             if buf.shape[0] >= rows and _use_count(buf) == idle:
-                self.reused += 1
                 return buf[:rows]
         buf = torch.empty((rows, self.record_bytes), dtype=torch.uint8, device=self.device)
         idle = _use_count(buf)

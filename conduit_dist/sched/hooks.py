@@ -52,7 +52,6 @@ class BackwardTrigger:
             module.register_forward_pre_hook(self._pre_hook),
             module.register_forward_hook(self._forward_hook),
         ]
-        self.backward_started: float | None = None
 
     def _pre_hook(self, _module: nn.Module, _inputs: Any) -> None:
         self._forward_start = time.perf_counter()
@@ -68,7 +67,6 @@ class BackwardTrigger:
         def hook(grad: torch.Tensor) -> None:
             if not fired[0]:
                 fired[0] = True
-                self.backward_started = time.perf_counter()
                 self._on_backward()
 
         for t in outs:
