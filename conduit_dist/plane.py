@@ -242,7 +242,6 @@ class DataPlane:
         self._check_open()
         t0 = now()
         n = self.spec.validate(batch)
-        self.spec.check_finite(batch)
         pending = self._sched.pending
         if self.max_lag == 0 and pending is not None and pending.kind == "prefetch":
             raise ConfigError(
@@ -250,14 +249,15 @@ class DataPlane:
                 "(fetch(..., more=True)); put before the first fetch of an iteration"
             )
         rows = None if donate else self._direct_rows(n)
-        if donate:
+        if donate:  # checked now, packed by the round
+            self.spec.check_finite(batch)
             self._stage.current.defer(n, dict(batch))
-        elif rows is not None:
-            self.spec.pack(batch, rows)
+        elif rows is not None:  # rows count from the next round on: a rejected pack leaves none
+            self.spec.pack(batch, rows, check=True)
             self._direct += n
         else:
             stage = self._stage.current
-            self.spec.pack(batch, stage.reserve(n))
+            self.spec.pack(batch, stage.reserve(n), check=True)
             stage.commit(n)
         self._put_seq += 1
         self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)

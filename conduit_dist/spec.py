@@ -145,6 +145,9 @@ class ExperienceSpec:
         self._dtypes = sorted({f.dtype for f in fields}, key=str)
         self._sizes = tuple(end - start for _, start, end, _, _ in self._cols)
         self._starts = tuple(start for _, start, _, _, _ in self._cols)
+        checked = {name for name, _ in self._checked}
+        self._kinds = tuple(_KIND[d] if n in checked else 0 for n, _, _, d, _ in self._cols)
+        self._unchecked = (0,) * len(self._cols)
 
     @classmethod
     def from_batch(
@@ -234,12 +237,20 @@ class ExperienceSpec:
             raise SpecError("batch is empty: expected at least one item, got leading dim 0")
         return n
 
-    def pack(self, batch: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    def pack(
+        self, batch: Mapping[str, torch.Tensor], out: torch.Tensor, *, check: bool = False
+    ) -> None:
         """Copy a validated batch into records ``out`` (``uint8 [B, record_bytes]``).
 
         Args:
             batch: a batch that passed :meth:`validate`.
             out: destination rows; may be a row slice of a larger record tensor.
+            check: also reject NaN/inf in checked floating fields, in the same pass as the copy
+                (as :meth:`check_finite`). On rejection ``out`` holds garbage: callers pack into
+                rows they have not committed yet.
+
+        Raises:
+            SpecError: with ``check``, naming the field and the number of non-finite values.
         """
         n = out.shape[0]
         if (
@@ -247,17 +258,22 @@ class ExperienceSpec:
             and out.device.type == "cpu"
             and out.stride() == (self.record_bytes, 1)
         ):
-            # contiguous CPU sources (copies only where a field is not), one memcpy per row/field
+            # contiguous CPU sources (copies only where a field is not), one pass over each row
             srcs = [batch[name].cpu().contiguous() for name, *_ in self._cols]
-            _native.pack_rows(
+            bad = _native.pack_rows(
                 out.data_ptr(),
                 self.record_bytes,
                 n,
                 tuple(t.data_ptr() for t in srcs),
                 self._sizes,
                 self._starts,
+                self._kinds if check else self._unchecked,
             )
+            if bad >= 0:
+                self._reject(self._cols[bad][0], srcs[bad])
             return
+        if check:
+            self.check_finite(batch)
         for name, start, end, dtype, shape in self._cols:
             out[:, start:end].view(dtype).view(n, *shape).copy_(batch[name])
 
@@ -282,10 +298,7 @@ class ExperienceSpec:
                 else:
                     bad = int((~torch.isfinite(t)).sum())
                 if bad:
-                    raise SpecError(
-                        f"field {name!r}: expected finite values, got {bad} NaN/inf "
-                        "(pass allow_nonfinite=True in the spec to accept them)"
-                    )
+                    self._reject(name, t)
             return
         total = None
         for name, acc in self._checked:
@@ -294,12 +307,16 @@ class ExperienceSpec:
         if math.isfinite(float(total)):
             return
         for name, _ in self._checked:
-            bad = int((~torch.isfinite(batch[name])).sum())
-            if bad:
-                raise SpecError(
-                    f"field {name!r}: expected finite values, got {bad} NaN/inf "
-                    "(pass allow_nonfinite=True in the spec to accept them)"
-                )
+            if not bool(torch.isfinite(batch[name]).all()):
+                self._reject(name, batch[name])
+
+    @staticmethod
+    def _reject(name: str, t: torch.Tensor) -> None:
+        bad = int((~torch.isfinite(t)).sum())
+        raise SpecError(
+            f"field {name!r}: expected finite values, got {bad} NaN/inf "
+            "(pass allow_nonfinite=True in the spec to accept them)"
+        )
 
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """View records as a dict of field tensors (no copy; rows keep the record stride).

@@ -217,6 +217,10 @@ def test_rejected_put_stores_nothing():
     plane.wait()
     assert len(plane) == 0
     plane.put(good)
+    late_nan = make_batch(torch.arange(5, 10))
+    late_nan["reward"][-1] = float("inf")  # found mid-copy: rows already written stay invisible
+    with pytest.raises(cd.SpecError, match="'reward'.*1 NaN/inf"):
+        plane.put(late_nan)
     plane.flush()
     plane.wait()
     assert sorted(shard_items(plane).tolist()) == list(range(5))

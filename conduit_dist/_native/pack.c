@@ -8,51 +8,119 @@
 
 #define MAX_FIELDS 256
 
-static PyObject* pack_rows(PyObject* self, PyObject* args) {
-    unsigned long long dst;
-    long long row_bytes, n;
-    PyObject *srcs, *sizes, *offsets;
-    if (!PyArg_ParseTuple(args, "KLLO!O!O!", &dst, &row_bytes, &n, &PyTuple_Type, &srcs,
-                          &PyTuple_Type, &sizes, &PyTuple_Type, &offsets))
-        return NULL;
-    Py_ssize_t nf = PyTuple_GET_SIZE(srcs);
-    if (nf > MAX_FIELDS || PyTuple_GET_SIZE(sizes) != nf || PyTuple_GET_SIZE(offsets) != nf) {
-        PyErr_SetString(PyExc_ValueError, "pack_rows: srcs, sizes and offsets must have equal length <= 256");
-        return NULL;
-    }
-    uint8_t* src[MAX_FIELDS];
-    long long size[MAX_FIELDS], off[MAX_FIELDS];
-    for (Py_ssize_t f = 0; f < nf; f++) {
-        src[f] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(srcs, f));
-        size[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
-        off[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
-        if (PyErr_Occurred()) return NULL;
-        if (size[f] < 0 || off[f] < 0 || off[f] + size[f] > row_bytes) {
-            PyErr_SetString(PyExc_ValueError, "pack_rows: a field does not fit in the record");
-            return NULL;
+#if defined(__x86_64__) && defined(__GNUC__)
+/* an AVX2 clone next to the baseline one, picked at load time by the CPU it runs on */
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+/* Copy one field of one item; for a float kind, return 1 if any value is NaN/inf (exponent bits
+ * all ones), found in the same pass as the copy. Branch-free loops the compiler vectorises. */
+static inline int copy_field(uint8_t* restrict d, const uint8_t* restrict s, long long sz, int kind) {
+    switch (kind) {
+        case 4: {
+            const uint32_t* restrict a = (const uint32_t*)s;
+            uint32_t* restrict b = (uint32_t*)d;
+            uint32_t any = 0;
+            for (long long j = 0; j < sz / 4; j++) {
+                uint32_t v = a[j];
+                any |= (uint32_t)((v & 0x7f800000u) == 0x7f800000u);
+                b[j] = v;
+            }
+            return any != 0;
         }
-    }
-    uint8_t* out = (uint8_t*)(uintptr_t)dst;
-    Py_BEGIN_ALLOW_THREADS
-    /* row by row, so each record's cache lines are written once; scalars get fixed-size copies
-     * the compiler turns into single loads and stores instead of a libc call */
-    for (long long i = 0; i < n; i++) {
-        uint8_t* row = out + i * row_bytes;
-        for (Py_ssize_t f = 0; f < nf; f++) {
-            const long long sz = size[f];
-            const uint8_t* s = src[f] + i * sz;
-            uint8_t* d = row + off[f];
-            switch (sz) {
+        case 8: {
+            const uint64_t* restrict a = (const uint64_t*)s;
+            uint64_t* restrict b = (uint64_t*)d;
+            const uint64_t m = 0x7ff0000000000000ull;
+            uint64_t any = 0;
+            for (long long j = 0; j < sz / 8; j++) {
+                uint64_t v = a[j];
+                any |= (uint64_t)((v & m) == m);
+                b[j] = v;
+            }
+            return any != 0;
+        }
+        case 2:
+        case 3: {
+            const uint16_t* restrict a = (const uint16_t*)s;
+            uint16_t* restrict b = (uint16_t*)d;
+            const uint16_t m = kind == 2 ? 0x7c00u : 0x7f80u;
+            uint16_t any = 0;
+            for (long long j = 0; j < sz / 2; j++) {
+                uint16_t v = a[j];
+                any |= (uint16_t)((v & m) == m);
+                b[j] = v;
+            }
+            return any != 0;
+        }
+        default:
+            switch (sz) { /* scalars: single loads and stores instead of a libc call */
                 case 8: memcpy(d, s, 8); break;
                 case 4: memcpy(d, s, 4); break;
                 case 2: memcpy(d, s, 2); break;
                 case 1: *d = *s; break;
                 default: memcpy(d, s, (size_t)sz);
             }
+            return 0;
+    }
+}
+
+CLONES
+static void pack_impl(uint8_t* out, long long row_bytes, long long n, Py_ssize_t nf,
+                      uint8_t* const* src, const long long* size, const long long* off,
+                      const int* kind, int* bad) {
+    /* row by row, so each record's cache lines are written once */
+    for (long long i = 0; i < n; i++) {
+        uint8_t* row = out + i * row_bytes;
+        for (Py_ssize_t f = 0; f < nf; f++)
+            bad[f] |= copy_field(row + off[f], src[f] + i * size[f], size[f], kind[f]);
+    }
+}
+
+/* pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds) -> index of the first field holding
+ * NaN/inf among those with a float kind (2, 3, 4, 8; 0 = not checked), or -1. (Non-temporal
+ * stores into cold ring slots were tried: slower here than plain stores, for both record sizes.) */
+static PyObject* pack_rows(PyObject* self, PyObject* args) {
+    unsigned long long dst;
+    long long row_bytes, n;
+    PyObject *srcs, *sizes, *offsets, *kinds;
+    if (!PyArg_ParseTuple(args, "KLLO!O!O!O!", &dst, &row_bytes, &n, &PyTuple_Type, &srcs,
+                          &PyTuple_Type, &sizes, &PyTuple_Type, &offsets, &PyTuple_Type, &kinds))
+        return NULL;
+    Py_ssize_t nf = PyTuple_GET_SIZE(srcs);
+    if (nf > MAX_FIELDS || PyTuple_GET_SIZE(sizes) != nf || PyTuple_GET_SIZE(offsets) != nf ||
+        PyTuple_GET_SIZE(kinds) != nf) {
+        PyErr_SetString(PyExc_ValueError,
+                        "pack_rows: srcs, sizes, offsets and kinds must have equal length <= 256");
+        return NULL;
+    }
+    uint8_t* src[MAX_FIELDS];
+    long long size[MAX_FIELDS], off[MAX_FIELDS];
+    int kind[MAX_FIELDS], bad[MAX_FIELDS];
+    for (Py_ssize_t f = 0; f < nf; f++) {
+        src[f] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(srcs, f));
+        size[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
+        off[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
+        kind[f] = (int)PyLong_AsLong(PyTuple_GET_ITEM(kinds, f));
+        bad[f] = 0;
+        if (PyErr_Occurred()) return NULL;
+        if (size[f] < 0 || off[f] < 0 || off[f] + size[f] > row_bytes) {
+            PyErr_SetString(PyExc_ValueError, "pack_rows: a field does not fit in the record");
+            return NULL;
+        }
+        if (kind[f] != 0 && kind[f] != 2 && kind[f] != 3 && kind[f] != 4 && kind[f] != 8) {
+            PyErr_SetString(PyExc_ValueError, "pack_rows: kinds must be 0, 2, 3, 4 or 8");
+            return NULL;
         }
     }
+    Py_BEGIN_ALLOW_THREADS
+    pack_impl((uint8_t*)(uintptr_t)dst, row_bytes, n, nf, src, size, off, kind, bad);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    for (Py_ssize_t f = 0; f < nf; f++)
+        if (bad[f]) return PyLong_FromSsize_t(f);
+    return PyLong_FromLong(-1);
 }
 
 /* count_nonfinite(addr, n, kind): number of NaN/inf among n contiguous floats of a kind:
@@ -99,7 +167,8 @@ static PyMethodDef methods[] = {
     {"count_nonfinite", count_nonfinite, METH_VARARGS,
      "count_nonfinite(addr, n, kind): NaN/inf among n contiguous floats (kind 2, 3, 4 or 8)."},
     {"pack_rows", pack_rows, METH_VARARGS,
-     "pack_rows(dst, row_bytes, n, srcs, sizes, offsets): copy n items of each field into rows."},
+     "pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds): pack n items into rows; "
+     "returns the first field with NaN/inf (float kinds only) or -1."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pack", NULL, -1, methods};
