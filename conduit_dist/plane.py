@@ -52,8 +52,8 @@ class DataPlane:
         seed: run seed; with the round number it fixes every sample drawn.
         device: where the shard lives and batches are delivered (``cpu`` or ``cuda``).
         placement: ``round_robin`` (shards fill evenly), ``local`` (items stay where put) or
-            ``bandwidth_aware`` (cheapest shard to ingest into and deliver from, within fair
-            shares of capacity; see ``tiers/placement.py``).
+            ``bandwidth_aware`` (the plan the bandwidth model prices cheapest to ingest and
+            then deliver from; see ``tiers/placement.py``).
         learner_ranks: ranks that fetch; ``None`` means every rank (colocated). The other ranks
             are actors: they ``put`` and call :meth:`flush` once per iteration.
         timeout_s: seconds any collective of a round may take before it fails with

@@ -22,7 +22,7 @@ from conduit_dist.sampling.uniform import UniformSampler, allocate
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import OutputPool, RecordBuffer
 from conduit_dist.tiers import Shard, plan_ingest
-from conduit_dist.tiers.placement import plan_bandwidth_aware, remainder_dealt
+from conduit_dist.tiers.placement import BandwidthAwarePlanner, remainder_dealt
 from conduit_dist.weights import WeightsSnapshot, WeightsState
 
 
@@ -128,6 +128,11 @@ class RoundRunner:
         self._recv = RecordBuffer(spec.record_bytes, device)
         self.outputs = OutputPool(spec.record_bytes, device)
         self._dev_stage = RecordBuffer(spec.record_bytes, device)  # H2D copy of staged records
+        self.planner = None
+        if placement == "bandwidth_aware" and transport is not None:
+            self.planner = BandwidthAwarePlanner(
+                transport.model, transport.links, self.learners, spec.record_bytes, sampling
+            )
 
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
@@ -196,12 +201,9 @@ class RoundRunner:
 
     def _ingest(self, staged: RecordBuffer, counts: np.ndarray, r: int, stats: RoundStats) -> None:
         """Move staged items to their owner shards in one fused all-to-all."""
-        if self.placement == "bandwidth_aware":
+        if self.planner is not None:
             capacities = np.full(self.world, self.shard.capacity, dtype=np.int64)
-            replay = float(self._requests.sum()) / max(int(counts.sum()), 1)
-            plan = plan_bandwidth_aware(
-                counts, capacities, self.learners, self.transport.links, reads_per_write=replay
-            )
+            plan = self.planner.plan(counts, self._requests, self.sizes, capacities, self.dealt)
         else:
             plan = plan_ingest(self.placement, counts, self.dealt)
         inflow = plan.sum(axis=0)

@@ -3,33 +3,74 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from dist_utils import run_ranks
 from plane_helpers import assert_intact, make_batch, spec
 
 import conduit_dist as cd
+from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.collectives.topology import Topology
 from conduit_dist.sampling.stratified import allocate_stratified
-from conduit_dist.tiers.placement import plan_bandwidth_aware, plan_ingest
+from conduit_dist.tiers.placement import BandwidthAwarePlanner, plan_ingest, plan_near_learners
 
 LINKS = Topology.from_hosts(["a", "a", "b", "b"]).link_matrix()
 ALL = np.ones(4, dtype=bool)
 
 
-def test_bandwidth_aware_weighs_ingestion_against_delivery():
-    even = plan_bandwidth_aware(np.array([10, 10, 10, 10]), np.full(4, 100), ALL, LINKS)
+def test_near_learners_weighs_ingestion_against_delivery():
+    even = plan_near_learners(np.array([10, 10, 10, 10]), np.full(4, 100), ALL, LINKS)
     assert (even == np.diag([10, 10, 10, 10])).all()  # colocated: everything stays local
     # a shard takes at most its capacity per round; the rest goes to the nearest shard
-    hot = plan_bandwidth_aware(np.array([30, 0, 0, 0]), np.full(4, 12), ALL, LINKS)
+    hot = plan_near_learners(np.array([30, 0, 0, 0]), np.full(4, 12), ALL, LINKS)
     assert hot[0].tolist() == [12, 12, 3, 3]  # equally far shards share the overflow
     # actors on host b, the learner on host a
     learner = np.array([True, False, False, False])
     put = np.array([0, 0, 20, 20])
-    low = plan_bandwidth_aware(put, np.full(4, 100), learner, LINKS, reads_per_write=0.2)
+    low = plan_near_learners(put, np.full(4, 100), learner, LINKS, reads_per_write=0.2)
     assert (low == np.diag(put)).all()  # few reads per write: items stay with their actors
-    high = plan_bandwidth_aware(put, np.full(4, 100), learner, LINKS, reads_per_write=8.0)
+    high = plan_near_learners(put, np.full(4, 100), learner, LINKS, reads_per_write=8.0)
     assert high[:, 0].sum() == 40  # many reads per write: they move next to the learner
     assert (plan_ingest("round_robin", np.array([10, 10, 10, 10]), 0) == 2).sum() >= 8
+
+
+# datasheet-like numbers: a fast host link, a slow network
+MODEL = BandwidthModel.declared(20e-6, {"self": 2000.0, "host": 450.0, "net": 50.0})
+TOPO8 = Topology.from_hosts([f"n{i // 4}" for i in range(8)]).link_matrix()
+
+
+@pytest.mark.parametrize("sampling", ["exact", "stratified"])
+def test_bandwidth_aware_picks_the_plan_the_model_prices_cheapest(sampling):
+    rb, cap = 28_240, np.full(8, 10_000)
+    learner = np.zeros(8, bool)
+    learner[:4] = True  # host n0 learns, host n1 acts
+    cases = {
+        "colocated": (np.ones(8, bool), np.full(8, 64), np.full(8, 256)),
+        "actors, high replay": (learner, np.where(learner, 0, 64), np.where(learner, 2048, 0)),
+        "actors, low replay": (learner, np.where(learner, 0, 64), np.where(learner, 8, 0)),
+        "skewed producers": (
+            np.ones(8, bool),
+            np.array([320, 0, 0, 0, 16, 16, 16, 16]),
+            np.full(8, 64),
+        ),
+    }
+    picks = {}
+    for name, (learners, put, requests) in cases.items():
+        planner = BandwidthAwarePlanner(MODEL, TOPO8, learners, rb, sampling)
+        plan = planner.plan(put, requests, np.zeros(8), cap, 0)
+        prices = {
+            "local": planner.price(plan_ingest("local", put, 0), requests, np.zeros(8), cap),
+            "round_robin": planner.price(
+                plan_ingest("round_robin", put, 0), requests, np.zeros(8), cap
+            ),
+        }
+        chosen = planner.price(plan, requests, np.zeros(8), cap)
+        assert chosen <= min(prices.values()) + 1e-12, (name, chosen, prices)
+        assert plan.sum(axis=1).tolist() == put.tolist()  # every staged item placed once
+        picks[name] = min(planner.last, key=planner.last.get)
+    assert picks["colocated"] == "local"  # nothing to gain by moving items
+    assert picks["actors, high replay"] == "near_learners"  # read many times: move them once
+    assert picks["actors, low replay"] == "local"  # read rarely: leave them with the actors
 
 
 def test_stratified_is_proportional_and_local_first():

@@ -30,7 +30,7 @@ from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.collectives.topology import Topology
 from conduit_dist.sampling.stratified import allocate_stratified
 from conduit_dist.sampling.uniform import allocate
-from conduit_dist.tiers.placement import plan_bandwidth_aware, plan_ingest
+from conduit_dist.tiers.placement import BandwidthAwarePlanner, plan_ingest
 
 ITEM = (4, 84, 84)
 
@@ -145,12 +145,10 @@ def predicted(record_bytes: int, batch: int) -> dict:
         requests = np.where(learners, batch, 0)
         for sampling in ("exact", "stratified"):
             times = {}
+            planner = BandwidthAwarePlanner(model, links, learners, record_bytes, sampling)
             for policy in ("local", "round_robin", "bandwidth_aware"):
-                if policy == "bandwidth_aware":
-                    replay = requests.sum() / put.sum()
-                    plan = plan_bandwidth_aware(
-                        put, capacity, learners, links, reads_per_write=replay
-                    )
+                if policy == "bandwidth_aware":  # planned from an empty store, as a job starts
+                    plan = planner.plan(put, requests, np.zeros(world), capacity, 0)
                 else:
                     plan = plan_ingest(policy, put, 0)
                 # steady state: a shard that receives items is full, one that never does is empty

@@ -9,8 +9,10 @@ staging buffer, in destination order, so the plan maps directly onto ``all_to_al
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.sampling.stratified import allocate_stratified
 
 POLICIES = ("round_robin", "local", "bandwidth_aware")
 
@@ -52,7 +54,7 @@ def remainder_dealt(staged: np.ndarray) -> int:
     return int((staged % staged.shape[0]).sum())
 
 
-def plan_bandwidth_aware(
+def plan_near_learners(
     staged: np.ndarray,
     capacities: np.ndarray,
     learners: np.ndarray,
@@ -60,15 +62,14 @@ def plan_bandwidth_aware(
     link_cost: tuple[float, float, float] = (0.0, 1.0, 8.0),
     reads_per_write: float = 1.0,
 ) -> np.ndarray:
-    """Place each source's items where ingesting and then delivering them costs least.
+    """Place each source's items where ingesting and then delivering them costs least per item.
 
     The cost of putting an item from ``s`` on shard ``d`` is the link cost of ingesting it
     (``s -> d``) plus ``reads_per_write`` (items the learners fetch per item put, i.e. the replay
-    ratio of the round) times the cost of delivering from ``d`` to its nearest learner. So at a
-    low replay ratio items stay where they were produced, and at a high one they move next to the
-    learners that will read them. A shard takes at most its capacity in one round (more would be
-    evicted in the same round); cost levels are filled cheapest first over all sources, and a
-    source's items are spread evenly over equally cheap shards. The same on every rank.
+    ratio of the round) times the cost of delivering from ``d`` to its nearest learner. A shard
+    takes at most its capacity in one round; cost levels are filled cheapest first over all
+    sources, and a source's items are spread evenly over equally cheap shards. One of the
+    candidates :func:`plan_bandwidth_aware` weighs with the bandwidth model.
 
     Args:
         staged: ``[world]`` items staged on each rank.
@@ -104,3 +105,91 @@ def plan_bandwidth_aware(
     for src in np.nonzero(left)[0]:  # more than the whole store in one round: cheapest takes it
         plan[src, min(range(world), key=lambda d: (cost[src, d], d))] += left[src]
     return plan
+
+
+def expected_counts(
+    sampling: str,
+    requests: np.ndarray,
+    sizes: np.ndarray,
+    links: np.ndarray,
+    gen: torch.Generator,
+) -> np.ndarray:
+    """Expected ``[learner, shard]`` delivery counts of a sampler over shards of ``sizes``."""
+    if sampling == "stratified":
+        return allocate_stratified(requests, sizes, 0, 0, gen, links).astype(np.float64)
+    total = sizes.sum()
+    if total == 0:
+        return np.zeros((sizes.shape[0], sizes.shape[0]))
+    return requests[:, None] * (sizes[None, :] / total)
+
+
+class BandwidthAwarePlanner:
+    """``bandwidth_aware`` placement: the candidate plan the bandwidth model predicts cheapest.
+
+    For each round, three candidate plans are priced: ``local``, ``round_robin`` and
+    :func:`plan_near_learners`. A candidate's price is the model's predicted time of its ingestion
+    exchange plus the predicted time of the delivery exchange it leads to in steady state, where
+    every shard it sends items to is full and the others keep their size (the sampler's expected
+    counts over those sizes). The cheapest wins (ties in the order above), so by the model's own
+    account ``bandwidth_aware`` is never slower than ``local`` or ``round_robin``. Inputs are the
+    same on every rank (counts from the meta exchange, replicated sizes, the agreed model), so
+    every rank computes the same plan. Decisions are memoised on the staged counts, the requests
+    and the shards' fill (to a tenth).
+
+    Args:
+        model: the bandwidth model every rank agrees on.
+        links: ``[world, world]`` link class index.
+        learners: ``[world]`` bool, ranks that fetch.
+        record_bytes: bytes per item.
+        sampling: ``exact`` or ``stratified``.
+    """
+
+    CANDIDATES = ("local", "round_robin", "near_learners")
+
+    def __init__(self, model, links, learners, record_bytes: int, sampling: str) -> None:
+        self.model, self.links, self.learners = model, links, learners
+        self.record_bytes, self.sampling = record_bytes, sampling
+        self._gen = torch.Generator()
+        self._memo: dict[bytes, str] = {}
+        self.last: dict[str, float] = {}  # predicted seconds per candidate, last priced round
+
+    def price(
+        self, plan: np.ndarray, requests: np.ndarray, sizes: np.ndarray, capacities: np.ndarray
+    ) -> float:
+        """Predicted seconds of ingesting ``plan`` plus the steady-state delivery it leads to."""
+        steady = np.where(plan.sum(axis=0) > 0, capacities, sizes).astype(np.float64)
+        counts = expected_counts(self.sampling, requests, steady, self.links, self._gen)
+        rb = self.record_bytes
+        ingest = self.model.choose(plan * rb, self.links)[1] if plan.any() else 0.0
+        deliver = self.model.choose(counts.T * rb, self.links)[1] if counts.any() else 0.0
+        return ingest + deliver
+
+    def plan(
+        self,
+        staged: np.ndarray,
+        requests: np.ndarray,
+        sizes: np.ndarray,
+        capacities: np.ndarray,
+        dealt: int,
+    ) -> np.ndarray:
+        """The cheapest candidate plan for this round (``int64 [world, world]``)."""
+        fill = np.round(sizes / np.maximum(capacities, 1), 1)
+        key = staged.tobytes() + requests.tobytes() + fill.tobytes()
+        name = self._memo.get(key)
+        plans = {
+            "local": plan_ingest("local", staged, dealt),
+            "round_robin": plan_ingest("round_robin", staged, dealt),
+        }
+        if name is None or name == "near_learners":
+            replay = float(requests.sum()) / max(int(staged.sum()), 1)
+            plans["near_learners"] = plan_near_learners(
+                staged, capacities, self.learners, self.links, reads_per_write=replay
+            )
+        if name is None:
+            q = fill * capacities  # price on the memo key's rounded sizes
+            self.last = {k: self.price(p, requests, q, capacities) for k, p in plans.items()}
+            name = min(self.CANDIDATES, key=lambda k: self.last[k])
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            self._memo[key] = name
+        return plans[name]
