@@ -29,6 +29,9 @@ class PlaneConfig:
             ``pinned``, ``host``, ``disk``) adding up to ``capacity_per_rank``; ``null``: one
             memory tier.
         disk_dir: directory for disk tiers.
+        demote_in_background: with several tiers, demote between rounds on a worker thread.
+        tier_gbps: declared ``{kind: [read, write]}`` GB/s per tier kind; ``null`` or kinds not
+            listed: measured at start-up.
         timeout_s: seconds a collective may take before the round fails.
         schedule: ``overlap`` (rounds launched at backward start), ``sync`` (inside fetch) or
             ``auto`` (each learner tries both and keeps the faster).
@@ -49,6 +52,8 @@ class PlaneConfig:
     sampling: str = "exact"
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None
+    demote_in_background: bool = True
+    tier_gbps: dict[str, list[float]] | None = None
     timeout_s: float = 60.0
     schedule: str = "auto"
     max_lag: int = 1

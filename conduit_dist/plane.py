@@ -78,6 +78,12 @@ class DataPlane:
             Default: one memory tier on ``device``. Newest items live in the first tier; older
             ones are demoted down the list, and the last tier evicts its oldest.
         disk_dir: directory for ``disk`` tiers (files removed on close).
+        tier_gbps: declared ``kind -> (read, write)`` GB/s per tier kind; kinds not listed
+            measure theirs at start-up (a write and a random-row gather of up to 16 MiB), shown
+            in :meth:`store_stats`.
+        demote_in_background: with several tiers, demote between rounds on a worker thread
+            (evicting up to one round's inflow early once full; see ``tiers/tiered.py``) instead
+            of inside the round that needs the room.
         sampling: ``exact`` (each learner's batch uniform over the global store) or
             ``stratified`` (shards contribute in proportion to their sizes over all learners,
             read local-first: colocated learners read mostly their own shard; one learner's batch
@@ -113,6 +119,8 @@ class DataPlane:
         trace: bool = False,
         tiers: Sequence[tuple[str, int]] | None = None,
         disk_dir: str | None = None,
+        tier_gbps: Mapping[str, Sequence[float]] | None = None,
+        demote_in_background: bool = True,
         sampling: str = "exact",
         auto_trial: int = 50,
     ) -> None:
@@ -143,7 +151,15 @@ class DataPlane:
         self.rank, self.world = self.exchange.rank, self.exchange.world
         self.learner_ranks = self._check_learners(learner_ranks)
         self.is_learner = self.rank in self.learner_ranks
-        self.shard = make_shard(tiers, capacity_per_rank, spec.record_bytes, self.device, disk_dir)
+        self.shard = make_shard(
+            tiers,
+            capacity_per_rank,
+            spec.record_bytes,
+            self.device,
+            disk_dir,
+            background=demote_in_background,
+            gbps=tier_gbps,
+        )
         self._weights = WeightsState()
         self.topology = discover(self.exchange.group)
         self.bandwidth, self.calibration_s = self._bandwidth(

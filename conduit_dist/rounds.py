@@ -112,6 +112,7 @@ class RoundRunner:
         self.learners = np.zeros(exchange.world, dtype=bool)
         self.learners[list(learners) or slice(None)] = True
         self._requests = np.zeros(exchange.world, dtype=np.int64)  # this round's fetch sizes
+        self._inflow = np.zeros(exchange.world, dtype=np.int64)  # items each shard got this round
         self.rank, self.world = exchange.rank, exchange.world
         self.seed, self.placement, self.weights_src, self.device = (
             seed,
@@ -138,6 +139,7 @@ class RoundRunner:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
         stats = RoundStats(round=t.round)
         t.staged.pack_deferred(self.spec)
+        self.shard.settle()
         if self.world == 1:
             out = self._local(t, stats)
         else:
@@ -163,8 +165,23 @@ class RoundRunner:
             t3 = time.perf_counter()
             weights.exchange(self.exchange, meta, self.weights_src, t.round, t.weights)
             stats.mark("weights", t3, time.perf_counter())
+        self._demote_ahead()
         stats.stored = int(self.sizes.sum())
         return out, stats
+
+    def _demote_ahead(self) -> None:
+        """Start the shard's background demotion for the next round; replicate its evictions.
+
+        Every rank's demoter makes room for as many items as its shard received this round,
+        evicting ``max(0, size + n - capacity)`` once full (tier config is the same on every
+        rank), so each rank updates every shard's size now, without an exchange. The next round
+        waits for the demotion before it touches the shard.
+        """
+        if not self.shard.demotes_ahead:
+            return
+        self.shard.demote_ahead(int(self._inflow[self.rank]))
+        ahead = np.minimum(self._inflow, self.shard.ahead_limit)
+        self.sizes = self.sizes - np.maximum(0, self.sizes + ahead - self.shard.capacity)
 
     def _local(self, t: RoundTicket, stats: RoundStats) -> torch.Tensor:
         """World size 1: the same semantics with no collectives."""
@@ -175,6 +192,7 @@ class RoundRunner:
         if t.staged.count:
             self.shard.append(t.staged.view())
         self.sizes[0] = self.shard.size
+        self._inflow[0] = n_in
         self.ingested += n_in
         t1 = time.perf_counter()
         stats.mark("ingest", t0, t1)
@@ -220,6 +238,7 @@ class RoundRunner:
             else:
                 self.shard.append(out)
         self.sizes = np.minimum(self.sizes + inflow, self.shard.capacity)
+        self._inflow = inflow
         self.ingested += int(counts.sum())
         self.dealt += remainder_dealt(counts)
         stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes

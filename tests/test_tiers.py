@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from dist_utils import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plane_helpers import assert_intact, make_batch, spec
@@ -39,41 +40,62 @@ def _ids(shard: TieredShard) -> list[list[int]]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(1, 23), min_size=1, max_size=12), st.integers(1, 7))
-def test_capacity_never_exceeded_and_fifo_across_tiers(tmp_path_factory, batches, fetch):
+@given(st.lists(st.integers(1, 23), min_size=1, max_size=12), st.integers(1, 7), st.booleans())
+def test_capacity_never_exceeded_and_fifo_across_tiers(tmp_path_factory, batches, fetch, bg):
     cd.init_distributed()
     d = str(tmp_path_factory.mktemp("disk"))
-    plane = cd.DataPlane(spec(), 17, tiers=[("host", 5), ("disk", 12)], disk_dir=d)
-    written = 0
+    plane = cd.DataPlane(
+        spec(), 17, tiers=[("host", 5), ("disk", 12)], disk_dir=d, demote_in_background=bg
+    )
+    written = size = 0
     for n in batches:
         ids = torch.arange(written, written + n)
         plane.put(make_batch(ids))
         written += n
+        size = min(17, size + n)
+        if bg:  # room for as many again is made after the round, evicting early once full
+            size -= max(0, size + min(n, 5) - 17)
         assert_intact(plane.fetch(fetch))
+        plane.shard.settle()
         tiers = _ids(plane.shard)
         assert all(r.size <= r.cap for r in plane.shard.rings)
-        newest = list(range(max(0, written - 17), written))
+        newest = list(range(written - size, written))
         assert [i for t in reversed(tiers) for i in t] == newest  # FIFO over host then disk
         assert len(plane) == len(newest)
+        if bg and size:  # the next round's items fit into tier 0 without demoting in the round
+            assert plane.shard.rings[0].size <= 5 - min(n, 5)
     stats = plane.store_stats()
     assert [t["kind"] for t in stats["tiers"]] == ["host", "disk"]
-    assert stats["evictions"] == max(0, written - 17)
+    assert stats["evictions"] == written - size
     plane.close()
     assert not os.listdir(d)
 
 
-def test_sampling_stays_exact_across_tiers(tmp_path):
+@pytest.mark.parametrize("bg", [False, True])
+def test_sampling_stays_exact_across_tiers(tmp_path, bg):
     from scipy.stats import chisquare
 
     cd.init_distributed()
-    plane = cd.DataPlane(spec(), 40, tiers=[("host", 8), ("disk", 32)], disk_dir=str(tmp_path))
+    plane = cd.DataPlane(
+        spec(),
+        40,
+        tiers=[("host", 8), ("disk", 32)],
+        disk_dir=str(tmp_path),
+        demote_in_background=bg,
+    )
     plane.put(make_batch(torch.arange(50)))  # 10 evicted, 8 on host, 32 demoted to disk
+    first = plane.fetch(200)["id"]
+    assert first.min() >= 10
+    # in the background, room for 8 more is made after that round: 8 more evicted early
+    oldest = 18 if bg else 10
+    assert len(plane) == 50 - oldest
     seen = torch.cat([plane.fetch(200)["id"] for _ in range(40)])
-    counts = np.bincount(seen.numpy() - 10, minlength=40)
-    assert seen.min() >= 10 and counts.sum() == 8000
+    counts = np.bincount(seen.numpy() - oldest, minlength=50 - oldest)
+    assert seen.min() >= oldest and counts.sum() == 8000
     assert chisquare(counts).pvalue > 1e-3
     stats = plane.store_stats()
-    assert stats["demotions"] >= 32 and [t["items"] for t in stats["tiers"]] == [8, 32]
+    assert stats["demotions"] >= 32
+    assert [t["items"] for t in stats["tiers"]] == ([0, 32] if bg else [8, 32])
     plane.close()
 
 
@@ -88,3 +110,47 @@ def test_bad_tier_configurations_are_named():
     if not torch.cuda.is_available():
         with pytest.raises(cd.ConfigError, match="CUDA"):
             cd.DataPlane(spec(), 10, tiers=[("pinned", 10)])
+
+
+def _replicated_sizes(rank, world, placement):
+    plane = cd.DataPlane(
+        spec(), 12, seed=3, tiers=[("host", 4), ("host", 8)], placement=placement, schedule="sync"
+    )
+    rng = np.random.default_rng(rank)
+    for it in range(12):
+        n = int(rng.integers(1, 9))
+        plane.put(make_batch(rank * 10_000 + it * 100 + torch.arange(n)))
+        assert_intact(plane.fetch(6))
+        plane.shard.settle()
+        mine = torch.tensor([plane.shard.size])
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        torch.distributed.all_gather(every, mine)
+        assert [int(t) for t in every] == plane.sizes.tolist(), (it, plane.sizes)
+    plane.close()
+    return plane.sizes.tolist()
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "local"])
+def test_background_demotion_keeps_sizes_replicated_on_real_ranks(placement):
+    sizes = run_ranks(_replicated_sizes, 2, placement)
+    assert sizes[0] == sizes[1]
+
+
+def test_tier_bandwidths_are_measured_or_declared(tmp_path):
+    cd.init_distributed()
+    tiers = [("host", 64), ("disk", 64)]
+    plane = cd.DataPlane(spec(), 128, tiers=tiers, disk_dir=str(tmp_path))
+    for t in plane.store_stats()["tiers"]:
+        assert t["bandwidth_source"] == "calibrated" and t["read_gbps"] > 0 and t["write_gbps"] > 0
+    assert len(plane) == 0 and int(plane.shard.rings[1].tier.data.sum()) == 0  # probe undone
+    plane.close()
+    plane = cd.DataPlane(
+        spec(), 128, tiers=tiers, disk_dir=str(tmp_path), tier_gbps={"disk": (2.0, 1.0)}
+    )
+    host, disk = plane.store_stats()["tiers"]
+    assert host["bandwidth_source"] == "calibrated"
+    assert (disk["read_gbps"], disk["write_gbps"], disk["bandwidth_source"]) == (2.0, 1.0, "config")
+    plane.close()
+    with pytest.raises(cd.ConfigError, match=r"tier_gbps\['disk'\].*\(0, 1\)"):
+        cd.DataPlane(spec(), 128, tiers=tiers, disk_dir=str(tmp_path), tier_gbps={"disk": (0, 1)})
+    assert not os.listdir(tmp_path)  # the failed plane left no file behind

@@ -155,6 +155,8 @@ class Trainer:
             sampling=pc.sampling,
             tiers=[(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
             disk_dir=pc.disk_dir,
+            demote_in_background=pc.demote_in_background,
+            tier_gbps={k: list(v) for k, v in pc.tier_gbps.items()} if pc.tier_gbps else None,
         )
 
     # ------------------------------------------------------------------ loop
@@ -240,6 +242,7 @@ class Trainer:
             for i, tier in enumerate(store["tiers"]):
                 local[f"tier{i}_{tier['kind']}_bytes"] = tier["bytes"]
             local["demotions"], local["evictions"] = store["demotions"], store["evictions"]
+            local["demotion_wait_ms"] = store.get("demotion_wait_ms", 0.0)
         agg = aggregate(local)
         world = self.world
         n = agg["ret_n_mean"] * world
@@ -270,6 +273,7 @@ class Trainer:
                 metrics[f"store/{key}"] = agg[f"{key}_mean"]
             metrics["store/demotions"] = agg["demotions_mean"] * world
             metrics["store/evictions"] = agg["evictions_mean"] * world
+            metrics["store/demotion_wait_ms"] = agg["demotion_wait_ms_max"]  # slowest rank
         for p in _PHASES:
             metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
             metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from conduit_dist.errors import ConfigError
@@ -15,8 +17,23 @@ from conduit_dist.tiers.tiered import TieredShard
 KINDS = ("device", "pinned", "host", "disk")
 
 
-def make_tier(kind: str, slots: int, record_bytes: int, device: torch.device, disk_dir) -> Tier:
-    """One tier of ``slots`` records.
+def make_tier(
+    kind: str,
+    slots: int,
+    record_bytes: int,
+    device: torch.device,
+    disk_dir,
+    gbps: Mapping[str, Sequence[float]] | None = None,
+) -> Tier:
+    """One tier of ``slots`` records, its read/write bandwidth declared or measured.
+
+    Args:
+        kind: ``device``, ``pinned``, ``host`` or ``disk``.
+        slots: records it holds.
+        record_bytes: bytes per record.
+        device: the plane's device (for ``device`` tiers).
+        disk_dir: directory of ``disk`` tiers.
+        gbps: ``kind -> (read, write)`` GB/s from config; kinds not listed are calibrated.
 
     Raises:
         ConfigError: on an unknown kind, a non-positive size, a disk tier without ``disk_dir``,
@@ -29,20 +46,47 @@ def make_tier(kind: str, slots: int, record_bytes: int, device: torch.device, di
     if kind == "disk":
         if not disk_dir:
             raise ConfigError("disk_dir: a disk tier needs a directory, got None")
-        return DiskTier(slots, record_bytes, disk_dir)
-    if kind == "device":
-        return MemoryTier(slots, record_bytes, device if device.type == "cuda" else "cuda")
-    return MemoryTier(slots, record_bytes, "cpu", pin_memory=kind == "pinned")
+        tier: Tier = DiskTier(slots, record_bytes, disk_dir)
+    elif kind == "device":
+        tier = MemoryTier(slots, record_bytes, device if device.type == "cuda" else "cuda")
+    else:
+        tier = MemoryTier(slots, record_bytes, "cpu", pin_memory=kind == "pinned")
+    declared = (gbps or {}).get(kind)
+    try:
+        if declared is not None:
+            if len(declared) != 2:
+                raise ConfigError(
+                    f"tier_gbps[{kind!r}]: expected [read, write] GB/s, got {list(declared)}"
+                )
+            tier.declare(*declared)
+        else:
+            tier.calibrate()
+    except Exception:
+        tier.close()
+        raise
+    return tier
 
 
-def make_shard(tiers, capacity: int, record_bytes: int, device: torch.device, disk_dir=None):
+def make_shard(
+    tiers,
+    capacity: int,
+    record_bytes: int,
+    device: torch.device,
+    disk_dir=None,
+    background: bool = True,
+    gbps: Mapping[str, Sequence[float]] | None = None,
+):
     """The shard of one rank: one memory tier on ``device`` by default, else the given tiers.
+
+    ``background``: a multi-tier shard demotes between rounds on a worker thread. ``gbps``:
+    declared ``kind -> (read, write)`` GB/s; other tiers measure theirs at start-up.
 
     Raises:
         ConfigError: if the tiers' items do not add up to ``capacity``.
     """
     if tiers is None:
-        return Shard(MemoryTier(capacity, record_bytes, device))
+        kind = "device" if device.type == "cuda" else "host"
+        return Shard(make_tier(kind, capacity, record_bytes, device, disk_dir, gbps))
     tiers = [tuple(t) for t in tiers]
     total = sum(int(n) for _, n in tiers)
     if total != capacity:
@@ -53,12 +97,12 @@ def make_shard(tiers, capacity: int, record_bytes: int, device: torch.device, di
     built: list[Tier] = []
     try:
         for kind, n in tiers:
-            built.append(make_tier(kind, int(n), record_bytes, device, disk_dir))
+            built.append(make_tier(kind, int(n), record_bytes, device, disk_dir, gbps))
     except Exception:
         for t in built:
             t.close()
         raise
-    return TieredShard(built)
+    return TieredShard(built, background=background)
 
 
 __all__ = [

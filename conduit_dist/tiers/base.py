@@ -7,6 +7,8 @@ writes are tensor ops on it, so they are written once, here.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from conduit_dist.errors import ConfigError
@@ -26,6 +28,54 @@ class Tier:
     def __init__(self, slots: int, record_bytes: int) -> None:
         self.slots = slots
         self.record_bytes = record_bytes
+        self.read_gbps: float | None = None  # from calibrate() or declared
+        self.write_gbps: float | None = None
+        self.bandwidth_source = "none"
+
+    def declare(self, read_gbps: float, write_gbps: float) -> None:
+        """Take read/write bandwidths from config instead of measuring them.
+
+        Raises:
+            ConfigError: on a non-positive bandwidth.
+        """
+        if not (read_gbps > 0 and write_gbps > 0):
+            raise ConfigError(
+                f"tier_gbps[{self.kind!r}]: expected (read, write) GB/s > 0, "
+                f"got ({read_gbps}, {write_gbps})"
+            )
+        self.read_gbps, self.write_gbps = float(read_gbps), float(write_gbps)
+        self.bandwidth_source = "config"
+
+    def calibrate(self, max_bytes: int = 16 << 20, repeats: int = 3) -> None:
+        """Measure write (contiguous rows) and read (random-row gather) bandwidth on this tier.
+
+        Runs on an empty tier, at start-up: up to ``max_bytes`` of its first slots are written,
+        gathered back (the best of ``repeats`` each), then zeroed again. A disk tier is measured
+        through the page cache, as rounds use it.
+        """
+        rows = max(1, min(self.slots, max_bytes // self.record_bytes))
+        src = torch.randint(0, 256, (rows, self.record_bytes), dtype=torch.uint8)
+        src = src.to(self.data.device)
+        out = torch.empty_like(src)
+        idx = torch.randint(0, rows, (rows,), dtype=torch.int64)
+        cuda = self.data.device.type == "cuda"
+        best_w = best_r = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.write(0, src)
+            if cuda:
+                torch.cuda.synchronize(self.data.device)
+            t1 = time.perf_counter()
+            self.gather(idx, out)
+            if cuda:
+                torch.cuda.synchronize(self.data.device)
+            t2 = time.perf_counter()
+            best_w, best_r = min(best_w, t1 - t0), min(best_r, t2 - t1)
+        self.region(0, rows).zero_()
+        nbytes = rows * self.record_bytes
+        self.write_gbps = nbytes / max(best_w, 1e-9) / 1e9
+        self.read_gbps = nbytes / max(best_r, 1e-9) / 1e9
+        self.bandwidth_source = "calibrated"
 
     @property
     def capacity_bytes(self) -> int:

@@ -42,6 +42,15 @@ class Shard:
             return None
         return self.tier.region(start, start + n)
 
+    demotes_ahead = False  # one tier: nothing to demote
+    ahead_limit = 0
+
+    def demote_ahead(self, n: int) -> None:
+        """Nothing to do for one tier (overwriting the oldest slots is the eviction)."""
+
+    def settle(self) -> None:
+        """Nothing runs in the background for one tier."""
+
     def stats(self) -> dict[str, object]:
         """Items and bytes in the tier (one tier: nothing is demoted; overwrites are evictions)."""
         tier = self.tier
@@ -51,9 +60,17 @@ class Shard:
                 "items": self.size,
                 "bytes": self.size * tier.record_bytes,
                 "capacity_bytes": tier.capacity_bytes,
+                "read_gbps": tier.read_gbps,
+                "write_gbps": tier.write_gbps,
+                "bandwidth_source": tier.bandwidth_source,
             }
         ]
-        return {"tiers": tiers, "demotions": 0, "evictions": max(0, self.written - self.size)}
+        return {
+            "tiers": tiers,
+            "demotions": 0,
+            "evictions": max(0, self.written - self.size),
+            "demotion_wait_ms": 0.0,
+        }
 
     def close(self) -> None:
         """Release the tier."""

@@ -5,10 +5,20 @@ Items keep FIFO order across tiers: every item in tier ``k + 1`` is older than e
 and so on; the last tier *evicts* its oldest. No tier ever holds more than its slots. Sampling
 addresses items logically (``0 .. size-1``, newest tier first) and maps them to physical slots,
 so a uniform draw over logical indices is uniform over every item whichever tier holds it.
+
+Demotion runs in the background: after a round, :meth:`demote_ahead` makes room in tier 0 for as
+many items as that round brought, on a worker thread, while the learner computes; the next round
+first calls :meth:`settle` (waits for it; the wait is counted as ``demotion_wait_ms``). When the
+shard is full this evicts the oldest items of the last tier one round early, exactly
+``max(0, size + n - capacity)`` of them, so every rank can replicate the shard's size; between
+rounds the store then holds ``capacity - n`` items, and ``capacity`` again when the next round's
+items arrive (before it samples). Rounds never overlap a demotion.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +46,14 @@ class TieredShard:
 
     Args:
         tiers: the tiers, fastest first (e.g. host memory, then disk).
+        background: demote ahead on a worker thread between rounds (see the module docstring);
+            ``False`` demotes inside the round that needs the room.
 
     Raises:
         ConfigError: on no tiers, or tiers of different record sizes.
     """
 
-    def __init__(self, tiers: list[Tier]) -> None:
+    def __init__(self, tiers: list[Tier], background: bool = True) -> None:
         if not tiers:
             raise ConfigError("tiers: expected at least one tier, got none")
         sizes = {t.record_bytes for t in tiers}
@@ -52,11 +64,39 @@ class TieredShard:
         self.written = 0
         self.demotions = 0
         self.evictions = 0
+        self.demotes_ahead = background and len(tiers) > 1
+        self.ahead_limit = self.rings[0].cap  # room made ahead: at most all of tier 0
+        self.demotion_wait_ms = 0.0
+        self._worker = ThreadPoolExecutor(1, "conduit-demote") if self.demotes_ahead else None
+        self._ahead: Future | None = None
 
     @property
     def size(self) -> int:
         """Items held over all tiers."""
         return sum(r.size for r in self.rings)
+
+    # ------------------------------------------------------------------ background demotion
+
+    def demote_ahead(self, n: int) -> None:
+        """Start making room in tier 0 for ``n`` items on the worker thread (after a round)."""
+        if self._worker is None or n <= 0:
+            return
+        self.settle()
+        self._ahead = self._worker.submit(self._room_for, n)
+
+    def _room_for(self, n: int) -> None:
+        self._make_room(0, min(n, self.rings[0].cap))
+        for ring in self.rings:
+            if ring.tier.data.device.type == "cuda":  # copies done before any round reads them
+                torch.cuda.synchronize(ring.tier.data.device)
+
+    def settle(self) -> None:
+        """Wait for the background demotion, if any (re-raising its error)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            t0 = time.perf_counter()
+            ahead.result()
+            self.demotion_wait_ms += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ writes
 
@@ -91,6 +131,7 @@ class TieredShard:
 
     def append(self, records: torch.Tensor) -> None:
         """Add records (oldest first); older items move down the tiers to make room."""
+        self.settle()
         if records.shape[0] > self.capacity:
             self.evictions += records.shape[0] - self.capacity
             records = records[-self.capacity :]
@@ -99,6 +140,7 @@ class TieredShard:
 
     def receive_region(self, n: int) -> torch.Tensor | None:
         """Contiguous tier-0 slots for the next ``n`` items (after making room), or ``None``."""
+        self.settle()
         ring = self.rings[0]
         if n > ring.cap:
             return None
@@ -121,6 +163,7 @@ class TieredShard:
 
     def gather(self, logical: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the items at logical indices (newest tier first) into ``out``."""
+        self.settle()
         offset = 0
         for ring in self.rings:
             if ring.size == 0:
@@ -138,19 +181,29 @@ class TieredShard:
 
     def stats(self) -> dict[str, object]:
         """Items and bytes per tier, demotions and evictions so far."""
+        self.settle()
         tiers = [
             {
                 "kind": r.tier.kind,
                 "items": r.size,
                 "bytes": r.size * r.tier.record_bytes,
                 "capacity_bytes": r.tier.capacity_bytes,
+                "read_gbps": r.tier.read_gbps,
+                "write_gbps": r.tier.write_gbps,
+                "bandwidth_source": r.tier.bandwidth_source,
             }
             for r in self.rings
         ]
-        return {"tiers": tiers, "demotions": self.demotions, "evictions": self.evictions}
+        return {
+            "tiers": tiers,
+            "demotions": self.demotions,
+            "evictions": self.evictions,
+            "demotion_wait_ms": self.demotion_wait_ms,
+        }
 
     def state_dict(self) -> dict[str, object]:
         """Ring positions, counters and every tier's contents."""
+        self.settle()
         return {
             "rings": [
                 {"start": r.start, "size": r.size, "tier": r.tier.state_dict()} for r in self.rings
@@ -162,6 +215,7 @@ class TieredShard:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore from :meth:`state_dict` (same tiers and sizes)."""
+        self.settle()
         if len(state["rings"]) != len(self.rings):
             raise ConfigError(
                 f"tiers: checkpoint has {len(state['rings'])}, shard has {len(self.rings)}"
@@ -173,6 +227,11 @@ class TieredShard:
         self.demotions, self.evictions = int(state["demotions"]), int(state["evictions"])
 
     def close(self) -> None:
-        """Close every tier (disk files are removed)."""
+        """Finish any demotion, stop the worker, close every tier (disk files are removed)."""
+        try:
+            self.settle()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown()
         for ring in self.rings:
             ring.tier.close()
