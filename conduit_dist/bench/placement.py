@@ -1,6 +1,6 @@
 """``python -m conduit_dist.bench placement`` (and under torchrun for the multi-rank part).
 
-Three parts, one JSON line last:
+Four parts, one JSON line last:
 
 1. **Disk tier** (plain ``python``, one rank): a store of ``--gib`` GiB of Atari-like
    transitions whose host tier holds a quarter and the disk tier the rest; every item fetched
@@ -8,7 +8,10 @@ Three parts, one JSON line last:
 2. **Delivery per round** (under torchrun, 2+ ranks, colocated): median measured delivery time of
    ``exact`` sampling with ``round_robin`` placement against ``stratified`` with
    ``bandwidth_aware``, same volume.
-3. **Declared topologies** (predicted by the bandwidth model with datasheet numbers): nodes of 8
+3. **Background demotion** (one rank): a full host+disk store, put+fetch per iteration with
+   demotion inside the round against demotion between rounds on the worker thread, with 20 ms of
+   (off-CPU) learner compute between iterations.
+4. **Declared topologies** (predicted by the bandwidth model with datasheet numbers): nodes of 8
    GPUs with NVLink inside (``host``) and InfiniBand between (``net``), colocated and
    disaggregated roles, balanced and skewed producers; the three policies under both samplers.
 """
@@ -68,7 +71,10 @@ def disk_tier(gib: float, batch: int, fetches: int) -> dict:
                 plane.put(_atari(torch.arange(start, min(items, start + 2048))))
                 plane.flush()
             fill = time.perf_counter() - t0
-            assert len(plane) == items, (len(plane), items)
+            last = items - (items - 1) // 2048 * 2048  # the last round's items
+            # full, so room for as many again was made after it (host+disk: the oldest evicted)
+            want = items - min(last, host) if tiers else items
+            assert len(plane) == want, (len(plane), want)
             seen = 0
             t1 = time.perf_counter()
             for _ in range(fetches):
@@ -81,6 +87,41 @@ def disk_tier(gib: float, batch: int, fetches: int) -> dict:
     out["disk_over_host_sampling"] = (
         out["host+disk"]["sample_items_per_s"] / out["host"]["sample_items_per_s"]
     )
+    return out
+
+
+def demotion(items: int, batch: int, rounds: int, gap_s: float) -> dict:
+    """Median put+fetch ms per iteration of a full host+disk store: demotion inline vs between
+    rounds on the worker thread, with ``gap_s`` of learner compute (off-CPU: a sleep) between."""
+    spec = cd.ExperienceSpec.from_batch(_atari(torch.arange(1)))
+    host = items // 4
+    out = {"items": items, "gap_ms": gap_s * 1e3}
+    with tempfile.TemporaryDirectory(prefix="conduit_demote_") as d:
+        for name, bg in (("inline", False), ("background", True)):
+            plane = cd.DataPlane(
+                spec,
+                items,
+                seed=0,
+                tiers=[("host", host), ("disk", items - host)],
+                disk_dir=d,
+                demote_in_background=bg,
+            )
+            for start in range(0, items + batch, 2048):  # full: every round demotes and evicts
+                plane.put(_atari(torch.arange(start, start + 2048)))
+                plane.flush()
+            times, nxt = [], items + batch + 2048
+            for _ in range(rounds):
+                time.sleep(gap_s)
+                t0 = time.perf_counter()
+                plane.put(_atari(torch.arange(nxt, nxt + batch)))
+                b = plane.fetch(batch)
+                times.append(time.perf_counter() - t0)
+                nxt += batch
+            _check(b)
+            out[f"{name}_ms"] = statistics.median(times) * 1e3
+            out[f"{name}_stats"] = plane.store_stats()
+            plane.close()
+    out["background_cut"] = 1 - out["background_ms"] / out["inline_ms"]
     return out
 
 
@@ -179,12 +220,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--fetches", type=int, default=40)
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--demote-items", type=int, default=16384, help="store of the demotion part")
     a = p.parse_args(argv)
     cd.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     record_bytes = cd.ExperienceSpec.from_batch(_atari(torch.arange(1))).record_bytes
     deliv = delivery(a.rounds, a.batch) if world > 1 else None
     disk = disk_tier(a.gib, a.batch, a.fetches) if world == 1 and a.gib > 0 else None
+    demote = demotion(a.demote_items, a.batch, a.rounds, 0.02) if world == 1 else None
     if rank == 0:
         pred = predicted(record_bytes, a.batch)
         for r in pred["rows"]:
@@ -201,13 +244,20 @@ def main(argv: list[str]) -> None:
             )
         if deliv:
             print(f"delivery per round: {deliv}")
+        if demote:
+            print(
+                f"full host+disk store, put+fetch per iteration: demotion inline "
+                f"{demote['inline_ms']:.2f} ms, between rounds {demote['background_ms']:.2f} ms "
+                f"(waited {demote['background_stats']['demotion_wait_ms']:.1f} ms in total)"
+            )
         summary = {
             "stratified_delivery_cut": deliv["stratified_delivery_cut"] if deliv else None,
             "predicted_gain_vs_round_robin": pred["min_gain_vs_round_robin"],
             "max_predicted_loss_vs_best": pred["max_loss_vs_best"],
             "disk_tier_ok": disk is not None,
+            "background_demotion_cut": demote["background_cut"] if demote else None,
         }
-        emit("placement", pred["rows"], summary, disk=disk, delivery=deliv)
+        emit("placement", pred["rows"], summary, disk=disk, delivery=deliv, demotion=demote)
     cd.destroy_distributed()
 
 
