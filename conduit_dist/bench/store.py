@@ -4,19 +4,23 @@ Side by side in one run: conduit_dist's ``DataPlane``, a hand-rolled preallocate
 (slice copy per field to insert; ``randint`` + ``index_select`` per field to sample) and, when
 installed, TorchRL's ``ReplayBuffer(storage=LazyTensorStorage(N))``. Two transitions (small, 525 B;
 Atari-like, 56 KB), batches of 256 and 4096, insert and sample. Stores are prefilled to capacity
-first, so inserts overwrite memory already touched (steady state). Reports transitions/s (medians)
-and ratios; the JSON line's ``summary`` has ``min_vs_torchrl`` and ``min_vs_ring``.
+first, so inserts overwrite memory already touched (steady state). Where the stores of all systems
+fit in half the available memory (the small transition) they are measured interleaved, block by
+block; otherwise one after another. Reports transitions/s (medians) and ratios; the JSON line's
+``summary`` has ``min_vs_torchrl`` and ``min_vs_ring``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
+import time
 
 import torch
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit, median_time
+from conduit_dist.bench.common import emit
 
 TRANSITIONS = {
     "small": ({"obs": (64,), "next_obs": (64,)}, torch.float32, 1_000_000),
@@ -136,41 +140,95 @@ def _prefill(store, kind: str, capacity: int) -> None:
         store.insert(chunk)
 
 
+def _block(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def _measure(stores: list, inputs: dict, batches: list[int], min_time: float, repeats: int):
+    """Per (store, batch, op): median seconds per call over ``repeats`` blocks.
+
+    With several stores alive, their blocks are interleaved (A B C A B C ...), so the machine's
+    drift over time hits every system alike instead of whichever ran during a slow stretch.
+    """
+    out = {}
+    for bs in batches:
+        fns = {}
+        for store in stores:
+            pair, state = inputs[bs], {"i": 0}
+
+            def insert(store=store, pair=pair, state=state):
+                state["i"] ^= 1
+                store.insert(pair[state["i"]])
+
+            fns[(store.name, "insert")] = insert
+            fns[(store.name, "sample")] = lambda store=store, bs=bs: store.sample(bs)
+        calls = {}
+        for key, fn in fns.items():
+            fn()  # warm-up, then size a block to about min_time
+            calls[key] = max(1, int(min_time / max(_block(fn, 1), 1e-7)))
+        samples: dict[tuple, list[float]] = {k: [] for k in fns}
+        for _ in range(repeats):
+            for key, fn in fns.items():
+                samples[key].append(_block(fn, calls[key]))
+        for (name, op), ts in samples.items():
+            out[(name, bs, op)] = statistics.median(ts)
+    return out
+
+
 def run(
     kinds: list[str], batches: list[int], min_time: float, repeats: int, scale: float
 ) -> list[dict]:
-    """Measure every system on every (transition, batch size, op); returns result rows."""
+    """Measure every system on every (transition, batch size, op); returns result rows.
+
+    All systems of a transition are kept alive and measured interleaved when their stores fit in
+    half the available memory (the small transition); otherwise one after another.
+    """
     rows = []
     for kind in kinds:
         capacity = max(8192, int(TRANSITIONS[kind][2] * scale))
         inputs = {bs: [make_batch(kind, bs, seed=s) for s in range(2)] for bs in batches}
-        for system in _systems():
-            store = system(make_batch(kind, 2), capacity)
-            _prefill(store, kind, capacity)
-            for bs in batches:
-                pair = inputs[bs]
-                state = {"i": 0}
-
-                def insert(store=store, pair=pair, state=state):
-                    state["i"] ^= 1
-                    store.insert(pair[state["i"]])
-
-                t_ins = median_time(insert, min_time, repeats)
-                t_smp = median_time(lambda store=store, bs=bs: store.sample(bs), min_time, repeats)
-                for op, t in (("insert", t_ins), ("sample", t_smp)):
-                    rows.append(
-                        {
-                            "transition": kind,
-                            "batch": bs,
-                            "op": op,
-                            "system": store.name,
-                            "items_per_s": bs / t,
-                        }
-                    )
-            store.close()
-            del store
+        example = make_batch(kind, 2)
+        per_store = capacity * sum(v[0].numel() * v.element_size() for v in example.values())
+        systems = _systems()
+        together = per_store * len(systems) < _available_bytes() // 2
+        groups = [systems] if together else [[s] for s in systems]
+        for group in groups:
+            stores = []
+            for system in group:
+                store = system(example, capacity)
+                _prefill(store, kind, capacity)
+                stores.append(store)
+            times = _measure(stores, inputs, batches, min_time, repeats)
+            for (name, bs, op), t in times.items():
+                rows.append(
+                    {
+                        "transition": kind,
+                        "batch": bs,
+                        "op": op,
+                        "system": name,
+                        "items_per_s": bs / t,
+                        "interleaved": together,
+                    }
+                )
+            for store in stores:
+                store.close()
+            del stores
             gc.collect()
     return rows
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def summarize(rows: list[dict]) -> tuple[list[dict], dict]:
