@@ -30,8 +30,8 @@ class PlaneConfig:
             memory tier.
         disk_dir: directory for disk tiers.
         demote_in_background: with several tiers, demote between rounds on a worker thread.
-        tier_gbps: declared ``{kind: [read, write]}`` GB/s per tier kind; ``null`` or kinds not
-            listed: measured at start-up.
+        tier_gbps: declared ``{kind: [read, write]}`` GB/s per tier kind; configured ``tiers``
+            of kinds not listed are measured at start-up.
         timeout_s: seconds a collective may take before the round fails.
         schedule: ``overlap`` (rounds launched at backward start), ``sync`` (inside fetch) or
             ``auto`` (each learner tries both and keeps the faster).

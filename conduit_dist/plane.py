@@ -78,9 +78,9 @@ class DataPlane:
             Default: one memory tier on ``device``. Newest items live in the first tier; older
             ones are demoted down the list, and the last tier evicts its oldest.
         disk_dir: directory for ``disk`` tiers (files removed on close).
-        tier_gbps: declared ``kind -> (read, write)`` GB/s per tier kind; kinds not listed
-            measure theirs at start-up (a write and a random-row gather of up to 16 MiB), shown
-            in :meth:`store_stats`.
+        tier_gbps: declared ``kind -> (read, write)`` GB/s per tier kind; configured ``tiers``
+            of kinds not listed measure theirs at start-up (a write and a random-row gather of up
+            to 16 MiB), shown in :meth:`store_stats`.
         demote_in_background: with several tiers, demote between rounds on a worker thread
             (evicting up to one round's inflow early once full; see ``tiers/tiered.py``) instead
             of inside the round that needs the room.

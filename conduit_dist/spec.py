@@ -294,9 +294,9 @@ class ExperienceSpec:
                 t = batch[name]
                 if t.device.type == "cpu":
                     t = t.contiguous()
-                    bad = _native.count_nonfinite(t.data_ptr(), t.numel(), _KIND[t.dtype])
+                    bad = _native.any_nonfinite(t.data_ptr(), t.numel(), _KIND[t.dtype])
                 else:
-                    bad = int((~torch.isfinite(t)).sum())
+                    bad = not bool(torch.isfinite(t).all())
                 if bad:
                     self._reject(name, t)
             return

@@ -1,6 +1,7 @@
 /* Row packing for conduit_dist records: copy each field of n items into its aligned column of
- * n contiguous records, one memcpy per (row, field), with the GIL released. torch's strided copy
- * pays a per-row loop overhead that dominates for small fields; this runs at memcpy speed. */
+ * n contiguous records, one copy per (row, field), with the GIL released, testing float fields for
+ * NaN/inf in the same pass. torch's strided copy pays a per-row loop overhead that dominates for
+ * small fields; this runs at memcpy speed. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -15,56 +16,47 @@
 #define CLONES
 #endif
 
-/* Copy one field of one item; for a float kind, return 1 if any value is NaN/inf (exponent bits
- * all ones), found in the same pass as the copy. Branch-free loops the compiler vectorises. */
-static inline int copy_field(uint8_t* restrict d, const uint8_t* restrict s, long long sz, int kind) {
-    switch (kind) {
-        case 4: {
-            const uint32_t* restrict a = (const uint32_t*)s;
-            uint32_t* restrict b = (uint32_t*)d;
-            uint32_t any = 0;
-            for (long long j = 0; j < sz / 4; j++) {
-                uint32_t v = a[j];
-                any |= (uint32_t)((v & 0x7f800000u) == 0x7f800000u);
-                b[j] = v;
-            }
-            return any != 0;
-        }
-        case 8: {
-            const uint64_t* restrict a = (const uint64_t*)s;
-            uint64_t* restrict b = (uint64_t*)d;
-            const uint64_t m = 0x7ff0000000000000ull;
-            uint64_t any = 0;
-            for (long long j = 0; j < sz / 8; j++) {
-                uint64_t v = a[j];
-                any |= (uint64_t)((v & m) == m);
-                b[j] = v;
-            }
-            return any != 0;
-        }
-        case 2:
-        case 3: {
-            const uint16_t* restrict a = (const uint16_t*)s;
-            uint16_t* restrict b = (uint16_t*)d;
-            const uint16_t m = kind == 2 ? 0x7c00u : 0x7f80u;
-            uint16_t any = 0;
-            for (long long j = 0; j < sz / 2; j++) {
-                uint16_t v = a[j];
-                any |= (uint16_t)((v & m) == m);
-                b[j] = v;
-            }
-            return any != 0;
-        }
-        default:
-            switch (sz) { /* scalars: single loads and stores instead of a libc call */
-                case 8: memcpy(d, s, 8); break;
-                case 4: memcpy(d, s, 4); break;
-                case 2: memcpy(d, s, 2); break;
-                case 1: *d = *s; break;
-                default: memcpy(d, s, (size_t)sz);
-            }
-            return 0;
+/* Per float width: OR an exponent-all-ones test (NaN/inf) over m values, copying them to b when
+ * b is set. Two branch-free loops, so each vectorises. */
+#define DEFINE_SCAN(NAME, T)                                                            \
+    static inline int NAME(const T* restrict a, T* restrict b, long long m, T mask) {   \
+        T any = 0;                                                                      \
+        if (b)                                                                          \
+            for (long long j = 0; j < m; j++) {                                         \
+                T v = a[j];                                                             \
+                any |= (T)((v & mask) == mask);                                         \
+                b[j] = v;                                                               \
+            }                                                                           \
+        else                                                                            \
+            for (long long j = 0; j < m; j++) any |= (T)((a[j] & mask) == mask);       \
+        return any != 0;                                                                \
     }
+DEFINE_SCAN(scan16, uint16_t)
+DEFINE_SCAN(scan32, uint32_t)
+DEFINE_SCAN(scan64, uint64_t)
+
+/* sz bytes of floats of a kind (4 = float32, 8 = float64, 2 = float16, 3 = bfloat16): 1 if any
+ * is NaN/inf; copied to d on the way unless d is NULL. */
+static inline int scan(const uint8_t* s, uint8_t* d, long long sz, int kind) {
+    switch (kind) {
+        case 4: return scan32((const uint32_t*)s, (uint32_t*)d, sz / 4, 0x7f800000u);
+        case 8: return scan64((const uint64_t*)s, (uint64_t*)d, sz / 8, 0x7ff0000000000000ull);
+        case 2: return scan16((const uint16_t*)s, (uint16_t*)d, sz / 2, 0x7c00u);
+        default: return scan16((const uint16_t*)s, (uint16_t*)d, sz / 2, 0x7f80u);
+    }
+}
+
+/* Copy one field of one item; for a float kind (non-zero), also report NaN/inf in the same pass. */
+static inline int copy_field(uint8_t* restrict d, const uint8_t* restrict s, long long sz, int kind) {
+    if (kind) return scan(s, d, sz, kind);
+    switch (sz) { /* scalars: single loads and stores instead of a libc call */
+        case 8: memcpy(d, s, 8); break;
+        case 4: memcpy(d, s, 4); break;
+        case 2: memcpy(d, s, 2); break;
+        case 1: *d = *s; break;
+        default: memcpy(d, s, (size_t)sz);
+    }
+    return 0;
 }
 
 CLONES
@@ -123,49 +115,29 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
     return PyLong_FromLong(-1);
 }
 
-/* count_nonfinite(addr, n, kind): number of NaN/inf among n contiguous floats of a kind:
- * 4 = float32, 8 = float64, 2 = float16, 3 = bfloat16 (exponent bits all ones). */
-static PyObject* count_nonfinite(PyObject* self, PyObject* args) {
+CLONES
+static int any_impl(const uint8_t* p, long long nbytes, int kind) { return scan(p, NULL, nbytes, kind); }
+
+/* any_nonfinite(addr, n, kind): whether any of n contiguous floats of a kind is NaN/inf. */
+static PyObject* any_nonfinite(PyObject* self, PyObject* args) {
     unsigned long long addr;
     long long n;
-    int kind;
+    int kind, any;
     if (!PyArg_ParseTuple(args, "KLi", &addr, &n, &kind)) return NULL;
-    long long bad = 0;
-    const uint8_t* p = (const uint8_t*)(uintptr_t)addr;
     if (kind != 2 && kind != 3 && kind != 4 && kind != 8) {
-        PyErr_SetString(PyExc_ValueError, "count_nonfinite: kind must be 2, 3, 4 or 8");
+        PyErr_SetString(PyExc_ValueError, "any_nonfinite: kind must be 2, 3, 4 or 8");
         return NULL;
     }
-    /* a branch-free OR reduction first (vectorised); count only when something is non-finite */
+    const long long width = kind == 3 ? 2 : kind;
     Py_BEGIN_ALLOW_THREADS
-    if (kind == 4) {
-        const uint32_t* v = (const uint32_t*)p;
-        uint32_t any = 0;
-        for (long long i = 0; i < n; i++) any |= (uint32_t)((v[i] & 0x7f800000u) == 0x7f800000u);
-        if (any)
-            for (long long i = 0; i < n; i++) bad += (v[i] & 0x7f800000u) == 0x7f800000u;
-    } else if (kind == 8) {
-        const uint64_t* v = (const uint64_t*)p;
-        const uint64_t m = 0x7ff0000000000000ull;
-        uint64_t any = 0;
-        for (long long i = 0; i < n; i++) any |= (uint64_t)((v[i] & m) == m);
-        if (any)
-            for (long long i = 0; i < n; i++) bad += (v[i] & m) == m;
-    } else {
-        const uint16_t* v = (const uint16_t*)p;
-        const uint16_t m = kind == 2 ? 0x7c00u : 0x7f80u;
-        uint16_t any = 0;
-        for (long long i = 0; i < n; i++) any |= (uint16_t)((v[i] & m) == m);
-        if (any)
-            for (long long i = 0; i < n; i++) bad += (v[i] & m) == m;
-    }
+    any = any_impl((const uint8_t*)(uintptr_t)addr, n * width, kind);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(bad);
+    return PyBool_FromLong(any);
 }
 
 static PyMethodDef methods[] = {
-    {"count_nonfinite", count_nonfinite, METH_VARARGS,
-     "count_nonfinite(addr, n, kind): NaN/inf among n contiguous floats (kind 2, 3, 4 or 8)."},
+    {"any_nonfinite", any_nonfinite, METH_VARARGS,
+     "any_nonfinite(addr, n, kind): whether n contiguous floats (kind 2, 3, 4 or 8) hold NaN/inf."},
     {"pack_rows", pack_rows, METH_VARARGS,
      "pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds): pack n items into rows; "
      "returns the first field with NaN/inf (float kinds only) or -1."},

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 
 import torch
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit
+from conduit_dist.bench.common import emit, median_times
 
 TRANSITIONS = {
     "small": ({"obs": (64,), "next_obs": (64,)}, torch.float32, 1_000_000),
@@ -140,19 +138,8 @@ def _prefill(store, kind: str, capacity: int) -> None:
         store.insert(chunk)
 
 
-def _block(fn, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
-
-
 def _measure(stores: list, inputs: dict, batches: list[int], min_time: float, repeats: int):
-    """Per (store, batch, op): median seconds per call over ``repeats`` blocks.
-
-    With several stores alive, their blocks are interleaved (A B C A B C ...), so the machine's
-    drift over time hits every system alike instead of whichever ran during a slow stretch.
-    """
+    """Per (store, batch, op): median seconds per call, the stores' blocks interleaved."""
     out = {}
     for bs in batches:
         fns = {}
@@ -163,18 +150,9 @@ def _measure(stores: list, inputs: dict, batches: list[int], min_time: float, re
                 state["i"] ^= 1
                 store.insert(pair[state["i"]])
 
-            fns[(store.name, "insert")] = insert
-            fns[(store.name, "sample")] = lambda store=store, bs=bs: store.sample(bs)
-        calls = {}
-        for key, fn in fns.items():
-            fn()  # warm-up, then size a block to about min_time
-            calls[key] = max(1, int(min_time / max(_block(fn, 1), 1e-7)))
-        samples: dict[tuple, list[float]] = {k: [] for k in fns}
-        for _ in range(repeats):
-            for key, fn in fns.items():
-                samples[key].append(_block(fn, calls[key]))
-        for (name, op), ts in samples.items():
-            out[(name, bs, op)] = statistics.median(ts)
+            fns[(store.name, bs, "insert")] = insert
+            fns[(store.name, bs, "sample")] = lambda store=store, bs=bs: store.sample(bs)
+        out.update(median_times(fns, min_time, repeats))
     return out
 
 

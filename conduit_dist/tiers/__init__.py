@@ -24,6 +24,7 @@ def make_tier(
     device: torch.device,
     disk_dir,
     gbps: Mapping[str, Sequence[float]] | None = None,
+    measure: bool = True,
 ) -> Tier:
     """One tier of ``slots`` records, its read/write bandwidth declared or measured.
 
@@ -34,6 +35,7 @@ def make_tier(
         device: the plane's device (for ``device`` tiers).
         disk_dir: directory of ``disk`` tiers.
         gbps: ``kind -> (read, write)`` GB/s from config; kinds not listed are calibrated.
+        measure: calibrate when not declared (``False``: leave the bandwidths unknown).
 
     Raises:
         ConfigError: on an unknown kind, a non-positive size, a disk tier without ``disk_dir``,
@@ -59,7 +61,7 @@ def make_tier(
                     f"tier_gbps[{kind!r}]: expected [read, write] GB/s, got {list(declared)}"
                 )
             tier.declare(*declared)
-        else:
+        elif measure:
             tier.calibrate()
     except Exception:
         tier.close()
@@ -79,14 +81,15 @@ def make_shard(
     """The shard of one rank: one memory tier on ``device`` by default, else the given tiers.
 
     ``background``: a multi-tier shard demotes between rounds on a worker thread. ``gbps``:
-    declared ``kind -> (read, write)`` GB/s; other tiers measure theirs at start-up.
+    declared ``kind -> (read, write)`` GB/s; other configured tiers measure theirs at start-up
+    (the default single tier does not: nothing would use the numbers, and every plane would pay).
 
     Raises:
         ConfigError: if the tiers' items do not add up to ``capacity``.
     """
     if tiers is None:
         kind = "device" if device.type == "cuda" else "host"
-        return Shard(make_tier(kind, capacity, record_bytes, device, disk_dir, gbps))
+        return Shard(make_tier(kind, capacity, record_bytes, device, disk_dir, gbps, measure=False))
     tiers = [tuple(t) for t in tiers]
     total = sum(int(n) for _, n in tiers)
     if total != capacity:

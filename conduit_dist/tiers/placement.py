@@ -69,7 +69,7 @@ def plan_near_learners(
     ratio of the round) times the cost of delivering from ``d`` to its nearest learner. A shard
     takes at most its capacity in one round; cost levels are filled cheapest first over all
     sources, and a source's items are spread evenly over equally cheap shards. One of the
-    candidates :func:`plan_bandwidth_aware` weighs with the bandwidth model.
+    candidates :class:`BandwidthAwarePlanner` weighs with the bandwidth model.
 
     Args:
         staged: ``[world]`` items staged on each rank.
@@ -176,20 +176,30 @@ class BandwidthAwarePlanner:
         fill = np.round(sizes / np.maximum(capacities, 1), 1)
         key = staged.tobytes() + requests.tobytes() + fill.tobytes()
         name = self._memo.get(key)
+        if name is not None:  # the usual case in steady state: build only the chosen plan
+            return self._candidate(name, staged, requests, capacities, dealt)
         plans = {
-            "local": plan_ingest("local", staged, dealt),
-            "round_robin": plan_ingest("round_robin", staged, dealt),
+            k: self._candidate(k, staged, requests, capacities, dealt) for k in self.CANDIDATES
         }
-        if name is None or name == "near_learners":
-            replay = float(requests.sum()) / max(int(staged.sum()), 1)
-            plans["near_learners"] = plan_near_learners(
-                staged, capacities, self.learners, self.links, reads_per_write=replay
-            )
-        if name is None:
-            q = fill * capacities  # price on the memo key's rounded sizes
-            self.last = {k: self.price(p, requests, q, capacities) for k, p in plans.items()}
-            name = min(self.CANDIDATES, key=lambda k: self.last[k])
-            if len(self._memo) > 4096:
-                self._memo.clear()
-            self._memo[key] = name
+        q = fill * capacities  # price on the memo key's rounded sizes
+        self.last = {k: self.price(p, requests, q, capacities) for k, p in plans.items()}
+        name = min(self.CANDIDATES, key=lambda k: self.last[k])
+        if len(self._memo) > 4096:
+            self._memo.clear()
+        self._memo[key] = name
         return plans[name]
+
+    def _candidate(
+        self,
+        name: str,
+        staged: np.ndarray,
+        requests: np.ndarray,
+        capacities: np.ndarray,
+        dealt: int,
+    ) -> np.ndarray:
+        if name != "near_learners":
+            return plan_ingest(name, staged, dealt)
+        replay = float(requests.sum()) / max(int(staged.sum()), 1)
+        return plan_near_learners(
+            staged, capacities, self.learners, self.links, reads_per_write=replay
+        )
