@@ -4,8 +4,11 @@ Side by side in one run, per message size ``S`` per peer (64 KiB .. 64 MiB): eve
 ``world * S`` bytes of experience (records of a 4 KB uint8 observation, an int64 action and a
 float32 reward) and runs a round with ``round_robin`` placement, which sends ``S`` to each peer and
 keeps ``S``; the baseline is one raw ``all_to_all_single`` of the same bytes from a ready buffer.
-Goodput = experience bytes ingested per rank per second. Medians over repeats; the JSON line's
-``summary`` has ``min_vs_raw_from_1MiB``.
+``put`` is measured both copying (the default: the batch is packed into staging before ``put``
+returns) and donating (``put(batch, donate=True)``: packed by the round, while its meta exchange is
+in flight). Goodput = experience bytes ingested per rank per second. The three are timed
+interleaved, call by call (each rank's slowest, medians over repeats); the JSON line's ``summary``
+has ``min_vs_raw_from_1MiB`` (copying ``put``) and ``min_vs_raw_from_1MiB_donated``.
 """
 
 from __future__ import annotations
@@ -31,25 +34,31 @@ def _batch(n: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _timed(fn, repeats: int, warmup: int = 1) -> float:
+def _timed(fns: dict[str, object], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, called in turn (A B C A B C ...)."""
     for _ in range(warmup):
-        fn()
-    samples = []
+        for fn in fns.values():
+            fn()
+    samples = {k: [] for k in fns}
     for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    t = torch.tensor(samples, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
-    return statistics.median(t.tolist())
+        for key, fn in fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - start)
+    out = {}
+    for key, v in samples.items():
+        t = torch.tensor(v, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
+        out[key] = statistics.median(t.tolist())
+    return out
 
 
 def main(argv: list[str]) -> None:
     """Run the ingest benchmark (every rank) and print the JSON line last on rank 0."""
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench ingest")
     p.add_argument("--sizes-kib", nargs="+", type=int, default=[64, 256, 1024, 4096, 16384, 65536])
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=15)
     a = p.parse_args(argv)
     cd.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -64,36 +73,53 @@ def main(argv: list[str]) -> None:
             spec, capacity_per_rank=4 * n, seed=0, placement="round_robin", schedule="sync"
         )
 
-        def conduit(plane=plane, batch=batch):
+        def copying(plane=plane, batch=batch):
             plane.put(batch)
+            plane.flush()
+
+        def donating(plane=plane, batch=batch):
+            plane.put(batch, donate=True)
             plane.flush()
 
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         dst = torch.empty_like(src)
-        t_plane = _timed(conduit, a.repeats, warmup=5)  # wrap the ring once: memory touched
-        t_raw = _timed(lambda src=src, dst=dst: dist.all_to_all_single(dst, src), a.repeats)
+        t = _timed(
+            {
+                "copy": copying,
+                "donate": donating,
+                "raw": lambda src=src, dst=dst: dist.all_to_all_single(dst, src),
+            },
+            a.repeats,
+            warmup=3,  # wraps the ring once: memory touched
+        )
         plane.close()
         rows.append(
             {
                 "per_peer_kib": per_peer * spec.record_bytes / KIB,
-                "conduit_gbps": nbytes / t_plane / 1e9,
-                "raw_gbps": nbytes / t_raw / 1e9,
-                "ratio": t_raw / t_plane,
-                "conduit_ms": t_plane * 1e3,
-                "raw_ms": t_raw * 1e3,
+                "conduit_gbps": nbytes / t["copy"] / 1e9,
+                "donated_gbps": nbytes / t["donate"] / 1e9,
+                "raw_gbps": nbytes / t["raw"] / 1e9,
+                "ratio": t["raw"] / t["copy"],
+                "ratio_donated": t["raw"] / t["donate"],
+                "conduit_ms": t["copy"] * 1e3,
+                "donated_ms": t["donate"] * 1e3,
+                "raw_ms": t["raw"] * 1e3,
             }
         )
         if rank == 0:
             r = rows[-1]
             print(
-                f"{kib:>6} KiB/peer  conduit {r['conduit_gbps']:.3f} GB/s "
-                f"({r['conduit_ms']:.2f} ms)"
-                f"  raw {r['raw_gbps']:.3f} GB/s ({r['raw_ms']:.2f} ms)  ratio {r['ratio']:.2f}",
+                f"{kib:>6} KiB/peer  put {r['conduit_ms']:.2f} ms  put(donate) "
+                f"{r['donated_ms']:.2f} ms  raw {r['raw_ms']:.2f} ms ({r['raw_gbps']:.2f} GB/s)"
+                f"  ratio {r['ratio']:.2f} / donated {r['ratio_donated']:.2f}",
                 flush=True,
             )
-    big = [r["ratio"] for r in rows if r["per_peer_kib"] >= 1000]
+    big = [r for r in rows if r["per_peer_kib"] >= 1000]
     if rank == 0:
-        summary = {"min_vs_raw_from_1MiB": min(big) if big else None}
+        summary = {
+            "min_vs_raw_from_1MiB": min(r["ratio"] for r in big) if big else None,
+            "min_vs_raw_from_1MiB_donated": min(r["ratio_donated"] for r in big) if big else None,
+        }
         emit("ingest", rows, summary, world=world, backend=dist.get_backend())
     cd.destroy_distributed()
 

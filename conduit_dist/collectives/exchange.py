@@ -46,6 +46,7 @@ class Exchange:
             self.group = dist.new_group(timeout=self.timeout, backend=backend)
         self._prefix = f"{_HB_PREFIX}{name}/"
         self._store = _default_store()
+        self._gather_bufs: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def heartbeat(self, round: int) -> None:
         """Record in the rendezvous store that this rank has reached ``round``."""
@@ -94,19 +95,43 @@ class Exchange:
     def all_gather(self, local: torch.Tensor, round: int) -> torch.Tensor:
         """Gather a small 1-D tensor from every rank: returns ``[world, len(local)]``.
 
+        The result is a reused buffer, valid until the next gather of the same size: copy what
+        must outlive it.
+
         Runs as an ``all_to_all_single`` of ``local`` repeated per peer: on gloo that is about
         half the latency of ``all_gather_single`` for a few bytes (measured: 0.12 vs 0.25 ms).
         """
+        return self.all_gather_start(local, round).wait()
+
+    def all_gather_start(self, local: torch.Tensor, round: int) -> PendingGather:
+        """Launch :meth:`all_gather` and return at once; ``.wait()`` gives the result.
+
+        Local work done before ``wait`` (packing, a heartbeat) overlaps the collective's latency.
+        The result is a reused buffer, valid until the next gather of the same size.
+        Every started gather must be waited on, on every rank, before the next collective.
+
+        Raises:
+            RoundError: if the launch fails.
+        """
         if self.world == 1:
-            return local.unsqueeze(0)
-        inp = local.repeat(self.world)
-        out = torch.empty_like(inp)
-        self._call(
-            lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True),
-            "all_gather(meta)",
-            round,
-        )
-        return out.view(self.world, -1)
+            return PendingGather(self, None, local.unsqueeze(0).clone(), round)
+        # reused buffers: on a loaded 2-core host each small tensor op in a round costs ~4x
+        # its idle time, and the meta exchange runs every round
+        key = (local.numel(), local.dtype)
+        bufs = self._gather_bufs.get(key)
+        if bufs is None:
+            bufs = self._gather_bufs[key] = (
+                torch.empty(self.world * key[0], dtype=key[1]),
+                torch.empty(self.world * key[0], dtype=key[1]),
+            )
+        inp, out = bufs
+        inp.view(self.world, -1).copy_(local)
+        start = time.monotonic()
+        try:
+            work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+        except Exception as exc:
+            self._fail("all_gather(meta)", round, start, exc)
+        return PendingGather(self, work, out.view(self.world, -1), round)
 
     def all_to_all(
         self,
@@ -160,6 +185,26 @@ class Exchange:
             with contextlib.suppress(Exception):  # the default group may already be gone
                 dist.destroy_process_group(self.group)
             self.group = None
+
+
+class PendingGather:
+    """An all-gather in flight (see :meth:`Exchange.all_gather_start`)."""
+
+    def __init__(self, ex: Exchange, work: dist.Work | None, out: torch.Tensor, round: int):
+        self._ex, self._work, self._out, self._round = ex, work, out, round
+
+    def wait(self) -> torch.Tensor:
+        """Block (with the exchange's timeout) until every rank's tensor arrived.
+
+        Returns:
+            ``[world, len(local)]``.
+
+        Raises:
+            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
+        """
+        work, self._work = self._work, None
+        self._ex._wait(work, "all_gather(meta)", self._round)
+        return self._out
 
 
 def _default_store() -> dist.Store | None:
