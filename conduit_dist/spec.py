@@ -205,7 +205,7 @@ class ExperienceSpec:
         Raises:
             SpecError: naming the field, the expected and the received value.
         """
-        if not isinstance(batch, Mapping):
+        if type(batch) is not dict and not isinstance(batch, Mapping):  # ABC check is slow
             raise SpecError(f"batch: expected a dict of tensors, got {type(batch).__name__}")
         if batch.keys() != self.fields.keys():
             missing = sorted(self.fields.keys() - batch.keys())
@@ -221,7 +221,7 @@ class ExperienceSpec:
                 raise SpecError(f"field {name!r}: expected a torch.Tensor, got {type(t).__name__}")
             if t.dtype != f.dtype:
                 raise SpecError(f"field {name!r}: expected dtype {f.dtype}, got {t.dtype}")
-            if t.dim() != len(f.shape) + 1 or tuple(t.shape[1:]) != f.shape:
+            if t.dim() != len(f.shape) + 1 or t.shape[1:] != f.shape:
                 raise SpecError(
                     f"field {name!r}: expected shape [B, {', '.join(map(str, f.shape))}], "
                     f"got {list(t.shape)}"

@@ -127,11 +127,16 @@ class OutputPool:
     def __init__(self, record_bytes: int, device: torch.device, size: int = 3) -> None:
         self.record_bytes, self.device, self.size = record_bytes, device, size
         self._pool: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when unreferenced)
+        self._empty: torch.Tensor | None = None
 
     def acquire(self, rows: int) -> torch.Tensor:
         """A ``[rows, record_bytes]`` buffer nobody else references."""
-        if rows == 0:
-            return torch.empty((0, self.record_bytes), dtype=torch.uint8, device=self.device)
+        if rows == 0:  # rounds without a fetch: one shared empty tensor
+            if self._empty is None:
+                self._empty = torch.empty(
+                    (0, self.record_bytes), dtype=torch.uint8, device=self.device
+                )
+            return self._empty
         for buf, idle in self._pool:
             if buf.shape[0] >= rows and _use_count(buf) == idle:
                 return buf[:rows]
