@@ -73,6 +73,28 @@ def test_bandwidth_aware_picks_the_plan_the_model_prices_cheapest(sampling):
     assert picks["actors, low replay"] == "local"  # read rarely: leave them with the actors
 
 
+def test_lp_reference_never_prices_above_round_robin_and_finds_near_learners():
+    """The bench's LP reference: round_robin is one of its equal-inflow placements, so its best
+    is never dearer; with a high replay ratio the best support is the learners' host alone."""
+    pytest.importorskip("scipy")
+    from conduit_dist.bench.lp_bound import best_balanced
+
+    topo = Topology.from_hosts(["n0"] * 4 + ["n1"] * 4)
+    learner = np.zeros(8, bool)
+    learner[:4] = True
+    put, requests = np.where(learner, 0, 64), np.where(learner, 2048, 0)
+    cap = np.full(8, 10_000)
+    planner = BandwidthAwarePlanner(MODEL, topo.link_matrix(), learner, 28_240, "exact")
+    rr = planner.price(plan_ingest("round_robin", put, 0), requests, np.zeros(8), cap)
+    t, support = best_balanced(MODEL, topo, learner, put, requests, 28_240, "exact")
+    assert t <= rr * (1 + 1e-9)
+    assert support == {"learner/4/0": 4, "actor/4/64": 0}
+    near = planner.price(
+        planner.plan(put, requests, np.zeros(8), cap, 0), requests, np.zeros(8), cap
+    )
+    assert abs(t - near) <= 1e-6 * near  # the planner's choice is the LP's best here
+
+
 def test_stratified_is_proportional_and_local_first():
     gen = torch.Generator()
     eq = allocate_stratified(np.array([8, 8, 8, 8]), np.array([50, 50, 50, 50]), 0, 3, gen, LINKS)

@@ -13,7 +13,9 @@ Four parts, one JSON line last:
    (off-CPU) learner compute between iterations.
 4. **Declared topologies** (predicted by the bandwidth model with datasheet numbers): nodes of 8
    GPUs with NVLink inside (``host``) and InfiniBand between (``net``), colocated and
-   disaggregated roles, balanced and skewed producers; the three policies under both samplers.
+   disaggregated roles, balanced and skewed producers; the three policies under both samplers,
+   each priced as the planner prices plans, and the best equal-inflow placement a linear program
+   finds (``conduit_dist/bench/lp_bound.py``) as a reference for what any placement could gain.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ import conduit_dist as cd
 from conduit_dist.bench.common import emit
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.collectives.topology import Topology
-from conduit_dist.sampling.stratified import allocate_stratified
-from conduit_dist.sampling.uniform import allocate
 from conduit_dist.tiers.placement import BandwidthAwarePlanner, plan_ingest
 
 ITEM = (4, 84, 84)
@@ -173,44 +173,57 @@ def _topologies() -> dict[str, tuple[Topology, np.ndarray, np.ndarray]]:
     return out
 
 
-def predicted(record_bytes: int, batch: int) -> dict:
-    """Predicted ingest + delivery seconds per (topology, sampling, policy) with datasheet links."""
+def predicted(record_bytes: int, batch: int, bound: bool = True) -> dict:
+    """Predicted ingest + steady-state delivery seconds per (topology, sampling, policy).
+
+    Each plan is priced as the planner prices it (:meth:`BandwidthAwarePlanner.price`): the model's
+    time of the ingest exchange plus that of the delivery exchange once every shard the plan
+    feeds is full (the sampler's expected counts). With ``bound`` (and SciPy installed), the best
+    equal-inflow placement found by linear programming (:mod:`conduit_dist.bench.lp_bound`) is
+    priced too, as a reference for what any policy could gain over ``round_robin``: the
+    ``best_known`` plan of a case is the cheapest of the three policies and the LP's.
+    """
     # datasheets: HBM3 copy ~2 TB/s on the GPU, NVLink 4 ~450 GB/s per direction per GPU,
     # NDR InfiniBand 400 Gb/s = 50 GB/s per GPU; ~20 us per collective call
     model = BandwidthModel.declared(20e-6, {"self": 2000.0, "host": 450.0, "net": 50.0})
-    rows, gains, losses = [], [], []
-    gen = torch.Generator()
+    try:
+        from conduit_dist.bench.lp_bound import best_balanced
+    except ImportError:  # pragma: no cover - SciPy is in the bench and dev extras
+        bound = False
+    rows, gains, losses, possible, gaps = [], [], [], [], []
     for name, (topo, learners, put) in _topologies().items():
         links, world = topo.link_matrix(), topo.world
         capacity = np.full(world, 10_000)
         requests = np.where(learners, batch, 0)
+        empty = np.zeros(world)
         for sampling in ("exact", "stratified"):
-            times = {}
             planner = BandwidthAwarePlanner(model, links, learners, record_bytes, sampling)
-            for policy in ("local", "round_robin", "bandwidth_aware"):
-                if policy == "bandwidth_aware":  # planned from an empty store, as a job starts
-                    plan = planner.plan(put, requests, np.zeros(world), capacity, 0)
-                else:
-                    plan = plan_ingest(policy, put, 0)
-                # steady state: a shard that receives items is full, one that never does is empty
-                sizes = np.where(plan.sum(axis=0) > 0, capacity, 0)
-                if sampling == "exact":
-                    counts = allocate(requests, sizes, 0, 1, gen)
-                else:
-                    counts = allocate_stratified(requests, sizes, 0, 1, gen, links)
-                t_ingest = model.choose(plan * record_bytes, links)[1]
-                times[policy] = t_ingest + model.choose(counts.T * record_bytes, links)[1]
+            plans = {p: plan_ingest(p, put, 0) for p in ("local", "round_robin")}
+            plans["bandwidth_aware"] = planner.plan(put, requests, empty, capacity, 0)
+            times = {k: planner.price(p, requests, empty, capacity) for k, p in plans.items()}
             best = min(times.values())
-            gains.append(1 - times["bandwidth_aware"] / times["round_robin"])
+            rr = times["round_robin"]
+            gains.append(1 - times["bandwidth_aware"] / rr)
             losses.append(times["bandwidth_aware"] / best - 1)
-            rows.append(
-                {
-                    "topology": name,
-                    "sampling": sampling,
-                    **{f"{k}_ms": v * 1e3 for k, v in times.items()},
-                }
-            )
-    return {"rows": rows, "min_gain_vs_round_robin": min(gains), "max_loss_vs_best": max(losses)}
+            row = {
+                "topology": name,
+                "sampling": sampling,
+                **{f"{k}_ms": v * 1e3 for k, v in times.items()},
+            }
+            if bound:
+                t_lp, support = best_balanced(
+                    model, topo, learners, put, requests, record_bytes, sampling
+                )
+                known = min(best, t_lp)  # the LP only covers equal-inflow placements
+                possible.append(1 - known / rr)
+                gaps.append(times["bandwidth_aware"] / known - 1)
+                row.update(lp_best_ms=t_lp * 1e3, lp_support=support)
+            rows.append(row)
+    out = {"rows": rows, "min_gain_vs_round_robin": min(gains), "max_loss_vs_best": max(losses)}
+    if bound:
+        out["best_known_gain_vs_round_robin"] = min(possible)
+        out["max_loss_vs_best_known"] = max(gaps)
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -231,10 +244,11 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         pred = predicted(record_bytes, a.batch)
         for r in pred["rows"]:
+            lp = f", LP best {r['lp_best_ms']:.3f} ms" if "lp_best_ms" in r else ""
             print(
                 f"{r['topology']:>24} {r['sampling']:>10}: local {r['local_ms']:.3f} ms, "
                 f"round_robin {r['round_robin_ms']:.3f} ms, "
-                f"bandwidth_aware {r['bandwidth_aware_ms']:.3f} ms"
+                f"bandwidth_aware {r['bandwidth_aware_ms']:.3f} ms{lp}"
             )
         if disk:
             print(
@@ -254,6 +268,8 @@ def main(argv: list[str]) -> None:
             "stratified_delivery_cut": deliv["stratified_delivery_cut"] if deliv else None,
             "predicted_gain_vs_round_robin": pred["min_gain_vs_round_robin"],
             "max_predicted_loss_vs_best": pred["max_loss_vs_best"],
+            "best_known_gain_vs_round_robin": pred.get("best_known_gain_vs_round_robin"),
+            "max_predicted_loss_vs_best_known": pred.get("max_loss_vs_best_known"),
             "disk_tier_ok": disk is not None,
             "background_demotion_cut": demote["background_cut"] if demote else None,
         }
