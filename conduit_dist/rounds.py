@@ -242,16 +242,19 @@ class RoundRunner:
         inflow = plan.sum(axis=0)
         n_in = int(inflow[self.rank])
         if plan.any():
-            direct = self.shard.receive_region(n_in)
-            out = direct if direct is not None else self._recv.rows(n_in)
             inp = staged.view()
             if inp.device != self.device:  # pinned host staging -> device, on this (side) stream
                 inp = self._dev_stage.rows(inp.shape[0]).copy_(inp, non_blocking=True)
-            stats.moves.append(self.transport.move(out, inp, plan, r, "ingest"))
-            if direct is not None:
-                self.shard.commit(n_in)
+            if np.count_nonzero(plan) == np.count_nonzero(np.diag(plan)):
+                self.shard.append(inp)  # every item stays put (known on every rank): no exchange
             else:
-                self.shard.append(out)
+                direct = self.shard.receive_region(n_in)
+                out = direct if direct is not None else self._recv.rows(n_in)
+                stats.moves.append(self.transport.move(out, inp, plan, r, "ingest"))
+                if direct is not None:
+                    self.shard.commit(n_in)
+                else:
+                    self.shard.append(out)
         self.sizes = np.minimum(self.sizes + inflow, self.shard.capacity)
         self._inflow = inflow
         self.ingested += int(counts.sum())
@@ -259,17 +262,33 @@ class RoundRunner:
         stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
 
     def _deliver(self, counts: np.ndarray, r: int, stats: RoundStats, t1: float) -> torch.Tensor:
-        """Sample this shard's share of every learner's batch and deliver in one all-to-all."""
-        to_learners = counts[:, self.rank]
-        n_send, n_recv = int(to_learners.sum()), int(counts[self.rank].sum())
+        """Sample this shard's share of every learner's batch and deliver it in one exchange.
+
+        A learner's rows from its own shard are gathered straight into its output (after the
+        rows from other shards) and never enter the exchange; when no learner reads another
+        rank's shard (e.g. ``stratified`` sampling over local placement) no collective runs.
+        """
+        me = self.rank
+        to_learners = counts[:, me]  # rows this shard gives each learner
+        mine = int(counts[me, me])
+        first = int(to_learners[:me].sum())  # this learner's rows among this shard's draws
+        n_draw, n_recv = int(to_learners.sum()), int(counts[me].sum())
+        remote = n_recv - mine
         out = self.outputs.acquire(n_recv)
-        send = self._send.rows(n_send)
-        if n_send:
-            self.shard.gather(self.sampler.slots(n_send, int(self.shard.size), r), send)
+        send = self._send.rows(n_draw - mine)
+        if n_draw:
+            slots = self.sampler.slots(n_draw, int(self.shard.size), r)
+            if mine:
+                self.shard.gather(slots[first : first + mine], out[remote:])
+            if n_draw > mine:
+                others = torch.cat([slots[:first], slots[first + mine :]]) if mine else slots
+                self.shard.gather(others, send)
         t2 = time.perf_counter()
         stats.mark("sample", t1, t2)
-        if counts.any():  # rows[shard, learner]
-            stats.moves.append(self.transport.move(out, send, counts.T.copy(), r, "deliver"))
+        rows = counts.T.copy()  # rows[shard, learner]
+        np.fill_diagonal(rows, 0)
+        if rows.any():  # the same on every rank: all run the exchange or none does
+            stats.moves.append(self.transport.move(out[:remote], send, rows, r, "deliver"))
         stats.mark("deliver", t2, time.perf_counter())
         stats.items_out, stats.bytes_out = n_recv, n_recv * self.spec.record_bytes
         return out

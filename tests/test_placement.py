@@ -111,18 +111,22 @@ def _modes(rank, world, sampling, placement):
     plane = cd.DataPlane(
         spec(), 400, seed=5, sampling=sampling, placement=placement, schedule="sync"
     )
-    crossed = []
+    crossed, exchanges = [], []
     for it in range(4):
         plane.put(make_batch(rank * 1000 + it * 100 + torch.arange(40)))
         b = plane.fetch(32)
         assert_intact(b)
         crossed.append(int((b["id"] // 1000 != rank).sum()))
+        exchanges.append(sorted(m.op for m in plane.stats.moves))
     plane.close()
-    return crossed
+    return crossed, exchanges
 
 
 def test_stratified_with_bandwidth_aware_reads_locally_on_real_ranks():
     local = run_ranks(_modes, 2, "stratified", "bandwidth_aware")
     spread = run_ranks(_modes, 2, "exact", "round_robin")
-    assert all(sum(c) == 0 for c in local.values())  # nothing delivered across ranks
-    assert all(sum(c) > 0 for c in spread.values())
+    assert all(sum(c) == 0 for c, _ in local.values())  # nothing delivered across ranks
+    # items kept and read where they were put: neither ingestion nor delivery runs a collective
+    assert all(ex == [[]] * 4 for _, ex in local.values())
+    assert all(sum(c) > 0 for c, _ in spread.values())
+    assert all(ex == [["deliver", "ingest"]] * 4 for _, ex in spread.values())
