@@ -301,8 +301,9 @@ class DataPlane:
 
         Returns:
             ``name -> tensor [batch_size, *shape]`` on the plane's device. The tensors are views
-            into one freshly allocated packed buffer owned by the caller (rows keep the record
-            stride; call ``.contiguous()`` where a kernel needs dense rows).
+            into one packed buffer the plane reuses only once nothing references it (rows keep
+            the record stride; call ``.contiguous()`` where a kernel needs dense rows). Rows are
+            grouped by the shard they came from (this rank's own shard last).
 
         Raises:
             ConfigError: on an actor rank, a non-positive ``batch_size``, or a batch size larger
