@@ -268,6 +268,10 @@ class RoundRunner:
         rows from other shards) and never enter the exchange; when no learner reads another
         rank's shard (e.g. ``stratified`` sampling over local placement) no collective runs.
         """
+        if not counts.any():  # nobody fetches this round (actors' flushes, an empty store)
+            stats.mark("sample", t1, t1)
+            stats.mark("deliver", t1, t1)
+            return self.outputs.acquire(0)
         me = self.rank
         to_learners = counts[:, me]  # rows this shard gives each learner
         mine = int(counts[me, me])
