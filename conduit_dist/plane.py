@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -206,6 +207,7 @@ class DataPlane:
         self._subset_gen = torch.Generator().manual_seed(self.seed + 7 * self.rank)
         self._failed: RoundError | None = None
         self._closed = False
+        self._in_staged = False  # inside a staged() block
 
     def _bandwidth(self, bandwidth, declared, cache) -> tuple[BandwidthModel, float]:
         if isinstance(bandwidth, BandwidthModel):
@@ -258,12 +260,7 @@ class DataPlane:
         self._check_open()
         t0 = now()
         n = self.spec.validate(batch)
-        pending = self._sched.pending
-        if self.max_lag == 0 and pending is not None and pending.kind == "prefetch":
-            raise ConfigError(
-                "put: max_lag=0, but the round for the next fetch was launched already "
-                "(fetch(..., more=True)); put before the first fetch of an iteration"
-            )
+        self._check_lag("put")
         rows = None if donate else self._direct_rows(n)
         if donate:  # checked now, packed by the round
             self.spec.check_finite(batch)
@@ -277,6 +274,58 @@ class DataPlane:
             stage.commit(n)
         self._put_seq += 1
         self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
+
+    @contextlib.contextmanager
+    def staged(self, n: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Write ``n`` items straight into the next round's staging: ``put`` without its copy.
+
+        ::
+
+            with plane.staged(n) as batch:  # name -> writable view [n, *shape]
+                env.step_into(batch["obs"], ...)  # the producer writes in place
+            plane.flush()  # (or fetch) moves them like put's items
+
+        Like ``torch.empty``, the views start uninitialised: write every field of every item.
+        They are valid only inside the block. On leaving it, checked floating fields are scanned
+        for NaN/inf in place and the items count as put; if the block raises, or the scan finds a
+        non-finite value, nothing is staged. No other plane call may run inside the block.
+
+        Args:
+            n: items to stage (``>= 1``).
+
+        Yields:
+            ``name -> tensor [n, *shape]`` views into host staging rows (rows keep the record
+            stride).
+
+        Raises:
+            ConfigError: for ``n < 1``, a block inside another, or with ``max_lag=0`` when the
+                round for the next fetch was launched already.
+            SpecError: on leaving the block, naming a checked floating field that holds NaN/inf.
+        """
+        self._check_open()
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"staged: n must be an int >= 1, got {n!r}")
+        self._check_lag("staged")
+        t0 = now()
+        stage = self._stage.current
+        rows = stage.reserve(n)
+        self._in_staged = True
+        try:
+            yield self.spec.unpack(rows)
+            self.spec.check_records_finite(rows)
+            stage.commit(n)
+        finally:
+            self._in_staged = False
+        self._put_seq += 1
+        self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
+
+    def _check_lag(self, op: str) -> None:
+        pending = self._sched.pending
+        if self.max_lag == 0 and pending is not None and pending.kind == "prefetch":
+            raise ConfigError(
+                f"{op}: max_lag=0, but the round for the next fetch was launched already "
+                "(fetch(..., more=True)); put before the first fetch of an iteration"
+            )
 
     def _direct_rows(self, n: int) -> torch.Tensor | None:
         """At world size 1, the storage slots the next ``n`` items take, if writing there is safe.
@@ -564,6 +613,8 @@ class DataPlane:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the DataPlane is closed")
+        if self._in_staged:
+            raise ConfigError("this call cannot run inside a staged() block: leave the block first")
         if self._failed is not None:
             raise RoundError(
                 f"the DataPlane failed in round {self._failed.round} and cannot continue: "

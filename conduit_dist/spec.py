@@ -310,6 +310,33 @@ class ExperienceSpec:
             if not bool(torch.isfinite(batch[name]).all()):
                 self._reject(name, batch[name])
 
+    def check_records_finite(self, records: torch.Tensor) -> None:
+        """Raise if a checked floating field of ``records`` (``uint8 [B, record_bytes]``) holds
+        NaN or inf, scanning the rows in place.
+
+        Raises:
+            SpecError: naming the field and the number of non-finite values.
+        """
+        if not self._checked or records.shape[0] == 0:
+            return
+        if (
+            _native is not None
+            and records.device.type == "cpu"
+            and records.stride() == (self.record_bytes, 1)
+        ):
+            bad = _native.rows_nonfinite(
+                records.data_ptr(),
+                self.record_bytes,
+                records.shape[0],
+                self._sizes,
+                self._starts,
+                self._kinds,
+            )
+            if bad >= 0:
+                self._reject(self._cols[bad][0], self.unpack(records)[self._cols[bad][0]])
+            return
+        self.check_finite(self.unpack(records))
+
     @staticmethod
     def _reject(name: str, t: torch.Tensor) -> None:
         bad = int((~torch.isfinite(t)).sum())

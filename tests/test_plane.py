@@ -27,7 +27,12 @@ def _exactly_once(rank, world, placement):
             plane.flush()
             continue
         ids = _ids(rank, it, n)
-        plane.put(make_batch(ids), donate=it % 2 == 1)  # donated batches are packed by the round
+        if it % 3 == 2:  # written in place into staging rows
+            with plane.staged(n) as rows:
+                for k, v in make_batch(ids).items():
+                    rows[k].copy_(v)
+        else:  # copied by put, or donated and packed by the round
+            plane.put(make_batch(ids), donate=it % 3 == 1)
         put.append(ids)
         batch = plane.fetch(8)
         assert_intact(batch)
@@ -224,6 +229,37 @@ def test_rejected_put_stores_nothing():
     plane.flush()
     plane.wait()
     assert sorted(shard_items(plane).tolist()) == list(range(5))
+    plane.close()
+
+
+def test_rejected_staged_block_stages_nothing():
+    cd.init_distributed()
+    plane = cd.DataPlane(spec(), capacity_per_rank=100)
+    good = make_batch(torch.arange(5))
+
+    def fill(rows, batch):
+        for k, v in batch.items():
+            rows[k].copy_(v)
+
+    with pytest.raises(cd.SpecError, match="'obs'"), plane.staged(5) as rows:
+        fill(rows, {**good, "obs": good["obs"].clone().fill_(float("nan"))})
+    with pytest.raises(KeyError), plane.staged(5) as rows:  # the producer fails inside the block
+        fill(rows, good)
+        raise KeyError("env crashed")
+    with pytest.raises(cd.ConfigError, match="inside a staged"), plane.staged(5):
+        plane.put(good)
+    with pytest.raises(cd.ConfigError, match="n must be an int >= 1, got 0"), plane.staged(0):
+        pass
+    plane.flush()
+    plane.wait()
+    assert len(plane) == 0
+    with plane.staged(5) as rows:
+        fill(rows, good)
+    plane.put(make_batch(torch.arange(5, 8)))
+    plane.flush()
+    plane.wait()
+    assert sorted(shard_items(plane).tolist()) == list(range(8))
+    assert_intact(plane.fetch(16))
     plane.close()
 
 

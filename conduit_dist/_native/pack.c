@@ -135,7 +135,58 @@ static PyObject* any_nonfinite(PyObject* self, PyObject* args) {
     return PyBool_FromLong(any);
 }
 
+CLONES
+static void rows_impl(const uint8_t* rows, long long row_bytes, long long n, Py_ssize_t nf,
+                      const long long* size, const long long* off, const int* kind, int* bad) {
+    for (long long i = 0; i < n; i++) {
+        const uint8_t* row = rows + i * row_bytes;
+        for (Py_ssize_t f = 0; f < nf; f++)
+            if (kind[f]) bad[f] |= scan(row + off[f], NULL, size[f], kind[f]);
+    }
+}
+
+/* rows_nonfinite(addr, row_bytes, n, sizes, offsets, kinds): scan the float fields (kind 2, 3, 4,
+ * 8; 0 = skip) of n records in place; the index of the first field holding NaN/inf, or -1. */
+static PyObject* rows_nonfinite(PyObject* self, PyObject* args) {
+    unsigned long long addr;
+    long long row_bytes, n;
+    PyObject *sizes, *offsets, *kinds;
+    if (!PyArg_ParseTuple(args, "KLLO!O!O!", &addr, &row_bytes, &n, &PyTuple_Type, &sizes,
+                          &PyTuple_Type, &offsets, &PyTuple_Type, &kinds))
+        return NULL;
+    Py_ssize_t nf = PyTuple_GET_SIZE(sizes);
+    if (nf > MAX_FIELDS || PyTuple_GET_SIZE(offsets) != nf || PyTuple_GET_SIZE(kinds) != nf) {
+        PyErr_SetString(PyExc_ValueError,
+                        "rows_nonfinite: sizes, offsets and kinds must have equal length <= 256");
+        return NULL;
+    }
+    long long size[MAX_FIELDS], off[MAX_FIELDS];
+    int kind[MAX_FIELDS], bad[MAX_FIELDS];
+    for (Py_ssize_t f = 0; f < nf; f++) {
+        size[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
+        off[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
+        kind[f] = (int)PyLong_AsLong(PyTuple_GET_ITEM(kinds, f));
+        bad[f] = 0;
+        if (PyErr_Occurred()) return NULL;
+        if (size[f] < 0 || off[f] < 0 || off[f] + size[f] > row_bytes ||
+            (kind[f] != 0 && kind[f] != 2 && kind[f] != 3 && kind[f] != 4 && kind[f] != 8)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "rows_nonfinite: a field does not fit in the record, or a bad kind");
+            return NULL;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rows_impl((const uint8_t*)(uintptr_t)addr, row_bytes, n, nf, size, off, kind, bad);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t f = 0; f < nf; f++)
+        if (bad[f]) return PyLong_FromSsize_t(f);
+    return PyLong_FromLong(-1);
+}
+
 static PyMethodDef methods[] = {
+    {"rows_nonfinite", rows_nonfinite, METH_VARARGS,
+     "rows_nonfinite(addr, row_bytes, n, sizes, offsets, kinds): first field of n records "
+     "holding NaN/inf (float kinds only), scanned in place, or -1."},
     {"any_nonfinite", any_nonfinite, METH_VARARGS,
      "any_nonfinite(addr, n, kind): whether n contiguous floats (kind 2, 3, 4 or 8) hold NaN/inf."},
     {"pack_rows", pack_rows, METH_VARARGS,
