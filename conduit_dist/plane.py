@@ -483,6 +483,8 @@ class DataPlane:
         self.timeline.add("backward start", Timeline.LEARNER, t, t)
         if not self._overlap or self._closed or self._failed is not None:
             return
+        if self._in_staged:  # a launch would take the staging buffer under the open block
+            return
         if self._sched.pending is not None or not self._fetched:
             return
         if self.max_lag == 0 and not self._more:

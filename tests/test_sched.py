@@ -145,6 +145,38 @@ def test_accounting_and_trace():
         assert ("forward", 1) in names and ("backward start", 1) in names
 
 
+def _backward_inside_staged(rank, world):
+    plane = cd.DataPlane(spec(), capacity_per_rank=500, seed=2, schedule="overlap")
+    model = Learner()
+    plane.attach(model)
+    prefetched, put, b = [], [], None
+    for it in range(4):
+        ids = _ids(rank, it, 6)
+        with plane.staged(6) as rows:  # a learner step runs while the producer writes
+            for k, v in make_batch(ids).items():
+                rows[k].copy_(v)
+            if b is not None:
+                _train_step(model, b)  # backward inside the block: no launch under the views
+        put.append(ids)
+        b = plane.fetch(8)
+        assert_intact(b)
+        prefetched.append(plane.last_fetch.prefetched)
+    _train_step(model, b)  # outside a block: launches the next fetch's round
+    b = plane.fetch(8)
+    prefetched.append(plane.last_fetch.prefetched)
+    plane.wait()
+    plane.close()
+    return prefetched, torch.cat(put).tolist(), len(plane)
+
+
+def test_backward_inside_a_staged_block_launches_nothing():
+    res = run_ranks(_backward_inside_staged, 2)
+    put = sorted(x for r in res.values() for x in r[1])
+    for prefetched, _, size in res.values():
+        assert prefetched == [False] * 4 + [True]
+        assert size == len(put)
+
+
 def _special_models(rank, world):
     # no parameter requires grad: no backward, every fetch runs its round itself
     frozen = Learner().requires_grad_(False)
