@@ -558,9 +558,12 @@ class DataPlane:
 
         Raises:
             RoundError: if the closing round fails (the group is released all the same).
+            ConfigError: inside a ``staged()`` block.
         """
         if self._closed:
             return
+        if self._in_staged:
+            raise ConfigError("close: cannot run inside a staged() block: leave the block first")
         self.detach()
         try:
             if self._failed is None:

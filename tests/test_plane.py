@@ -248,6 +248,8 @@ def test_rejected_staged_block_stages_nothing():
         raise KeyError("env crashed")
     with pytest.raises(cd.ConfigError, match="inside a staged"), plane.staged(5):
         plane.put(good)
+    with pytest.raises(cd.ConfigError, match="close: cannot run inside a staged"), plane.staged(5):
+        plane.close()
     with pytest.raises(cd.ConfigError, match="n must be an int >= 1, got 0"), plane.staged(0):
         pass
     plane.flush()
