@@ -92,19 +92,11 @@ class Exchange:
             ranks=late,
         ) from exc
 
-    def all_gather(self, local: torch.Tensor, round: int) -> torch.Tensor:
-        """Gather a small 1-D tensor from every rank: returns ``[world, len(local)]``.
-
-        The result is a reused buffer, valid until the next gather of the same size: copy what
-        must outlive it.
+    def all_gather_start(self, local: torch.Tensor, round: int) -> PendingGather:
+        """Start gathering a small 1-D tensor from every rank; ``.wait()`` gives ``[world, len]``.
 
         Runs as an ``all_to_all_single`` of ``local`` repeated per peer: on gloo that is about
         half the latency of ``all_gather_single`` for a few bytes (measured: 0.12 vs 0.25 ms).
-        """
-        return self.all_gather_start(local, round).wait()
-
-    def all_gather_start(self, local: torch.Tensor, round: int) -> PendingGather:
-        """Launch :meth:`all_gather` and return at once; ``.wait()`` gives the result.
 
         Local work done before ``wait`` (packing, a heartbeat) overlaps the collective's latency.
         The result is a reused buffer, valid until the next gather of the same size.
