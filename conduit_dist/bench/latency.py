@@ -7,7 +7,8 @@ One run, both schedules, the same learner workload and the same experience volum
   ``overlap`` mode during backward) ``items`` Atari-like transitions (56 KB) and
   fetches a batch of ``--batch`` of them (``round_robin`` placement: about half of both cross
   ranks). ``items`` is calibrated at start so the request-driven (``sync``) round takes about as
-  long as the learner's compute, i.e. the experience path is about half of the sync iteration.
+  long as the learner's compute, i.e. the experience path is about half of the sync iteration:
+  extrapolated from a 256-item probe, then timed warm at that size and rescaled once.
 
 Per iteration: time the learner waited inside ``fetch`` (exposed latency) and the whole iteration.
 Modes alternate in blocks; medians per mode; reductions = 1 - overlap / sync. Then the same two
@@ -114,7 +115,7 @@ def _calibrate(
 ) -> tuple[int, float]:
     """Items put per iteration so that a sync round takes about ``target_ratio`` x the compute."""
     probe = 256
-    plane = cd.DataPlane(spec, 8 * probe, seed=0, schedule="sync", placement=placement)
+    plane = cd.DataPlane(spec, 2 * 4096, seed=0, schedule="sync", placement=placement)
     b = _batch(probe, seed=dist.get_rank())
     rounds, comp, empty = [], [], []
     for i in range(6):
@@ -129,13 +130,29 @@ def _calibrate(
             rounds.append(t1 - t0)
             comp.append(t2 - t1)
             empty.append(time.perf_counter() - t2)
-    plane.close()
     deliver = statistics.median(empty)
     per_item = max(statistics.median(rounds) - deliver, 1e-6) / probe
     budget = target_ratio * statistics.median(comp) - deliver
-    items = torch.tensor([max(budget, 0.0) / per_item])
-    dist.all_reduce(items, op=dist.ReduceOp.MIN)
-    return int(max(16, min(4096, items.item()))), statistics.median(comp)
+    items = _agree(max(budget, 0.0) / per_item)
+    # a round's cost is not linear in its size (caches, buffers growing into fresh memory on
+    # their first rounds): time the estimate once warm, and rescale
+    big = _batch(items, seed=dist.get_rank())
+    measured = []
+    for _ in range(8):
+        plane.put(big, donate=True)
+        t0 = time.perf_counter()
+        plane.fetch(batch_size)
+        measured.append(time.perf_counter() - t0)
+    plane.close()
+    per_item = max(statistics.median(measured[4:]) - deliver, 1e-6) / items
+    return _agree(max(budget, 0.0) / per_item), statistics.median(comp)
+
+
+def _agree(items: float) -> int:
+    """The smallest proposal over ranks, clamped to [16, 4096] items."""
+    t = torch.tensor([items])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(max(16, min(4096, t.item())))
 
 
 def _dqn(iters: int) -> dict[str, dict[str, float]]:
