@@ -1,11 +1,9 @@
-"""DataPlane: the public put / fetch / flush / weights API over a sharded experience store."""
+"""DataPlane: the public API over a sharded experience store (put/staged and attach: mixins)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -15,6 +13,8 @@ from conduit_dist.collectives.model import BandwidthModel, build
 from conduit_dist.collectives.topology import discover
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError
+from conduit_dist.plane.overlap import Overlap
+from conduit_dist.plane.producer import Producer
 from conduit_dist.rounds import RoundRunner, RoundStats, RoundTicket
 from conduit_dist.sched import BackwardTrigger, FetchTiming, Timeline, fetch_timing
 from conduit_dist.sched.auto import AutoTrial
@@ -25,14 +25,13 @@ from conduit_dist.tiers import POLICIES, make_shard
 from conduit_dist.weights import WeightsState
 
 _plane_ids = itertools.count()
-log = logging.getLogger("conduit_dist")
 # declared link numbers (measured on 2 loopback gloo ranks, 2-core machine): used when not probing
 DECLARED = (1.5e-4, {"self": 8.0, "host": 1.5, "net": 0.1})
 
 __all__ = ["DataPlane", "RoundStats"]
 
 
-class DataPlane:
+class DataPlane(Producer, Overlap):
     """A sharded experience store whose ingestion and delivery are torch.distributed collectives.
 
     Every rank hosts one shard of ``capacity_per_rank`` items. ``put`` validates a batch and stages
@@ -242,102 +241,6 @@ class DataPlane:
         """``int64 [world]``: items on each shard as of the latest completed round."""
         return self._runner.sizes
 
-    def put(self, batch: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
-        """Validate a batch and stage it for the next round.
-
-        Args:
-            batch: ``name -> tensor [B, *shape]`` matching the spec (any device).
-            donate: hand the tensors over instead of copying them now: they are packed by the
-                round (in ``overlap`` mode, during backward). Like a buffer given to ``isend``,
-                they must not be modified until the next round has completed.
-
-        Raises:
-            SpecError: on a missing or extra field, wrong dtype or shape, disagreeing batch sizes,
-                an empty batch or non-finite floats; nothing is staged then.
-            ConfigError: with ``max_lag=0``, when a round for the next fetch is already in flight
-                (the batch would miss this experience).
-        """
-        self._check_open()
-        t0 = now()
-        n = self.spec.validate(batch)
-        self._check_lag("put")
-        rows = None if donate else self._direct_rows(n)
-        if donate:  # checked now, packed by the round
-            self.spec.check_finite(batch)
-            self._stage.current.defer(n, dict(batch))
-        elif rows is not None:  # rows count from the next round on: a rejected pack leaves none
-            self.spec.pack(batch, rows, check=True)
-            self._direct += n
-        else:
-            stage = self._stage.current
-            self.spec.pack(batch, stage.reserve(n), check=True)
-            stage.commit(n)
-        self._put_seq += 1
-        self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
-
-    @contextlib.contextmanager
-    def staged(self, n: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Write ``n`` items straight into the next round's staging: ``put`` without its copy.
-
-        ::
-
-            with plane.staged(n) as batch:  # name -> writable view [n, *shape]
-                env.step_into(batch["obs"], ...)  # the producer writes in place
-            plane.flush()  # (or fetch) moves them like put's items
-
-        Like ``torch.empty``, the views start uninitialised: write every field of every item.
-        They are valid only inside the block. On leaving it, checked floating fields are scanned
-        for NaN/inf in place and the items count as put; if the block raises, or the scan finds a
-        non-finite value, nothing is staged. No other plane call may run inside the block.
-
-        Args:
-            n: items to stage (``>= 1``).
-
-        Yields:
-            ``name -> tensor [n, *shape]`` views into host staging rows (rows keep the record
-            stride).
-
-        Raises:
-            ConfigError: for ``n < 1``, a block inside another, or with ``max_lag=0`` when the
-                round for the next fetch was launched already.
-            SpecError: on leaving the block, naming a checked floating field that holds NaN/inf.
-        """
-        self._check_open()
-        if not isinstance(n, int) or n < 1:
-            raise ConfigError(f"staged: n must be an int >= 1, got {n!r}")
-        self._check_lag("staged")
-        t0 = now()
-        stage = self._stage.current
-        rows = stage.reserve(n)
-        self._in_staged = True
-        try:
-            yield self.spec.unpack(rows)
-            self.spec.check_records_finite(rows)
-            stage.commit(n)
-        finally:
-            self._in_staged = False
-        self._put_seq += 1
-        self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
-
-    def _check_lag(self, op: str) -> None:
-        pending = self._sched.pending
-        if self.max_lag == 0 and pending is not None and pending.kind == "prefetch":
-            raise ConfigError(
-                f"{op}: max_lag=0, but the round for the next fetch was launched already "
-                "(fetch(..., more=True)); put before the first fetch of an iteration"
-            )
-
-    def _direct_rows(self, n: int) -> torch.Tensor | None:
-        """At world size 1, the storage slots the next ``n`` items take, if writing there is safe.
-
-        Safe when no round is in flight (nothing samples meanwhile), nothing is staged yet this
-        round (put order is kept) and the slots do not wrap. The slots count at the next round;
-        until then they are invisible, as staged items are.
-        """
-        if self.world != 1 or self._sched.pending is not None or self._stage.current.count:
-            return None
-        return self.shard.direct_region(self._direct, n)
-
     def fetch(self, batch_size: int, *, more: bool = False) -> dict[str, torch.Tensor]:
         """Return this learner's batch, sampled uniformly with replacement from the global store.
 
@@ -400,21 +303,6 @@ class DataPlane:
         self._account(stats, prefetched, lag, t_wait, now())
         return batch
 
-    @property
-    def chosen_schedule(self) -> str:
-        """The schedule in force on this rank (``auto``: the trial's pick once it is over)."""
-        if self._trial is not None and self._trial.choice is None:
-            return "auto (trial)"
-        return "overlap" if self._overlap else "sync"
-
-    def _auto_tick(self, t: float) -> None:
-        """Feed the auto trial the iteration that ended at this fetch; follow its mode."""
-        mode = self._trial.tick(t, "overlap" if self._overlap else "sync")
-        if mode is not None:
-            self._overlap = mode == "overlap"
-            if self._trial.choice is not None:
-                log.info("rank %d: %s", self.rank, self._trial.describe())
-
     def flush(self) -> None:
         """Take part in a round without fetching: move staged items to their shards.
 
@@ -453,44 +341,6 @@ class DataPlane:
             self._finish(*self._guard(self._sched.wait)[1:])
         else:
             self._sched.settle()
-
-    def attach(self, module: nn.Module) -> None:
-        """Launch the next fetch's round when ``module``'s backward starts (``overlap`` mode).
-
-        Args:
-            module: the learner's module, plain or DDP-wrapped. Only forwards whose outputs
-                require grad count; several backward passes per fetch launch one round.
-
-        Raises:
-            ConfigError: if a module is attached already.
-        """
-        if self._trigger is not None and self._trigger.attached:
-            raise ConfigError("attach: a module is attached already; call detach() first")
-
-        def forward_span(start: float, end: float) -> None:
-            self.timeline.add("forward", Timeline.LEARNER, start, end)
-
-        self._trigger = BackwardTrigger(module, self._on_backward, forward_span)
-
-    def detach(self) -> None:
-        """Remove the hooks (a launched round still completes at the next call)."""
-        if self._trigger is not None:
-            self._trigger.remove()
-            self._trigger = None
-
-    def _on_backward(self) -> None:
-        t = now()
-        self.timeline.add("backward start", Timeline.LEARNER, t, t)
-        if not self._overlap or self._closed or self._failed is not None:
-            return
-        if self._in_staged:  # a launch would take the staging buffer under the open block
-            return
-        if self._sched.pending is not None or not self._fetched:
-            return
-        if self.max_lag == 0 and not self._more:
-            return
-        self._fetched = False
-        self._sched.launch(self._prepare(self._last_batch), "prefetch", self._put_seq)
 
     def publish_weights(self, module: nn.Module) -> int:
         """Stage ``module``'s state for broadcast to every rank in the next round.
