@@ -245,7 +245,7 @@ class RoundRunner:
             inp = staged.view()
             if inp.device != self.device:  # pinned host staging -> device, on this (side) stream
                 inp = self._dev_stage.rows(inp.shape[0]).copy_(inp, non_blocking=True)
-            if np.count_nonzero(plan) == np.count_nonzero(np.diag(plan)):
+            if not _between_ranks(plan).any():
                 self.shard.append(inp)  # every item stays put (known on every rank): no exchange
             else:
                 direct = self.shard.receive_region(n_in)
@@ -289,8 +289,7 @@ class RoundRunner:
                 self.shard.gather(others, send)
         t2 = time.perf_counter()
         stats.mark("sample", t1, t2)
-        rows = counts.T.copy()  # rows[shard, learner]
-        np.fill_diagonal(rows, 0)
+        rows = _between_ranks(counts.T)  # rows[shard, learner], own-shard rows already placed
         if rows.any():  # the same on every rank: all run the exchange or none does
             stats.moves.append(self.transport.move(out[:remote], send, rows, r, "deliver"))
         stats.mark("deliver", t2, time.perf_counter())
@@ -311,3 +310,10 @@ class RoundRunner:
         self.sizes = state["sizes"].numpy().astype(np.int64).copy()
         self.ingested, self.dealt = int(state["ingested"]), int(state["dealt"])
         self.sampler.load_state_dict(state["sampler"])
+
+
+def _between_ranks(matrix: np.ndarray) -> np.ndarray:
+    """A copy of a ``[src, dst]`` count matrix without its diagonal (what a rank keeps itself)."""
+    out = matrix.copy()
+    np.fill_diagonal(out, 0)
+    return out

@@ -71,6 +71,41 @@ static void pack_impl(uint8_t* out, long long row_bytes, long long n, Py_ssize_t
     }
 }
 
+/* Read the field layout (sizes, offsets, kinds: tuples of nf ints) into arrays, checking that
+ * every field fits in a row_bytes record and every kind is 0, 2, 3, 4 or 8. Returns 0, or -1 with
+ * a Python error set (prefixed by the calling function's name). */
+static int parse_fields(const char* fn, long long row_bytes, PyObject* sizes, PyObject* offsets,
+                        PyObject* kinds, Py_ssize_t nf, long long* size, long long* off,
+                        int* kind) {
+    if (nf > MAX_FIELDS || PyTuple_GET_SIZE(sizes) != nf || PyTuple_GET_SIZE(offsets) != nf ||
+        PyTuple_GET_SIZE(kinds) != nf) {
+        PyErr_Format(PyExc_ValueError, "%s: the field tuples must have equal length <= 256", fn);
+        return -1;
+    }
+    for (Py_ssize_t f = 0; f < nf; f++) {
+        size[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
+        off[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
+        kind[f] = (int)PyLong_AsLong(PyTuple_GET_ITEM(kinds, f));
+        if (PyErr_Occurred()) return -1;
+        if (size[f] < 0 || off[f] < 0 || off[f] + size[f] > row_bytes) {
+            PyErr_Format(PyExc_ValueError, "%s: a field does not fit in the record", fn);
+            return -1;
+        }
+        if (kind[f] != 0 && kind[f] != 2 && kind[f] != 3 && kind[f] != 4 && kind[f] != 8) {
+            PyErr_Format(PyExc_ValueError, "%s: kinds must be 0, 2, 3, 4 or 8", fn);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The index of the first field flagged in bad[], or -1. */
+static PyObject* first_bad(const int* bad, Py_ssize_t nf) {
+    for (Py_ssize_t f = 0; f < nf; f++)
+        if (bad[f]) return PyLong_FromSsize_t(f);
+    return PyLong_FromLong(-1);
+}
+
 /* pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds) -> index of the first field holding
  * NaN/inf among those with a float kind (2, 3, 4, 8; 0 = not checked), or -1. (Non-temporal
  * stores into cold ring slots were tried: slower here than plain stores, for both record sizes.) */
@@ -82,37 +117,17 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
                           &PyTuple_Type, &sizes, &PyTuple_Type, &offsets, &PyTuple_Type, &kinds))
         return NULL;
     Py_ssize_t nf = PyTuple_GET_SIZE(srcs);
-    if (nf > MAX_FIELDS || PyTuple_GET_SIZE(sizes) != nf || PyTuple_GET_SIZE(offsets) != nf ||
-        PyTuple_GET_SIZE(kinds) != nf) {
-        PyErr_SetString(PyExc_ValueError,
-                        "pack_rows: srcs, sizes, offsets and kinds must have equal length <= 256");
-        return NULL;
-    }
     uint8_t* src[MAX_FIELDS];
     long long size[MAX_FIELDS], off[MAX_FIELDS];
-    int kind[MAX_FIELDS], bad[MAX_FIELDS];
-    for (Py_ssize_t f = 0; f < nf; f++) {
+    int kind[MAX_FIELDS], bad[MAX_FIELDS] = {0};
+    if (parse_fields("pack_rows", row_bytes, sizes, offsets, kinds, nf, size, off, kind)) return NULL;
+    for (Py_ssize_t f = 0; f < nf; f++)
         src[f] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(srcs, f));
-        size[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
-        off[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
-        kind[f] = (int)PyLong_AsLong(PyTuple_GET_ITEM(kinds, f));
-        bad[f] = 0;
-        if (PyErr_Occurred()) return NULL;
-        if (size[f] < 0 || off[f] < 0 || off[f] + size[f] > row_bytes) {
-            PyErr_SetString(PyExc_ValueError, "pack_rows: a field does not fit in the record");
-            return NULL;
-        }
-        if (kind[f] != 0 && kind[f] != 2 && kind[f] != 3 && kind[f] != 4 && kind[f] != 8) {
-            PyErr_SetString(PyExc_ValueError, "pack_rows: kinds must be 0, 2, 3, 4 or 8");
-            return NULL;
-        }
-    }
+    if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
     pack_impl((uint8_t*)(uintptr_t)dst, row_bytes, n, nf, src, size, off, kind, bad);
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t f = 0; f < nf; f++)
-        if (bad[f]) return PyLong_FromSsize_t(f);
-    return PyLong_FromLong(-1);
+    return first_bad(bad, nf);
 }
 
 CLONES
@@ -155,32 +170,14 @@ static PyObject* rows_nonfinite(PyObject* self, PyObject* args) {
                           &PyTuple_Type, &offsets, &PyTuple_Type, &kinds))
         return NULL;
     Py_ssize_t nf = PyTuple_GET_SIZE(sizes);
-    if (nf > MAX_FIELDS || PyTuple_GET_SIZE(offsets) != nf || PyTuple_GET_SIZE(kinds) != nf) {
-        PyErr_SetString(PyExc_ValueError,
-                        "rows_nonfinite: sizes, offsets and kinds must have equal length <= 256");
-        return NULL;
-    }
     long long size[MAX_FIELDS], off[MAX_FIELDS];
-    int kind[MAX_FIELDS], bad[MAX_FIELDS];
-    for (Py_ssize_t f = 0; f < nf; f++) {
-        size[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
-        off[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
-        kind[f] = (int)PyLong_AsLong(PyTuple_GET_ITEM(kinds, f));
-        bad[f] = 0;
-        if (PyErr_Occurred()) return NULL;
-        if (size[f] < 0 || off[f] < 0 || off[f] + size[f] > row_bytes ||
-            (kind[f] != 0 && kind[f] != 2 && kind[f] != 3 && kind[f] != 4 && kind[f] != 8)) {
-            PyErr_SetString(PyExc_ValueError,
-                            "rows_nonfinite: a field does not fit in the record, or a bad kind");
-            return NULL;
-        }
-    }
+    int kind[MAX_FIELDS], bad[MAX_FIELDS] = {0};
+    if (parse_fields("rows_nonfinite", row_bytes, sizes, offsets, kinds, nf, size, off, kind))
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
     rows_impl((const uint8_t*)(uintptr_t)addr, row_bytes, n, nf, size, off, kind, bad);
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t f = 0; f < nf; f++)
-        if (bad[f]) return PyLong_FromSsize_t(f);
-    return PyLong_FromLong(-1);
+    return first_bad(bad, nf);
 }
 
 static PyMethodDef methods[] = {

@@ -22,6 +22,8 @@ import itertools
 
 import numpy as np
 import torch
+from scipy.optimize import linprog  # the bench extra; bench.placement skips the LP without it
+from scipy.sparse import coo_matrix
 
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.collectives.topology import Topology
@@ -30,9 +32,6 @@ from conduit_dist.tiers.placement import expected_counts
 
 def _ingest_lp(model: BandwidthModel, links: np.ndarray, staged: np.ndarray, S: list[int], rb: int):
     """Least predicted ingest seconds routing ``staged`` onto ``S`` with equal inflow."""
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
     coef = model.coef["all_to_all"] * 1e6  # microseconds: keeps the solver's tolerances meaningful
     srcs = np.nonzero(staged)[0]
     ns, nd = len(srcs), len(S)
