@@ -45,12 +45,17 @@ class SimpleBuffer:
         return self.size
 
     def put(self, batch: Mapping[str, torch.Tensor]) -> None:
-        """Insert a batch (oldest items overwritten first)."""
+        """Insert a batch (oldest items overwritten first): at most two slice copies per field."""
         t0 = time.perf_counter()
         n = next(iter(batch.values())).shape[0]
+        skip = max(0, n - self.capacity)  # a batch larger than the buffer: only its newest rows
+        pos = (self.pos + skip) % self.capacity
+        first = min(n - skip, self.capacity - pos)  # up to the end; the rest wraps to the start
         for k, v in batch.items():
-            idx = (self.pos + torch.arange(n)) % self.capacity
-            self.data[k][idx] = v
+            dst = self.data[k]
+            dst[pos : pos + first].copy_(v[skip : skip + first])
+            if skip + first < n:
+                dst[: n - skip - first].copy_(v[skip + first :])
         self.pos = (self.pos + n) % self.capacity
         self.size = min(self.capacity, self.size + n)
         self.stats = RoundStats(round=self.round, ingest_ms=(time.perf_counter() - t0) * 1e3)
@@ -60,7 +65,7 @@ class SimpleBuffer:
         self.round += 1
 
     def fetch(self, batch_size: int) -> dict[str, torch.Tensor]:
-        """Uniform sample with replacement."""
+        """Uniform sample with replacement: one ``randint``, one ``index_select`` per field."""
         if self.size == 0:
             raise EmptyStoreError("fetch: the buffer is empty")
         t0 = time.perf_counter()
