@@ -1,4 +1,4 @@
-"""The baselines the benchmarks and ``plane.kind=simple`` compare against.
+"""The baselines the benchmarks and ``plane.kind=simple`` compare against, and the benches' flags.
 
 A ring buffer that is off by one at the wrap drops or duplicates an item there; each test below
 checks the exact set (and order) of items held after every insert, not only the final count.
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import conduit_dist as cd
+from conduit_dist.bench import store
 from conduit_dist.rl.buffers import SimpleBuffer
 
 # batch sizes that land on the end of the buffer exactly (3 + 4 + 3 = 10), wrap mid-batch,
@@ -62,7 +63,7 @@ class SimpleAdapter:
         return self.buf.pos
 
 
-RINGS = [SimpleAdapter]
+RINGS = [SimpleAdapter, store.RingStore, store.RingOutStore]
 
 
 def fill_and_check(ring, sizes: list[int]) -> collections.deque:
@@ -117,3 +118,64 @@ def test_simple_buffer_sampling_is_seeded():
     for buf in (a, b):
         buf.put(rows(torch.arange(12)))
     assert torch.equal(a.fetch(32)["id"], b.fetch(32)["id"])
+
+
+def test_ring_out_reuses_its_outputs():
+    ring = store.RingOutStore(rows(torch.arange(2)), CAPACITY)
+    ring.insert(rows(torch.arange(10)))
+    first = ring.sample(8)
+    ptrs = {k: v.data_ptr() for k, v in first.items()}
+    second = ring.sample(8)
+    assert {k: v.data_ptr() for k, v in second.items()} == ptrs
+    assert_rows_consistent(second)
+
+
+def test_conduit_insert_makes_its_items_sampleable():
+    """The insert cell counts put + the round: on return, a fetch draws the new items."""
+    conduit = store.ConduitStore(rows(torch.arange(2)), 16)
+    try:
+        conduit.insert(rows(torch.arange(5)))
+        assert len(conduit) == 5
+        batch = conduit.sample(64)
+        assert set(batch["id"].tolist()) == set(range(5))
+        conduit.insert(rows(torch.arange(5, 25)))  # wraps: 16 newest of 25 remain
+        assert len(conduit) == 16
+        assert set(conduit.sample(400)["id"].tolist()) == set(range(9, 25))
+    finally:
+        conduit.close()
+
+
+def test_store_summary_takes_the_faster_ring():
+    base = {"transition": "small", "batch": 256}
+    rows_ = [
+        {**base, "op": "sample", "system": "conduit", "items_per_s": 100.0},
+        {**base, "op": "sample", "system": "ring_fresh", "items_per_s": 50.0},
+        {**base, "op": "sample", "system": "ring_out", "items_per_s": 200.0},
+        {**base, "op": "insert", "system": "conduit", "items_per_s": 90.0},
+        {**base, "op": "insert", "system": "ring_fresh", "items_per_s": 100.0},
+        {**base, "op": "insert", "system": "ring_out", "items_per_s": 60.0},
+    ]
+    ratios, summary = store.summarize(rows_)
+    sample = next(e for e in ratios if e["op"] == "sample")
+    assert sample["vs_ring_fresh"] == 2.0 and sample["vs_ring_out"] == 0.5
+    assert sample["vs_ring"] == 0.5
+    assert summary["min_vs_ring"] == 0.5
+    assert summary["min_vs_ring_fresh"] == 0.9
+    assert summary["by_op"]["insert"]["min_vs_ring"] == 0.9
+    assert summary["min_vs_torchrl"] is None
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--batches", "0"], "--batches"),
+        (["--min-time", "-1"], "--min-time"),
+        (["--repeats", "two"], "--repeats"),
+        (["--scale", "0.01", "--batches", "9000"], "--batches"),
+    ],
+)
+def test_store_rejects_bad_flags_at_parse_time(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        store.parse_args(argv)
+    err = capsys.readouterr().err
+    assert flag in err and "expected" in err and "got" in err
