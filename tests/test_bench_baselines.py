@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import conduit_dist as cd
-from conduit_dist.bench import store
+from conduit_dist.bench import latency, store
 from conduit_dist.rl.buffers import SimpleBuffer
 
 # batch sizes that land on the end of the buffer exactly (3 + 4 + 3 = 10), wrap mid-batch,
@@ -179,3 +179,26 @@ def test_store_rejects_bad_flags_at_parse_time(argv, flag, capsys):
         store.parse_args(argv)
     err = capsys.readouterr().err
     assert flag in err and "expected" in err and "got" in err
+
+
+@pytest.mark.parametrize(
+    "argv, flag, received",
+    [
+        (["--out", "x.json"], "--out", "x.json"),
+        (["--iters", "0"], "--iters", "0"),
+        (["--batch", "-4"], "--batch", "-4"),
+        (["--ratio", "0"], "--ratio", "0"),
+        (["--features", "30000"], "--features", "30000"),
+        (["--dqn-iters", "5"], "--dqn-iters", "5"),
+    ],
+)
+def test_latency_rejects_bad_flags_at_parse_time(argv, flag, received, capsys):
+    with pytest.raises(SystemExit):
+        latency.parse_args(argv)
+    err = capsys.readouterr().err
+    assert flag in err and "expected" in err and received in err
+
+
+def test_latency_defaults_parse(tmp_path):
+    a = latency.parse_args(["--out", str(tmp_path / "p.png"), "--dqn-iters", "0"])
+    assert a.out.endswith("p.png") and a.dqn_iters == 0

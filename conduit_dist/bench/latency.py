@@ -3,24 +3,35 @@
 One run, both schedules, the same learner workload and the same experience volume:
 
 - **learner**: an MLP (DDP over the ranks) whose backward takes tens of milliseconds;
-- **experience**: every iteration each rank puts (``donate=True``: packed by the round, so in
-  ``overlap`` mode during backward) ``items`` Atari-like transitions (56 KB) and
+- **experience**: every iteration each rank puts ``items`` Atari-like transitions (56 KB) and
   fetches a batch of ``--batch`` of them (``round_robin`` placement: about half of both cross
-  ranks). ``items`` is calibrated at start so the request-driven (``sync``) round takes about as
-  long as the learner's compute, i.e. the experience path is about half of the sync iteration:
-  extrapolated from a 256-item probe, then timed warm at that size and rescaled once.
+  ranks). ``items`` is calibrated at start (with a donated put) so the request-driven (``sync``)
+  round takes about as long as the learner's compute, i.e. the experience path is about half of
+  the sync iteration: extrapolated from a 256-item probe, then timed warm at that size and
+  rescaled once.
+- **put**, both kinds at that same volume: ``donated`` (``put(batch, donate=True)``: packed by the
+  round, so in ``overlap`` mode during backward) and ``copying`` (``put(batch)``: packed inside
+  ``put``, outside the fetch in both modes, the neutral setting that leaves overlap less to hide).
 
-Per iteration: time the learner waited inside ``fetch`` (exposed latency) and the whole iteration.
-Modes alternate in blocks; medians per mode; reductions = 1 - overlap / sync. Then the same two
-numbers for ``train.py experiment=cartpole_dqn`` iterations (composed with Hydra, run in process
-for a fixed number of learning iterations per mode). A PNG plot of per-iteration exposed vs hidden
-time is written next to the JSON (``--out``). JSON line last.
+Per iteration: time the learner waited inside ``fetch`` (exposed latency) and the whole iteration
+(``put`` included). The four (put, mode) settings alternate in blocks; medians per setting;
+cuts = 1 - overlap / sync per put kind and learner. Then the same two numbers for
+``train.py experiment=cartpole_dqn`` iterations (composed with Hydra, run in process for a fixed
+number of learning iterations per mode). A PNG plot of per-iteration exposed vs hidden time is
+written next to the JSON (``--out``). Every option is checked before anything runs.
+
+The JSON line (last) has ``summary.donated`` and ``summary.copying``, each
+``{"offcpu": {"exposed_cut", "iteration_cut"}, "cpu": {...}}``; the older flat keys
+(``exposed_reduction``, ``iteration_reduction`` and their ``offcpu_`` forms) stay, holding the
+donated numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
+import math
 import os
 import statistics
 import time
@@ -31,6 +42,11 @@ from torch import nn
 
 import conduit_dist as cd
 from conduit_dist.bench.common import emit
+
+DQN_WARMUP = 20  # learning iterations of each DQN run left out of its medians
+PUTS = {"donated": True, "copying": False}  # put kind -> donate=
+MODES = ("sync", "overlap")
+OBS_BYTES = 4 * 84 * 84  # the learner reads its features from these
 
 
 def _batch(n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -80,6 +96,7 @@ def _run_mode(
     spec,
     seed: int,
     placement: str,
+    donate: bool,
 ) -> dict:
     rank = dist.get_rank()
     plane = cd.DataPlane(
@@ -95,7 +112,7 @@ def _run_mode(
     for i in range(iters):
         dist.barrier()
         t0 = time.perf_counter()
-        plane.put(batches[i % 2], donate=True)  # packed by the round, not by put
+        plane.put(batches[i % 2], donate=donate)  # donated: packed by the round, not by put
         t1 = time.perf_counter()
         batch = plane.fetch(batch_size)
         t2 = time.perf_counter()
@@ -185,7 +202,7 @@ def _dqn(iters: int) -> dict[str, dict[str, float]]:
             trainer.run()
         finally:
             trainer.close()
-        rec = trainer.records[20:]
+        rec = trainer.records[DQN_WARMUP:]
         out[schedule] = {
             "iteration_ms": statistics.median(r[0] for r in rec),
             "exposed_ms": statistics.median(r[1] for r in rec),
@@ -199,25 +216,27 @@ def _plot(results: dict[str, dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7), sharey="row")
+    cols = [(put, mode) for put in PUTS for mode in MODES]
+    fig, axes = plt.subplots(2, len(cols), figsize=(6 * len(cols), 7), sharey="row")
     for row, learner in enumerate(("cpu", "offcpu")):
-        for col, mode in enumerate(("sync", "overlap")):
-            ax, r = axes[row][col], results[learner][mode]
+        for col, (put, mode) in enumerate(cols):
+            ax, r = axes[row][col], results[learner][put][mode]
             x = range(len(r["exposed"]))
             ax.bar(x, r["exposed"], color="tab:red", label="exposed (learner waits)")
             ax.bar(x, r["hidden"], bottom=r["exposed"], color="tab:green", label="hidden")
             ax.set_title(
-                f"{learner} learner, {mode}: median iteration {statistics.median(r['iter']):.1f} ms"
+                f"{learner}, {put} put, {mode}: median iteration "
+                f"{statistics.median(r['iter']):.1f} ms"
             )
             ax.set_xlabel("iteration")
         axes[row][0].set_ylabel("experience path, ms")
-    axes[0][1].legend(loc="upper right")
+    axes[0][-1].legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def _measure(learner: str, a, spec, compute_ms: float | None) -> dict:
-    """Calibrate the volume for one learner kind and run both modes in alternating blocks."""
+    """Calibrate the volume for one learner kind; run every (put, mode) in alternating blocks."""
     torch.manual_seed(0)
     if learner == "cpu":
         model = Learner(a.features, a.hidden, a.layers)
@@ -226,14 +245,30 @@ def _measure(learner: str, a, spec, compute_ms: float | None) -> dict:
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     items, comp = _calibrate(ddp, opt, spec, a.ratio, a.placement, a.batch)
-    results = {m: {"iter": [], "exposed": [], "hidden": [], "put": []} for m in ("sync", "overlap")}
+    keys = ("iter", "exposed", "hidden", "put")
+    results = {put: {m: {k: [] for k in keys} for m in MODES} for put in PUTS}
     for block in range(a.blocks):
-        for mode in ("sync", "overlap"):
-            r = _run_mode(mode, items, a.batch, a.iters + 2, ddp, opt, spec, block, a.placement)
-            for k, v in r.items():
-                results[mode][k] += v
-    med = {m: {k: statistics.median(v) for k, v in r.items()} for m, r in results.items()}
+        for put, donate in PUTS.items():
+            for mode in MODES:
+                r = _run_mode(
+                    mode, items, a.batch, a.iters + 2, ddp, opt, spec, block, a.placement, donate
+                )
+                for k, v in r.items():
+                    results[put][mode][k] += v
+    med = {
+        put: {m: {k: statistics.median(v) for k, v in r.items()} for m, r in by_mode.items()}
+        for put, by_mode in results.items()
+    }
     return {"items": items, "compute_ms": comp * 1e3, "raw": results, "median": med}
+
+
+def _cuts(median: dict) -> dict[str, float]:
+    """1 - overlap / sync of the exposed wait and the iteration, for one (learner, put kind)."""
+    s, o = median["sync"], median["overlap"]
+    return {
+        "exposed_cut": 1 - o["exposed"] / s["exposed"],
+        "iteration_cut": 1 - o["iter"] / s["iter"],
+    }
 
 
 class OffCpuLearner(nn.Module):
@@ -260,20 +295,102 @@ class _DeviceTime(torch.autograd.Function):
         return grad, None
 
 
+def _number(kind: type, low: float, strict: bool = False):
+    """An argparse ``type=``: a finite ``kind`` >= ``low`` (> with ``strict``); argparse adds
+    the flag's name to the error."""
+    what = f"{'an integer' if kind is int else 'a finite number'} {'>' if strict else '>='} {low}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value < math.inf or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def _png_path(text: str) -> str:
+    """An argparse ``type=``: a ``.png`` path whose nearest existing folder is writable."""
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not text.lower().endswith(".png") or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a path to a .png file, got {text!r}")
+    if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+        raise argparse.ArgumentTypeError(
+            f"expected a .png path under a writable folder, got {text!r} ({parent} is not one)"
+        )
+    return text
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse and check every option before anything is measured (errors name the flag)."""
+    p = argparse.ArgumentParser(prog="python -m conduit_dist.bench latency")
+    p.add_argument("--iters", type=_number(int, 1), default=24, help="iterations per block")
+    p.add_argument("--blocks", type=_number(int, 1), default=2, help="alternating blocks")
+    p.add_argument("--hidden", type=_number(int, 1), default=1024)
+    p.add_argument("--layers", type=_number(int, 1), default=3)
+    p.add_argument("--features", type=_number(int, 1), default=2048, help=f"<= {OBS_BYTES}")
+    p.add_argument(
+        "--ratio", type=_number(float, 0, strict=True), default=1.0, help="sync round / compute"
+    )
+    p.add_argument("--batch", type=_number(int, 1), default=256, help="items the learner fetches")
+    p.add_argument("--placement", default="round_robin", choices=["round_robin", "local"])
+    p.add_argument("--dqn-iters", type=_number(int, 0), default=1500, help="0 skips the DQN part")
+    p.add_argument("--out", type=_png_path, default="bench_out/latency.png", help="the plot")
+    a = p.parse_args(argv)
+    if a.features > OBS_BYTES:
+        p.error(f"--features: expected <= {OBS_BYTES} (bytes of an observation), got {a.features}")
+    if 0 < a.dqn_iters < 2 * DQN_WARMUP:
+        p.error(
+            f"--dqn-iters: expected 0 (skip) or >= {2 * DQN_WARMUP} (the first {DQN_WARMUP} "
+            f"learning iterations are warm-up), got {a.dqn_iters}"
+        )
+    missing = [m for m in ("matplotlib", "hydra") if importlib.util.find_spec(m) is None]
+    if "matplotlib" in missing:
+        p.error(f"--out: the plot needs matplotlib, which is not installed (got --out {a.out})")
+    if a.dqn_iters and "hydra" in missing:
+        p.error(f"--dqn-iters: the DQN part needs hydra-core (pass 0 to skip), got {a.dqn_iters}")
+    return a
+
+
+def _report(cpu: dict, off: dict) -> dict:
+    """Print each setting's medians; the summary's cuts per put kind and learner."""
+    summary: dict = {
+        put: {"offcpu": _cuts(off["median"][put]), "cpu": _cuts(cpu["median"][put])} for put in PUTS
+    }
+    for name, r in (("cpu", cpu), ("offcpu", off)):
+        for put in PUTS:
+            for m in MODES:
+                v = r["median"][put][m]
+                print(
+                    f"{name}_{put}_{m}: iteration {v['iter']:.1f} ms, exposed "
+                    f"{v['exposed']:.2f} ms, hidden {v['hidden']:.2f} ms, put {v['put']:.2f} ms "
+                    f"(items {r['items']}, compute {r['compute_ms']:.1f} ms)"
+                )
+    for prefix, learner in (("", "cpu"), ("offcpu_", "offcpu")):  # the older keys: donated
+        summary[f"{prefix}exposed_reduction"] = summary["donated"][learner]["exposed_cut"]
+        summary[f"{prefix}iteration_reduction"] = summary["donated"][learner]["iteration_cut"]
+    return summary
+
+
+def _report_dqn(dqn: dict, summary: dict) -> None:
+    for m in ("sync", "overlap", "auto"):
+        d = dqn[m]
+        print(f"dqn_{m}: iteration {d['iteration_ms']:.2f} ms, exposed {d['exposed_ms']:.3f}")
+    sync = dqn["sync"]
+    summary["dqn_exposed_reduction"] = 1 - dqn["overlap"]["exposed_ms"] / sync["exposed_ms"]
+    summary["dqn_iteration_reduction"] = 1 - dqn["overlap"]["iteration_ms"] / sync["iteration_ms"]
+    summary["dqn_auto_iteration_reduction"] = 1 - dqn["auto"]["iteration_ms"] / sync["iteration_ms"]
+
+
 def main(argv: list[str]) -> None:
     """Run the latency benchmark (every rank); rank 0 prints the JSON line last."""
-    p = argparse.ArgumentParser(prog="python -m conduit_dist.bench latency")
-    p.add_argument("--iters", type=int, default=24, help="iterations per block")
-    p.add_argument("--blocks", type=int, default=2, help="alternating blocks per mode")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--features", type=int, default=2048)
-    p.add_argument("--ratio", type=float, default=1.0, help="sync round time / compute time")
-    p.add_argument("--batch", type=int, default=256, help="items the learner fetches")
-    p.add_argument("--placement", default="round_robin", choices=["round_robin", "local"])
-    p.add_argument("--dqn-iters", type=int, default=1500, help="0 skips the DQN part")
-    p.add_argument("--out", default="bench_out/latency.png")
-    a = p.parse_args(argv)
+    a = parse_args(argv)
     cd.init_distributed()
     spec = cd.ExperienceSpec.from_batch(_batch(1, 0))
     cpu = _measure("cpu", a, spec, None)
@@ -282,37 +399,14 @@ def main(argv: list[str]) -> None:
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         _plot({"cpu": cpu["raw"], "offcpu": off["raw"]}, a.out)
-        summary = {}
-        for prefix, r in (("", cpu), ("offcpu_", off)):
-            s, o = r["median"]["sync"], r["median"]["overlap"]
-            summary[f"{prefix}exposed_reduction"] = 1 - o["exposed"] / s["exposed"]
-            summary[f"{prefix}iteration_reduction"] = 1 - o["iter"] / s["iter"]
-            for m in ("sync", "overlap"):
-                v = r["median"][m]
-                print(
-                    f"{prefix or 'cpu_'}{m}: iteration {v['iter']:.1f} ms, exposed "
-                    f"{v['exposed']:.2f} ms, hidden {v['hidden']:.2f} ms, put {v['put']:.2f} ms "
-                    f"(items {r['items']}, compute {r['compute_ms']:.1f} ms)"
-                )
+        summary = _report(cpu, off)
         if dqn:
-            for m in ("sync", "overlap", "auto"):
-                d = dqn[m]
-                print(
-                    f"dqn_{m}: iteration {d['iteration_ms']:.2f} ms, exposed {d['exposed_ms']:.3f}"
-                )
-            summary["dqn_exposed_reduction"] = (
-                1 - dqn["overlap"]["exposed_ms"] / dqn["sync"]["exposed_ms"]
-            )
-            summary["dqn_iteration_reduction"] = (
-                1 - dqn["overlap"]["iteration_ms"] / dqn["sync"]["iteration_ms"]
-            )
-            summary["dqn_auto_iteration_reduction"] = (
-                1 - dqn["auto"]["iteration_ms"] / dqn["sync"]["iteration_ms"]
-            )
+            _report_dqn(dqn, summary)
         rows = [
-            {"learner": name, "mode": m, "items_per_iteration": r["items"], **v}
+            {"learner": name, "put_kind": put, "mode": m, "items_per_iteration": r["items"], **v}
             for name, r in (("cpu", cpu), ("offcpu", off))
-            for m, v in r["median"].items()
+            for put, by_mode in r["median"].items()
+            for m, v in by_mode.items()
         ]
         emit(
             "latency",
