@@ -27,6 +27,7 @@ except ImportError:  # a source checkout that was not built: pip install -e .
     )
 
 _ALIGN = 8
+_NATIVE_MAX_FIELDS = 256  # MAX_FIELDS in _native/pack.c
 _KIND = {torch.float32: 4, torch.float64: 8, torch.float16: 2, torch.bfloat16: 3}
 _SUPPORTED = (
     torch.float16,
@@ -148,6 +149,9 @@ class ExperienceSpec:
         checked = {name for name, _ in self._checked}
         self._kinds = tuple(_KIND[d] if n in checked else 0 for n, _, _, d, _ in self._cols)
         self._unchecked = (0,) * len(self._cols)
+        # what pack checks per source, and whether the native table holds every field
+        self._want = tuple((name, dtype, shape) for name, _, _, dtype, shape in self._cols)
+        self._use_native = _native is not None and len(self._cols) <= _NATIVE_MAX_FIELDS
 
     @classmethod
     def from_batch(
@@ -240,26 +244,34 @@ class ExperienceSpec:
     def pack(
         self, batch: Mapping[str, torch.Tensor], out: torch.Tensor, *, check: bool = False
     ) -> None:
-        """Copy a validated batch into records ``out`` (``uint8 [B, record_bytes]``).
+        """Copy a batch into records ``out`` (``uint8 [B, record_bytes]``).
+
+        The batch and ``out`` are checked first (names, dtypes, shapes, ``B`` = the rows of
+        ``out``; ``out`` is ``uint8``, 2-D, ``record_bytes`` wide with contiguous rows), since the
+        copy itself runs on raw addresses. Values are not checked unless ``check`` is set.
 
         Args:
-            batch: a batch that passed :meth:`validate`.
+            batch: ``name -> tensor [B, *shape]`` matching the spec (any device).
             out: destination rows; may be a row slice of a larger record tensor.
             check: also reject NaN/inf in checked floating fields, in the same pass as the copy
                 (as :meth:`check_finite`). On rejection ``out`` holds garbage: callers pack into
                 rows they have not committed yet.
 
         Raises:
-            SpecError: with ``check``, naming the field and the number of non-finite values.
+            SpecError: if ``batch`` does not match the spec or ``out`` (naming the field, the
+                expected and the received value), or ``out`` is not ``uint8 [B, record_bytes]``
+                with contiguous rows; with ``check``, naming the field and the number of
+                non-finite values.
+
+        Example:
+            >>> spec = ExperienceSpec({"obs": ((4,), torch.float32)})
+            >>> out = spec.empty_records(2)
+            >>> spec.pack({"obs": torch.zeros(2, 4)}, out, check=True)
         """
-        n = out.shape[0]
-        if (
-            _native is not None
-            and out.device.type == "cpu"
-            and out.stride() == (self.record_bytes, 1)
-        ):
-            # contiguous CPU sources (copies only where a field is not), one pass over each row
-            srcs = [batch[name].cpu().contiguous() for name, *_ in self._cols]
+        n = self._check_records("out", out)
+        native = self._use_native and out.is_cpu
+        srcs = self._sources(batch, n, native)
+        if native:
             bad = _native.pack_rows(
                 out.data_ptr(),
                 self.record_bytes,
@@ -274,8 +286,57 @@ class ExperienceSpec:
             return
         if check:
             self.check_finite(batch)
-        for name, start, end, dtype, shape in self._cols:
-            out[:, start:end].view(dtype).view(n, *shape).copy_(batch[name])
+        for (_, start, end, dtype, shape), t in zip(self._cols, srcs):
+            out[:, start:end].view(dtype).view(n, *shape).copy_(t)
+
+    def _sources(
+        self, batch: Mapping[str, torch.Tensor], n: int, native: bool
+    ) -> list[torch.Tensor]:
+        """The batch's tensors in field order, checked against the spec and ``n`` rows; for the
+        native copy, as contiguous CPU tensors (the hot path: one dtype and shape test each)."""
+        srcs, err = [], None
+        try:
+            for name, dtype, shape in self._want:
+                t = batch[name]
+                if t.dtype is not dtype or t.shape != (n, *shape):
+                    break
+                if native:
+                    t = (t if t.is_cpu else t.cpu()).contiguous()
+                srcs.append(t)
+            else:
+                return srcs
+        except (KeyError, TypeError, AttributeError) as e:  # a missing field, not a tensor
+            err = e
+        got = self.validate(batch)  # names the field, the expected and the received value
+        if got != n:
+            raise SpecError(f"batch: expected {n} items (the rows of out), got {got}") from err
+        raise SpecError(f"batch: does not match {self!r}") from err
+
+    def _check_records(self, what: str, records: torch.Tensor) -> int:
+        """Check that ``records`` is ``uint8 [n, record_bytes]`` with contiguous rows; returns
+        ``n``. Raises SpecError naming ``what``, the expected and the received layout."""
+        if (
+            isinstance(records, torch.Tensor)
+            and records.dtype is torch.uint8
+            and records.dim() == 2
+            and records.shape[1] == self.record_bytes
+        ):
+            n = records.shape[0]
+            row, col = records.stride()
+            if col == 1 and (row == self.record_bytes or n <= 1):
+                return n
+            raise SpecError(
+                f"{what}: expected contiguous records, strides ({self.record_bytes}, 1), "
+                f"got strides {records.stride()}"
+            )
+        if isinstance(records, torch.Tensor):
+            got = f"a {records.dim()}-D {records.dtype} tensor {list(records.shape)}"
+        else:
+            got = type(records).__name__
+        raise SpecError(
+            f"{what}: expected a 2-D torch.uint8 torch.Tensor [n, record_bytes="
+            f"{self.record_bytes}], got {got}"
+        )
 
     def check_finite(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Raise if a checked floating field of a validated ``batch`` holds NaN or inf.
@@ -289,10 +350,10 @@ class ExperienceSpec:
         """
         if not self._checked:
             return
-        if _native is not None:
+        if _native is not None:  # one tensor per call: no field table to outgrow
             for name, _ in self._checked:
                 t = batch[name]
-                if t.device.type == "cpu":
+                if t.is_cpu:
                     t = t.contiguous()
                     bad = _native.any_nonfinite(t.data_ptr(), t.numel(), _KIND[t.dtype])
                 else:
@@ -314,26 +375,29 @@ class ExperienceSpec:
         """Raise if a checked floating field of ``records`` (``uint8 [B, record_bytes]``) holds
         NaN or inf, scanning the rows in place.
 
+        Args:
+            records: ``uint8 [B, record_bytes]`` with contiguous rows (any alignment on CPU).
+
         Raises:
-            SpecError: naming the field and the number of non-finite values.
+            SpecError: if ``records`` is not such a tensor; naming the field and the number of
+                non-finite values.
         """
-        if not self._checked or records.shape[0] == 0:
+        n = self._check_records("records", records)
+        if not self._checked or n == 0:
             return
-        if (
-            _native is not None
-            and records.device.type == "cpu"
-            and records.stride() == (self.record_bytes, 1)
-        ):
+        if self._use_native and records.is_cpu:
             bad = _native.rows_nonfinite(
                 records.data_ptr(),
                 self.record_bytes,
-                records.shape[0],
+                n,
                 self._sizes,
                 self._starts,
                 self._kinds,
             )
             if bad >= 0:
-                self._reject(self._cols[bad][0], self.unpack(records)[self._cols[bad][0]])
+                name, start, end, dtype, _ = self._cols[bad]
+                # a copy: the rows need not be aligned for a view as the field's dtype
+                self._reject(name, records[:, start:end].clone().view(dtype))
             return
         self.check_finite(self.unpack(records))
 

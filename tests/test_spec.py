@@ -114,3 +114,137 @@ def test_pack_handles_non_contiguous_fields():
     out = spec.unpack(rec)
     for k, v in b.items():
         assert torch.equal(out[k], v), k
+
+
+def _misaligned_records(spec: ExperienceSpec, n: int) -> torch.Tensor:
+    """``uint8 [n, record_bytes]`` rows whose first byte sits at an odd address."""
+    flat = torch.zeros(n * spec.record_bytes + 1, dtype=torch.uint8)[1:]
+    return flat.view(n, spec.record_bytes)
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda b: b.update(reward=b["reward"][:5]), ["'reward'", "5", "6"]),
+        (lambda b: b.update(action=b["action"].int()), ["'action'", "torch.int64", "torch.int32"]),
+        (lambda b: b.update(obs=torch.randn(6, 2, 3)), ["'obs'", "[B, 3, 2]", "[6, 2, 3]"]),
+        (lambda b: b.update(obs=torch.randn(6, 3, 4)), ["'obs'", "[B, 3, 2]", "[6, 3, 4]"]),
+        (lambda b: b.pop("img"), ["missing ['img']"]),
+        (lambda b: b.update(done=[True] * 6), ["'done'", "torch.Tensor", "list"]),
+        (lambda b: b.update({k: v[:5] for k, v in b.items()}), ["out", "5", "6"]),
+    ],
+)
+def test_pack_rejects_batch_that_does_not_match_spec_or_out(mutate, words):
+    b = small_batch()
+    spec = ExperienceSpec.from_batch(b)
+    mutate(b)
+    for check in (False, True):
+        with pytest.raises(SpecError) as info:
+            spec.pack(b, spec.empty_records(6), check=check)
+        for w in words:
+            assert w in str(info.value), (w, str(info.value))
+
+
+@pytest.mark.parametrize(
+    "make_out, words",
+    [
+        (lambda r: torch.empty(6, r, dtype=torch.float32), ["out", "torch.uint8", "torch.float32"]),
+        (lambda r: torch.empty(6, r + 8, dtype=torch.uint8), ["out", "record_bytes", "[6, "]),
+        (lambda r: torch.empty(6, r - 8, dtype=torch.uint8), ["out", "record_bytes", "[6, "]),
+        (lambda r: torch.empty(6 * r, dtype=torch.uint8), ["out", "2-D", "1-D"]),
+        (lambda r: torch.empty(6, 2 * r, dtype=torch.uint8)[:, :r], ["out", "stride"]),
+        (lambda r: torch.empty(r, 6, dtype=torch.uint8).t(), ["out", "stride"]),
+        (lambda r: [bytearray(r)] * 6, ["out", "torch.Tensor", "list"]),
+    ],
+)
+def test_pack_rejects_out_of_the_wrong_dtype_shape_or_stride(make_out, words):
+    b = small_batch()
+    spec = ExperienceSpec.from_batch(b)
+    with pytest.raises(SpecError) as info:
+        spec.pack(b, make_out(spec.record_bytes))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_pack_into_misaligned_rows_matches_aligned_and_scans_in_place():
+    b = small_batch(5)
+    spec = ExperienceSpec.from_batch(b)
+    aligned = torch.zeros(5, spec.record_bytes, dtype=torch.uint8)  # padding compared too
+    odd = _misaligned_records(spec, 5)
+    spec.pack(b, aligned, check=True)
+    spec.pack(b, odd, check=True)
+    assert odd.data_ptr() % 2 == 1 and torch.equal(odd, aligned)
+    spec.check_records_finite(odd)
+    b["half"][2, 1] = float("nan")
+    with pytest.raises(SpecError, match="'half'.*1 NaN/inf"):
+        spec.pack(b, odd, check=True)
+    spec.pack(b, odd)
+    with pytest.raises(SpecError, match="'half'"):
+        spec.check_records_finite(odd)
+
+
+def test_check_records_finite_rejects_records_of_the_wrong_layout():
+    b = small_batch()
+    spec = ExperienceSpec.from_batch(b)
+    with pytest.raises(SpecError, match=r"records.*torch\.uint8.*torch\.float32"):
+        spec.check_records_finite(torch.zeros(6, spec.record_bytes, dtype=torch.float32))
+    with pytest.raises(SpecError, match="records.*record_bytes"):
+        spec.check_records_finite(torch.zeros(6, spec.record_bytes - 8, dtype=torch.uint8))
+
+
+def test_spec_with_more_fields_than_the_native_table_still_packs():
+    b = {f"f{i}": torch.full((3,), float(i)) for i in range(300)}
+    spec = ExperienceSpec.from_batch(b)
+    rec = spec.empty_records(3)
+    spec.pack(b, rec, check=True)
+    out = spec.unpack(rec)
+    assert all(torch.equal(out[k], v) for k, v in b.items())
+
+
+native = pytest.importorskip("conduit_dist._native._pack", reason="native packing not built")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        # field start + size past the record, and a sum that overflows 64 bits
+        lambda: native.pack_rows(0, 8, 0, (0,), (16,), (0,), (0,)),
+        lambda: native.pack_rows(0, 8, 0, (0,), (2**62,), (2**62,), (0,)),
+        lambda: native.rows_nonfinite(0, 8, 0, (2**62,), (2**62,), (4,)),
+        # negative counts and sizes
+        lambda: native.pack_rows(0, 8, -1, (), (), (), ()),
+        lambda: native.pack_rows(0, -8, 0, (), (), (), ()),
+        lambda: native.any_nonfinite(0, -1, 4),
+        # a float kind whose size is not a whole number of its values
+        lambda: native.pack_rows(0, 8, 0, (0,), (6,), (0,), (4,)),
+    ],
+)
+def test_native_rejects_fields_outside_the_record(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: native.pack_rows(0, 2**40, 2**40, (), (), (), ()),  # n * row_bytes
+        lambda: native.pack_rows(0, 2**32, 2**32, (0,), (8,), (0,), (0,)),
+        lambda: native.rows_nonfinite(0, 2**40, 2**40, (), (), ()),
+        lambda: native.any_nonfinite(0, 2**62, 4),  # n * 4 wraps to 0
+    ],
+)
+def test_native_rejects_sizes_whose_products_overflow(call):
+    with pytest.raises(OverflowError):
+        call()
+
+
+def test_native_scans_misaligned_floats():
+    for dtype, kind in [(torch.float32, 4), (torch.float64, 8), (torch.float16, 2)]:
+        vals = torch.arange(37, dtype=dtype)
+        raw = torch.zeros(vals.numel() * vals.element_size() + 1, dtype=torch.uint8)
+        raw[1:].copy_(vals.view(torch.uint8))
+        assert raw.data_ptr() % 2 == 0
+        assert not native.any_nonfinite(raw.data_ptr() + 1, vals.numel(), kind)
+        vals[-1] = float("inf")
+        raw[1:].copy_(vals.view(torch.uint8))
+        assert native.any_nonfinite(raw.data_ptr() + 1, vals.numel(), kind)

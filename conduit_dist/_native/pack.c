@@ -1,7 +1,13 @@
 /* Row packing for conduit_dist records: copy each field of n items into its aligned column of
  * n contiguous records, one copy per (row, field), with the GIL released, testing float fields for
  * NaN/inf in the same pass. torch's strided copy pays a per-row loop overhead that dominates for
- * small fields; this runs at memcpy speed. */
+ * small fields; this runs at memcpy speed.
+ *
+ * The callers pass raw addresses, so every size is checked before any byte is touched: counts and
+ * sizes are non-negative, each field (start + size) lies inside the record, and every product of a
+ * count and a size fits in a Py_ssize_t (ValueError / OverflowError otherwise). Values are loaded
+ * and stored with memcpy, so records and sources need no alignment (compilers turn the fixed-size
+ * memcpy into one plain, unaligned-safe load or store). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -16,85 +22,125 @@
 #define CLONES
 #endif
 
-/* Per float width: OR an exponent-all-ones test (NaN/inf) over m values, copying them to b when
- * b is set. Two branch-free loops, so each vectorises. */
-#define DEFINE_SCAN(NAME, T)                                                            \
-    static inline int NAME(const T* restrict a, T* restrict b, long long m, T mask) {   \
-        T any = 0;                                                                      \
-        if (b)                                                                          \
-            for (long long j = 0; j < m; j++) {                                         \
-                T v = a[j];                                                             \
-                any |= (T)((v & mask) == mask);                                         \
-                b[j] = v;                                                               \
-            }                                                                           \
-        else                                                                            \
-            for (long long j = 0; j < m; j++) any |= (T)((a[j] & mask) == mask);       \
-        return any != 0;                                                                \
+/* Per float width: OR an exponent-all-ones test (NaN/inf) over m values at a, copying them to b
+ * when b is set. Two branch-free loops, so each vectorises. */
+#define DEFINE_SCAN(NAME, T)                                                                 \
+    static inline int NAME(const uint8_t* restrict a, uint8_t* restrict b, size_t m, T mask) { \
+        T any = 0;                                                                           \
+        if (b)                                                                               \
+            for (size_t j = 0; j < m; j++) {                                                 \
+                T v;                                                                         \
+                memcpy(&v, a + j * sizeof(T), sizeof(T));                                    \
+                any |= (T)((v & mask) == mask);                                              \
+                memcpy(b + j * sizeof(T), &v, sizeof(T));                                    \
+            }                                                                                \
+        else                                                                                 \
+            for (size_t j = 0; j < m; j++) {                                                 \
+                T v;                                                                         \
+                memcpy(&v, a + j * sizeof(T), sizeof(T));                                    \
+                any |= (T)((v & mask) == mask);                                              \
+            }                                                                                \
+        return any != 0;                                                                     \
     }
 DEFINE_SCAN(scan16, uint16_t)
 DEFINE_SCAN(scan32, uint32_t)
 DEFINE_SCAN(scan64, uint64_t)
 
-/* sz bytes of floats of a kind (4 = float32, 8 = float64, 2 = float16, 3 = bfloat16): 1 if any
- * is NaN/inf; copied to d on the way unless d is NULL. */
-static inline int scan(const uint8_t* s, uint8_t* d, long long sz, int kind) {
+/* Bytes per value of a float kind (4 = float32, 8 = float64, 2 = float16, 3 = bfloat16), 0 for
+ * any other kind. */
+static inline int kind_width(long kind) {
+    return kind == 2 || kind == 3 ? 2 : kind == 4 || kind == 8 ? (int)kind : 0;
+}
+
+/* sz bytes of floats of a kind: 1 if any is NaN/inf; copied to d on the way unless d is NULL.
+ * sz is a multiple of the kind's width (checked by the callers). */
+static inline int scan(const uint8_t* s, uint8_t* d, size_t sz, int kind) {
     switch (kind) {
-        case 4: return scan32((const uint32_t*)s, (uint32_t*)d, sz / 4, 0x7f800000u);
-        case 8: return scan64((const uint64_t*)s, (uint64_t*)d, sz / 8, 0x7ff0000000000000ull);
-        case 2: return scan16((const uint16_t*)s, (uint16_t*)d, sz / 2, 0x7c00u);
-        default: return scan16((const uint16_t*)s, (uint16_t*)d, sz / 2, 0x7f80u);
+        case 4: return scan32(s, d, sz / 4, 0x7f800000u);
+        case 8: return scan64(s, d, sz / 8, 0x7ff0000000000000ull);
+        case 2: return scan16(s, d, sz / 2, 0x7c00u);
+        default: return scan16(s, d, sz / 2, 0x7f80u);
     }
 }
 
 /* Copy one field of one item; for a float kind (non-zero), also report NaN/inf in the same pass. */
-static inline int copy_field(uint8_t* restrict d, const uint8_t* restrict s, long long sz, int kind) {
+static inline int copy_field(uint8_t* restrict d, const uint8_t* restrict s, size_t sz, int kind) {
     if (kind) return scan(s, d, sz, kind);
     switch (sz) { /* scalars: single loads and stores instead of a libc call */
         case 8: memcpy(d, s, 8); break;
         case 4: memcpy(d, s, 4); break;
         case 2: memcpy(d, s, 2); break;
         case 1: *d = *s; break;
-        default: memcpy(d, s, (size_t)sz);
+        default: memcpy(d, s, sz);
     }
     return 0;
 }
 
 CLONES
-static void pack_impl(uint8_t* out, long long row_bytes, long long n, Py_ssize_t nf,
-                      uint8_t* const* src, const long long* size, const long long* off,
+static void pack_impl(uint8_t* out, size_t row_bytes, size_t n, Py_ssize_t nf,
+                      uint8_t* const* src, const size_t* size, const size_t* off,
                       const int* kind, int* bad) {
     /* row by row, so each record's cache lines are written once */
-    for (long long i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++) {
         uint8_t* row = out + i * row_bytes;
         for (Py_ssize_t f = 0; f < nf; f++)
             bad[f] |= copy_field(row + off[f], src[f] + i * size[f], size[f], kind[f]);
     }
 }
 
+/* Check that n items of `width` bytes span at most PY_SSIZE_T_MAX bytes (both already >= 0).
+ * Returns 0, or -1 with OverflowError set. */
+static int check_span(const char* fn, const char* what, long long n, long long width) {
+    if (width != 0 && n > PY_SSIZE_T_MAX / width) {
+        PyErr_Format(PyExc_OverflowError, "%s: %lld items of %lld bytes (%s) overflow the address "
+                     "space", fn, n, width, what);
+        return -1;
+    }
+    return 0;
+}
+
+/* Check the record count and size: row_bytes > 0, n >= 0, n * row_bytes in range. */
+static int check_rows(const char* fn, long long row_bytes, long long n) {
+    if (row_bytes <= 0 || n < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: expected row_bytes > 0 and n >= 0, got row_bytes=%lld, "
+                     "n=%lld", fn, row_bytes, n);
+        return -1;
+    }
+    return check_span(fn, "records", n, row_bytes);
+}
+
 /* Read the field layout (sizes, offsets, kinds: tuples of nf ints) into arrays, checking that
- * every field fits in a row_bytes record and every kind is 0, 2, 3, 4 or 8. Returns 0, or -1 with
- * a Python error set (prefixed by the calling function's name). */
+ * every field lies inside a row_bytes record, every kind is 0, 2, 3, 4 or 8 and a float field's
+ * size is a whole number of its values. Returns 0, or -1 with a Python error set (prefixed by the
+ * calling function's name). */
 static int parse_fields(const char* fn, long long row_bytes, PyObject* sizes, PyObject* offsets,
-                        PyObject* kinds, Py_ssize_t nf, long long* size, long long* off,
-                        int* kind) {
+                        PyObject* kinds, Py_ssize_t nf, size_t* size, size_t* off, int* kind) {
     if (nf > MAX_FIELDS || PyTuple_GET_SIZE(sizes) != nf || PyTuple_GET_SIZE(offsets) != nf ||
         PyTuple_GET_SIZE(kinds) != nf) {
-        PyErr_Format(PyExc_ValueError, "%s: the field tuples must have equal length <= 256", fn);
+        PyErr_Format(PyExc_ValueError, "%s: the field tuples must have equal length <= %d", fn,
+                     MAX_FIELDS);
         return -1;
     }
     for (Py_ssize_t f = 0; f < nf; f++) {
-        size[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
-        off[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
-        kind[f] = (int)PyLong_AsLong(PyTuple_GET_ITEM(kinds, f));
+        long long sz = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, f));
+        long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(offsets, f));
+        long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, f));
         if (PyErr_Occurred()) return -1;
-        if (size[f] < 0 || off[f] < 0 || off[f] + size[f] > row_bytes) {
-            PyErr_Format(PyExc_ValueError, "%s: a field does not fit in the record", fn);
+        /* start <= row_bytes first, so row_bytes - start cannot overflow */
+        if (sz < 0 || start < 0 || start > row_bytes || sz > row_bytes - start) {
+            PyErr_Format(PyExc_ValueError, "%s: field %zd (start %lld, size %lld) does not fit in "
+                         "a record of %lld bytes", fn, f, start, sz, row_bytes);
             return -1;
         }
-        if (kind[f] != 0 && kind[f] != 2 && kind[f] != 3 && kind[f] != 4 && kind[f] != 8) {
-            PyErr_Format(PyExc_ValueError, "%s: kinds must be 0, 2, 3, 4 or 8", fn);
+        if (k != 0 && (kind_width(k) == 0 || sz % kind_width(k) != 0)) {
+            PyErr_Format(PyExc_ValueError, "%s: field %zd: kind must be 0, 2, 3, 4 or 8 and its "
+                         "size a multiple of the kind's width, got kind %ld, size %lld", fn, f, k,
+                         sz);
             return -1;
         }
+        size[f] = (size_t)sz;
+        off[f] = (size_t)start;
+        kind[f] = (int)k;
     }
     return 0;
 }
@@ -118,20 +164,24 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
         return NULL;
     Py_ssize_t nf = PyTuple_GET_SIZE(srcs);
     uint8_t* src[MAX_FIELDS];
-    long long size[MAX_FIELDS], off[MAX_FIELDS];
+    size_t size[MAX_FIELDS], off[MAX_FIELDS];
     int kind[MAX_FIELDS], bad[MAX_FIELDS] = {0};
-    if (parse_fields("pack_rows", row_bytes, sizes, offsets, kinds, nf, size, off, kind)) return NULL;
+    if (check_rows("pack_rows", row_bytes, n) ||
+        parse_fields("pack_rows", row_bytes, sizes, offsets, kinds, nf, size, off, kind))
+        return NULL;
+    /* each source spans n * size[f] <= n * row_bytes bytes: in range too */
     for (Py_ssize_t f = 0; f < nf; f++)
         src[f] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(srcs, f));
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    pack_impl((uint8_t*)(uintptr_t)dst, row_bytes, n, nf, src, size, off, kind, bad);
+    pack_impl((uint8_t*)(uintptr_t)dst, (size_t)row_bytes, (size_t)n, nf, src, size, off, kind,
+              bad);
     Py_END_ALLOW_THREADS
     return first_bad(bad, nf);
 }
 
 CLONES
-static int any_impl(const uint8_t* p, long long nbytes, int kind) { return scan(p, NULL, nbytes, kind); }
+static int any_impl(const uint8_t* p, size_t nbytes, int kind) { return scan(p, NULL, nbytes, kind); }
 
 /* any_nonfinite(addr, n, kind): whether any of n contiguous floats of a kind is NaN/inf. */
 static PyObject* any_nonfinite(PyObject* self, PyObject* args) {
@@ -139,21 +189,23 @@ static PyObject* any_nonfinite(PyObject* self, PyObject* args) {
     long long n;
     int kind, any;
     if (!PyArg_ParseTuple(args, "KLi", &addr, &n, &kind)) return NULL;
-    if (kind != 2 && kind != 3 && kind != 4 && kind != 8) {
-        PyErr_SetString(PyExc_ValueError, "any_nonfinite: kind must be 2, 3, 4 or 8");
+    const int width = kind_width(kind);
+    if (width == 0 || n < 0) {
+        PyErr_Format(PyExc_ValueError, "any_nonfinite: expected kind 2, 3, 4 or 8 and n >= 0, got "
+                     "kind %d, n %lld", kind, n);
         return NULL;
     }
-    const long long width = kind == 3 ? 2 : kind;
+    if (check_span("any_nonfinite", "floats", n, width)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    any = any_impl((const uint8_t*)(uintptr_t)addr, n * width, kind);
+    any = any_impl((const uint8_t*)(uintptr_t)addr, (size_t)n * (size_t)width, kind);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(any);
 }
 
 CLONES
-static void rows_impl(const uint8_t* rows, long long row_bytes, long long n, Py_ssize_t nf,
-                      const long long* size, const long long* off, const int* kind, int* bad) {
-    for (long long i = 0; i < n; i++) {
+static void rows_impl(const uint8_t* rows, size_t row_bytes, size_t n, Py_ssize_t nf,
+                      const size_t* size, const size_t* off, const int* kind, int* bad) {
+    for (size_t i = 0; i < n; i++) {
         const uint8_t* row = rows + i * row_bytes;
         for (Py_ssize_t f = 0; f < nf; f++)
             if (kind[f]) bad[f] |= scan(row + off[f], NULL, size[f], kind[f]);
@@ -170,12 +222,14 @@ static PyObject* rows_nonfinite(PyObject* self, PyObject* args) {
                           &PyTuple_Type, &offsets, &PyTuple_Type, &kinds))
         return NULL;
     Py_ssize_t nf = PyTuple_GET_SIZE(sizes);
-    long long size[MAX_FIELDS], off[MAX_FIELDS];
+    size_t size[MAX_FIELDS], off[MAX_FIELDS];
     int kind[MAX_FIELDS], bad[MAX_FIELDS] = {0};
-    if (parse_fields("rows_nonfinite", row_bytes, sizes, offsets, kinds, nf, size, off, kind))
+    if (check_rows("rows_nonfinite", row_bytes, n) ||
+        parse_fields("rows_nonfinite", row_bytes, sizes, offsets, kinds, nf, size, off, kind))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rows_impl((const uint8_t*)(uintptr_t)addr, row_bytes, n, nf, size, off, kind, bad);
+    rows_impl((const uint8_t*)(uintptr_t)addr, (size_t)row_bytes, (size_t)n, nf, size, off, kind,
+              bad);
     Py_END_ALLOW_THREADS
     return first_bad(bad, nf);
 }
