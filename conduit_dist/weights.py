@@ -1,7 +1,20 @@
-"""Versioned learner weights, packed into one byte buffer and broadcast in a round (no pickle)."""
+"""Versioned learner weights, packed into one self-describing byte buffer and broadcast in a round.
+
+A published buffer carries its own layout, so a receiver checks names, shapes and dtypes against
+its module before it loads a byte (no pickle)::
+
+    preamble  12 bytes, little-endian: magic b"CDWT", format (uint32, 1), header length H (uint32)
+    header    H bytes of UTF-8 JSON: {"payload_bytes": P, "tensors": [
+                  {"name": "0.weight", "dtype": "float32", "shape": [4, 3], "offset": 0}, ...]}
+    padding   zeros up to the next multiple of 8
+    payload   P bytes: each tensor's values, C order, at its offset (a multiple of 8)
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +23,37 @@ from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
-from conduit_dist.spec import ExperienceSpec
+
+_MAGIC = b"CDWT"
+_FORMAT = 1
+_PREAMBLE = struct.Struct("<4sII")  # magic, format, header length
+_ALIGN = 8
+_KEYS = ("dtype", "name", "offset", "shape")
+_DTYPES = {
+    str(d).removeprefix("torch."): d  # the names the JSON header uses
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    )
+}
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -22,45 +65,213 @@ class WeightsSnapshot:
 
     @property
     def nbytes(self) -> int:
-        """Packed size."""
+        """Bytes to broadcast (header and payload)."""
         return 0 if self.buf is None else self.buf.numel()
 
 
-def _layout(module: nn.Module) -> tuple[ExperienceSpec, dict[str, torch.Tensor]]:
-    state = {k: v.detach()[None] for k, v in module.state_dict().items()}
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a weights buffer: where its values sit in the payload."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{list(self.shape)} {self.dtype}"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The tensors of a buffer by name, and where its payload starts."""
+
+    entries: dict[str, _Entry]
+    start: int
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state_dict, checked: tensors of a supported dtype only."""
+    state = module.state_dict()
     if not state:
         raise SpecError("weights: expected a module with parameters or buffers, got none")
-    return ExperienceSpec.from_batch(state, allow_nonfinite=True), state
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor) or _dtype_name(t.dtype) not in _DTYPES:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise SpecError(
+                f"weights: state {name!r}: expected a tensor of dtype {sorted(_DTYPES)}, got {got}"
+            )
+    return state
+
+
+def _entries(state: dict[str, torch.Tensor]) -> dict[str, _Entry]:
+    """The layout ``state`` packs to: each tensor at the next 8-byte aligned offset."""
+    out, off = {}, 0
+    for name, t in state.items():
+        out[name] = _Entry(name, t.dtype, tuple(t.shape), off)
+        off = _align(off + out[name].nbytes)
+    return out
+
+
+def _encode(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Pack ``state`` into one buffer: preamble, JSON header, padding, payload."""
+    entries = _entries(state)
+    payload = max((_align(e.offset + e.nbytes) for e in entries.values()), default=0)
+    tensors = [
+        {"name": n, "dtype": _dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset}
+        for n, e in entries.items()
+    ]
+    header = json.dumps({"payload_bytes": payload, "tensors": tensors}).encode()
+    head = _PREAMBLE.pack(_MAGIC, _FORMAT, len(header)) + header
+    start = _align(len(head))
+    buf = torch.zeros(start + payload, dtype=torch.uint8)
+    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    for name, t in state.items():
+        e = entries[name]
+        at = start + e.offset
+        buf[at : at + e.nbytes].view(e.dtype).copy_(t.detach().reshape(-1))
+    return buf
+
+
+def _corrupt(what: str) -> SpecError:
+    return SpecError(f"weights: corrupted header: {what}")
+
+
+def _entry(i: int, d: object, payload: int) -> _Entry:
+    """Check one JSON tensor description against the payload size."""
+    if not isinstance(d, dict) or sorted(d) != list(_KEYS):
+        got = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise _corrupt(f"tensor {i}: expected keys {list(_KEYS)}, got {got}")
+    name, dtype, shape, off = d["name"], d["dtype"], d["shape"], d["offset"]
+    if not isinstance(name, str):
+        raise _corrupt(f"tensor {i}: expected a string name, got {name!r}")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise _corrupt(f"tensor {name!r}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise _corrupt(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+    if type(off) is not int or off < 0 or off % _ALIGN:
+        raise _corrupt(f"tensor {name!r}: offset must be an int multiple of {_ALIGN}, got {off!r}")
+    e = _Entry(name, _DTYPES[dtype], tuple(shape), off)
+    if e.offset + e.nbytes > payload:
+        raise _corrupt(
+            f"tensor {name!r} lies outside the payload: bytes [{off}, {off + e.nbytes}) "
+            f"of {payload}"
+        )
+    return e
+
+
+def _decode(buf: torch.Tensor) -> _Layout:
+    """Read and check the layout of a weights buffer (not the payload's values)."""
+    size = buf.numel()
+    if size < _PREAMBLE.size:
+        raise SpecError(
+            f"weights: truncated buffer: expected at least the {_PREAMBLE.size}-byte preamble, "
+            f"got {size} bytes"
+        )
+    raw = buf[: _PREAMBLE.size].numpy().tobytes()
+    magic, fmt, hlen = _PREAMBLE.unpack(raw)
+    if magic != _MAGIC:
+        raise SpecError(
+            f"weights: not a conduit_dist weights buffer: expected magic {_MAGIC!r}, got {magic!r}"
+        )
+    if fmt != _FORMAT:
+        raise SpecError(f"weights: expected buffer format {_FORMAT}, got format {fmt}")
+    if _PREAMBLE.size + hlen > size:
+        raise SpecError(
+            f"weights: truncated buffer: the header needs bytes [{_PREAMBLE.size}, "
+            f"{_PREAMBLE.size + hlen}), got {size} bytes"
+        )
+    try:
+        header = json.loads(buf[_PREAMBLE.size : _PREAMBLE.size + hlen].numpy().tobytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise _corrupt(f"expected UTF-8 JSON, got {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
+        got = type(header.get("tensors") if isinstance(header, dict) else header).__name__
+        raise _corrupt(f"expected an object with a list 'tensors', got {got}")
+    payload, start = header.get("payload_bytes"), _align(_PREAMBLE.size + hlen)
+    if type(payload) is not int or payload < 0:
+        raise _corrupt(f"expected an int 'payload_bytes' >= 0, got {payload!r}")
+    if start + payload != size:
+        raise SpecError(
+            f"weights: {'truncated ' if start + payload > size else ''}payload: the header "
+            f"describes {payload} bytes from byte {start}, the buffer holds {size - start} bytes"
+        )
+    entries = {}
+    for i, d in enumerate(header["tensors"]):
+        e = _entry(i, d, payload)
+        if e.name in entries:
+            raise _corrupt(f"tensor {e.name!r} is listed twice")
+        entries[e.name] = e
+    return _Layout(entries, start)
+
+
+def _differences(mine: dict[str, _Entry], got: dict[str, _Entry]) -> list[str]:
+    """What differs between the module's layout and a buffer's, one phrase per difference."""
+    out = [
+        f"{n!r}: expected {e.describe()}, received {got[n].describe()}"
+        for n, e in mine.items()
+        if n in got and (e.shape, e.dtype) != (got[n].shape, got[n].dtype)
+    ]
+    missing = [n for n in mine if n not in got]
+    extra = [n for n in got if n not in mine]
+    if missing:
+        out.append(f"missing from the published weights: {missing}")
+    if extra:
+        out.append(f"unexpected (not in the module): {extra}")
+    return out
 
 
 class WeightsState:
     """The publisher's packed weights, or the latest weights received, with their version.
 
     Buffers are replaced, never written in place, so a round running on another thread always
-    reads or hands over a complete buffer.
+    reads or hands over a complete buffer. Each buffer describes its own layout (see the module
+    docstring), checked on :meth:`pull`.
+
+    Example:
+        >>> ws = WeightsState()
+        >>> ws.publish(nn.Linear(2, 3))
+        >>> ws.pull(nn.Linear(2, 3))
+        1
     """
 
     def __init__(self) -> None:
         self.version = 0
         self.buf: torch.Tensor | None = None
         self.broadcast = 0  # last version broadcast (the same on every rank)
+        self._decoded: tuple[torch.Tensor, _Layout] | None = None  # the last buffer pulled
 
     def snapshot(self) -> WeightsSnapshot:
         """The current version and buffer (taken when a round is prepared)."""
         return WeightsSnapshot(self.version, self.buf)
 
     def publish(self, module: nn.Module) -> None:
-        """Pack ``module``'s state into a new buffer and bump the version."""
-        spec, state = _layout(module)
-        buf = torch.empty(spec.record_bytes, dtype=torch.uint8)
-        spec.pack(state, buf.view(1, -1))
-        self.buf = buf
+        """Pack ``module``'s state (names, shapes, dtypes and values) into a new buffer and bump
+        the version.
+
+        Raises:
+            SpecError: if the module has no state or a tensor of an unsupported dtype.
+        """
+        self.buf = _encode(_state(module))
         self.version += 1
 
     def exchange(
         self, ex: Exchange, meta: np.ndarray, src: int, r: int, snap: WeightsSnapshot
     ) -> None:
-        """Broadcast from ``src`` if its version is newer than the last broadcast (all ranks)."""
+        """Broadcast from ``src`` if its version is newer than the last broadcast (all ranks).
+
+        Args:
+            ex: the plane's collectives.
+            meta: the round's meta rows; ``meta[src, 2]`` is the version, ``meta[src, 3]`` the
+                byte count of ``src``'s buffer.
+            src: the publishing rank.
+            r: the round number.
+            snap: this rank's snapshot (the buffer sent when this rank is ``src``).
+        """
         version, nbytes = int(meta[src, 2]), int(meta[src, 3])
         if version <= self.broadcast:
             return
@@ -71,18 +282,37 @@ class WeightsState:
             self.buf, self.version = buf, version
 
     def pull(self, module: nn.Module) -> int:
-        """Copy the latest weights into ``module``; returns their version (0: none yet)."""
+        """Copy the latest weights into ``module`` after checking their layout against its
+        state_dict; nothing is copied when they differ.
+
+        Returns:
+            The version loaded (0: none published or received yet).
+
+        Raises:
+            SpecError: if the buffer is truncated or corrupted, or its names, shapes or dtypes
+                differ from the module's (each difference listed: name, expected, received).
+        """
         buf, version = self.buf, self.version
         if version == 0 or buf is None:
             return 0
-        spec, state = _layout(module)
-        if spec.record_bytes != buf.numel():
+        decoded = self._decoded
+        if decoded is None or decoded[0] is not buf:
+            decoded = self._decoded = (buf, _decode(buf))
+        layout = decoded[1]
+        state = _state(module)
+        mine = _entries(state)
+        diff = _differences(mine, layout.entries)
+        if diff:
+            mine_bytes = sum(e.nbytes for e in mine.values())
+            got_bytes = sum(e.nbytes for e in layout.entries.values())
             raise SpecError(
-                f"weights: module state packs to {spec.record_bytes} bytes, the published weights "
-                f"are {buf.numel()} bytes; is it the learner's architecture?"
+                f"weights: the published weights ({len(layout.entries)} tensors, {got_bytes} "
+                f"bytes) do not match the module's state_dict ({len(mine)} tensors, {mine_bytes} "
+                f"bytes): {'; '.join(diff)}. Is the module the learner's architecture?"
             )
-        fields = spec.unpack(buf.view(1, -1))
         with torch.no_grad():
             for name, t in state.items():
-                t.copy_(fields[name])
+                e = layout.entries[name]
+                at = layout.start + e.offset
+                t.copy_(buf[at : at + e.nbytes].view(e.dtype).view(e.shape))
         return version

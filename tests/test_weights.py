@@ -1,0 +1,231 @@
+"""WeightsState at world size 1: self-describing buffers, layout checks on pull, bad buffers."""
+
+import json
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conduit_dist import SpecError
+from conduit_dist.weights import WeightsSnapshot, WeightsState
+
+PREAMBLE = struct.Struct("<4sII")  # magic, format, header length (the documented wire layout)
+
+
+class Net(nn.Module):
+    """Parameters and buffers of several dtypes: float, int64 (BatchNorm's counter), bool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("mask", torch.zeros(5, dtype=torch.bool))
+
+
+class Named(nn.Module):
+    """State of a chosen set of names, shapes and dtypes."""
+
+    def __init__(self, **state: torch.Tensor) -> None:
+        super().__init__()
+        for name, t in state.items():
+            self.register_buffer(name, t.clone())
+
+
+def fill(module: nn.Module, seed: int) -> nn.Module:
+    """Give every tensor of ``module``'s state distinct values from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            if t.dtype.is_floating_point:
+                t.copy_(torch.randn(t.shape, generator=g))
+            else:
+                t.copy_(torch.randint(0, 2 if t.dtype == torch.bool else 100, t.shape, generator=g))
+    return module
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype, k
+        torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
+def published(module: nn.Module) -> WeightsState:
+    ws = WeightsState()
+    ws.publish(module)
+    return ws
+
+
+def test_pull_before_any_publish_returns_zero():
+    assert WeightsState().pull(Net()) == 0
+
+
+def test_pull_copies_every_tensor_of_the_same_architecture_exactly():
+    a, b = fill(Net(), 0), fill(Net(), 1)
+    ws = published(a)
+    assert ws.version == 1 and ws.snapshot().nbytes == ws.buf.numel()
+    assert ws.pull(b) == 1
+    assert_same_state(a, b)
+    fill(a, 2)
+    ws.publish(a)
+    assert ws.pull(b) == 2
+    assert_same_state(a, b)
+
+
+def test_round_trip_many_tensors_empty_and_nonfinite_values():
+    def make() -> nn.Module:
+        m = nn.Sequential(*(nn.Linear(2, 2) for _ in range(150)))  # 300 tensors
+        m.register_buffer("empty", torch.zeros(0, 3))
+        m.register_buffer("f16", torch.zeros(3, dtype=torch.float16))
+        m.register_buffer("brain", torch.zeros(2, 2, dtype=torch.bfloat16))
+        m.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        return m
+
+    a, b = fill(make(), 0), fill(make(), 1)
+    with torch.no_grad():
+        a[0].weight[0, 0], a[1].bias[1] = float("nan"), float("inf")  # weights carry them as-is
+    assert published(a).pull(b) == 1
+    assert_same_state(a, b)
+
+
+@pytest.mark.parametrize(
+    "src, dst, words",
+    [
+        # same bytes, transposed shapes
+        (
+            lambda: nn.Linear(4, 6, bias=False),
+            lambda: nn.Linear(6, 4, bias=False),
+            ["'weight'", "expected [4, 6] torch.float32", "received [6, 4] torch.float32"],
+        ),
+        # same bytes, other names
+        (
+            lambda: nn.Linear(4, 4),
+            lambda: Named(w=torch.zeros(4, 4), b=torch.zeros(4)),
+            ["missing", "'w'", "'b'", "unexpected", "'weight'", "'bias'"],
+        ),
+        # same bytes, other dtype
+        (
+            lambda: Named(x=torch.zeros(4), y=torch.zeros(2, 2)),
+            lambda: Named(x=torch.zeros(4, dtype=torch.int32), y=torch.zeros(2, 2)),
+            ["'x'", "expected [4] torch.int32", "received [4] torch.float32"],
+        ),
+        # other bytes (the learner's and the actor's net disagree)
+        (
+            lambda: nn.Linear(4, 6),
+            lambda: nn.Linear(6, 4),
+            ["'weight'", "'bias'", "expected [4] torch.float32", "received [6]", "bytes"],
+        ),
+    ],
+)
+def test_pull_rejects_another_layout_and_leaves_the_module_untouched(src, dst, words):
+    a, b = fill(src(), 0), fill(dst(), 1)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    ws = published(a)
+    with pytest.raises(SpecError) as info:
+        ws.pull(b)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def rebuild(buf: torch.Tensor, edit: Callable[[dict], None]) -> torch.Tensor:
+    """``buf`` with its JSON header edited (and re-padded), the payload kept."""
+    raw = buf.numpy().tobytes()
+    magic, fmt, hlen = PREAMBLE.unpack_from(raw)
+    header = json.loads(raw[PREAMBLE.size : PREAMBLE.size + hlen])
+    payload = raw[(PREAMBLE.size + hlen + 7) // 8 * 8 :]
+    edit(header)
+    text = json.dumps(header).encode()
+    head = PREAMBLE.pack(magic, fmt, len(text)) + text
+    head += b"\0" * (-len(head) % 8)
+    return torch.frombuffer(bytearray(head + payload), dtype=torch.uint8)
+
+
+def set_byte(at: int, value: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def corrupt(buf: torch.Tensor) -> torch.Tensor:
+        buf = buf.clone()
+        buf[at] = value
+        return buf
+
+    return corrupt
+
+
+def edit_tensor(key: str, value: object) -> Callable[[torch.Tensor], torch.Tensor]:
+    def edit(header: dict) -> None:
+        header["tensors"][0][key] = value
+
+    return lambda buf: rebuild(buf, edit)
+
+
+@pytest.mark.parametrize(
+    "corrupt, words",
+    [
+        (lambda b: b[:7].clone(), ["truncated", "7 bytes"]),
+        (lambda b: b[:20].clone(), ["truncated", "header"]),
+        (lambda b: b[:-4].clone(), ["truncated", "payload"]),
+        (lambda b: torch.cat([b, torch.zeros(8, dtype=torch.uint8)]), ["payload", "bytes"]),
+        (set_byte(0, ord("X")), ["not a conduit_dist weights buffer", "magic"]),
+        (set_byte(4, 9), ["format", "9"]),
+        (set_byte(10, 0x7F), ["truncated", "header"]),  # header length past the end
+        (set_byte(PREAMBLE.size + 1, 0xFF), ["header", "JSON"]),
+        (lambda b: rebuild(b, lambda h: h.update(tensors=7)), ["header", "tensors"]),
+        (edit_tensor("offset", 1 << 40), ["'weight'", "outside the payload"]),
+        (edit_tensor("offset", 3), ["'weight'", "offset"]),
+        (edit_tensor("dtype", "object"), ["'weight'", "dtype", "'object'"]),
+        (edit_tensor("shape", [-6, -4]), ["'weight'", "shape", "[-6, -4]"]),
+        (edit_tensor("shape", "6x4"), ["'weight'", "shape", "'6x4'"]),
+        (lambda b: rebuild(b, lambda h: h["tensors"][0].pop("dtype")), ["header", "dtype"]),
+    ],
+)
+def test_pull_rejects_a_truncated_or_corrupted_buffer(corrupt, words):
+    a, b = fill(nn.Linear(4, 6), 0), fill(nn.Linear(4, 6), 1)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    ws = published(a)
+    ws.buf = corrupt(ws.buf)
+    with pytest.raises(SpecError) as info:
+        ws.pull(b)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+class Loopback:
+    """An Exchange stand-in: ``broadcast`` fills a receiver's buffer with the sender's bytes."""
+
+    def __init__(self, rank: int, sent: torch.Tensor | None) -> None:
+        self.rank, self.sent, self.calls = rank, sent, 0
+
+    def broadcast(self, buf: torch.Tensor, src: int, round: int) -> None:
+        self.calls += 1
+        if self.rank != src:
+            buf.copy_(self.sent)
+
+
+def test_exchange_carries_the_layout_in_the_broadcast_bytes():
+    a = fill(Net(), 0)
+    sender = published(a)
+    snap = sender.snapshot()
+    meta = np.zeros((2, 4), dtype=np.int64)
+    meta[0, 2:] = snap.version, snap.nbytes
+    sender.exchange(Loopback(0, None), meta, 0, 5, snap)
+    receiver, b = WeightsState(), fill(Net(), 1)
+    ex = Loopback(1, snap.buf)
+    receiver.exchange(ex, meta, 0, 5, WeightsSnapshot(0, None))
+    assert sender.broadcast == receiver.broadcast == 1 and receiver.version == 1
+    assert receiver.pull(b) == 1
+    assert_same_state(a, b)
+    receiver.exchange(ex, meta, 0, 6, WeightsSnapshot(0, None))  # not newer: no broadcast
+    assert ex.calls == 1
+    with pytest.raises(SpecError, match="'lin.weight'"):
+        receiver.pull(nn.Linear(2, 2))
+
+
+def test_publish_rejects_a_module_without_state():
+    with pytest.raises(SpecError, match="got none"):
+        WeightsState().publish(nn.ReLU())
