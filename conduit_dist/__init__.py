@@ -5,7 +5,7 @@ Public API::
     import conduit_dist as cd
     cd.init_distributed()
     spec = cd.ExperienceSpec.from_batch(batch)
-    plane = cd.DataPlane(spec, capacity_per_rank=100_000, seed=0)
+    plane = cd.DataPlane(spec, capacity_per_rank=100_000, seed=0, sampler=cd.Uniform())
     plane.put(batch)
     sample = plane.fetch(256)
 """
@@ -17,19 +17,31 @@ from conduit_dist.collectives import (
     init_distributed,
     is_rank_zero,
 )
+from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError, SpecError
+from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.sampling import Sampler, Uniform
 from conduit_dist.spec import ExperienceSpec, FieldSpec
+from conduit_dist.tiers import Tiers
 
 __all__ = [
+    "BandwidthAware",
+    "BandwidthModel",
     "ConfigError",
     "DataPlane",
     "EmptyStoreError",
     "ExperienceSpec",
     "FieldSpec",
+    "Local",
+    "Placement",
     "RoundError",
+    "RoundRobin",
     "RoundStats",
+    "Sampler",
     "SpecError",
+    "Tiers",
+    "Uniform",
     "destroy_distributed",
     "get_rank",
     "get_world_size",

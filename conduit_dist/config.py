@@ -11,6 +11,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from conduit_dist import registry
 from conduit_dist.errors import ConfigError
 
 
@@ -22,9 +23,11 @@ class PlaneConfig:
         kind: ``conduit`` (the sharded data plane) or ``simple`` (a single-process ring buffer,
             the baseline; world size 1 only).
         capacity_per_rank: items each rank's shard holds.
-        placement: ``round_robin``, ``local`` or ``bandwidth_aware``.
-        sampling: ``exact`` (each learner's batch uniform over the global store) or
-            ``stratified`` (proportional over shards, read local-first).
+        placement: a name from ``registry.PLACEMENTS``: ``round_robin``, ``local`` or
+            ``bandwidth_aware``.
+        sampling: a name from ``registry.SAMPLERS``: ``uniform`` (each learner's batch i.i.d.
+            over the global store) or ``stratified`` (proportional over shards, read
+            local-first).
         tiers: the shard's tiers, fastest first, as ``[[kind, items], ...]`` (kinds ``device``,
             ``pinned``, ``host``, ``disk``) adding up to ``capacity_per_rank``; ``null``: one
             memory tier.
@@ -35,7 +38,8 @@ class PlaneConfig:
         timeout_s: seconds a collective may take before the round fails.
         schedule: ``overlap`` (rounds launched at backward start), ``sync`` (inside fetch) or
             ``auto`` (each learner tries both and keeps the faster).
-        max_lag: rounds of a rank's own puts a fetched batch may miss (0 or more).
+        max_lag: ``1``: a fetched batch may miss one round of a rank's own puts (those made
+            after its round was launched at backward); ``0``: never.
         trace_dir: write each rank's Chrome trace here at the end (``null``: no trace).
         strategy: ``auto`` (the bandwidth model chooses per exchange) or a strategy to force:
             ``all_to_all``, ``p2p``, ``chunked4``, ``gather``.
@@ -49,7 +53,7 @@ class PlaneConfig:
     kind: str = "conduit"
     capacity_per_rank: int = 50_000
     placement: str = "round_robin"
-    sampling: str = "exact"
+    sampling: str = "uniform"
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None
     demote_in_background: bool = True
@@ -161,31 +165,31 @@ class TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Check values a schema's types cannot express.
+    """Check values a schema's types cannot express (allowed values from ``registry``).
 
     Raises:
         ConfigError: naming the field, the expected and the received value.
     """
     choices = [
-        ("mode", cfg.mode, ("colocated", "disaggregated")),
-        ("plane.kind", cfg.plane.kind, ("conduit", "simple")),
-        ("plane.placement", cfg.plane.placement, ("round_robin", "local", "bandwidth_aware")),
-        ("plane.sampling", cfg.plane.sampling, ("exact", "stratified")),
-        ("plane.schedule", cfg.plane.schedule, ("overlap", "sync", "auto")),
-        ("plane.strategy", cfg.plane.strategy, ("auto", "all_to_all", "p2p", "chunked4", "gather")),
-        ("logger.kind", cfg.logger.kind, ("wandb", "console", "none")),
-        ("logger.mode", cfg.logger.mode, ("offline", "online", "disabled")),
+        ("mode", cfg.mode, registry.MODES),
+        ("algo.name", cfg.algo.name, registry.ALGOS),
+        ("plane.kind", cfg.plane.kind, registry.PLANE_KINDS),
+        ("plane.placement", cfg.plane.placement, registry.PLACEMENTS),
+        ("plane.sampling", cfg.plane.sampling, registry.SAMPLERS),
+        ("plane.schedule", cfg.plane.schedule, registry.SCHEDULES),
+        ("plane.strategy", cfg.plane.strategy, registry.STRATEGIES),
+        ("plane.max_lag", cfg.plane.max_lag, registry.MAX_LAGS),
+        ("logger.kind", cfg.logger.kind, registry.LOGGERS),
+        ("logger.mode", cfg.logger.mode, registry.LOGGER_MODES),
     ]
     for name, got, allowed in choices:
-        if got not in allowed:
-            raise ConfigError(f"{name}: expected one of {list(allowed)}, got {got!r}")
+        registry.check_choice(name, got, allowed)
     checks = [
         ("env.num_envs", cfg.env.num_envs >= 1, ">= 1", cfg.env.num_envs),
         ("algo.batch_size", cfg.algo.batch_size >= 1, ">= 1", cfg.algo.batch_size),
         ("total_env_steps", cfg.total_env_steps >= 1, ">= 1", cfg.total_env_steps),
         ("logger.log_every", cfg.logger.log_every >= 1, ">= 1", cfg.logger.log_every),
         ("algo.tau", 0 < cfg.algo.tau <= 1, "in (0, 1]", cfg.algo.tau),
-        ("plane.max_lag", cfg.plane.max_lag >= 0, ">= 0", cfg.plane.max_lag),
     ]
     for name, ok, expected, got in checks:
         if not ok:

@@ -17,13 +17,14 @@ import torch
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.transport import Move, Transport
-from conduit_dist.sampling.stratified import allocate_stratified
-from conduit_dist.sampling.uniform import UniformSampler, allocate
+from conduit_dist.placement.base import Placement
+from conduit_dist.sampling.base import Sampler
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import OutputPool, RecordBuffer
-from conduit_dist.tiers import Shard, plan_ingest
-from conduit_dist.tiers.placement import BandwidthAwarePlanner, remainder_dealt
+from conduit_dist.tiers import Shard
 from conduit_dist.weights import WeightsSnapshot, WeightsState
+
+_META = 4  # staged items, fetch size, weights version, weights bytes; then the sampler's values
 
 
 @dataclass
@@ -83,14 +84,11 @@ class RoundRunner:
         spec: the record layout.
         shard: this rank's shard.
         exchange: the plane's collectives.
-        seed: the run seed.
-        placement: placement policy.
+        sampler: what each learner gets (bound to the plane).
+        placement: where staged items go (bound to the plane).
         weights_src: rank whose published weights are broadcast.
         device: where delivered batches live.
         transport: runs each exchange with the strategy the bandwidth model chooses.
-        sampling: ``exact`` (every learner's batch uniform over the global store) or
-            ``stratified`` (see ``sampling/stratified.py``).
-        learners: ranks that fetch (for ``bandwidth_aware`` placement).
     """
 
     def __init__(
@@ -98,44 +96,26 @@ class RoundRunner:
         spec: ExperienceSpec,
         shard: Shard,
         exchange: Exchange,
-        seed: int,
-        placement: str,
+        sampler: Sampler,
+        placement: Placement,
         weights_src: int,
         device: torch.device,
-        transport: Transport | None = None,
-        sampling: str = "exact",
-        learners: tuple[int, ...] = (),
+        transport: Transport,
     ) -> None:
         self.spec, self.shard, self.exchange = spec, shard, exchange
-        self.transport = transport
-        self.sampling = sampling
-        self.learners = np.zeros(exchange.world, dtype=bool)
-        self.learners[list(learners) or slice(None)] = True
-        self._requests = np.zeros(exchange.world, dtype=np.int64)  # this round's fetch sizes
-        self._inflow = np.zeros(exchange.world, dtype=np.int64)  # items each shard got this round
+        self.sampler, self.placement, self.transport = sampler, placement, transport
         self.rank, self.world = exchange.rank, exchange.world
-        self.seed, self.placement, self.weights_src, self.device = (
-            seed,
-            placement,
-            weights_src,
-            device,
-        )
+        self.weights_src, self.device = weights_src, device
+        self._requests = np.zeros(self.world, dtype=np.int64)  # this round's fetch sizes
+        self._inflow = np.zeros(self.world, dtype=np.int64)  # items each shard got this round
         self.sizes = np.zeros(self.world, dtype=np.int64)  # every shard's size, on every rank
+        self.published = self.sizes.copy()  # sizes as of the latest completed round
         self.ingested = 0  # items ingested over all ranks
-        self.dealt = 0  # round-robin remainder items dealt so far
-        self.sampler = UniformSampler(seed, self.rank)
-        self._alloc_gen = torch.Generator()
         self._send = RecordBuffer(spec.record_bytes, device)
         self._recv = RecordBuffer(spec.record_bytes, device)
         self.outputs = OutputPool(spec.record_bytes, device)
         self._dev_stage = RecordBuffer(spec.record_bytes, device)  # H2D copy of staged records
-        self._plans: dict[bytes, np.ndarray] = {}  # plan_ingest memo
-        self._meta_local = torch.zeros(4, dtype=torch.int64)
-        self.planner = None
-        if placement == "bandwidth_aware" and transport is not None:
-            self.planner = BandwidthAwarePlanner(
-                transport.model, transport.links, self.learners, spec.record_bytes, sampling
-            )
+        self._meta_local = torch.zeros(_META + sampler.meta_width, dtype=torch.int64)
 
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
@@ -151,38 +131,24 @@ class RoundRunner:
             self._ingest(t.staged, meta[:, 0], t.round, stats)
             t1 = time.perf_counter()
             stats.mark("ingest", t0, t1)
-            if self.sampling == "stratified":
-                counts = allocate_stratified(
-                    meta[:, 1],
-                    self.sizes,
-                    self.seed,
-                    t.round,
-                    self._alloc_gen,
-                    self.transport.links,
-                )
-            else:
-                counts = allocate(meta[:, 1], self.sizes, self.seed, t.round, self._alloc_gen)
+            counts = self.sampler.allocate(meta[:, 1], self.sizes, t.round, meta[:, _META:])
             out = self._deliver(counts, t.round, stats, t1)
             t3 = time.perf_counter()
             weights.exchange(self.exchange, meta, self.weights_src, t.round, t.weights)
             stats.mark("weights", t3, time.perf_counter())
+            self.sampler.feedback(t.round)
         self._demote_ahead()
-        stats.stored = int(self.sizes.sum())
+        self.published = self.sizes.copy()  # a failed round never shows half-finished sizes
+        stats.stored = int(self.published.sum())
         return out, stats
 
     def _demote_ahead(self) -> None:
-        """Start the shard's background demotion for the next round; replicate its evictions.
-
-        Every rank's demoter makes room for as many items as its shard received this round,
-        evicting ``max(0, size + n - capacity)`` once full (tier config is the same on every
-        rank), so each rank updates every shard's size now, without an exchange. The next round
-        waits for the demotion before it touches the shard.
-        """
-        if not self.shard.demotes_ahead:
-            return
-        self.shard.demote_ahead(int(self._inflow[self.rank]))
-        ahead = np.minimum(self._inflow, self.shard.ahead_limit)
-        self.sizes = self.sizes - np.maximum(0, self.sizes + ahead - self.shard.capacity)
+        """Start the shard's background demotion for the next round; replicate its evictions
+        (the shard says what every rank's demoter evicts; the next round waits for it)."""
+        evicted = self.shard.ahead_evictions(self.sizes, self._inflow)
+        if evicted is not None:
+            self.shard.demote_ahead(int(self._inflow[self.rank]))
+            self.sizes = self.sizes - evicted
 
     def _local(self, t: RoundTicket, stats: RoundStats) -> torch.Tensor:
         """World size 1: the same semantics with no collectives."""
@@ -201,7 +167,7 @@ class RoundRunner:
         n_out = t.request if size else 0
         out = self.outputs.acquire(n_out)
         if n_out:
-            self.shard.gather(self.sampler.slots(n_out, size, t.round), out)
+            self.shard.gather(self.sampler.draw(n_out, size, t.round), out)
         stats.mark("sample", t1, time.perf_counter())
         rb = self.spec.record_bytes
         stats.items_in, stats.items_out, stats.bytes_in, stats.bytes_out = (
@@ -215,9 +181,10 @@ class RoundRunner:
     def _meta(self, t: RoundTicket) -> np.ndarray:
         """Exchange staged counts, requests and weight versions; local round set-up (packing
         donated batches, waiting for background demotion, the heartbeat) runs meanwhile."""
-        local = self._meta_local
-        local.numpy()[:] = (t.staged.count, t.request, t.weights.version, t.weights.nbytes)
-        pending = self.exchange.all_gather_start(local, t.round)
+        local = self._meta_local.numpy()
+        local[:_META] = (t.staged.count, t.request, t.weights.version, t.weights.nbytes)
+        local[_META:] = self.sampler.local_meta(self.shard)
+        pending = self.exchange.all_gather_start(self._meta_local, t.round)
         try:
             self.exchange.heartbeat(t.round)
             t.staged.pack_deferred(self.spec)
@@ -228,17 +195,7 @@ class RoundRunner:
 
     def _ingest(self, staged: RecordBuffer, counts: np.ndarray, r: int, stats: RoundStats) -> None:
         """Move staged items to their owner shards in one fused all-to-all."""
-        if self.planner is not None:
-            capacities = np.full(self.world, self.shard.capacity, dtype=np.int64)
-            plan = self.planner.plan(counts, self._requests, self.sizes, capacities, self.dealt)
-        else:  # memoised: steady-state rounds repeat the same counts (and remainder offset)
-            key = counts.tobytes() + (self.dealt % self.world).to_bytes(4, "little")
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = plan_ingest(self.placement, counts, self.dealt)
-                if len(self._plans) > 1024:
-                    self._plans.clear()
-                self._plans[key] = plan
+        plan = self.placement.plan(counts, self._requests, self.sizes, self.shard.capacity)
         inflow = plan.sum(axis=0)
         n_in = int(inflow[self.rank])
         if plan.any():
@@ -258,7 +215,6 @@ class RoundRunner:
         self.sizes = np.minimum(self.sizes + inflow, self.shard.capacity)
         self._inflow = inflow
         self.ingested += int(counts.sum())
-        self.dealt += remainder_dealt(counts)
         stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
 
     def _deliver(self, counts: np.ndarray, r: int, stats: RoundStats, t1: float) -> torch.Tensor:
@@ -281,7 +237,7 @@ class RoundRunner:
         out = self.outputs.acquire(n_recv)
         send = self._send.rows(n_draw - mine)
         if n_draw:
-            slots = self.sampler.slots(n_draw, int(self.shard.size), r)
+            slots = self.sampler.draw(n_draw, int(self.shard.size), r)
             if mine:
                 self.shard.gather(slots[first : first + mine], out[remote:])
             if n_draw > mine:
@@ -297,19 +253,21 @@ class RoundRunner:
         return out
 
     def state_dict(self) -> dict[str, object]:
-        """Sizes of every shard, items ingested and the round-robin position."""
+        """Sizes of every shard, items ingested, the sampler's and the placement's state."""
         return {
             "sizes": torch.from_numpy(self.sizes.copy()),
             "ingested": self.ingested,
-            "dealt": self.dealt,
             "sampler": self.sampler.state_dict(),
+            "placement": self.placement.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore from :meth:`state_dict` (same world size; checked by the caller)."""
         self.sizes = state["sizes"].numpy().astype(np.int64).copy()
-        self.ingested, self.dealt = int(state["ingested"]), int(state["dealt"])
+        self.published = self.sizes.copy()
+        self.ingested = int(state["ingested"])
         self.sampler.load_state_dict(state["sampler"])
+        self.placement.load_state_dict(state["placement"])
 
 
 def _between_ranks(matrix: np.ndarray) -> np.ndarray:

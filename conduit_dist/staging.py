@@ -63,6 +63,13 @@ class RecordBuffer:
             spec.pack(batch, self.data[start : start + n])
         self.deferred.clear()
 
+    def drop_oldest(self, k: int) -> None:
+        """Drop the first ``k`` committed records (deferred batches must be packed already)."""
+        assert not self.deferred, "pack deferred batches before dropping records"
+        keep = self.count - k
+        self.data[:keep] = self.data[k : self.count].clone()
+        self.count = keep
+
     def reset(self) -> None:
         """Empty the buffer (keeping its memory)."""
         self.count = 0

@@ -11,8 +11,8 @@ from plane_helpers import assert_intact, make_batch, spec
 import conduit_dist as cd
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.collectives.topology import Topology
-from conduit_dist.sampling.stratified import allocate_stratified
-from conduit_dist.tiers.placement import BandwidthAwarePlanner, plan_ingest, plan_near_learners
+from conduit_dist.placement import BandwidthAware, plan_near_learners, spread
+from conduit_dist.registry import bound_sampler
 
 LINKS = Topology.from_hosts(["a", "a", "b", "b"]).link_matrix()
 ALL = np.ones(4, dtype=bool)
@@ -31,7 +31,7 @@ def test_near_learners_weighs_ingestion_against_delivery():
     assert (low == np.diag(put)).all()  # few reads per write: items stay with their actors
     high = plan_near_learners(put, np.full(4, 100), learner, LINKS, reads_per_write=8.0)
     assert high[:, 0].sum() == 40  # many reads per write: they move next to the learner
-    assert (plan_ingest("round_robin", np.array([10, 10, 10, 10]), 0) == 2).sum() >= 8
+    assert (spread(np.array([10, 10, 10, 10]), 0) == 2).sum() >= 8
 
 
 # datasheet-like numbers: a fast host link, a slow network
@@ -39,9 +39,13 @@ MODEL = BandwidthModel.declared(20e-6, {"self": 2000.0, "host": 450.0, "net": 50
 TOPO8 = Topology.from_hosts([f"n{i // 4}" for i in range(8)]).link_matrix()
 
 
-@pytest.mark.parametrize("sampling", ["exact", "stratified"])
+def _planner(links, learners, sampling, rb=28_240):
+    return BandwidthAware.bound(MODEL, links, learners, rb, bound_sampler(sampling, links))
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "stratified"])
 def test_bandwidth_aware_picks_the_plan_the_model_prices_cheapest(sampling):
-    rb, cap = 28_240, np.full(8, 10_000)
+    cap = 10_000
     learner = np.zeros(8, bool)
     learner[:4] = True  # host n0 learns, host n1 acts
     cases = {
@@ -56,13 +60,11 @@ def test_bandwidth_aware_picks_the_plan_the_model_prices_cheapest(sampling):
     }
     picks = {}
     for name, (learners, put, requests) in cases.items():
-        planner = BandwidthAwarePlanner(MODEL, TOPO8, learners, rb, sampling)
-        plan = planner.plan(put, requests, np.zeros(8), cap, 0)
+        planner = _planner(TOPO8, learners, sampling)
+        plan = planner.plan(put, requests, np.zeros(8), cap)
         prices = {
-            "local": planner.price(plan_ingest("local", put, 0), requests, np.zeros(8), cap),
-            "round_robin": planner.price(
-                plan_ingest("round_robin", put, 0), requests, np.zeros(8), cap
-            ),
+            "local": planner.price(np.diag(put), requests, np.zeros(8), cap),
+            "round_robin": planner.price(spread(put, 0), requests, np.zeros(8), cap),
         }
         chosen = planner.price(plan, requests, np.zeros(8), cap)
         assert chosen <= min(prices.values()) + 1e-12, (name, chosen, prices)
@@ -83,25 +85,21 @@ def test_lp_reference_never_prices_above_round_robin_and_finds_near_learners():
     learner = np.zeros(8, bool)
     learner[:4] = True
     put, requests = np.where(learner, 0, 64), np.where(learner, 2048, 0)
-    cap = np.full(8, 10_000)
-    planner = BandwidthAwarePlanner(MODEL, topo.link_matrix(), learner, 28_240, "exact")
-    rr = planner.price(plan_ingest("round_robin", put, 0), requests, np.zeros(8), cap)
-    t, support = best_balanced(MODEL, topo, learner, put, requests, 28_240, "exact")
+    cap = 10_000
+    planner = _planner(topo.link_matrix(), learner, "uniform")
+    rr = planner.price(spread(put, 0), requests, np.zeros(8), cap)
+    t, support = best_balanced(MODEL, topo, learner, put, requests, 28_240, "uniform")
     assert t <= rr * (1 + 1e-9)
     assert support == {"learner/4/0": 4, "actor/4/64": 0}
-    near = planner.price(
-        planner.plan(put, requests, np.zeros(8), cap, 0), requests, np.zeros(8), cap
-    )
+    near = planner.price(planner.plan(put, requests, np.zeros(8), cap), requests, np.zeros(8), cap)
     assert abs(t - near) <= 1e-6 * near  # the planner's choice is the LP's best here
 
 
 def test_stratified_is_proportional_and_local_first():
-    gen = torch.Generator()
-    eq = allocate_stratified(np.array([8, 8, 8, 8]), np.array([50, 50, 50, 50]), 0, 3, gen, LINKS)
+    sampler, none = bound_sampler("stratified", LINKS), np.zeros((4, 0))
+    eq = sampler.allocate(np.array([8, 8, 8, 8]), np.array([50, 50, 50, 50]), 3, none)
     assert (eq == np.diag([8, 8, 8, 8])).all()  # balanced shards: everyone reads its own
-    counts = allocate_stratified(
-        np.array([8, 8, 8, 8]), np.array([200, 100, 50, 50]), 0, 3, gen, LINKS
-    )
+    counts = sampler.allocate(np.array([8, 8, 8, 8]), np.array([200, 100, 50, 50]), 3, none)
     assert counts.sum(axis=1).tolist() == [8, 8, 8, 8]
     assert counts.sum(axis=0).tolist() == [16, 8, 4, 4]  # proportional to shard sizes
     assert counts[2, 0] + counts[2, 1] == 4 and counts[2, 2] == 4  # own shard first
@@ -109,7 +107,7 @@ def test_stratified_is_proportional_and_local_first():
 
 def _modes(rank, world, sampling, placement):
     plane = cd.DataPlane(
-        spec(), 400, seed=5, sampling=sampling, placement=placement, schedule="sync"
+        spec(), 400, seed=5, sampler=sampling, placement=placement, schedule="sync"
     )
     crossed, exchanges = [], []
     for it in range(4):
@@ -124,7 +122,7 @@ def _modes(rank, world, sampling, placement):
 
 def test_stratified_with_bandwidth_aware_reads_locally_on_real_ranks():
     local = run_ranks(_modes, 2, "stratified", "bandwidth_aware")
-    spread = run_ranks(_modes, 2, "exact", "round_robin")
+    spread = run_ranks(_modes, 2, "uniform", "round_robin")
     assert all(sum(c) == 0 for c, _ in local.values())  # nothing delivered across ranks
     # items kept and read where they were put: neither ingestion nor delivery runs a collective
     assert all(ex == [[]] * 4 for _, ex in local.values())

@@ -241,7 +241,7 @@ def _auto(rank, world):
         b = plane.fetch(5)
         modes.append((plane.chosen_schedule, plane.last_fetch.prefetched))
         _train_step(model, b)
-    trial = plane._trial
+    trial = plane._p.control.trial
     medians = (trial.median("sync"), trial.median("overlap"))
     plane.close()
     return modes, trial.choice, medians

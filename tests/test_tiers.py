@@ -45,7 +45,7 @@ def test_capacity_never_exceeded_and_fifo_across_tiers(tmp_path_factory, batches
     cd.init_distributed()
     d = str(tmp_path_factory.mktemp("disk"))
     plane = cd.DataPlane(
-        spec(), 17, tiers=[("host", 5), ("disk", 12)], disk_dir=d, demote_in_background=bg
+        spec(), 17, storage=cd.Tiers([("host", 5), ("disk", 12)], disk_dir=d, background=bg)
     )
     written = size = 0
     for n in batches:
@@ -79,9 +79,7 @@ def test_sampling_stays_exact_across_tiers(tmp_path, bg):
     plane = cd.DataPlane(
         spec(),
         40,
-        tiers=[("host", 8), ("disk", 32)],
-        disk_dir=str(tmp_path),
-        demote_in_background=bg,
+        storage=cd.Tiers([("host", 8), ("disk", 32)], disk_dir=str(tmp_path), background=bg),
     )
     plane.put(make_batch(torch.arange(50)))  # 10 evicted, 8 on host, 32 demoted to disk
     first = plane.fetch(200)["id"]
@@ -102,19 +100,24 @@ def test_sampling_stays_exact_across_tiers(tmp_path, bg):
 def test_bad_tier_configurations_are_named():
     cd.init_distributed()
     with pytest.raises(cd.ConfigError, match=r"add up to 12, expected capacity_per_rank=10"):
-        cd.DataPlane(spec(), 10, tiers=[("host", 4), ("host", 8)])
+        cd.DataPlane(spec(), 10, storage=cd.Tiers([("host", 4), ("host", 8)]))
     with pytest.raises(cd.ConfigError, match="'tape'"):
-        cd.DataPlane(spec(), 10, tiers=[("tape", 10)])
+        cd.DataPlane(spec(), 10, storage=cd.Tiers([("tape", 10)]))
     with pytest.raises(cd.ConfigError, match="disk_dir"):
-        cd.DataPlane(spec(), 10, tiers=[("host", 5), ("disk", 5)])
+        cd.DataPlane(spec(), 10, storage=cd.Tiers([("host", 5), ("disk", 5)]))
     if not torch.cuda.is_available():
         with pytest.raises(cd.ConfigError, match="CUDA"):
-            cd.DataPlane(spec(), 10, tiers=[("pinned", 10)])
+            cd.DataPlane(spec(), 10, storage=cd.Tiers([("pinned", 10)]))
 
 
 def _replicated_sizes(rank, world, placement):
     plane = cd.DataPlane(
-        spec(), 12, seed=3, tiers=[("host", 4), ("host", 8)], placement=placement, schedule="sync"
+        spec(),
+        12,
+        seed=3,
+        storage=cd.Tiers([("host", 4), ("host", 8)]),
+        placement=placement,
+        schedule="sync",
     )
     rng = np.random.default_rng(rank)
     for it in range(12):
@@ -139,18 +142,20 @@ def test_background_demotion_keeps_sizes_replicated_on_real_ranks(placement):
 def test_tier_bandwidths_are_measured_or_declared(tmp_path):
     cd.init_distributed()
     tiers = [("host", 64), ("disk", 64)]
-    plane = cd.DataPlane(spec(), 128, tiers=tiers, disk_dir=str(tmp_path))
+    plane = cd.DataPlane(spec(), 128, storage=cd.Tiers(tiers, disk_dir=str(tmp_path)))
     for t in plane.store_stats()["tiers"]:
         assert t["bandwidth_source"] == "calibrated" and t["read_gbps"] > 0 and t["write_gbps"] > 0
     assert len(plane) == 0 and int(plane.shard.rings[1].tier.data.sum()) == 0  # probe undone
     plane.close()
     plane = cd.DataPlane(
-        spec(), 128, tiers=tiers, disk_dir=str(tmp_path), tier_gbps={"disk": (2.0, 1.0)}
+        spec(), 128, storage=cd.Tiers(tiers, disk_dir=str(tmp_path), gbps={"disk": (2.0, 1.0)})
     )
     host, disk = plane.store_stats()["tiers"]
     assert host["bandwidth_source"] == "calibrated"
     assert (disk["read_gbps"], disk["write_gbps"], disk["bandwidth_source"]) == (2.0, 1.0, "config")
     plane.close()
     with pytest.raises(cd.ConfigError, match=r"tier_gbps\['disk'\].*\(0, 1\)"):
-        cd.DataPlane(spec(), 128, tiers=tiers, disk_dir=str(tmp_path), tier_gbps={"disk": (0, 1)})
+        cd.DataPlane(
+            spec(), 128, storage=cd.Tiers(tiers, disk_dir=str(tmp_path), gbps={"disk": (0, 1)})
+        )
     assert not os.listdir(tmp_path)  # the failed plane left no file behind

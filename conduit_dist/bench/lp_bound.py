@@ -21,13 +21,12 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import torch
 from scipy.optimize import linprog  # the bench extra; bench.placement skips the LP without it
 from scipy.sparse import coo_matrix
 
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.collectives.topology import Topology
-from conduit_dist.tiers.placement import expected_counts
+from conduit_dist.registry import bound_sampler
 
 
 def _ingest_lp(model: BandwidthModel, links: np.ndarray, staged: np.ndarray, S: list[int], rb: int):
@@ -96,7 +95,7 @@ def best_balanced(
         staged: ``[world]`` items each rank puts per round.
         requests: ``[world]`` batch size of each rank.
         record_bytes: bytes per item.
-        sampling: ``exact`` or ``stratified``.
+        sampling: a sampler name (``uniform`` or ``stratified``).
 
     Returns:
         ``(seconds, support)``: the best time and, per rank group, how many ranks of each host
@@ -113,7 +112,7 @@ def best_balanced(
                 if sel:
                     groups.setdefault((len(ranks), role, int(amount)), []).append(sel)
     kinds = list(groups)
-    gen = torch.Generator()
+    sampler = bound_sampler(sampling, links)
     best = (np.inf, {})
     for counts in itertools.product(*[range(len(groups[k][0]) + 1) for k in kinds]):
         S = sorted(r for k, j in zip(kinds, counts) for sel in groups[k] for r in sel[:j])
@@ -121,7 +120,7 @@ def best_balanced(
             continue
         sizes = np.zeros(world)
         sizes[S] = 10_000.0  # full shards (only the proportions matter)
-        deliver_counts = expected_counts(sampling, requests, sizes, links, gen)
+        deliver_counts = sampler.expected(requests, sizes)
         deliver = model.choose(deliver_counts.T * record_bytes, links)[1]
         t = deliver + _ingest_lp(model, links, staged.astype(np.float64), S, record_bytes)
         if t < best[0]:

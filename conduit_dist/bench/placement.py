@@ -6,7 +6,7 @@ Four parts, one JSON line last:
    transitions whose host tier holds a quarter and the disk tier the rest; every item fetched
    is checked, and sample throughput is compared with a host-only store of the same size.
 2. **Delivery per round** (under torchrun, 2+ ranks, colocated): median measured delivery time of
-   ``exact`` sampling with ``round_robin`` placement against ``stratified`` with
+   ``uniform`` sampling with ``round_robin`` placement against ``stratified`` with
    ``bandwidth_aware``, same volume.
 3. **Background demotion** (one rank): a full host+disk store, put+fetch per iteration with
    demotion inside the round against demotion between rounds on the worker thread, with 20 ms of
@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit
+from conduit_dist.bench.common import emit, number
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.collectives.topology import Topology
-from conduit_dist.tiers.placement import BandwidthAwarePlanner, plan_ingest
+from conduit_dist.placement import BandwidthAware, spread
+from conduit_dist.registry import bound_sampler
 
 ITEM = (4, 84, 84)
 
@@ -66,7 +67,7 @@ def disk_tier(gib: float, batch: int, fetches: int) -> dict:
             ("host", None),
         ):
             t0 = time.perf_counter()
-            plane = cd.DataPlane(spec, items, seed=0, tiers=tiers, disk_dir=d)
+            plane = cd.DataPlane(spec, items, seed=0, storage=cd.Tiers(tiers, disk_dir=d))
             for start in range(0, items, 2048):
                 plane.put(_atari(torch.arange(start, min(items, start + 2048))))
                 plane.flush()
@@ -102,9 +103,9 @@ def demotion(items: int, batch: int, rounds: int, gap_s: float) -> dict:
                 spec,
                 items,
                 seed=0,
-                tiers=[("host", host), ("disk", items - host)],
-                disk_dir=d,
-                demote_in_background=bg,
+                storage=cd.Tiers(
+                    [("host", host), ("disk", items - host)], disk_dir=d, background=bg
+                ),
             )
             for start in range(0, items + batch, 2048):  # full: every round demotes and evicts
                 plane.put(_atari(torch.arange(start, start + 2048)))
@@ -126,7 +127,7 @@ def demotion(items: int, batch: int, rounds: int, gap_s: float) -> dict:
 
 
 def delivery(rounds: int, batch: int) -> dict:
-    """Median measured delivery ms per round: exact+round_robin vs stratified+bandwidth_aware.
+    """Median measured delivery ms per round: uniform+round_robin vs stratified+bandwidth_aware.
 
     Delivery is the round's sampling gather plus its delivery exchange (rows a learner reads from
     its own shard are gathered straight into its batch and skip the exchange, so the exchange
@@ -135,9 +136,9 @@ def delivery(rounds: int, batch: int) -> dict:
     spec = cd.ExperienceSpec.from_batch(_atari(torch.arange(1)))
     rank = dist.get_rank()
     res = {}
-    for sampling, placement in (("exact", "round_robin"), ("stratified", "bandwidth_aware")):
+    for sampling, placement in (("uniform", "round_robin"), ("stratified", "bandwidth_aware")):
         plane = cd.DataPlane(
-            spec, 8 * batch, seed=1, sampling=sampling, placement=placement, schedule="sync"
+            spec, 8 * batch, seed=1, sampler=sampling, placement=placement, schedule="sync"
         )
         times, exchange = [], []
         for it in range(rounds + 3):
@@ -153,10 +154,10 @@ def delivery(rounds: int, batch: int) -> dict:
         res[f"{sampling}+{placement}"] = float(t[0])
         res[f"{sampling}+{placement} exchange"] = float(t[1])
     res["stratified_delivery_cut"] = (
-        1 - res["stratified+bandwidth_aware"] / res["exact+round_robin"]
+        1 - res["stratified+bandwidth_aware"] / res["uniform+round_robin"]
     )
     res["stratified_exchange_cut"] = (
-        1 - res["stratified+bandwidth_aware exchange"] / res["exact+round_robin exchange"]
+        1 - res["stratified+bandwidth_aware exchange"] / res["uniform+round_robin exchange"]
     )
     return res
 
@@ -186,8 +187,8 @@ def _topologies() -> dict[str, tuple[Topology, np.ndarray, np.ndarray]]:
 def predicted(record_bytes: int, batch: int, bound: bool = True) -> dict:
     """Predicted ingest + steady-state delivery seconds per (topology, sampling, policy).
 
-    Each plan is priced as the planner prices it (:meth:`BandwidthAwarePlanner.price`): the model's
-    time of the ingest exchange plus that of the delivery exchange once every shard the plan
+    Each plan is priced as the planner prices it (``BandwidthAware.price``): the model's time of
+    the ingest exchange plus that of the delivery exchange once every shard the plan
     feeds is full (the sampler's expected counts). With ``bound`` (and SciPy installed), the best
     equal-inflow placement found by linear programming (:mod:`conduit_dist.bench.lp_bound`) is
     priced too, as a reference for what any policy could gain over ``round_robin``: the
@@ -203,13 +204,14 @@ def predicted(record_bytes: int, batch: int, bound: bool = True) -> dict:
     rows, gains, losses, possible, gaps = [], [], [], [], []
     for name, (topo, learners, put) in _topologies().items():
         links, world = topo.link_matrix(), topo.world
-        capacity = np.full(world, 10_000)
+        capacity = 10_000
         requests = np.where(learners, batch, 0)
         empty = np.zeros(world)
-        for sampling in ("exact", "stratified"):
-            planner = BandwidthAwarePlanner(model, links, learners, record_bytes, sampling)
-            plans = {p: plan_ingest(p, put, 0) for p in ("local", "round_robin")}
-            plans["bandwidth_aware"] = planner.plan(put, requests, empty, capacity, 0)
+        for sampling in ("uniform", "stratified"):
+            sampler = bound_sampler(sampling, links)
+            planner = BandwidthAware.bound(model, links, learners, record_bytes, sampler)
+            plans = {"local": np.diag(put), "round_robin": spread(put, 0)}
+            plans["bandwidth_aware"] = planner.plan(put, requests, empty, capacity)
             times = {k: planner.price(p, requests, empty, capacity) for k, p in plans.items()}
             best = min(times.values())
             rr = times["round_robin"]
@@ -239,15 +241,27 @@ def predicted(record_bytes: int, batch: int, bound: bool = True) -> dict:
 def main(argv: list[str]) -> None:
     """Run the parts that fit how it was launched; rank 0 prints the JSON line last."""
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench placement")
-    p.add_argument("--gib", type=float, default=10.0, help="size of the disk-tier store")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--fetches", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--demote-items", type=int, default=16384, help="store of the demotion part")
+    p.add_argument(
+        "--gib", type=number(float, 0), default=10.0, help="size of the disk-tier store (0 skips)"
+    )
+    p.add_argument("--batch", type=number(int, 1), default=256)
+    p.add_argument("--fetches", type=number(int, 1), default=40)
+    p.add_argument("--rounds", type=number(int, 1), default=20)
+    p.add_argument(
+        "--demote-items",
+        type=number(int, 4),  # a quarter on the host tier: at least one item
+        default=16384,
+        help="store of the demotion part",
+    )
     a = p.parse_args(argv)
+    record_bytes = cd.ExperienceSpec.from_batch(_atari(torch.arange(1))).record_bytes
+    if 0 < a.gib * 2**30 < 4 * record_bytes:  # the host tier holds a quarter of the items
+        p.error(
+            f"argument --gib: expected 0 (skip) or at least {4 * record_bytes / 2**30:.3g} "
+            f"(4 items of {record_bytes} bytes), got {a.gib:g}"
+        )
     cd.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    record_bytes = cd.ExperienceSpec.from_batch(_atari(torch.arange(1))).record_bytes
     deliv = delivery(a.rounds, a.batch) if world > 1 else None
     disk = disk_tier(a.gib, a.batch, a.fetches) if world == 1 and a.gib > 0 else None
     demote = demotion(a.demote_items, a.batch, a.rounds, 0.02) if world == 1 else None

@@ -18,7 +18,7 @@ import numpy as np
 import torch.distributed as dist
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit
+from conduit_dist.bench.common import emit, number
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model import build, features, time_strategies
 from conduit_dist.collectives.strategies import make_strategies
@@ -41,17 +41,20 @@ def main(argv: list[str]) -> None:
     """Run the sweep (every rank); rank 0 prints the JSON line last."""
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench strategies")
     p.add_argument(
-        "--sizes-kib", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]
+        "--sizes-kib",
+        nargs="+",
+        type=number(int, 1),
+        default=[1, 4, 16, 64, 256, 1024, 4096, 16384, 65536],
     )
-    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--repeats", type=number(int, 1), default=11)
     a = p.parse_args(argv)
     cd.init_distributed()
     ex = Exchange(120.0)
-    topo = discover(ex.group)
+    topo = discover(ex)
     cache = tempfile.mkdtemp(prefix="conduit_bw_") if ex.rank == 0 else ""
     cache = _share_str(cache)
+    from conduit_dist.assembly import DECLARED
     from conduit_dist.collectives.model import BandwidthModel
-    from conduit_dist.plane import DECLARED
 
     declared = BandwidthModel.declared(DECLARED[0], DECLARED[1])
     model, cold = build(ex, topo, True, cache, declared)

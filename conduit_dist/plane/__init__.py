@@ -1,9 +1,6 @@
-"""DataPlane: the public put / fetch / flush / weights API over a sharded experience store.
+"""DataPlane: the public put / fetch / flush / weights API over a sharded experience store."""
 
-``core.py`` holds the class; ``producer.py`` (``put``, ``staged``) and ``overlap.py`` (``attach``,
-the backward launch, the auto trial) are its mixins.
-"""
+from conduit_dist.plane.core import DataPlane
+from conduit_dist.rounds import RoundStats
 
-from conduit_dist.plane.core import DECLARED, DataPlane, RoundStats
-
-__all__ = ["DECLARED", "DataPlane", "RoundStats"]
+__all__ = ["DataPlane", "RoundStats"]

@@ -1,103 +1,60 @@
-"""DataPlane: the public API over a sharded experience store (put/staged and attach: mixins)."""
+"""DataPlane: the public face over a plane's components (built by ``assembly.assemble``)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from conduit_dist.collectives.exchange import Exchange
-from conduit_dist.collectives.model import BandwidthModel, build
-from conduit_dist.collectives.topology import discover
-from conduit_dist.collectives.transport import Transport
-from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError
-from conduit_dist.plane.overlap import Overlap
-from conduit_dist.plane.producer import Producer
-from conduit_dist.rounds import RoundRunner, RoundStats, RoundTicket
-from conduit_dist.sched import BackwardTrigger, FetchTiming, Timeline, fetch_timing
-from conduit_dist.sched.auto import AutoTrial
-from conduit_dist.sched.scheduler import MODES, Scheduler, now
+from conduit_dist import state
+from conduit_dist.assembly import assemble
+from conduit_dist.collectives.model import BandwidthModel
+from conduit_dist.errors import ConfigError, EmptyStoreError
+from conduit_dist.placement import Placement
+from conduit_dist.rounds import RoundStats
+from conduit_dist.sampling import Sampler
+from conduit_dist.sched import FetchTiming, Timeline, fetch_timing
+from conduit_dist.sched.scheduler import now
 from conduit_dist.spec import ExperienceSpec
-from conduit_dist.staging import DoubleBuffer
-from conduit_dist.tiers import POLICIES, make_shard
-from conduit_dist.weights import WeightsState
-
-_plane_ids = itertools.count()
-# declared link numbers (measured on 2 loopback gloo ranks, 2-core machine): used when not probing
-DECLARED = (1.5e-4, {"self": 8.0, "host": 1.5, "net": 0.1})
-
-__all__ = ["DataPlane", "RoundStats"]
+from conduit_dist.tiers import Tiers
 
 
-class DataPlane(Producer, Overlap):
+class DataPlane:
     """A sharded experience store whose ingestion and delivery are torch.distributed collectives.
 
-    Every rank hosts one shard of ``capacity_per_rank`` items. ``put`` validates a batch and stages
-    it locally; a *round* (one per ``fetch`` on learners, one per ``flush`` on actors; every rank
-    runs the same number) moves staged items to their owner shards in one fused
-    ``all_to_all_single``, draws each learner's batch uniformly from the global store, and delivers
-    it in a second one.
-
-    With ``schedule="overlap"`` and a module attached (:meth:`attach`), the round for the next
-    ``fetch`` is launched when the module's backward pass starts and runs on a worker thread, so
-    ``fetch`` only waits for what has not finished. Such a batch may miss this rank's puts made
-    after the launch (at most one round of them, and only if ``max_lag >= 1``); every fetch reports
-    its lag and its exposed/hidden time in :attr:`last_fetch`.
+    Every rank hosts one shard. ``put`` stages a batch; a *round* (one per ``fetch`` on learners,
+    one per ``flush`` on actors, the same number on every rank) moves staged items to their
+    shards in one fused ``all_to_all_single``, draws each learner's batch from the global store
+    and delivers it in a second one. See docs/architecture.md for the components and a round.
 
     Args:
         spec: fields of one experience item.
-        capacity_per_rank: items each rank's shard holds; the oldest are overwritten first.
+        capacity_per_rank: items each rank's shard holds; the oldest are evicted first.
         seed: run seed; with the round number it fixes every sample drawn.
-        device: where the shard lives and batches are delivered (``cpu`` or ``cuda``).
-        placement: ``round_robin`` (shards fill evenly), ``local`` (items stay where put) or
-            ``bandwidth_aware`` (the plan the bandwidth model prices cheapest to ingest and
-            then deliver from; see ``tiers/placement.py``).
-        learner_ranks: ranks that fetch; ``None`` means every rank (colocated). The other ranks
-            are actors: they ``put`` and call :meth:`flush` once per iteration.
-        timeout_s: seconds any collective of a round may take before it fails with
-            :class:`RoundError`.
-        schedule: ``overlap`` (default), ``sync`` (request-driven: the round runs inside
-            ``fetch``) or ``auto`` (each learner times ``auto_trial`` iterations in each mode,
-            sync first, and keeps the faster; see :attr:`chosen_schedule`). A single CPU rank has
-            nothing to overlap and always runs rounds inline.
+        sampler: a :class:`~conduit_dist.sampling.Sampler` or a name from
+            ``registry.SAMPLERS`` (default ``uniform``: each batch i.i.d. over the global store).
+        placement: a :class:`~conduit_dist.placement.Placement` or a name from
+            ``registry.PLACEMENTS`` (default ``round_robin``).
+        storage: a :class:`~conduit_dist.tiers.Tiers` (default: one memory tier on ``device``).
+        learner_ranks: ranks that fetch; ``None``: every rank. Others are actors and ``flush``.
+        device: where batches are delivered (``cpu`` or ``cuda``).
+        schedule: ``overlap`` (the next round starts at the attached module's backward),
+            ``sync`` (inside ``fetch``) or ``auto`` (each rank times ``auto_trial`` iterations of
+            each, sync first, and keeps the faster). One CPU rank always runs rounds inline.
+        max_lag: ``1``: a batch may miss this rank's puts made after its round was launched
+            (one round of them at most); ``0``: never (overlap then only between
+            ``fetch(..., more=True)`` minibatches).
         auto_trial: iterations timed per mode with ``schedule="auto"``.
-        max_lag: rounds of this rank's own puts a fetched batch may miss (``0``: none; overlap
-            then only happens between fetches announced with ``fetch(..., more=True)``).
-        strategy: ``auto`` (the bandwidth model picks per exchange) or a strategy name to force:
-            ``all_to_all``, ``p2p``, ``chunked4``, ``gather``.
-        bandwidth: ``declared`` (the model from ``declared_bandwidth``; no start-up cost),
-            ``calibrate`` (probe the links at start-up, cached in ``bandwidth_cache``), or a
-            :class:`~conduit_dist.collectives.model.BandwidthModel`.
-        declared_bandwidth: ``(latency_s, {"self": GB/s, "host": GB/s, "net": GB/s})``.
+        timeout_s: seconds any collective may take before it fails with ``RoundError``.
+        strategy: ``auto`` (the bandwidth model picks) or a strategy name to force.
+        bandwidth: ``declared`` (default numbers, no start-up cost), ``calibrate`` (probe the
+            links, cached in ``bandwidth_cache``) or a ``BandwidthModel``; see :attr:`bandwidth`.
         bandwidth_cache: directory of calibration caches (``None``: no cache).
-        trace: record a per-rank timeline for :meth:`export_trace` (a few microseconds per call).
-        tiers: the shard's tiers, fastest first, as ``(kind, items)`` with kinds ``device``,
-            ``pinned``, ``host``, ``disk``; the items must add up to ``capacity_per_rank``.
-            Default: one memory tier on ``device``. Newest items live in the first tier; older
-            ones are demoted down the list, and the last tier evicts its oldest.
-        disk_dir: directory for ``disk`` tiers (files removed on close).
-        tier_gbps: declared ``kind -> (read, write)`` GB/s per tier kind; configured ``tiers``
-            of kinds not listed measure theirs at start-up (a write and a random-row gather of up
-            to 16 MiB), shown in :meth:`store_stats`.
-        demote_in_background: with several tiers, demote between rounds on a worker thread
-            (evicting up to one round's inflow early once full; see ``tiers/tiered.py``) instead
-            of inside the round that needs the room.
-        sampling: ``exact`` (each learner's batch uniform over the global store) or
-            ``stratified`` (shards contribute in proportion to their sizes over all learners,
-            read local-first: colocated learners read mostly their own shard; one learner's batch
-            is then not uniform on its own, see ``sampling/stratified.py``).
+        trace: record a per-rank timeline for :meth:`export_trace`.
 
     Raises:
-        ConfigError: on a bad capacity, placement, schedule, lag, device or learner rank.
-
-    Example:
-        >>> cd.init_distributed()
-        >>> plane = cd.DataPlane(spec, capacity_per_rank=100_000, seed=0)
-        >>> plane.attach(model)           # optional: overlap rounds with backward
-        >>> plane.put(transitions)        # every iteration, on every rank
-        >>> batch = plane.fetch(256)      # learners; actors call plane.flush() instead
+        ConfigError: on a bad argument, naming it (nothing is left behind: no group, no files).
     """
 
     def __init__(
@@ -106,161 +63,109 @@ class DataPlane(Producer, Overlap):
         capacity_per_rank: int,
         seed: int = 0,
         *,
-        device: str | torch.device = "cpu",
-        placement: str = "round_robin",
+        sampler: str | Sampler = "uniform",
+        placement: str | Placement = "round_robin",
+        storage: Tiers | None = None,
         learner_ranks: Sequence[int] | None = None,
-        timeout_s: float = 60.0,
+        device: str | torch.device = "cpu",
         schedule: str = "overlap",
         max_lag: int = 1,
+        auto_trial: int = 50,
+        timeout_s: float = 60.0,
         strategy: str = "auto",
         bandwidth: str | BandwidthModel = "declared",
-        declared_bandwidth: tuple[float, dict[str, float]] = DECLARED,
         bandwidth_cache: str | None = "~/.cache/conduit_dist",
         trace: bool = False,
-        tiers: Sequence[tuple[str, int]] | None = None,
-        disk_dir: str | None = None,
-        tier_gbps: Mapping[str, Sequence[float]] | None = None,
-        demote_in_background: bool = True,
-        sampling: str = "exact",
-        auto_trial: int = 50,
     ) -> None:
-        if not isinstance(spec, ExperienceSpec):
-            raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
-        if not isinstance(capacity_per_rank, int) or capacity_per_rank < 1:
-            raise ConfigError(f"capacity_per_rank: expected an int >= 1, got {capacity_per_rank!r}")
-        if placement not in POLICIES:
-            raise ConfigError(f"placement: expected one of {POLICIES}, got {placement!r}")
-        if sampling not in ("exact", "stratified"):
-            raise ConfigError(f"sampling: expected 'exact' or 'stratified', got {sampling!r}")
-        if schedule not in (*MODES, "auto"):
-            raise ConfigError(f"schedule: expected one of {(*MODES, 'auto')}, got {schedule!r}")
-        if not isinstance(max_lag, int) or max_lag < 0:
-            raise ConfigError(f"max_lag: expected an int >= 0, got {max_lag!r}")
-        if timeout_s <= 0:
-            raise ConfigError(f"timeout_s: expected > 0 seconds, got {timeout_s}")
-        self.spec = spec
-        self.device = torch.device(device)
-        self.seed, self.placement, self.schedule, self.max_lag = (
-            int(seed),
-            placement,
-            schedule,
-            max_lag,
-        )
-        self.capacity_per_rank = capacity_per_rank
-        self.exchange = Exchange(timeout_s, name=str(next(_plane_ids)))
-        self.rank, self.world = self.exchange.rank, self.exchange.world
-        self.learner_ranks = self._check_learners(learner_ranks)
-        self.is_learner = self.rank in self.learner_ranks
-        self.shard = make_shard(
-            tiers,
-            capacity_per_rank,
-            spec.record_bytes,
-            self.device,
-            disk_dir,
-            background=demote_in_background,
-            gbps=tier_gbps,
-        )
-        self._weights = WeightsState()
-        self.topology = discover(self.exchange.group)
-        self.bandwidth, self.calibration_s = self._bandwidth(
-            bandwidth, declared_bandwidth, bandwidth_cache
-        )
-        transport = Transport(self.exchange, self.topology, self.bandwidth, strategy)
-        self._runner = RoundRunner(
-            spec,
-            self.shard,
-            self.exchange,
-            self.seed,
-            placement,
-            self.learner_ranks[0],
-            self.device,
-            transport,
-            sampling,
-            self.learner_ranks,
-        )
-        # one CPU rank has no collective to wait for: a background round would only add a thread
-        # handoff, so rounds run inline there (the lag rules are those of sync: none)
-        can_overlap = self.world > 1 or self.device.type == "cuda"
-        self._overlap = schedule == "overlap" and can_overlap
-        # schedule="auto": a per-rank trial, sync then overlap, keeps the faster (see _auto_tick)
-        self._trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
-        self._sched = Scheduler(
-            "overlap" if (self._overlap or self._trial) else "sync",
-            self._runner,
-            self._weights,
-            self.device,
-            timeout_s,
-        )
-        cuda = self.device.type == "cuda"
-        self._stage = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
-        self.timeline = Timeline(self.rank, enabled=trace)
-        self.round = 0  # rounds prepared so far (the next round's number)
-        self.stats = RoundStats()
-        self._last: tuple | None = None  # what last_fetch is computed from
-        self._direct = 0  # items put straight into storage slots, counted at the next round
-        self._put_seq = 0
-        self._last_batch = 0
-        self._more = False
-        self._fetched = False  # a fetch happened since the last prefetch launch
-        self._trigger: BackwardTrigger | None = None
-        self._subset_gen = torch.Generator().manual_seed(self.seed + 7 * self.rank)
-        self._failed: RoundError | None = None
         self._closed = False
-        self._in_staged = False  # inside a staged() block
-
-    def _bandwidth(self, bandwidth, declared, cache) -> tuple[BandwidthModel, float]:
-        if isinstance(bandwidth, BandwidthModel):
-            return bandwidth, 0.0
-        if bandwidth not in ("declared", "calibrate"):
-            raise ConfigError(
-                f"bandwidth: expected 'declared', 'calibrate' or a model, got {bandwidth!r}"
-            )
-        latency_s, gbps = declared
-        fallback = BandwidthModel.declared(latency_s, gbps)
-        return build(self.exchange, self.topology, bandwidth == "calibrate", cache, fallback)
-
-    def _check_learners(self, learner_ranks: Sequence[int] | None) -> tuple[int, ...]:
-        if learner_ranks is None:
-            return tuple(range(self.world))
-        ranks = tuple(sorted({int(r) for r in learner_ranks}))
-        if not ranks or any(not 0 <= r < self.world for r in ranks):
-            raise ConfigError(
-                f"learner_ranks: expected a non-empty subset of 0..{self.world - 1}, "
-                f"got {list(learner_ranks)}"
-            )
-        return ranks
-
-    # ------------------------------------------------------------------ public API
+        p = assemble(
+            spec, capacity_per_rank, seed, sampler=sampler, placement=placement, storage=storage,
+            learner_ranks=learner_ranks, device=device, schedule=schedule, max_lag=max_lag,
+            auto_trial=auto_trial, timeout_s=timeout_s, strategy=strategy, bandwidth=bandwidth,
+            bandwidth_cache=bandwidth_cache, trace=trace, can_launch=self._can_launch,
+        )  # fmt: skip
+        self.spec, self.capacity_per_rank, self.device = (
+            spec,
+            capacity_per_rank,
+            torch.device(device),
+        )
+        self.rank, self.world, self.learner_ranks = (
+            p.exchange.rank,
+            p.exchange.world,
+            p.learner_ranks,
+        )
+        self.is_learner = self.rank in self.learner_ranks
+        self.shard, self.sampler, self.placement = p.shard, p.sampler, p.placement
+        self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
+        self.timeline, self._p = p.timeline, p
+        self._subset_gen = torch.Generator().manual_seed(int(seed) + 7 * self.rank)
+        self._last: tuple | None = None  # what last_fetch is computed from
 
     def __len__(self) -> int:
         """Items stored over all shards as of the latest completed round."""
-        return int(self._runner.sizes.sum())
+        return int(self._p.runner.published.sum())
 
     @property
     def sizes(self):
         """``int64 [world]``: items on each shard as of the latest completed round."""
-        return self._runner.sizes
+        return self._p.runner.published
+
+    @property
+    def round(self) -> int:
+        """Rounds this rank has prepared (the next round's number)."""
+        return self._p.clock.round
+
+    @property
+    def stats(self) -> RoundStats:
+        """What the latest finished round did on this rank."""
+        return self._p.clock.stats
+
+    def put(self, batch: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
+        """Validate a batch and stage it for the next round.
+
+        Args:
+            batch: ``name -> tensor [B, *shape]`` matching the spec (any device).
+            donate: hand the tensors over instead of copying them now (packed by the round,
+                during backward when overlapping); do not modify them until it completed.
+
+        Raises:
+            SpecError: on a missing or extra field, wrong dtype or shape, disagreeing batch
+                sizes, an empty batch or non-finite floats; nothing is staged or stored then.
+            ConfigError: over the staging limit (the global capacity), or with ``max_lag=0``
+                when the round for the next fetch is already in flight.
+        """
+        self._check_open()
+        self._p.stager.put(batch, donate)
+
+    def staged(self, n: int):
+        """``with plane.staged(n) as rows:`` writable views (``name -> [n, *shape]``) into the
+        next round's staging rows; uninitialised like ``torch.empty``. Leaving the block checks
+        floats for NaN/inf in place and stages the items; an exception or a failed check stages
+        nothing. No other plane call may run inside the block.
+
+        Raises:
+            ConfigError: for ``n < 1``, a nested block, the staging limit or ``max_lag=0``.
+            SpecError: on leaving the block, naming a floating field that holds NaN/inf.
+        """
+        self._check_open()
+        return self._p.stager.staged(n)
 
     def fetch(self, batch_size: int, *, more: bool = False) -> dict[str, torch.Tensor]:
-        """Return this learner's batch, sampled uniformly with replacement from the global store.
-
-        Runs this call's round, or waits for the one launched at the last backward.
+        """This learner's batch, drawn by the sampler from the global store.
 
         Args:
             batch_size: items to return.
-            more: another fetch follows before the next ``put`` (minibatches of one rollout); with
-                ``max_lag=0`` only such fetches let the next round start during backward.
+            more: another fetch follows before the next ``put`` (minibatches of one rollout).
 
         Returns:
-            ``name -> tensor [batch_size, *shape]`` on the plane's device. The tensors are views
-            into one packed buffer the plane reuses only once nothing references it (rows keep
-            the record stride; call ``.contiguous()`` where a kernel needs dense rows). Rows are
-            grouped by the shard they came from (this rank's own shard last).
+            ``name -> tensor [batch_size, *shape]``: views into one packed buffer that is
+            reused only once nothing references it; rows keep the record stride and are grouped
+            by the shard they came from.
 
         Raises:
-            ConfigError: on an actor rank, a non-positive ``batch_size``, or a batch size larger
-                than the round launched for it at backward.
-            RoundError: if the round failed or timed out on some rank.
+            ConfigError: on an actor, a bad ``batch_size``, or one larger than the round
+                launched for it at backward.
+            RoundError: if the round failed or timed out on some rank (names the rank).
             EmptyStoreError: if nothing is stored yet (the round itself completed).
         """
         if not self.is_learner:
@@ -272,19 +177,7 @@ class DataPlane(Producer, Overlap):
             raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         self._check_open()
         t_wait = now()
-        prefetched, lag = False, 0
-        pending = self._sched.pending
-        if pending is not None and pending.kind == "prefetch":
-            p, records, stats = self._guard(self._sched.wait)
-            prefetched, lag = True, int(self._put_seq > p.put_seq)
-        else:
-            if pending is not None:
-                self._finish(*self._guard(self._sched.wait)[1:])
-            records, stats = self._guard(lambda: self._sched.run(self._prepare(batch_size)))
-        self._finish(records, stats)
-        self._fetched, self._last_batch, self._more = True, batch_size, more
-        if self._trial is not None:
-            self._auto_tick(t_wait)
+        records, stats, prefetched, lag = self._p.control.fetch_round(batch_size, more)
         rows = records.shape[0]
         if rows == 0:
             raise EmptyStoreError(
@@ -300,86 +193,72 @@ class DataPlane(Producer, Overlap):
             keep = torch.randperm(rows, generator=self._subset_gen)[:batch_size]
             records = records.index_select(0, keep.to(records.device))
         batch = self.spec.unpack(records)
-        self._account(stats, prefetched, lag, t_wait, now())
+        self._last = (stats, prefetched, lag, t_wait, now())
+        self.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, self._last[4])
         return batch
 
     def flush(self) -> None:
-        """Take part in a round without fetching: move staged items to their shards.
-
-        Actors call this once per iteration (after their ``put``), where learners call
-        :meth:`fetch`. In ``overlap`` mode the round runs in the background and this call returns
-        at once (after the previous round finished).
+        """Take part in a round without fetching (actors, once per iteration after ``put``);
+        in ``overlap`` mode it runs in the background and this returns at once.
 
         Raises:
             RoundError: if a round failed or timed out on some rank.
         """
         self._check_open()
-        pending = self._sched.pending
-        if pending is not None:
-            _, records, stats = self._guard(self._sched.wait)
-            self._finish(records, stats)
-            if pending.kind == "prefetch":  # launched at backward: it is this call's round
-                return
-        ticket = self._prepare(0)
-        if self._overlap:
-            self._sched.launch(ticket, "flush", self._put_seq)
-        else:
-            self._finish(*self._guard(lambda: self._sched.run(ticket)))
+        self._p.control.flush()
 
     def wait(self) -> None:
-        """Block until no round is running (e.g. before reading ``len(plane)`` after an
-        overlapped ``flush``). A round launched at backward stays attributed to the next fetch.
+        """Block until no round is running (e.g. before ``len(plane)`` after an overlapped
+        ``flush``); a round launched at backward stays attributed to the next fetch.
 
         Raises:
-            RoundError: if the finished round failed.
+            RoundError: if the finished round failed (also one launched at backward).
         """
         self._check_open()
-        pending = self._sched.pending
-        if pending is None:
-            return
-        if pending.kind == "flush":
-            self._finish(*self._guard(self._sched.wait)[1:])
-        else:
-            self._sched.settle()
+        self._p.control.wait()
+
+    def attach(self, module: nn.Module) -> None:
+        """Launch the next fetch's round when ``module``'s backward starts (``overlap``/``auto``).
+
+        Raises:
+            ConfigError: if a module is attached already.
+        """
+        self._p.control.attach(module)
+
+    def detach(self) -> None:
+        """Remove the backward hooks (a launched round still completes at the next call)."""
+        self._p.control.detach()
+
+    @property
+    def chosen_schedule(self) -> str:
+        """The schedule in force on this rank (``auto (trial)`` while ``auto`` is timing)."""
+        return self._p.control.chosen_schedule
 
     def publish_weights(self, module: nn.Module) -> int:
-        """Stage ``module``'s state for broadcast to every rank in the next round.
-
-        Only the first learner rank publishes; on other ranks this is a no-op returning the
-        latest version seen.
-
-        Args:
-            module: the learner's module (plain or DDP-wrapped).
-
-        Returns:
-            The version number the weights will carry.
-        """
+        """Stage ``module``'s state for broadcast in the next round (first learner only; a no-op
+        elsewhere). Returns the version the weights will carry."""
         self._check_open()
         if self.rank == self.learner_ranks[0]:
-            self._weights.publish(_unwrap(module))
-        return self._weights.version
+            self._p.weights.publish(_unwrap(module))
+        return self._p.weights.version
 
     def pull_weights(self, module: nn.Module) -> int:
-        """Load the latest weights received from the learners into ``module``.
-
-        In ``overlap`` mode an actor's ``flush`` returns before its round ends, so this loads the
-        weights of the previous round (one round older).
-
-        Args:
-            module: a module with the same parameters and buffers as the learner's.
-
-        Returns:
-            The version loaded (0 when nothing was published yet; ``module`` is left untouched).
+        """Load the latest weights received into ``module``; returns their version (0: none yet,
+        ``module`` untouched). An overlapped actor gets the previous round's weights.
 
         Raises:
-            SpecError: if the module's state does not match the published layout.
+            SpecError: if the module's names, shapes or dtypes differ from the published ones.
         """
         self._check_open()
-        return self._weights.pull(_unwrap(module))
+        return self._p.weights.pull(_unwrap(module))
 
     def store_stats(self) -> dict[str, object]:
-        """This rank's shard: items and bytes per tier, demotions and evictions so far."""
-        return self.shard.stats()
+        """This rank's shard: items and bytes per tier, demotions and evictions so far (counting
+        items dropped at staging, also shown alone); waits for a running round first (one launched at backward stays for
+        its fetch)."""
+        self._p.sched.settle()
+        stats, dropped = self.shard.stats(), self._p.stager.dropped
+        return {**stats, "evictions": stats["evictions"] + dropped, "dropped_at_staging": dropped}
 
     def export_trace(self, path: str) -> str:
         """Write this rank's timeline as Chrome trace JSON (open in Perfetto); returns the path.
@@ -394,17 +273,13 @@ class DataPlane(Producer, Overlap):
     @property
     def last_fetch(self) -> FetchTiming | None:
         """Exposed/hidden accounting of the latest fetch (``None`` before the first)."""
-        if self._last is None:
-            return None
-        return fetch_timing(*self._last)
+        return None if self._last is None else fetch_timing(*self._last)
 
     def close(self) -> None:
         """Run the closing round, remove hooks, release the group. Safe to call twice.
 
-        Collective: every rank calls it. A round launched at backward on a learner has no call to
-        belong to any more, so it serves as that rank's closing round; ranks without one run a
-        closing round (which also ingests anything still staged), so every rank runs the same
-        number of rounds.
+        Collective: every rank calls it (a round launched at backward serves as that rank's
+        closing round; others run one, which also ingests anything still staged).
 
         Raises:
             RoundError: if the closing round fails (the group is released all the same).
@@ -412,100 +287,54 @@ class DataPlane(Producer, Overlap):
         """
         if self._closed:
             return
-        if self._in_staged:
+        if self._p.stager.in_block:
             raise ConfigError("close: cannot run inside a staged() block: leave the block first")
         self.detach()
+        p = self._p
         try:
-            if self._failed is None:
-                pending = self._sched.pending
-                if pending is not None:
-                    self._finish(*self._guard(self._sched.wait)[1:])
-                if pending is None or pending.kind != "prefetch":
-                    self._finish(*self._guard(lambda: self._sched.run(self._prepare(0))))
+            if p.clock.failed is None:
+                p.control.closing_round()
         finally:
             self._closed = True
-            self._sched.close(abandon=self._failed is not None)
-            self.exchange.close()
-            self.shard.close()
+            if p.sched.close(abandon=p.clock.failed is not None):
+                p.exchange.close()
+                p.shard.close()
 
     def state_dict(self) -> dict[str, object]:
-        """This rank's shard, the global sizes and the round counter (tensors and ints only).
+        """This rank's shard, the global sizes, the round counter (tensors and ints only).
+
+        Not collective: it waits for this rank's running round, whose batch stays for the next
+        fetch. Call it at the same point of the loop on every rank, between rounds.
 
         Raises:
-            RuntimeError: if items were put since the last round (call ``flush()`` first).
+            RuntimeError: if items were put since the last round (run a round first).
+            RoundError: if the running round failed.
         """
-        self._guard(self._sched.drain)
-        if self._direct or self._stage.current.count:
-            raise RuntimeError(
-                "state_dict: items were put since the last round; call flush() (or fetch) first"
-            )
-        return {
-            "round": self.round,
-            "runner": self._runner.state_dict(),
-            "shard": self.shard.state_dict(),
-            "spec": self.spec.state_dict(),
-        }
+        self._check_open()
+        self._p.control.wait()
+        return state.save(self._p, self.spec)
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore a state saved by :meth:`state_dict` on the same world size and spec.
+    def load_state_dict(self, saved: dict[str, object]) -> None:
+        """Restore a state saved by :meth:`state_dict` (same world size, spec and storage).
+
+        Collective: every rank calls it; a round launched before it is dropped, and the ranks
+        check they all restored the same round.
 
         Raises:
-            ConfigError: on a different world size or spec.
+            ConfigError: on another world size, spec or storage, or ranks at different rounds.
         """
-        if state["spec"] != self.spec.state_dict():
-            raise ConfigError(
-                f"spec: checkpoint has {state['spec']}, plane has {self.spec.state_dict()}"
-            )
-        world = state["runner"]["sizes"].shape[0]
-        if world != self.world:
-            raise ConfigError(f"world size: checkpoint has {world}, plane has {self.world}")
-        self.shard.load_state_dict(state["shard"])
-        self._runner.load_state_dict(state["runner"])
-        self.round = int(state["round"])
+        self._check_open()
+        state.load(self._p, self.spec, saved)
 
-    # ------------------------------------------------------------------ rounds
+    def _can_launch(self) -> bool:
+        return not self._closed and self._p.clock.failed is None and not self._p.stager.in_block
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the DataPlane is closed")
-        if self._in_staged:
+        if self._p.stager.in_block:
             raise ConfigError("this call cannot run inside a staged() block: leave the block first")
-        if self._failed is not None:
-            raise RoundError(
-                f"the DataPlane failed in round {self._failed.round} and cannot continue: "
-                f"{self._failed}",
-                self._failed.round,
-                self._failed.ranks,
-            )
-
-    def _guard(self, fn):
-        try:
-            return fn()
-        except RoundError as exc:
-            self._failed = exc
-            raise
-
-    def _prepare(self, request: int) -> RoundTicket:
-        """Snapshot what the next round moves (called on the thread that owns ``put``)."""
-        ticket = RoundTicket(
-            self.round, request, self._stage.take(), self._direct, self._weights.snapshot()
-        )
-        self._direct = 0
-        self.round += 1
-        return ticket
-
-    def _finish(self, records: torch.Tensor, stats: RoundStats) -> None:
-        self.stats = stats
-        if not self.timeline.enabled:
-            return
-        for phase, (a, b) in stats.spans.items():
-            self.timeline.add(phase, Timeline.PLANE, a, b, round=stats.round)
-
-    def _account(
-        self, stats: RoundStats, prefetched: bool, lag: int, t_wait: float, t_end: float
-    ) -> None:
-        self._last = (stats, prefetched, lag, t_wait, t_end)
-        self.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, t_end, round=stats.round)
+        self._p.clock.check()
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
 from conduit_dist.metrics import Logger, aggregate
@@ -18,6 +19,7 @@ from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
 from conduit_dist.spec import ExperienceSpec
+from conduit_dist.tiers import Tiers
 
 log = logging.getLogger("conduit_dist")
 
@@ -137,26 +139,29 @@ class Trainer:
         pc = self.cfg.plane
         if pc.kind == "simple":
             return SimpleBuffer(example, pc.capacity_per_rank, self.cfg.seed)
+        declared = BandwidthModel.declared(pc.latency_us * 1e-6, dict(pc.gbps))
+        storage = Tiers(
+            [(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
+            disk_dir=pc.disk_dir,
+            gbps={k: list(v) for k, v in pc.tier_gbps.items()} if pc.tier_gbps else None,
+            background=pc.demote_in_background,
+        )
         return DataPlane(
             ExperienceSpec.from_batch(example),
             pc.capacity_per_rank,
             seed=self.cfg.seed,
-            device=self.cfg.device,
+            sampler=pc.sampling,
             placement=pc.placement,
+            storage=storage,
             learner_ranks=learners,
-            timeout_s=pc.timeout_s,
+            device=self.cfg.device,
             schedule=pc.schedule,
             max_lag=pc.max_lag,
+            timeout_s=pc.timeout_s,
             strategy=pc.strategy,
-            bandwidth="calibrate" if pc.calibrate else "declared",
-            declared_bandwidth=(pc.latency_us * 1e-6, dict(pc.gbps)),
+            bandwidth="calibrate" if pc.calibrate else declared,
             bandwidth_cache=pc.bandwidth_cache,
             trace=pc.trace_dir is not None,
-            sampling=pc.sampling,
-            tiers=[(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
-            disk_dir=pc.disk_dir,
-            demote_in_background=pc.demote_in_background,
-            tier_gbps={k: list(v) for k, v in pc.tier_gbps.items()} if pc.tier_gbps else None,
         )
 
     # ------------------------------------------------------------------ loop

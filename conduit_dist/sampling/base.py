@@ -1,7 +1,28 @@
-"""Seeding shared by samplers: every rank derives the same stream from (seed, round, ...)."""
+"""The sampler protocol: what a round asks of a sampler, at fixed points, on every rank.
+
+A round calls its sampler at four points:
+
+1. ``local_meta(shard)`` before the meta exchange: ``meta_width`` int64 values this shard adds to
+   it (e.g. a priority mass later; nothing for uniform sampling, whose shard sizes every rank
+   already replicates).
+2. ``allocate(requests, sizes, round, meta)`` after ingestion: the ``[learner, shard]`` counts of
+   the round. Every rank calls it with the same inputs, so every rank gets the same counts with no
+   extra round trip; a sampler reseeds its generators from ``(seed, round)`` to keep it so.
+3. ``draw(count, size, round)`` on each shard: the shard-local slots of its share.
+4. ``feedback(...)`` after delivery (priority updates, items taken from a queue): nothing by
+   default.
+
+``expected(requests, sizes)`` gives the mean allocation, for placement's pricing. Streams derive
+from ``(seed, round, rank)``, so samplers carry no random state between rounds.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 _MASK = (1 << 63) - 1
@@ -21,3 +42,80 @@ def seeded(gen: torch.Generator, *keys: int) -> torch.Generator:
     """Reseed ``gen`` from ``keys`` and return it."""
     gen.manual_seed(mix(*keys))
     return gen
+
+
+@dataclass(frozen=True)
+class SamplerContext:
+    """What a plane tells its sampler when it is built (the same on every rank but ``rank``).
+
+    Attributes:
+        seed: the run seed.
+        rank: this shard's rank.
+        world: number of shards.
+        links: ``[world, world]`` link class index (0 self, 1 host, 2 net).
+    """
+
+    seed: int
+    rank: int
+    world: int
+    links: np.ndarray
+
+
+class Sampler(ABC):
+    """Decides what each learner gets; see the module docstring for when a round calls what."""
+
+    name: str = "abstract"
+    meta_width: int = 0  # int64 values local_meta adds to the round's meta exchange
+
+    def __init__(self) -> None:
+        self.ctx: SamplerContext | None = None
+        self._alloc_gen = torch.Generator()
+        self._draw_gen = torch.Generator()
+
+    def bind(self, ctx: SamplerContext) -> None:
+        """Attach to a plane (called once, when the plane is built)."""
+        self.ctx = ctx
+
+    def local_meta(self, shard: object) -> Sequence[int]:
+        """This shard's ``meta_width`` values for the meta exchange."""
+        return ()
+
+    @abstractmethod
+    def allocate(
+        self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
+    ) -> np.ndarray:
+        """``int64 [learner, shard]`` counts of a round; rows sum to ``requests``.
+
+        Args:
+            requests: ``[world]`` batch size of each rank (0: not fetching).
+            sizes: ``[world]`` items on each shard after this round's ingestion.
+            round: the round number.
+            meta: ``[world, meta_width]`` what every shard's ``local_meta`` gave.
+        """
+
+    @abstractmethod
+    def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """``float [learner, shard]``: the mean of :meth:`allocate` over rounds."""
+
+    def draw(self, count: int, size: int, round: int) -> torch.Tensor:
+        """``count`` shard-local slots from ``[0, size)`` (default: uniform, with replacement)."""
+        gen = seeded(self._draw_gen, self.ctx.seed, round, self.ctx.rank)
+        return torch.randint(size, (count,), generator=gen, dtype=torch.int64)
+
+    def feedback(self, round: int) -> None:  # noqa: B027 (default hook)
+        """After delivery: nothing by default."""
+
+    def state_dict(self) -> dict[str, object]:
+        """Streams derive from ``(seed, round, rank)``: only the name is kept by default."""
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Check the checkpoint was taken with the same kind of sampler.
+
+        Raises:
+            ValueError: on another sampler's state.
+        """
+        if state.get("name") != self.name:
+            raise ValueError(
+                f"sampler: checkpoint has {state.get('name')!r}, plane has {self.name!r}"
+            )

@@ -13,60 +13,34 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conduit_dist.sampling.base import seeded
+from conduit_dist.sampling.base import Sampler, seeded
 
 
-def allocate(
-    requests: np.ndarray, sizes: np.ndarray, seed: int, round: int, gen: torch.Generator
-) -> np.ndarray:
-    """Per-learner, per-shard sample counts for one round.
+class Uniform(Sampler):
+    """Each learner's batch i.i.d. uniform over every item of every shard."""
 
-    Args:
-        requests: ``[world]`` batch size each rank asks for (0 for ranks not fetching).
-        sizes: ``[world]`` items stored on each shard after this round's ingestion.
-        seed: the run seed.
-        round: the round number.
-        gen: a generator to reseed from ``(seed, round)`` (owned by the caller's plane).
+    name = "uniform"
 
-    Returns:
-        ``int64 [world, world]``: ``counts[learner, shard]``; rows sum to ``requests``. All zero
-        when the store is empty.
-    """
-    world = sizes.shape[0]
-    counts = np.zeros((world, world), dtype=np.int64)
-    total = int(sizes.sum())
-    if total == 0 or not requests.any():
+    def allocate(
+        self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
+    ) -> np.ndarray:
+        """Per-learner multinomial split over shards in proportion to their sizes."""
+        world = sizes.shape[0]
+        counts = np.zeros((world, world), dtype=np.int64)
+        if int(sizes.sum()) == 0 or not requests.any():
+            return counts
+        gen = seeded(self._alloc_gen, self.ctx.seed, round, 0x5A11)
+        probs = torch.from_numpy(sizes.astype(np.float64))
+        for learner in np.nonzero(requests)[0]:
+            draws = torch.multinomial(
+                probs, int(requests[learner]), replacement=True, generator=gen
+            )
+            counts[learner] = torch.bincount(draws, minlength=world).numpy()
         return counts
-    gen = seeded(gen, seed, round, 0x5A11)
-    probs = torch.from_numpy(sizes.astype(np.float64))
-    for learner in np.nonzero(requests)[0]:
-        draws = torch.multinomial(probs, int(requests[learner]), replacement=True, generator=gen)
-        counts[learner] = torch.bincount(draws, minlength=world).numpy()
-    return counts
 
-
-class UniformSampler:
-    """Draws a shard's share of each learner's batch, uniformly over the shard's items.
-
-    Args:
-        seed: the run seed.
-        rank: this shard's rank (mixed into the stream).
-    """
-
-    def __init__(self, seed: int, rank: int) -> None:
-        self.seed = seed
-        self.rank = rank
-        self._gen = torch.Generator()
-
-    def slots(self, count: int, size: int, round: int) -> torch.Tensor:
-        """``count`` slot indices drawn uniformly with replacement from ``[0, size)``."""
-        gen = seeded(self._gen, self.seed, round, self.rank)
-        return torch.randint(size, (count,), generator=gen, dtype=torch.int64)
-
-    def state_dict(self) -> dict[str, int]:
-        """The sampler is stateless between rounds: streams are derived from (seed, round, rank)."""
-        return {"seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the seed."""
-        self.seed = int(state["seed"])
+    def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """``requests[l] * n_s / N``."""
+        total = sizes.sum()
+        if total == 0:
+            return np.zeros((sizes.shape[0], sizes.shape[0]))
+        return requests[:, None] * (sizes[None, :] / total)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ class Scheduler:
             else None
         )
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._last: Future | None = None  # the latest launched round (maybe timed out in wait)
 
     def _execute(self, ticket: RoundTicket):
         if self._stream is None:
@@ -97,7 +99,8 @@ class Scheduler:
     def launch(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
         """Start a round on the worker thread (``overlap`` mode only; one at a time)."""
         assert self._pool is not None and self.pending is None, "one launched round at a time"
-        self.pending = Pending(kind, ticket, self._pool.submit(self._execute, ticket), put_seq)
+        self._last = self._pool.submit(self._execute, ticket)
+        self.pending = Pending(kind, ticket, self._last, put_seq)
 
     def wait(self) -> tuple[Pending, torch.Tensor, RoundStats]:
         """Wait for the launched round and clear it.
@@ -116,30 +119,46 @@ class Scheduler:
             ) from None
         return p, self._adopt(out, event), stats
 
-    def settle(self) -> None:
-        """Block until no round is running; a prefetched round stays pending for its fetch."""
-        if self.pending is not None:
-            try:
-                self.pending.future.result(timeout=4 * self.timeout_s)
-            except FutureTimeout:
-                pass  # reported with context by wait()
-            except Exception:
-                pass
-
     def drain(self) -> None:
         """Finish a launched round, if any (its delivered batch is dropped)."""
         if self.pending is not None:
             self.wait()
 
-    def close(self, abandon: bool = False) -> None:
-        """Stop the worker after draining; ``abandon`` (after a failure): no drain, no wait."""
+    def settle(self) -> None:
+        """Block until no round is running; a launched round stays pending for its call.
+
+        Nothing is raised or swallowed here: a failed round raises at :meth:`wait`, from the
+        call it belongs to.
+        """
+        if self.pending is not None:
+            wait_futures([self.pending.future], timeout=4 * self.timeout_s)
+
+    @property
+    def running(self) -> bool:
+        """Whether a launched round has not finished yet."""
+        return self.pending is not None and not self.pending.future.done()
+
+    def close(self, abandon: bool = False) -> bool:
+        """Stop the worker after draining; returns whether it has stopped.
+
+        ``abandon`` (after a failure): the launched round's result is dropped, but the worker is
+        given up to ``2 * timeout_s`` to leave it (its collectives time out by then), so the
+        caller never frees the group or the shard under a running round. ``False``: it is still
+        inside the round; the caller must leave those resources alone.
+        """
         if abandon:
-            self.pending = None
+            self.pending, last = None, self._last
+            if last is not None:
+                wait_futures([last], timeout=2 * self.timeout_s)
+                if not last.done():
+                    self._pool.shutdown(wait=False)
+                    return False
         try:
             self.drain()
         finally:
             if self._pool is not None:
-                self._pool.shutdown(wait=not abandon)
+                self._pool.shutdown(wait=True)
+        return True
 
 
 def now() -> float:

@@ -1,8 +1,9 @@
-"""Memory and disk tiers, the per-rank shard (one tier or several) and placement."""
+"""Memory and disk tiers and the per-rank shard (one tier or several): the plane's storage."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -10,7 +11,6 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.tiers.base import Tier
 from conduit_dist.tiers.disk import DiskTier
 from conduit_dist.tiers.memory import MemoryTier
-from conduit_dist.tiers.placement import POLICIES, plan_ingest
 from conduit_dist.tiers.shard import Shard
 from conduit_dist.tiers.tiered import TieredShard
 
@@ -108,15 +108,46 @@ def make_shard(
     return TieredShard(built, background=background)
 
 
+@dataclass(frozen=True)
+class Tiers:
+    """The storage of every rank's shard: memory and disk tiers, fastest first.
+
+    Newest items live in the first tier; older ones are demoted down the list, and the last tier
+    evicts its oldest. Pass as ``DataPlane(..., storage=cd.Tiers([("host", 250_000), ("disk",
+    750_000)], disk_dir="/scratch"))``.
+
+    Args:
+        tiers: ``(kind, items)`` per tier with kinds ``device``, ``pinned``, ``host``, ``disk``;
+            the items must add up to the plane's ``capacity_per_rank``. ``None``: one memory tier
+            on the plane's device.
+        disk_dir: directory for ``disk`` tiers (files removed on close).
+        gbps: declared ``kind -> (read, write)`` GB/s; configured tiers of kinds not listed
+            measure theirs at start-up (shown in ``store_stats``).
+        background: with several tiers, demote between rounds on a worker thread (evicting up to
+            one round's inflow early once full; see ``tiers/tiered.py``) instead of inside the
+            round that needs the room.
+    """
+
+    tiers: Sequence[tuple[str, int]] | None = None
+    disk_dir: str | None = None
+    gbps: Mapping[str, Sequence[float]] | None = None
+    background: bool = True
+
+    def build(self, capacity: int, record_bytes: int, device: torch.device):
+        """This rank's shard (see :func:`make_shard`)."""
+        return make_shard(
+            self.tiers, capacity, record_bytes, device, self.disk_dir, self.background, self.gbps
+        )
+
+
 __all__ = [
     "KINDS",
-    "POLICIES",
     "DiskTier",
     "MemoryTier",
     "Shard",
     "Tier",
     "TieredShard",
+    "Tiers",
     "make_shard",
     "make_tier",
-    "plan_ingest",
 ]

@@ -35,18 +35,40 @@ class Shard:
             return None
         return self.tier.region(self.write_pos, self.write_pos + n)
 
-    def direct_region(self, ahead: int, n: int) -> torch.Tensor | None:
-        """Slots ``ahead`` items past the write position for ``n`` items, if they do not wrap."""
-        start = self.write_pos + ahead
-        if start + n > self.capacity:
-            return None
-        return self.tier.region(start, start + n)
+    def direct_views(self, ahead: int, n: int) -> tuple[int, list[torch.Tensor]]:
+        """Storage rows for ``n`` items written ``ahead`` items past the write position.
 
-    demotes_ahead = False  # one tier: nothing to demote
-    ahead_limit = 0
+        For writes ahead of a round at world size 1: the slots count once :meth:`commit` is
+        called. The ring wraps (two views); of more than ``capacity`` items only the newest
+        ``capacity`` get rows, as if written in order.
+
+        Returns:
+            ``(skip, views)``: the first ``skip`` items get no row, the rest fill ``views`` in
+            order.
+        """
+        cap = self.capacity
+        keep = min(n, cap)
+        start = (self.write_pos + ahead + n - keep) % cap
+        first = min(keep, cap - start)
+        views = [self.tier.region(start, start + first)]
+        if first < keep:
+            views.append(self.tier.region(0, keep - first))
+        return n - keep, views
+
+    def overwrites_live(self, ahead: int, n: int) -> bool:
+        """Whether writing ``n`` items ``ahead`` past the write position reaches live items."""
+        return self.size + ahead + n > self.capacity
 
     def demote_ahead(self, n: int) -> None:
         """Nothing to do for one tier (overwriting the oldest slots is the eviction)."""
+
+    def ahead_evictions(self, sizes, inflow):
+        """Items every shard's demoter evicts before the next round: none for one tier.
+
+        Returns:
+            ``None`` (nothing runs ahead), or ``int64 [world]`` to subtract from ``sizes``.
+        """
+        return None
 
     def settle(self) -> None:
         """Nothing runs in the background for one tier."""

@@ -17,10 +17,12 @@ items arrive (before it samples). Rounds never overlap a demotion.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
@@ -69,6 +71,7 @@ class TieredShard:
         self.demotion_wait_ms = 0.0
         self._worker = ThreadPoolExecutor(1, "conduit-demote") if self.demotes_ahead else None
         self._ahead: Future | None = None
+        self._lock = threading.Lock()  # held by a background demotion; stats read under it
 
     @property
     def size(self) -> int:
@@ -84,11 +87,31 @@ class TieredShard:
         self.settle()
         self._ahead = self._worker.submit(self._room_for, n)
 
+    def ahead_evictions(self, sizes: np.ndarray, inflow: np.ndarray) -> np.ndarray | None:
+        """Items every shard's demoter evicts before the next round, from replicated inputs.
+
+        Each rank's :meth:`demote_ahead` makes room for as many items as its shard received
+        this round, evicting ``max(0, size + n - capacity)`` once full; tier config is the same on
+        every rank, so every rank can update every shard's size without an exchange.
+
+        Args:
+            sizes: ``[world]`` items on each shard after this round.
+            inflow: ``[world]`` items each shard received this round.
+
+        Returns:
+            ``int64 [world]`` to subtract from ``sizes``, or ``None`` when nothing runs ahead.
+        """
+        if not self.demotes_ahead:
+            return None
+        ahead = np.minimum(inflow, self.ahead_limit)
+        return np.maximum(0, sizes + ahead - self.capacity)
+
     def _room_for(self, n: int) -> None:
-        self._make_room(0, min(n, self.rings[0].cap))
-        for ring in self.rings:
-            if ring.tier.data.device.type == "cuda":  # copies done before any round reads them
-                torch.cuda.synchronize(ring.tier.data.device)
+        with self._lock:
+            self._make_room(0, min(n, self.rings[0].cap))
+            for ring in self.rings:
+                if ring.tier.data.device.type == "cuda":  # copies done before a round reads them
+                    torch.cuda.synchronize(ring.tier.data.device)
 
     def settle(self) -> None:
         """Wait for the background demotion, if any (re-raising its error)."""
@@ -155,9 +178,7 @@ class TieredShard:
         self.rings[0].size += n
         self.written += n
 
-    def direct_region(self, ahead: int, n: int) -> torch.Tensor | None:
-        """Writing ahead of a round is not supported across tiers (it would need a demotion)."""
-        return None
+    direct_views = None  # writing ahead of a round across tiers would need a demotion
 
     # ------------------------------------------------------------------ reads
 
@@ -180,8 +201,15 @@ class TieredShard:
             offset += ring.size
 
     def stats(self) -> dict[str, object]:
-        """Items and bytes per tier, demotions and evictions so far."""
-        self.settle()
+        """Items and bytes per tier, demotions and evictions so far.
+
+        Reads under the demotion lock and never waits for (or takes over) the background
+        demotion, so it cannot change the shard under a round; the plane calls it between rounds.
+        """
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, object]:
         tiers = [
             {
                 "kind": r.tier.kind,

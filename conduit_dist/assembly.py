@@ -1,0 +1,187 @@
+"""Building a plane's components: one function that checks the arguments, discovers the topology,
+picks the bandwidth model, builds storage, sampler, placement, transport, rounds and scheduling,
+and releases everything it created (process group, disk files, threads) if a step fails."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.model import BandwidthModel, build
+from conduit_dist.collectives.topology import Topology, discover
+from conduit_dist.collectives.transport import Transport
+from conduit_dist.errors import ConfigError
+from conduit_dist.placement import Placement, PlacementContext
+from conduit_dist.registry import (
+    BANDWIDTHS,
+    MAX_LAGS,
+    PLACEMENTS,
+    SAMPLERS,
+    SCHEDULES,
+    check_choice,
+    resolve,
+)
+from conduit_dist.rounds import RoundRunner
+from conduit_dist.sampling import Sampler, SamplerContext
+from conduit_dist.sched import Timeline
+from conduit_dist.sched.auto import AutoTrial
+from conduit_dist.sched.clock import RoundClock
+from conduit_dist.sched.overlap import OverlapController
+from conduit_dist.sched.scheduler import Scheduler
+from conduit_dist.spec import ExperienceSpec
+from conduit_dist.stager import Stager
+from conduit_dist.tiers import Tiers
+from conduit_dist.weights import WeightsState
+
+log = logging.getLogger("conduit_dist")
+_plane_ids = itertools.count()
+# declared link numbers (measured on 2 loopback gloo ranks, 2-core machine): used when not probing
+DECLARED = (1.5e-4, {"self": 8.0, "host": 1.5, "net": 0.1})
+
+
+@dataclass
+class Parts:
+    """A plane's components (see docs/architecture.md for how a round uses them)."""
+
+    exchange: Exchange
+    topology: Topology
+    bandwidth: BandwidthModel
+    calibration_s: float
+    learner_ranks: tuple[int, ...]
+    shard: object
+    sampler: Sampler
+    placement: Placement
+    runner: RoundRunner
+    sched: Scheduler
+    weights: WeightsState
+    timeline: Timeline
+    stager: Stager
+    clock: RoundClock
+    control: OverlapController
+
+
+def check_args(spec, capacity: int, schedule: str, max_lag: int, timeout_s: float) -> None:
+    """The plain-value arguments of a plane.
+
+    Raises:
+        ConfigError: naming the argument, the expected and the received value.
+    """
+    if not isinstance(spec, ExperienceSpec):
+        raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ConfigError(f"capacity_per_rank: expected an int >= 1, got {capacity!r}")
+    check_choice("schedule", schedule, SCHEDULES)
+    check_choice("max_lag", max_lag, MAX_LAGS)
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s: expected > 0 seconds, got {timeout_s}")
+
+
+def _learners(ranks: Sequence[int] | None, world: int) -> tuple[int, ...]:
+    if ranks is None:
+        return tuple(range(world))
+    out = tuple(sorted({int(r) for r in ranks}))
+    if not out or any(not 0 <= r < world for r in out):
+        raise ConfigError(
+            f"learner_ranks: expected a non-empty subset of 0..{world - 1}, got {list(ranks)}"
+        )
+    return out
+
+
+def _bandwidth(bandwidth, ex: Exchange, topo: Topology, cache) -> tuple[BandwidthModel, float]:
+    if isinstance(bandwidth, BandwidthModel):
+        return bandwidth, 0.0
+    check_choice("bandwidth", bandwidth, (*BANDWIDTHS, "a BandwidthModel"))
+    declared = BandwidthModel.declared(*DECLARED)
+    return build(ex, topo, bandwidth == "calibrate", cache, declared)
+
+
+def _unbound(obj, field: str):
+    if getattr(obj, "ctx", None) is not None:
+        raise ConfigError(
+            f"{field}: this {type(obj).__name__} serves another plane; pass a new one"
+        )
+    return obj
+
+
+def assemble(
+    spec: ExperienceSpec,
+    capacity: int,
+    seed: int,
+    *,
+    sampler: str | Sampler,
+    placement: str | Placement,
+    storage: Tiers | None,
+    learner_ranks: Sequence[int] | None,
+    device: str | torch.device,
+    schedule: str,
+    max_lag: int,
+    auto_trial: int,
+    timeout_s: float,
+    strategy: str,
+    bandwidth: str | BandwidthModel,
+    bandwidth_cache: str | None,
+    trace: bool,
+    can_launch,
+) -> Parts:
+    """Build every component of a plane (arguments as :class:`~conduit_dist.plane.DataPlane`).
+
+    Collective: every rank calls it at the same point (it creates the plane's process group and
+    discovers hosts). If any step fails, what was built is released before the error propagates.
+
+    Raises:
+        ConfigError: on a bad argument (nothing is left behind).
+    """
+    check_args(spec, capacity, schedule, max_lag, timeout_s)
+    sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
+    placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
+    device = torch.device(device)
+    storage = storage if storage is not None else Tiers()
+    if not isinstance(storage, Tiers):
+        raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")
+    with contextlib.ExitStack() as undo:
+        ex = Exchange(timeout_s, name=str(next(_plane_ids)))
+        undo.callback(ex.close)
+        learners = _learners(learner_ranks, ex.world)
+        shard = storage.build(capacity, spec.record_bytes, device)
+        undo.callback(shard.close)
+        topo = discover(ex)
+        model, calibration_s = _bandwidth(bandwidth, ex, topo, bandwidth_cache)
+        links = topo.link_matrix()
+        is_learner = np.zeros(ex.world, dtype=bool)
+        is_learner[list(learners)] = True
+        sampler.bind(SamplerContext(int(seed), ex.rank, ex.world, links))
+        placement.bind(
+            PlacementContext(ex.world, links, is_learner, spec.record_bytes, model, sampler)
+        )
+        undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
+        undo.callback(setattr, placement, "ctx", None)
+        transport = Transport(ex, topo, model, strategy)
+        runner = RoundRunner(spec, shard, ex, sampler, placement, learners[0], device, transport)
+        # one CPU rank has no collective to wait for: a background round would only add a
+        # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
+        can_overlap = ex.world > 1 or device.type == "cuda"
+        trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
+        overlap = schedule == "overlap" and can_overlap
+        weights = WeightsState()
+        mode = "overlap" if (overlap or trial) else "sync"
+        sched = Scheduler(mode, runner, weights, device, timeout_s)
+        undo.callback(sched.close, True)
+        timeline = Timeline(ex.rank, enabled=trace)
+        limit = capacity * ex.world
+        stager = Stager(
+            spec, shard, ex.world, limit, sched, max_lag, timeline, device.type == "cuda"
+        )
+        clock = RoundClock(stager, weights, sched, timeline)
+        control = OverlapController(clock, sched, overlap, trial, max_lag, can_launch, ex.rank)
+        undo.pop_all()
+    return Parts(
+        ex, topo, model, calibration_s, learners, shard, sampler, placement, runner, sched,
+        weights, timeline, stager, clock, control,
+    )  # fmt: skip

@@ -1,0 +1,72 @@
+"""One table of allowed values per setting, shared by the constructor and the Hydra config.
+
+A new sampler or placement is one module in its subpackage plus one line here; ``config.validate``
+and :class:`~conduit_dist.plane.DataPlane` both resolve names through these tables, so an unknown
+value is the same clear error everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import numpy as np
+
+from conduit_dist.collectives.strategies import NAMES as STRATEGY_NAMES
+from conduit_dist.errors import ConfigError
+from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
+from conduit_dist.sampling import Sampler, SamplerContext, Uniform
+
+SAMPLERS: dict[str, Callable[[], Sampler]] = {
+    "uniform": Uniform,
+}
+PLACEMENTS: dict[str, Callable[[], Placement]] = {
+    "round_robin": RoundRobin,
+    "local": Local,
+    "bandwidth_aware": BandwidthAware,
+}
+SCHEDULES = ("overlap", "sync", "auto")
+STRATEGIES = ("auto", *STRATEGY_NAMES)
+BANDWIDTHS = ("declared", "calibrate")
+MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one round at most
+MODES = ("colocated", "disaggregated")
+PLANE_KINDS = ("conduit", "simple")
+ALGOS = ("dqn",)
+LOGGERS = ("wandb", "console", "none")
+LOGGER_MODES = ("offline", "online", "disabled")
+
+T = TypeVar("T")
+
+
+def check_choice(field: str, value: object, allowed) -> None:
+    """Raise unless ``value`` is one of ``allowed``.
+
+    Raises:
+        ConfigError: naming the field, the allowed values and the received one.
+    """
+    if value not in allowed:
+        raise ConfigError(f"{field}: expected one of {list(allowed)}, got {value!r}")
+
+
+def bound_sampler(name: str, links: np.ndarray, seed: int = 0) -> Sampler:
+    """A sampler from :data:`SAMPLERS` bound to a declared job (rank 0), for what-if pricing."""
+    check_choice("sampler", name, SAMPLERS)
+    sampler = SAMPLERS[name]()
+    sampler.bind(SamplerContext(seed, 0, links.shape[0], links))
+    return sampler
+
+
+def resolve(field: str, value: str | T, table: Mapping[str, Callable[[], T]], kind: type) -> T:
+    """An object from ``table`` by name, or ``value`` itself when it is already a ``kind``.
+
+    Raises:
+        ConfigError: for an unknown name or an object of another type.
+    """
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        check_choice(field, value, table)
+        return table[value]()
+    raise ConfigError(
+        f"{field}: expected a {kind.__name__} or one of {list(table)}, got {type(value).__name__}"
+    )

@@ -1,0 +1,86 @@
+"""The plane's round clock: numbers rounds, prepares their tickets, records how they went.
+
+Every rank runs the same rounds in the same order; the clock is where a rank's rounds are counted
+(one per fetch, flush or closing call), where a round's ticket is snapshotted from the stager and
+the weights, and where the first failure is kept so that every later call raises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from conduit_dist.errors import RoundError
+from conduit_dist.rounds import RoundStats, RoundTicket
+from conduit_dist.sched.scheduler import Pending, Scheduler
+from conduit_dist.sched.timeline import Timeline
+
+T = TypeVar("T")
+
+
+class RoundClock:
+    """Round numbering, tickets and failure state of one plane.
+
+    Args:
+        stager: the plane's stager (what a round ingests).
+        weights: the plane's weights state (what a round broadcasts).
+        sched: runs rounds inline or on the worker.
+        timeline: where each round's phases are recorded.
+    """
+
+    def __init__(self, stager, weights, sched: Scheduler, timeline: Timeline) -> None:
+        self.stager, self.weights, self.sched, self.timeline = stager, weights, sched, timeline
+        self.round = 0  # rounds prepared so far (the next round's number)
+        self.stats = RoundStats()  # the latest finished round
+        self.failed: RoundError | None = None
+
+    def prepare(self, request: int) -> RoundTicket:
+        """Snapshot what the next round moves (on the thread that owns ``put``)."""
+        staged, direct = self.stager.take()
+        ticket = RoundTicket(self.round, request, staged, direct, self.weights.snapshot())
+        self.round += 1
+        return ticket
+
+    def guard(self, fn: Callable[[], T]) -> T:
+        """Call ``fn``; a :class:`RoundError` is kept, so every later call raises it."""
+        try:
+            return fn()
+        except RoundError as exc:
+            self.failed = exc
+            raise
+
+    def run(self, request: int) -> tuple[torch.Tensor, RoundStats]:
+        """Prepare a round and run it inline."""
+        ticket = self.prepare(request)
+        out, stats = self.guard(lambda: self.sched.run(ticket))
+        self.finish(stats)
+        return out, stats
+
+    def wait(self) -> tuple[Pending, torch.Tensor, RoundStats]:
+        """Wait for the launched round (raising its failure)."""
+        p, out, stats = self.guard(self.sched.wait)
+        self.finish(stats)
+        return p, out, stats
+
+    def finish(self, stats: RoundStats) -> None:
+        """Record a finished round."""
+        self.stats = stats
+        if self.timeline.enabled:
+            for phase, (a, b) in stats.spans.items():
+                self.timeline.add(phase, Timeline.PLANE, a, b, round=stats.round)
+
+    def check(self) -> None:
+        """Raise the kept failure, if any.
+
+        Raises:
+            RoundError: naming the round that failed.
+        """
+        if self.failed is not None:
+            raise RoundError(
+                f"the DataPlane failed in round {self.failed.round} and cannot continue: "
+                f"{self.failed}",
+                self.failed.round,
+                self.failed.ranks,
+            )

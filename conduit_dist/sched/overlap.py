@@ -1,0 +1,161 @@
+"""Which round a fetch or flush owns, and when it runs: inline, or launched at backward.
+
+Every fetch (learners) and flush (actors) owns exactly one round, so every rank runs the same
+number of rounds whatever each one's schedule. In ``overlap`` mode a learner's next round is
+launched when its module's backward starts and a flush's round runs in the background; the call
+that owns a launched round waits for it. ``schedule="auto"`` times both modes on each rank, on
+learners at every fetch and on actors at every flush, and keeps the faster.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.rounds import RoundStats
+from conduit_dist.sched.auto import AutoTrial
+from conduit_dist.sched.clock import RoundClock
+from conduit_dist.sched.hooks import BackwardTrigger
+from conduit_dist.sched.scheduler import Scheduler, now
+from conduit_dist.sched.timeline import Timeline
+
+log = logging.getLogger("conduit_dist")
+
+
+class OverlapController:
+    """Drives a plane's rounds from fetch, flush and the learner's backward.
+
+    Args:
+        clock: numbers and prepares rounds.
+        sched: runs them.
+        overlap: start in ``overlap`` mode (else ``sync``).
+        trial: the ``auto`` trial, or ``None``.
+        max_lag: ``0``: launch at backward only between ``fetch(..., more=True)`` minibatches.
+        can_launch: whether a backward may launch a round now (plane open, no staged block).
+        rank: this rank (for the log).
+    """
+
+    def __init__(
+        self,
+        clock: RoundClock,
+        sched: Scheduler,
+        overlap: bool,
+        trial: AutoTrial | None,
+        max_lag: int,
+        can_launch: Callable[[], bool],
+        rank: int = 0,
+    ) -> None:
+        self.clock, self.sched, self.trial = clock, sched, trial
+        self.overlap, self.max_lag, self.can_launch = overlap, max_lag, can_launch
+        self.rank = rank
+        self.trigger: BackwardTrigger | None = None
+        self._fetched = False  # a fetch happened since the last launch at backward
+        self._last_batch = 0
+        self._more = False
+
+    @property
+    def chosen_schedule(self) -> str:
+        """The schedule in force on this rank (``auto (trial)`` until the trial is over)."""
+        if self.trial is not None and self.trial.choice is None:
+            return "auto (trial)"
+        return "overlap" if self.overlap else "sync"
+
+    def fetch_round(
+        self, batch_size: int, more: bool
+    ) -> tuple[torch.Tensor, RoundStats, bool, int]:
+        """This fetch's round: ``(records, stats, prefetched, lag)``."""
+        t_wait = now()
+        pending = self.sched.pending
+        if pending is not None and pending.kind == "prefetch":
+            p, records, stats = self.clock.wait()
+            prefetched, lag = True, int(self.clock.stager.put_seq > p.put_seq)
+        else:
+            if pending is not None:  # an overlapped flush's round: finish it first
+                self.clock.wait()
+            records, stats = self.clock.run(batch_size)
+            prefetched, lag = False, 0
+        self._fetched, self._last_batch, self._more = True, batch_size, more
+        self._tick(t_wait)
+        return records, stats, prefetched, lag
+
+    def flush(self) -> None:
+        """An actor's round (see :meth:`DataPlane.flush`)."""
+        self._tick(now())
+        pending = self.sched.pending
+        if pending is not None:
+            self.clock.wait()
+            if pending.kind == "prefetch":  # launched at backward: it is this call's round
+                return
+        if self.overlap:
+            self.sched.launch(self.clock.prepare(0), "flush", self.clock.stager.put_seq)
+        else:
+            self.clock.run(0)
+
+    def wait(self) -> None:
+        """Finish an overlapped flush's round; a round launched at backward stays attributed to
+        the next fetch (this waits until it is done, and raises if it failed)."""
+        pending = self.sched.pending
+        if pending is None:
+            return
+        if pending.kind == "flush":
+            self.clock.wait()
+            return
+        self.sched.settle()
+        if pending.future.done() and pending.future.exception() is not None:
+            self.clock.wait()  # a failed prefetched round raises now, not at some later fetch
+
+    def closing_round(self) -> None:
+        """Every rank's last round: a round launched at backward serves as it, else one runs."""
+        pending = self.sched.pending
+        if pending is not None:
+            self.clock.wait()
+        if pending is None or pending.kind != "prefetch":
+            self.clock.run(0)
+
+    def attach(self, module: nn.Module) -> None:
+        """Launch the next fetch's round when ``module``'s backward starts.
+
+        Raises:
+            ConfigError: if a module is attached already.
+        """
+        if self.trigger is not None and self.trigger.attached:
+            raise ConfigError("attach: a module is attached already; call detach() first")
+        timeline = self.clock.timeline
+
+        def forward_span(start: float, end: float) -> None:
+            timeline.add("forward", Timeline.LEARNER, start, end)
+
+        self.trigger = BackwardTrigger(module, self._on_backward, forward_span)
+
+    def detach(self) -> None:
+        """Remove the hooks (a launched round still completes at the next call)."""
+        if self.trigger is not None:
+            self.trigger.remove()
+            self.trigger = None
+
+    def _on_backward(self) -> None:
+        t = now()
+        self.clock.timeline.add("backward start", Timeline.LEARNER, t, t)
+        if not self.overlap or not self.can_launch():
+            return
+        if self.sched.pending is not None or not self._fetched:
+            return
+        if self.max_lag == 0 and not self._more:
+            return
+        self._fetched = False
+        ticket = self.clock.prepare(self._last_batch)
+        self.sched.launch(ticket, "prefetch", self.clock.stager.put_seq)
+
+    def _tick(self, t: float) -> None:
+        """Feed the auto trial the iteration that ended at ``t``; follow its mode."""
+        if self.trial is None:
+            return
+        mode = self.trial.tick(t, "overlap" if self.overlap else "sync")
+        if mode is not None:
+            self.overlap = mode == "overlap"
+            if self.trial.choice is not None:
+                log.info("rank %d: %s", self.rank, self.trial.describe())

@@ -1,0 +1,162 @@
+"""The producer side of a plane: ``put`` (copying or donating), ``staged`` (in place), lag rules.
+
+Items put between two rounds are staged in one of two host buffers (pinned on CUDA machines) that
+the next round ingests, so ``put`` never waits for a collective. At world size 1 over one tier,
+``put`` writes straight into the shard's slots instead (no second copy): the slots count from the
+next round on, as staged items do. Staging is bounded by the global store's capacity: items
+beyond it would be evicted by the next round anyway, so ``put`` drops the oldest staged items
+first (counted in ``dropped``), and ``staged`` refuses a block that does not fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.sched.scheduler import Scheduler, now
+from conduit_dist.sched.timeline import Timeline
+from conduit_dist.spec import ExperienceSpec
+from conduit_dist.staging import DoubleBuffer, RecordBuffer
+
+
+class Stager:
+    """Stages a rank's items for the next round.
+
+    Args:
+        spec: the record layout.
+        shard: this rank's shard (written into directly at world size 1 over one tier).
+        world: number of ranks.
+        limit: items staged between two rounds at most (the global store's capacity).
+        sched: the plane's scheduler (is a round in flight?).
+        max_lag: ``0`` forbids staging once the next fetch's round was launched.
+        timeline: where ``put`` spans are recorded.
+        pin_memory: page-locked staging (CUDA machines).
+    """
+
+    def __init__(
+        self,
+        spec: ExperienceSpec,
+        shard: object,
+        world: int,
+        limit: int,
+        sched: Scheduler,
+        max_lag: int,
+        timeline: Timeline,
+        pin_memory: bool = False,
+    ) -> None:
+        self.spec, self.shard, self.sched, self.timeline = spec, shard, sched, timeline
+        self.limit, self.max_lag = limit, max_lag
+        self.direct_ok = world == 1 and getattr(shard, "direct_views", None) is not None
+        self.buffers = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=pin_memory)
+        self.direct = 0  # items written straight into storage slots, counted at the next round
+        self.put_seq = 0  # puts so far (a fetched batch's lag is measured against it)
+        self.in_block = False  # inside a staged() block
+        self.dropped = 0  # staged items dropped oldest-first to stay under the limit
+
+    @property
+    def pending(self) -> int:
+        """Items put since the last round was prepared."""
+        return self.direct + self.buffers.current.count
+
+    def put(self, batch: Mapping[str, torch.Tensor], donate: bool = False) -> None:
+        """Validate ``batch`` and stage it (see :meth:`DataPlane.put`); a rejected batch leaves
+        staging and storage exactly as before."""
+        t0 = now()
+        n = self.spec.validate(batch)
+        self.check_lag("put")
+        if self.direct_ok and self.sched.pending is None and not self.buffers.current.count:
+            self._put_direct(batch, n)
+        else:
+            stage = self.buffers.current
+            if stage.count + n > self.limit:  # check before dropping: a rejected put drops none
+                self.spec.check_finite(batch)
+                skip = self._make_room(stage, n)
+                batch, n = {k: v[skip:] for k, v in batch.items()}, n - skip
+            if donate:  # checked now, packed by the round
+                self.spec.check_finite(batch)
+                stage.defer(n, dict(batch))
+            else:  # rows count only once committed: a rejected pack leaves none
+                self.spec.pack(batch, stage.reserve(n), check=True)
+                stage.commit(n)
+        self.put_seq += 1
+        self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
+
+    def _put_direct(self, batch: Mapping[str, torch.Tensor], n: int) -> None:
+        """World size 1: pack into the slots the items take at the next round."""
+        skip, views = self.shard.direct_views(self.direct, n)
+        # slots that still hold live (or earlier put) items are only written once the batch is
+        # known to be finite; free slots take the one-pass pack with its fused check
+        check_first = self.shard.overwrites_live(self.direct, n)
+        if check_first:
+            self.spec.check_finite(batch)
+        at = skip
+        for view in views:
+            rows = view.shape[0]
+            part = batch if rows == n else {k: v[at : at + rows] for k, v in batch.items()}
+            self.spec.pack(part, view, check=not check_first)
+            at += rows
+        self.direct += n
+
+    @contextlib.contextmanager
+    def staged(self, n: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Writable staging rows for ``n`` items (see :meth:`DataPlane.staged`)."""
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"staged: n must be an int >= 1, got {n!r}")
+        if self.in_block:
+            raise ConfigError("staged: a staged() block is open already; leave it first")
+        self.check_lag("staged")
+        t0 = now()
+        stage = self.buffers.current
+        self._check_limit(stage.count + n)
+        rows = stage.reserve(n)
+        self.in_block = True
+        try:
+            yield self.spec.unpack(rows)
+            self.spec.check_records_finite(rows)
+            stage.commit(n)
+        finally:
+            self.in_block = False
+        self.put_seq += 1
+        self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
+
+    def take(self) -> tuple[RecordBuffer, int]:
+        """Hand this round's staged buffer and direct-write count to a round being prepared."""
+        direct, self.direct = self.direct, 0
+        return self.buffers.take(), direct
+
+    def check_lag(self, op: str) -> None:
+        """With ``max_lag=0``, refuse items the already launched next round would miss.
+
+        Raises:
+            ConfigError: when the round for the next fetch is in flight.
+        """
+        pending = self.sched.pending
+        if self.max_lag == 0 and pending is not None and pending.kind == "prefetch":
+            raise ConfigError(
+                f"{op}: max_lag=0, but the round for the next fetch was launched already "
+                "(fetch(..., more=True)); put before the first fetch of an iteration"
+            )
+
+    def _make_room(self, stage: RecordBuffer, n: int) -> int:
+        """Drop the oldest staged items so ``n`` more fit under the limit; returns how many of
+        the new batch's own oldest items are dropped too."""
+        if n >= self.limit:  # the new batch alone fills staging
+            self.dropped += stage.count + n - self.limit
+            stage.reset()
+            return n - self.limit
+        over = stage.count + n - self.limit
+        stage.pack_deferred(self.spec)
+        stage.drop_oldest(over)
+        self.dropped += over
+        return 0
+
+    def _check_limit(self, total: int) -> None:
+        if total > self.limit:
+            raise ConfigError(
+                f"staged: {total} items would be staged since the last round, over the staging "
+                f"limit of {self.limit} (the global store's capacity); run a round (fetch or "
+                "flush) first, or stage fewer items"
+            )
