@@ -1,11 +1,14 @@
-"""Shared benchmark helpers: medians of repeated timings, the final JSON line."""
+"""Shared benchmark helpers: argument checks, medians of repeated timings, the final JSON line."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 K = TypeVar("K")
@@ -40,3 +43,75 @@ def median_times(
 def emit(name: str, results: list[dict], summary: dict, **extra: object) -> None:
     """Print the benchmark's JSON line (always the last line of output)."""
     print(json.dumps({"bench": name, **extra, "results": results, "summary": summary}), flush=True)
+
+
+# ---------------------------------------------------------------------------- argument checks
+# Used as argparse ``type=``: a bad value fails at parse time, before anything is measured, as
+# ``error: argument --out: expected a path ending in .png, got 'x.json'`` (exit status 2).
+
+
+def check_out_path(path: str, suffixes: Sequence[str]) -> str:
+    """``path`` if it ends in one of ``suffixes`` and its directory exists or can be created.
+
+    Nothing is created: the nearest existing ancestor directory must be writable.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the expected suffixes or directory, and ``path``.
+    """
+    if not path.lower().endswith(tuple(s.lower() for s in suffixes)):
+        raise argparse.ArgumentTypeError(
+            f"expected a path ending in {' or '.join(suffixes)}, got {path!r}"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"expected a path under a writable directory, got {path!r} ({parent} is not one)"
+        )
+    return path
+
+
+def out_path(*suffixes: str) -> Callable[[str], str]:
+    """An argparse ``type=`` for an output file: :func:`check_out_path` with ``suffixes``.
+
+    Example::
+
+        p.add_argument("--out", type=out_path(".png"), default="bench_out/latency.png")
+    """
+
+    def parse(text: str) -> str:
+        return check_out_path(text, suffixes)
+
+    parse.__name__ = "out_path"  # argparse names the type in some messages
+    return parse
+
+
+def number(
+    kind: type[int] | type[float], minimum: float, *, strict: bool = False
+) -> Callable[[str], int | float]:
+    """An argparse ``type=`` for a finite ``int`` or ``float`` of at least ``minimum`` (above it
+    with ``strict``).
+
+    Example::
+
+        p.add_argument("--repeats", type=number(int, 1), default=15)
+        p.add_argument("--ratio", type=number(float, 0, strict=True), default=1.0)
+
+    The error reads ``argument --repeats: expected an integer >= 1, got '0'``.
+    """
+    noun = "an integer" if kind is int else "a finite number"
+    expected = f"expected {noun} {'>' if strict else '>='} {minimum:g}"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        ok = value > minimum if strict else value >= minimum  # False for nan
+        if not ok or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

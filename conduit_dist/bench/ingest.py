@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit
+from conduit_dist.bench.common import emit, number
 
 KIB = 1024
 
@@ -66,8 +66,10 @@ def _timed(fns: dict[str, tuple], repeats: int, warmup: int = 1) -> dict[str, fl
 def main(argv: list[str]) -> None:
     """Run the ingest benchmark (every rank) and print the JSON line last on rank 0."""
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench ingest")
-    p.add_argument("--sizes-kib", nargs="+", type=int, default=[64, 256, 1024, 4096, 16384, 65536])
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--sizes-kib", nargs="+", type=number(int, 1), default=[64, 256, 1024, 4096, 16384, 65536]
+    )
+    p.add_argument("--repeats", type=number(int, 1), default=15)
     a = p.parse_args(argv)
     cd.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
