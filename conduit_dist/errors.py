@@ -25,5 +25,22 @@ class RoundError(RuntimeError):
         self.ranks = ranks
 
 
+class PhaseError(RoundError):
+    """A collective outside the rounds failed or timed out on some rank.
+
+    Raised by the start-up phases (host discovery, calibration, agreeing on the bandwidth model)
+    and by ``metrics.aggregate``; a subclass of :class:`RoundError`, so code that catches round
+    failures catches these too. ``round`` is ``-1``.
+
+    Attributes:
+        phase: the phase's name, e.g. ``"start-up: discover hosts"`` or ``"metrics.aggregate"``.
+        ranks: the ranks known to have not entered the phase (empty when unknown).
+    """
+
+    def __init__(self, message: str, phase: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, round=-1, ranks=ranks)
+        self.phase = phase
+
+
 class EmptyStoreError(RuntimeError):
     """``fetch`` found no stored item over all shards (the round itself completed)."""

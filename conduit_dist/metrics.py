@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import ConfigError
 
 log = logging.getLogger("conduit_dist")
@@ -139,22 +141,46 @@ def make_logger(
     return WandbLogger(total_steps, project, mode, config, run_dir)
 
 
-def aggregate(values: dict[str, float]) -> dict[str, float]:
+def aggregate(values: dict[str, float], timeout_s: float = 60.0) -> dict[str, float]:
     """Mean and max of each value over all ranks (a collective: every rank must call it).
+
+    Runs on the default group as the phase ``metrics.aggregate``: each all-reduce waits at most
+    ``timeout_s``.
 
     Args:
         values: the same keys, in the same order, on every rank.
+        timeout_s: seconds each collective may take.
 
     Returns:
         ``{key + "_mean": ..., key + "_max": ...}``.
+
+    Raises:
+        ConfigError: if ``timeout_s`` is not positive.
+        PhaseError: if a rank does not join within ``timeout_s`` (naming this rank, the timeout
+            and, where the rendezvous store can tell, the ranks that never called it).
+
+    Example::
+
+        agg = aggregate({"loss": 0.5, "items": 100.0})
+        agg["loss_mean"], agg["items_max"]
     """
+    if not timeout_s > 0:
+        raise ConfigError(f"metrics.aggregate timeout_s: expected > 0 seconds, got {timeout_s}")
     keys = list(values)
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
+        ex = _exchange(timeout_s)
         sums, maxes = t.clone(), t.clone()
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        with ex.phase("metrics.aggregate"):
+            ex.run(
+                lambda: dist.all_reduce(sums, dist.ReduceOp.SUM, group=ex.group, async_op=True),
+                "all_reduce(sum)",
+            )
+            ex.run(
+                lambda: dist.all_reduce(maxes, dist.ReduceOp.MAX, group=ex.group, async_op=True),
+                "all_reduce(max)",
+            )
         mean, mx = sums / world, maxes
     else:
         mean, mx = t, t
@@ -163,3 +189,21 @@ def aggregate(values: dict[str, float]) -> dict[str, float]:
         out[f"{k}_mean"] = float(mean[i])
         out[f"{k}_max"] = float(mx[i])
     return out
+
+
+_metrics_exchange: Exchange | None = None
+
+
+def _exchange(timeout_s: float) -> Exchange:
+    """The default group's Exchange for metrics, kept across calls so its phases count on.
+
+    Every rank numbers its ``metrics.aggregate`` calls the same way; a fresh Exchange per call would
+    restart the count and read the previous call's marks as arrivals. A new default group (after
+    ``destroy_process_group``) gets a new Exchange.
+    """
+    global _metrics_exchange
+    world = dist.group.WORLD
+    if _metrics_exchange is None or _metrics_exchange.group is not world:
+        _metrics_exchange = Exchange(timeout_s, group=world, name="metrics")
+    _metrics_exchange.timeout = timedelta(seconds=timeout_s)
+    return _metrics_exchange

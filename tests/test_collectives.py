@@ -1,8 +1,147 @@
-"""Benchmark argument checks (bench/common.py helpers, each bench's parser, the entry point)."""
+"""Exchange heartbeats and phases on real gloo ranks; benchmark argument checks."""
 
 from __future__ import annotations
 
+import logging
+import time
+from datetime import timedelta
+
 import pytest
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+from conduit_dist.collectives.exchange import Heartbeats
+
+TIMEOUT_S = 3.0
+
+
+class _Store:
+    """A store whose ``check`` raises ``exc`` (a dead rendezvous store, or a bug)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc, self.timeout = exc, timedelta(seconds=30)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+
+    def set(self, key: str, value: str) -> None:
+        raise self.exc
+
+    def check(self, keys: list[str]) -> bool:
+        raise self.exc
+
+
+def test_heartbeats_name_the_ranks_behind_and_leave_the_store_timeout_as_it_was():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=7))
+    beats = [Heartbeats(store, "p/", rank, 3) for rank in range(3)]
+    beats[0].mark("round", 4)
+    beats[1].mark("round", 3)  # rank 2 never marks
+    assert beats[0].behind("round", 4) == (1, 2)
+    assert beats[0].behind("round", 3) == (2,)
+    assert beats[0].behind("phase", 1) == (0, 1, 2)  # channels are separate
+    assert store.timeout == timedelta(seconds=7)
+
+
+def test_a_dead_store_leaves_ranks_unnamed_with_one_warning_and_other_errors_propagate(caplog):
+    caplog.set_level(logging.WARNING, logger="conduit_dist")
+    dead = _Store(dist.DistNetworkError("Broken pipe"))
+    beats = Heartbeats(dead, "p/", 1, 2)
+    beats.mark("round", 0)  # the collective will fail and say so; the mark is only for naming
+    assert beats.behind("round", 1) == ()
+    assert beats.behind("round", 2) == ()
+    warned = [r for r in caplog.records if "cannot name" in r.getMessage()]
+    assert len(warned) == 1 and "DistNetworkError: Broken pipe" in warned[0].getMessage()
+    assert dead.timeout == timedelta(seconds=30)  # restored after the failed query too
+    with pytest.raises(ValueError, match="corrupt"):  # not a store failure: a bug, not hidden
+        Heartbeats(_Store(ValueError("corrupt mark")), "p/", 0, 2).behind("round", 1)
+
+
+def test_no_store_api_is_said_once_on_rank_zero(caplog, monkeypatch):
+    from conduit_dist.collectives import exchange
+
+    caplog.set_level(logging.WARNING, logger="conduit_dist")
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    store, why = exchange._default_store()
+    assert store is None and "_get_default_store is missing" in why
+    beats = Heartbeats(store, "p/", 0, 2, why)
+    Heartbeats(store, "p/", 1, 2, why)  # other ranks stay quiet: the same line everywhere
+    assert beats.behind("round", 3) == ()
+    assert [r.getMessage() for r in caplog.records if "cannot name" in r.getMessage()] == [
+        f"rank 0: failures cannot name the ranks that never arrived: {why}"
+    ]
+
+
+def _laggards(rank, world):
+    from conduit_dist.collectives.exchange import Exchange
+
+    ex = Exchange(TIMEOUT_S)
+    store = dist.distributed_c10d._get_default_store()
+    before = store.timeout
+    ex.heartbeat(3 if rank == 0 else 2)
+    dist.barrier()  # every mark written
+    late = ex.laggards(3), ex.laggards(2)
+    ex.close()
+    return late, before, store.timeout
+
+
+def test_exchange_laggards_restore_the_default_store_timeout():
+    res = run_ranks(_laggards, 2, collective_timeout_s=TIMEOUT_S * 10)
+    for (late3, late2), before, after in res.values():
+        assert late3 == (1,) and late2 == ()
+        assert before == timedelta(seconds=TIMEOUT_S * 10)
+        assert after == before  # the query's 2 s timeout did not stay on the shared store
+
+
+def _phases(rank, world):
+    """Rank 1 joins every group but never enters a phase; rank 0 tries each one in turn."""
+    from conduit_dist.collectives.exchange import Exchange
+    from conduit_dist.collectives.model import BandwidthModel, build, calibrate
+    from conduit_dist.collectives.topology import Topology, discover
+    from conduit_dist.metrics import aggregate
+
+    exchanges = [Exchange(TIMEOUT_S, name=str(i)) for i in range(3)]
+    topo = Topology.single_host(world)
+    declared = BandwidthModel.declared(1e-4, {"self": 8.0, "host": 1.5, "net": 0.1})
+    phases = {
+        "discover": lambda: discover(exchanges[0]),
+        "calibrate": lambda: calibrate(exchanges[1], topo, sizes=(1024,), repeats=1),
+        "build": lambda: build(exchanges[2], topo, True, None, declared),
+        "metrics": lambda: aggregate({"loss": 1.0}, timeout_s=TIMEOUT_S),
+    }
+    if rank == 1:
+        time.sleep(len(phases) * TIMEOUT_S + 3)  # alive, stalled: never arrives
+        return None
+    out = {}
+    for name, call in phases.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as exc:
+            phase, ranks = getattr(exc, "phase", None), list(getattr(exc, "ranks", ()))
+            out[name] = (type(exc).__name__, phase, ranks, str(exc), time.monotonic() - t0)
+    return out
+
+
+def test_start_up_phases_and_metrics_fail_in_time_naming_the_phase_and_the_missing_rank():
+    res = run_ranks(_phases, 2, collective_timeout_s=TIMEOUT_S)[0]
+    expected = {
+        "discover": "start-up: discover hosts",
+        "calibrate": "start-up: calibrate",
+        "build": "start-up: agree on the bandwidth model",
+        "metrics": "metrics.aggregate",
+    }
+    for name, phase in expected.items():
+        assert res[name] != "no error", name
+        kind, got_phase, ranks, msg, waited = res[name]
+        assert kind == "PhaseError", msg
+        assert got_phase == phase and msg.startswith(f"{phase}: "), msg
+        assert ranks == [1], msg
+        assert "failed on rank 0" in msg and f"timeout {TIMEOUT_S:g}s" in msg, msg
+        assert "ranks [1] never entered this phase" in msg, msg
+        assert waited < TIMEOUT_S + 2.5, (name, waited)
+
 
 # ---------------------------------------------------------------------------- benchmark arguments
 

@@ -4,21 +4,93 @@ All experience movement goes through an :class:`Exchange`. It owns a process gro
 plane (so rounds never interleave with the learner's own DDP all-reduces, even when a round runs on
 a background thread), waits on every collective with a timeout, and on failure raises a
 :class:`~conduit_dist.errors.RoundError` naming the round, the operation and, where the rendezvous
-store can still tell, the ranks that never reached that round.
+store can still tell, the ranks that never reached that round. Collectives outside the rounds
+(start-up, metrics) run inside a named :meth:`Exchange.phase` and fail the same way, with a
+:class:`~conduit_dist.errors.PhaseError` naming the phase.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from conduit_dist.errors import RoundError
+from conduit_dist.errors import PhaseError, RoundError
+
+log = logging.getLogger("conduit_dist")
 
 _HB_PREFIX = "conduit_dist/hb/"
+# how long asking the store who is behind may take (the store's own timeout is restored after)
+_QUERY_TIMEOUT = timedelta(seconds=2)
+# what a dead or unreachable store raises: DistNetworkError when the TCPStore server is gone
+# ("Broken pipe", "Connection was likely closed"), DistStoreError on a store timeout or a
+# FileStore whose file was removed. Anything else (a malformed mark) is a bug and propagates.
+_STORE_DOWN = (dist.DistNetworkError, dist.DistStoreError)
+
+
+class Heartbeats:
+    """Marks in the rendezvous store: the last round (or phase) each rank reached.
+
+    Each rank writes its own key per channel (``round``, ``phase``); after a failure any rank can
+    read every rank's mark and name those behind. When the store is missing or stops answering,
+    marks and queries are skipped and one warning says that failures cannot name ranks.
+
+    Args:
+        store: the rendezvous store, or ``None`` when there is none.
+        prefix: key prefix, unique per plane.
+        rank: this rank.
+        world: number of ranks.
+        missing: why there is no store (logged once, on rank 0, when ``store`` is ``None``).
+    """
+
+    def __init__(
+        self, store: dist.Store | None, prefix: str, rank: int, world: int, missing: str = ""
+    ) -> None:
+        self.store, self.prefix, self.rank, self.world = store, prefix, rank, world
+        self._warned = False
+        if store is None and world > 1 and rank == 0:  # the same on every rank: say it once
+            self._unavailable(missing or "no rendezvous store")
+
+    def _key(self, channel: str, rank: int) -> str:
+        return f"{self.prefix}{channel}/{rank}"
+
+    def mark(self, channel: str, value: int) -> None:
+        """Record that this rank reached ``value`` on ``channel``."""
+        if self.store is None or self.world == 1:
+            return
+        try:
+            self.store.set(self._key(channel, self.rank), str(value))
+        except _STORE_DOWN as exc:  # the collective will fail and say so; only naming is lost
+            self._unavailable(f"the rendezvous store refused this rank's mark ({_brief(exc)})")
+
+    def behind(self, channel: str, value: int) -> tuple[int, ...]:
+        """Ranks whose last mark on ``channel`` is below ``value`` (empty if the store cannot say).
+
+        The query runs with a short store timeout, restored afterwards (the default store is
+        shared by the whole process: its timeout is not ours to keep).
+        """
+        if self.store is None or self.world == 1:
+            return ()
+        keys = [self._key(channel, r) for r in range(self.world)]
+        try:
+            with _store_timeout(self.store, _QUERY_TIMEOUT):
+                seen = [int(self.store.get(k)) if self.store.check([k]) else -1 for k in keys]
+        except _STORE_DOWN as exc:
+            self._unavailable(f"the rendezvous store did not answer ({_brief(exc)})")
+            return ()
+        return tuple(r for r, s in enumerate(seen) if s < value)
+
+    def _unavailable(self, reason: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "rank %d: failures cannot name the ranks that never arrived: %s", self.rank, reason
+            )
 
 
 class Exchange:
@@ -32,6 +104,12 @@ class Exchange:
 
     Raises:
         RuntimeError: if no default process group exists (call ``init_distributed`` first).
+
+    Example::
+
+        ex = Exchange(60.0)
+        with ex.phase("start-up: discover hosts"):
+            ex.run(lambda: dist.all_reduce(t, group=ex.group, async_op=True), "all_reduce(t)")
     """
 
     def __init__(self, timeout_s: float, group: dist.ProcessGroup | None = None, name: str = "0"):
@@ -44,30 +122,56 @@ class Exchange:
         if group is None and self.world > 1:
             backend = dist.get_backend()
             self.group = dist.new_group(timeout=self.timeout, backend=backend)
-        self._prefix = f"{_HB_PREFIX}{name}/"
-        self._store = _default_store()
+        store, missing = _default_store()
+        self._beats = Heartbeats(store, f"{_HB_PREFIX}{name}/", self.rank, self.world, missing)
+        self._phase: tuple[str, int] | None = None  # (name, sequence number) of the open phase
+        self._phases = 0  # phases entered so far (the same sequence on every rank)
         self._gather_bufs: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def heartbeat(self, round: int) -> None:
         """Record in the rendezvous store that this rank has reached ``round``."""
-        if self._store is not None and self.world > 1:
-            self._store.set(f"{self._prefix}{self.rank}", str(round))
+        self._beats.mark("round", round)
 
     def laggards(self, round: int) -> tuple[int, ...]:
-        """Ranks whose last heartbeat is older than ``round`` (empty if the store is gone)."""
-        if self._store is None:
-            return ()
-        late = []
+        """Ranks whose last heartbeat is older than ``round`` (empty if the store cannot tell)."""
+        return self._beats.behind("round", round)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Run collectives outside the rounds (start-up, metrics) as the phase ``name``.
+
+        Entering records this rank's arrival in the rendezvous store. A collective inside that
+        fails or times out raises :class:`~conduit_dist.errors.PhaseError` naming the phase, this
+        rank, the timeout and the ranks that never entered the phase. Every rank must enter the
+        same phases in the same order (as it must call the same collectives). Phases nest: the
+        innermost one is named.
+        """
+        self._phases += 1
+        self._beats.mark("phase", self._phases)
+        outer, self._phase = self._phase, (name, self._phases)
         try:
-            self._store.set_timeout(timedelta(seconds=2))
-            for r in range(self.world):
-                key = f"{self._prefix}{r}"
-                seen = int(self._store.get(key)) if self._store.check([key]) else -1
-                if seen < round:
-                    late.append(r)
-        except Exception:
-            return ()
-        return tuple(late)
+            yield
+        finally:
+            self._phase = outer
+
+    def run(self, launch: Callable[[], dist.Work | None], op: str, round: int = -1) -> None:
+        """Launch one collective (``async_op=True``) and wait for it with the timeout.
+
+        Args:
+            launch: starts the collective on :attr:`group` and returns its work.
+            op: the operation's name in errors, e.g. ``"all_reduce(metrics)"``.
+            round: the round it belongs to; ``-1`` outside the rounds (in the open phase).
+
+        Raises:
+            RoundError: when it fails or times out in a round; :class:`PhaseError` outside one.
+        """
+        self.wait_all(lambda: [launch()], op, round)
+
+    def barrier(self, op: str, round: int = -1) -> None:
+        """A barrier over :attr:`group`, with the timeout (nothing to wait for at world size 1)."""
+        if self.world == 1:
+            return
+        self.run(lambda: dist.barrier(group=self.group, async_op=True), f"barrier({op})", round)
 
     def _wait(self, work: dist.Work | None, op: str, round: int) -> None:
         if work is None:
@@ -83,14 +187,26 @@ class Exchange:
 
     def _fail(self, op: str, round: int, start: float, exc: BaseException | None) -> None:
         waited = time.monotonic() - start
-        late = self.laggards(round)
-        who = f"ranks {list(late)} never reached round {round}" if late else "failing rank unknown"
-        raise RoundError(
-            f"round {round}: {op} failed on rank {self.rank} after {waited:.1f}s "
-            f"(timeout {self.timeout.total_seconds():.0f}s); {who}: {exc}",
-            round=round,
-            ranks=late,
-        ) from exc
+        cause = f": {exc}" if exc is not None else ""
+        how = (
+            f"failed on rank {self.rank} after {waited:.1f}s "
+            f"(timeout {self.timeout.total_seconds():g}s)"
+        )
+        if round >= 0:
+            late = self.laggards(round)
+            who = (
+                f"ranks {list(late)} never reached round {round}"
+                if late
+                else "failing rank unknown"
+            )
+            raise RoundError(
+                f"round {round}: {op} {how}; {who}{cause}", round=round, ranks=late
+            ) from exc
+        name, seq = self._phase if self._phase is not None else (op, None)
+        late = self._beats.behind("phase", seq) if seq is not None else ()
+        who = f"ranks {list(late)} never entered this phase" if late else "failing rank unknown"
+        where = f"{name}: {op}" if name != op else op
+        raise PhaseError(f"{where} {how}; {who}{cause}", phase=name, ranks=late) from exc
 
     def all_gather_start(self, local: torch.Tensor, round: int) -> PendingGather:
         """Start gathering a small 1-D tensor from every rank; ``.wait()`` gives ``[world, len]``.
@@ -138,7 +254,7 @@ class Exchange:
         work = lambda: dist.all_to_all_single(  # noqa: E731
             out, inp, out_splits, in_splits, group=self.group, async_op=True
         )
-        self._call(work, op, round)
+        self.run(work, op, round)
 
     def wait_all(self, launch, op: str, round: int) -> None:
         """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout."""
@@ -154,7 +270,7 @@ class Exchange:
         self, send: torch.Tensor, recv: list[torch.Tensor] | None, dst: int, round: int, op: str
     ) -> None:
         """``gather`` of equal-sized tensors to global rank ``dst``."""
-        self._call(
+        self.run(
             lambda: dist.gather(send, recv, dst=dst, group=self.group, async_op=True), op, round
         )
 
@@ -162,14 +278,11 @@ class Exchange:
         """Broadcast ``buf`` from global rank ``src``."""
         if self.world == 1:
             return
-        self._call(
+        self.run(
             lambda: dist.broadcast(buf, src, group=self.group, async_op=True),
             "broadcast(weights)",
             round,
         )
-
-    def _call(self, launch, op: str, round: int) -> None:
-        self.wait_all(lambda: [launch()], op, round)
 
     def close(self) -> None:
         """Destroy the plane's process group (not the default one)."""
@@ -199,8 +312,36 @@ class PendingGather:
         return self._out
 
 
-def _default_store() -> dist.Store | None:
+def _default_store() -> tuple[dist.Store | None, str]:
+    """The default group's rendezvous store, or ``None`` and why (a private torch API)."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        return None, (
+            "torch.distributed.distributed_c10d._get_default_store is missing in torch "
+            f"{torch.__version__}, so no heartbeats are written"
+        )
+    return get(), ""
+
+
+@contextlib.contextmanager
+def _store_timeout(store: dist.Store, timeout: timedelta) -> Iterator[None]:
+    """Use ``timeout`` for the store's calls inside the block, then restore the previous one.
+
+    Without ``Store.timeout`` (older torch) the previous value cannot be read back, so the store's
+    own timeout is left as it is.
+    """
+    previous = getattr(store, "timeout", None)
+    if previous is None:
+        yield
+        return
+    store.set_timeout(timeout)
     try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+        yield
+    finally:
+        store.set_timeout(previous)
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception's type and first line (store errors append a C++ stack trace)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -189,13 +189,15 @@ def time_strategies(
     samples = torch.zeros(repeats + 1, len(names), dtype=torch.float64)
     for rep in range(repeats + 1):
         for j, name in enumerate(names):
-            if ex.world > 1:
-                dist.barrier(group=ex.group)
+            ex.barrier("probe")
             t0 = time.perf_counter()
             strategies[name].run(ex, out, inp, rows_in, rows_out, -1, "probe", matrix)
             samples[rep, j] = time.perf_counter() - t0
     if ex.world > 1:
-        dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ex.group)
+        ex.run(
+            lambda: dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ex.group, async_op=True),
+            "all_reduce(probe times)",
+        )
     med = samples[1:].median(dim=0).values
     return {n: float(med[j]) for j, n in enumerate(names)}
 
@@ -203,14 +205,22 @@ def time_strategies(
 def calibrate(
     ex: Exchange, topo: Topology, sizes=PROBE_SIZES, repeats=PROBE_REPEATS
 ) -> BandwidthModel:
-    """Time every strategy at a few sizes and patterns, fit each (a collective: every rank)."""
+    """Time every strategy at a few sizes and patterns, fit each (a collective: every rank).
+
+    Runs as the phase ``start-up: calibrate``: every collective waits with the exchange's timeout.
+
+    Raises:
+        PhaseError: if a rank does not take part within the timeout (naming the ranks that never
+            entered the phase, where the rendezvous store can tell).
+    """
     strategies = make_strategies()
     links = topo.link_matrix()
     samples: dict[str, list[tuple[np.ndarray, float]]] = {n: [] for n in strategies}
-    for size in sizes:
-        for matrix in probe_matrices(ex.world, size).values():
-            for name, t in time_strategies(ex, strategies, matrix, repeats).items():
-                samples[name].append((features(name, matrix, links), t))
+    with ex.phase("start-up: calibrate"):
+        for size in sizes:
+            for matrix in probe_matrices(ex.world, size).values():
+                for name, t in time_strategies(ex, strategies, matrix, repeats).items():
+                    samples[name].append((features(name, matrix, links), t))
     return BandwidthModel({n: fit(s) for n, s in samples.items()}, "probe")
 
 
@@ -259,15 +269,25 @@ def save_cache(path: str, model: BandwidthModel, backend: str, topo: Topology) -
 
 
 def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
-    """Rank 0's model on every rank (``None`` everywhere if any rank has none)."""
+    """Rank 0's model on every rank (``None`` everywhere if any rank has none).
+
+    Runs as the phase ``start-up: agree on the bandwidth model`` (with the exchange's timeout).
+    """
     if ex.world == 1:
         return model
     ok = torch.tensor([1 if model is not None else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ex.group)
-    if not int(ok):
-        return None
-    flat = torch.tensor(np.concatenate([model.coef[n] for n in NAMES]), dtype=torch.float64)
-    dist.broadcast(flat, src=0, group=ex.group)
+    with ex.phase("start-up: agree on the bandwidth model"):
+        ex.run(
+            lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ex.group, async_op=True),
+            "all_reduce(every rank has a model)",
+        )
+        if not int(ok):
+            return None
+        flat = torch.tensor(np.concatenate([model.coef[n] for n in NAMES]), dtype=torch.float64)
+        ex.run(
+            lambda: dist.broadcast(flat, src=0, group=ex.group, async_op=True),
+            "broadcast(coefficients)",
+        )
     parts = flat.numpy().reshape(len(NAMES), len(FEATURES))
     return BandwidthModel({n: parts[i].copy() for i, n in enumerate(NAMES)}, model.source)
 
@@ -279,10 +299,25 @@ def build(
     cache_dir: str | None,
     declared: BandwidthModel,
 ) -> tuple[BandwidthModel, float]:
-    """The model every rank uses, and the seconds it took (cache, probe, or declared numbers)."""
+    """The model every rank uses, and the seconds it took (cache, probe, or declared numbers).
+
+    Every collective waits with the exchange's timeout (phases ``start-up: agree on the bandwidth
+    model``, ``start-up: calibrate``, ``start-up: calibration cache``).
+
+    Raises:
+        PhaseError: if a rank does not take part in a phase within the timeout.
+    """
     start = time.perf_counter()
     if not calibrate_now or ex.world == 1:
-        return declared, 0.0
+        model, seconds = declared, 0.0
+    else:
+        model = _agreed_model(ex, topo, cache_dir)
+        seconds = time.perf_counter() - start
+    return model, seconds
+
+
+def _agreed_model(ex: Exchange, topo: Topology, cache_dir: str | None) -> BandwidthModel:
+    """The cached model if every rank has it, else a fresh calibration (cached per host)."""
     backend = str(dist.get_backend(ex.group))
     path = cache_path(cache_dir, backend, topo) if cache_dir else None
     model = agree(ex, load_cache(path, backend, topo) if path else None)
@@ -291,5 +326,6 @@ def build(
         first_on_host = topo.host_of.index(topo.host_of[ex.rank]) == ex.rank
         if path and first_on_host:  # one writer per host
             save_cache(path, model, backend, topo)
-        dist.barrier(group=ex.group)  # the cache is complete before any rank looks again
-    return model, time.perf_counter() - start
+        with ex.phase("start-up: calibration cache"):
+            ex.barrier("cache written")  # the cache is complete before any rank looks again
+    return model

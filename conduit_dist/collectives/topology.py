@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from conduit_dist.collectives.exchange import Exchange
+
 LINKS = ("self", "host", "net")  # same process, same host, across hosts
 _NAME_BYTES = 64
+_LEGACY_TIMEOUT_S = 300.0  # callers that pass a group, not an Exchange
 
 
 @dataclass(frozen=True)
@@ -68,22 +72,46 @@ class Topology:
         return cls(tuple(hosts), tuple(order[h] for h in hosts))
 
 
-def discover(group: dist.ProcessGroup | None = None) -> Topology:
-    """Exchange host names once (a collective on ``group``; CPU tensors, no pickle).
+def discover(ex: Exchange) -> Topology:
+    """Exchange host names once: a collective on the exchange's group (CPU tensors, no pickle).
+
+    Runs as the phase ``start-up: discover hosts``, with the exchange's timeout.
+
+    Args:
+        ex: the plane's collectives (every rank calls ``discover`` with its own).
 
     Returns:
-        The job's :class:`Topology` (one host at world size 1 or without a process group).
+        The job's :class:`Topology` (one host at world size 1).
+
+    Raises:
+        PhaseError: if a rank does not join within the exchange's timeout (naming the ranks that
+            never entered the phase, where the rendezvous store can tell).
+
+    Example::
+
+        topo = discover(Exchange(60.0))
+        topo.link(0, 1)  # "host" or "net"
     """
+    if not isinstance(ex, Exchange):  # until every caller passes its Exchange: remove then
+        warnings.warn(
+            f"discover: expected an Exchange, got {type(ex).__name__}; pass the plane's exchange "
+            "(its group and timeout), not its group",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        group = ex if ex is not None else dist.group.WORLD
+        ex = Exchange(_LEGACY_TIMEOUT_S, group=group, name="discover")
     name = socket.gethostname()
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if ex.world == 1:
         return Topology.from_hosts([name])
-    world = dist.get_world_size(group)
     raw = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
     local = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out = torch.empty(world * _NAME_BYTES, dtype=torch.uint8)
-    dist.all_gather_single(out, local, group=group)
+    out = torch.empty(ex.world * _NAME_BYTES, dtype=torch.uint8)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch
+    with ex.phase("start-up: discover hosts"):
+        ex.run(lambda: gather(out, local, group=ex.group, async_op=True), "all_gather(host names)")
     hosts = [
         bytes(out[i * _NAME_BYTES : (i + 1) * _NAME_BYTES].tolist()).rstrip(b"\0").decode()
-        for i in range(world)
+        for i in range(ex.world)
     ]
     return Topology.from_hosts(hosts)
