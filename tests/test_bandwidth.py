@@ -11,16 +11,20 @@ import torch
 from dist_utils import run_ranks
 
 from conduit_dist.collectives.model import (
+    CACHE_VERSION,
     FEATURES,
+    TIE_MARGIN,
     BandwidthModel,
     cache_path,
     features,
     fit,
     load_cache,
+    probe_matrices,
     save_cache,
 )
 from conduit_dist.collectives.strategies import NAMES
 from conduit_dist.collectives.topology import Topology
+from conduit_dist.errors import ConfigError
 
 
 def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
@@ -29,10 +33,10 @@ def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
     links = Topology.single_host(2).link_matrix()
     samples = []
     for size in [1e3, 1e4, 1e5, 1e6, 1e7, 5e7]:
-        for pattern in ("uniform", "cross"):
-            m = np.full((2, 2), size) if pattern == "uniform" else np.array([[0, size], [size, 0]])
+        # the probe's patterns: one hot destination tells one-way from both-ways bytes apart
+        for m in probe_matrices(2, size).values():
             x = features("all_to_all", m, links)
-            t = x @ np.array([alpha, inv_self, inv_host, inv_host, 0.0, 0.0])
+            t = x @ np.array([alpha, inv_self, inv_host, inv_host, 0.0, 0.0, 0.0])
             t *= rng.uniform(0.97, 1.03)
             samples.append((x, t))
     coef = fit(samples)
@@ -40,6 +44,9 @@ def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
     assert coef[2] == pytest.approx(inv_host, rel=0.1)
     assert coef[3] == pytest.approx(inv_host, rel=0.1)  # loopback: both directions cost
     assert coef[4] == coef[5] == 0.0  # no cross-host bytes on one host: nothing to fit
+    # at one world size the all-to-all's messages are a constant, like its call: the call
+    # carries their cost
+    assert coef[FEATURES.index("msgs")] == 0.0
 
 
 def test_features_encode_the_algorithmic_factors():
@@ -55,18 +62,20 @@ def test_features_encode_the_algorithmic_factors():
     m2[1, 0] = 30  # now rank 0 also receives 30 within its host: 30 bytes move both ways
     x2 = dict(zip(FEATURES, features("all_to_all", m2, links)))
     assert x2["bytes_host"] == 100 and x2["both_host"] == 30
+    assert x["msgs"] == 6  # the fused all-to-all sends to and receives from every peer
     p2p = dict(zip(FEATURES, features("p2p", m, links)))
-    assert p2p["calls"] == 3  # rank 0 sends to 2 peers and receives from 1
+    assert p2p["calls"] == p2p["msgs"] == 3  # rank 0 sends to 2 peers and receives from 1
     assert dict(zip(FEATURES, features("chunked4", m, links)))["calls"] == 12
     g = dict(zip(FEATURES, features("gather", m, links)))
     assert g["calls"] == 3  # three destinations receive
+    assert g["msgs"] == 3 + 2  # rank 0 roots one gather (3 chunks in) and sends to 2 others
     assert g["bytes_net"] == 4 * 100 + 4 * 50 + 4 * 7  # padded to the largest chunk, world each
 
 
 def test_choose_returns_the_argmin_of_the_model():
     links = Topology.single_host(3).link_matrix()
-    cheap_calls = np.array([1e-3, 0, 1e-9, 1e-9, 0, 0])
-    cheap_bytes = np.array([1e-2, 0, 1e-11, 1e-11, 0, 0])
+    cheap_calls = np.array([1e-3, 0, 1e-9, 1e-9, 0, 0, 0])
+    cheap_bytes = np.array([1e-2, 0, 1e-11, 1e-11, 0, 0, 0])
     model = BandwidthModel(
         {
             "all_to_all": cheap_calls,
@@ -85,12 +94,75 @@ def test_choose_returns_the_argmin_of_the_model():
     assert model.choose(big, links)[0] == "p2p"
     # a predicted gain within the tie margin keeps the fused all-to-all
     close = BandwidthModel(
-        {"all_to_all": np.array([1.0, 0, 0, 0, 0, 0]), "p2p": np.array([0.45, 0, 0, 0, 0, 0])}
+        {
+            "all_to_all": np.array([1.0, 0, 0, 0, 0, 0, 0]),
+            "p2p": np.array([0.45, 0, 0, 0, 0, 0, 0]),
+        }
     )
     one = np.array([[0, 1], [0, 0]])
     two = Topology.single_host(2).link_matrix()
     assert close.choose(one, two, margin=0.15)[0] == "p2p"  # 1 message: 0.45 vs 1.0
     assert close.choose(np.array([[0, 1], [1, 0]]), two, margin=0.15)[0] == "all_to_all"  # 0.9
+
+
+# datasheet-like numbers (HBM copy, NVLink, InfiniBand; ~20 us per call), and this machine's
+# declared defaults (2 loopback gloo ranks)
+DATACENTER = (20e-6, {"self": 2000.0, "host": 450.0, "net": 50.0})
+LOOPBACK = (1.5e-4, {"self": 8.0, "host": 1.5, "net": 0.1})
+
+
+def test_declared_numbers_tell_the_strategies_apart():
+    model = BandwidthModel.declared(*DATACENTER)
+    links = Topology.from_hosts([f"n{i // 4}" for i in range(16)]).link_matrix()  # 4 hosts x 4
+    world = 16
+    big = np.full((world, world), 4 << 20)  # 4 MiB to every peer
+    ring = np.zeros((world, world), dtype=np.int64)
+    ring[np.arange(world), (np.arange(world) + 1) % world] = 512  # each rank: 512 B to the next
+    uneven = np.zeros((world, world), dtype=np.int64)
+    uneven[[0, 3, 5, 9], [7, 12, 1, 14]] = [300, 2000, 64, 900]  # a few small sends
+    hot = np.zeros((world, world), dtype=np.int64)
+    hot[:, 0] = 1024  # every rank sends 1 KiB to one learner
+    picks = {
+        n: model.choose(m, links)[0]
+        for n, m in [("big", big), ("ring", ring), ("uneven", uneven), ("hot", hot)]
+    }
+    # dense and large: one fused call; sparse and small: only the messages that carry bytes;
+    # one hot destination of small chunks: one gather instead of a call per sender
+    assert picks == {"big": "all_to_all", "ring": "p2p", "uneven": "p2p", "hot": "gather"}
+    # by the model's own account each pick beats the fused all-to-all by more than the margin
+    for name, m in [("ring", ring), ("uneven", uneven), ("hot", hot)]:
+        ratio = model.predict(picks[name], m, links) / model.predict("all_to_all", m, links)
+        assert ratio < 1 - TIE_MARGIN, (name, ratio)
+    # large one-hot chunks: bytes dominate, gather's padding loses, the fused call stays
+    assert model.choose(hot * 4096, links)[0] == "all_to_all"
+    # the library's default numbers on 2 loopback ranks: one-way traffic of small rows goes
+    # point-to-point (the fused call would also send an empty message back), both ways stays fused
+    two = Topology.single_host(2).link_matrix()
+    default = BandwidthModel.declared(*LOOPBACK)
+    assert default.choose(np.array([[0, 4096], [0, 0]]), two)[0] == "p2p"
+    assert default.choose(np.array([[0, 4096], [4096, 0]]), two)[0] == "all_to_all"
+    assert default.choose(np.full((2, 2), 8 << 20), two)[0] == "all_to_all"
+
+
+def test_declared_numbers_are_checked_and_models_say_where_they_came_from():
+    with pytest.raises(ConfigError, match="missing \\['net'\\]"):
+        BandwidthModel.declared(1e-4, {"self": 8.0, "host": 1.5})
+    with pytest.raises(ConfigError, match="expected GB/s > 0.*'host': 0"):
+        BandwidthModel.declared(1e-4, {"self": 8.0, "host": 0, "net": 0.1})
+    with pytest.raises(ConfigError, match="expected seconds >= 0"):
+        BandwidthModel.declared(-1e-4, LOOPBACK[1])
+    with pytest.raises(ConfigError, match="expected 7 coefficients.*got shape \\(6,\\)"):
+        BandwidthModel({"p2p": np.zeros(6)})
+    with pytest.raises(ConfigError, match="source: expected one of"):
+        BandwidthModel({}, "probe")
+    assert BandwidthModel({"p2p": np.zeros(len(FEATURES))}).source == "given"
+    assert BandwidthModel.declared(*DATACENTER).source == "declared"
+    line = BandwidthModel.declared(150e-6, LOOPBACK[1], message_s=50e-6).describe()
+    assert line == (
+        "bandwidth model (declared): all_to_all/p2p/chunked4/gather: 150 us/call + 50 us/msg,"
+        " self 8, host 1.5 (both 1.5), net 0.1 (both -) GB/s"
+    )
+    assert "\n" not in line
 
 
 def _strategies(rank, world, pattern):
@@ -142,7 +214,7 @@ def test_every_strategy_is_byte_identical_with_uneven_and_empty_splits(world):
 def test_cache_round_trip_and_corrupt_or_mismatched_cache_is_ignored(tmp_path, caplog):
     topo = Topology.single_host(2)
     model = BandwidthModel(
-        {n: np.array([1e-4, 1e-10, 6e-10, 5e-10, 0.0, 0.0]) for n in NAMES}, "probe"
+        {n: np.array([1e-4, 1e-10, 6e-10, 5e-10, 0.0, 0.0, 2e-5]) for n in NAMES}, "calibrated"
     )
     path = cache_path(str(tmp_path), "gloo", topo)
     save_cache(path, model, "gloo", topo)
@@ -155,7 +227,13 @@ def test_cache_round_trip_and_corrupt_or_mismatched_cache_is_ignored(tmp_path, c
     with open(path, "w") as f:
         f.write("{not json")
     assert load_cache(path, "gloo", topo) is None
-    data = {"version": 2, "backend": "gloo", "world": 2, "hosts": topo.key(), "coef": {"p2p": [1]}}
+    data = {
+        "version": CACHE_VERSION,
+        "backend": "gloo",
+        "world": 2,
+        "hosts": topo.key(),
+        "coef": {"p2p": [1]},
+    }
     with open(path, "w") as f:
         json.dump(data, f)
     assert load_cache(path, "gloo", topo) is None
@@ -177,11 +255,11 @@ def _calibrated_plane(rank, world, cache_dir):
 
 def test_calibration_probes_once_then_reuses_the_cache_and_reprobes_a_corrupt_one(tmp_path):
     first = run_ranks(_calibrated_plane, 2, str(tmp_path))
-    assert {r[0] for r in first.values()} == {"probe"}
+    assert {r[0] for r in first.values()} == {"calibrated"}
     assert all(r[2] for r in first.values())  # the round's exchanges record their strategy
     second = run_ranks(_calibrated_plane, 2, str(tmp_path))
     assert {r[0] for r in second.values()} == {"cache"}
     for f in tmp_path.iterdir():
         f.write_text("corrupt")
     third = run_ranks(_calibrated_plane, 2, str(tmp_path))
-    assert {r[0] for r in third.values()} == {"probe"}
+    assert {r[0] for r in third.values()} == {"calibrated"}

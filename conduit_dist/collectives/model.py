@@ -3,11 +3,17 @@
 For a byte matrix ``M[src, dst]`` and the link class of every pair (``self``, ``host``, ``net``)
 a strategy's time is modelled as
 
-    T = alpha * calls + sum_c  B_c / beta_c + D_c * gamma_c
+    T = alpha * calls + mu * msgs + sum_c  B_c / beta_c + D_c * gamma_c
 
-- ``calls``: the collective calls or messages on the critical rank: 1 for the fused all-to-all;
-  the non-empty peers a rank sends to plus receives from (max over ranks) for point-to-point, times
-  the pieces for chunked point-to-point; the destinations that receive anything for gather.
+- ``calls``: the collective calls the critical rank launches and waits for: 1 for the fused
+  all-to-all; one ``isend`` or ``irecv`` per non-empty peer it sends to or receives from (max over
+  ranks; gloo does not coalesce ``batch_isend_irecv``) for point-to-point, times the pieces for
+  chunked point-to-point; one ``gather`` per destination that receives anything for gather.
+- ``msgs``: the messages on the wire at the critical rank: the fused all-to-all sends to and
+  receives from every peer, empty pairs included (gloo's ``alltoallv`` posts all ``2 (world-1)``);
+  point-to-point only the non-empty ones (as many as its calls); a gather's root receives from
+  every other rank and every other rank sends to it. (On NCCL torch's all-to-all skips empty
+  pairs, so declared numbers over-price it on sparse matrices there: calibrate.)
 - ``B_c``, ``D_c``: bytes over links of class ``c`` on the critical rank, one direction
   (``max_r max(out(r), in(r))``) and both directions at once (``max_r min(out(r), in(r))``). A
   full-duplex link fits ``D_c``'s coefficient to 0; a link whose two directions share a resource
@@ -16,8 +22,10 @@ a strategy's time is modelled as
   Gather pads every chunk to a destination's largest and the root takes them one after another,
   so its bytes count ``world * max_s M[s, d]`` per destination ``d``.
 
-``alpha`` (seconds per call) and ``1/beta_c`` (seconds per byte) are fitted per strategy by
-least squares on relative error from a short probe (:func:`calibrate`), or declared in config.
+The coefficients (seconds per call, per message, per byte) are fitted per strategy by least
+squares on relative error from a short probe (:func:`calibrate`), or declared
+(:meth:`BandwidthModel.declared`): then every strategy has the same numbers and only its features
+(its structure) tell it apart.
 """
 
 from __future__ import annotations
@@ -39,10 +47,13 @@ from conduit_dist.errors import ConfigError
 
 log = logging.getLogger("conduit_dist")
 
-FEATURES = ("calls", "bytes_self", "bytes_host", "both_host", "bytes_net", "both_net")
+# "msgs" is last so the byte columns keep their indices
+FEATURES = ("calls", "bytes_self", "bytes_host", "both_host", "bytes_net", "both_net", "msgs")
 _COL = {"self": 1, "host": 2, "net": 4}  # column of B_c; D_c (both directions) follows it
-CACHE_VERSION = 2
+_MSGS = FEATURES.index("msgs")
+CACHE_VERSION = 3
 TIE_MARGIN = 0.15
+SOURCES = ("declared", "calibrated", "cache", "given")
 
 
 def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray:
@@ -58,6 +69,9 @@ def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray
     if strategy == "gather":
         dests = np.nonzero(matrix.sum(axis=0))[0]
         x[0] = len(dests)
+        is_dest = np.isin(np.arange(world), dests)
+        # each rank receives world-1 chunks as a root, and sends one to every other root
+        x[_MSGS] = ((world - 1) * is_dest + len(dests) - is_dest).max() if world > 1 else 0
         for d in dests:
             padded = world * matrix[:, d].max()
             x[1] += matrix[d, d]
@@ -75,25 +89,48 @@ def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray
             x[col + 1] = np.minimum(out_c, in_c).max()
     if strategy == "all_to_all":
         x[0] = 1.0
+        x[_MSGS] = 2 * (world - 1)  # every peer, both ways, empty pairs included
     else:
         nz = (matrix > 0) & (links != 0)
         msgs = (nz.sum(axis=1) + nz.sum(axis=0)).max()
         pieces = 4 if strategy.startswith("chunked") else 1
-        x[0] = msgs * pieces
+        x[0] = x[_MSGS] = msgs * pieces
     return x
 
 
 @dataclass
 class BandwidthModel:
-    """Coefficients per strategy, in :data:`FEATURES` order (seconds per call or per byte).
+    """Coefficients per strategy, in :data:`FEATURES` order (seconds per call, message or byte).
 
     Attributes:
-        coef: strategy name -> coefficient vector (seconds per call, seconds per byte).
-        source: where the numbers came from (``probe``, ``cache``, ``config``).
+        coef: strategy name -> coefficient vector of ``len(FEATURES)``.
+        source: where the numbers came from (one of :data:`SOURCES`): ``declared``
+            (:meth:`declared`), ``calibrated`` (:func:`calibrate`), ``cache`` (:func:`load_cache`)
+            or ``given`` (built by the caller).
+
+    Raises:
+        ConfigError: on a coefficient vector of the wrong length or an unknown source.
+
+    Example::
+
+        model = BandwidthModel.declared(150e-6, {"self": 8.0, "host": 1.5, "net": 0.1})
+        name, seconds = model.choose(matrix_bytes, topo.link_matrix())
     """
 
     coef: dict[str, np.ndarray] = field(default_factory=dict)
-    source: str = "config"
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError(
+                f"BandwidthModel.source: expected one of {list(SOURCES)}, got {self.source!r}"
+            )
+        for name, c in self.coef.items():
+            if np.shape(c) != (len(FEATURES),):
+                raise ConfigError(
+                    f"BandwidthModel.coef[{name!r}]: expected {len(FEATURES)} coefficients "
+                    f"{list(FEATURES)}, got shape {np.shape(c)}"
+                )
 
     def predict(self, strategy: str, matrix: np.ndarray, links: np.ndarray) -> float:
         """Predicted seconds of ``strategy`` on ``matrix``."""
@@ -120,34 +157,96 @@ class BandwidthModel:
         """Plain JSON description."""
         return {n: c.tolist() for n, c in self.coef.items()}
 
-    @classmethod
-    def declared(cls, alpha_s: float, gbps: dict[str, float]) -> BandwidthModel:
-        """A model from declared numbers (``calibrate=false``): one latency, a bandwidth per link.
+    def describe(self) -> str:
+        """One line for logs: the source, then per strategy (identical ones grouped) the latency
+        per call and per message and the GB/s of every link class (``both``: the extra cost of
+        bytes moving both ways at once, as GB/s; ``-``: free)."""
+        groups: dict[tuple[float, ...], list[str]] = {}
+        for name, c in self.coef.items():
+            groups.setdefault(tuple(float(v) for v in c), []).append(name)
+        parts = []
+        for c, names in groups.items():
+            x = dict(zip(FEATURES, c))
+            links = ", ".join(
+                f"{link} {_gbps(x[f'bytes_{link}'])} (both {_gbps(x[f'both_{link}'])})"
+                for link in ("host", "net")
+            )
+            parts.append(
+                f"{'/'.join(names)}: {x['calls'] * 1e6:.0f} us/call + {x['msgs'] * 1e6:.0f} us/msg,"
+                f" self {_gbps(x['bytes_self'])}, {links} GB/s"
+            )
+        return f"bandwidth model ({self.source}): " + "; ".join(parts)
 
-        Point-to-point pays ``alpha`` per message, gather per destination, all-to-all once.
+    @classmethod
+    def declared(
+        cls, latency_s: float, gbps: dict[str, float], message_s: float | None = None
+    ) -> BandwidthModel:
+        """A model from declared numbers (``calibrate=false``): the same numbers for every strategy.
+
+        Strategies still price differently, by their own structure (:func:`features`): the fused
+        all-to-all launches one call but puts a message on the wire for every peer, empty or not;
+        point-to-point launches one call per non-empty peer and sends nothing else; a gather
+        launches one call per destination, its root receiving from every rank, with chunks padded
+        to the largest. So sparse or uneven matrices of small messages go point-to-point, one hot
+        destination of small messages goes to gather, and large dense ones stay fused. Nothing
+        declared tells chunked point-to-point's pipelining apart (it pays four times the calls for
+        the same bytes): only a calibrated model picks it.
+
+        Args:
+            latency_s: seconds per collective call (launching it, its work, waiting for it).
+            gbps: GB/s per link class ``self``, ``host``, ``net``. Within a host the CPU copies
+                both directions (bytes moving both ways at once cost twice); a network link is
+                full duplex.
+            message_s: seconds per message on the wire at the critical rank; by default half a
+                call (fitted on 2 loopback gloo ranks: ~77 us per message against ~125 us per
+                call).
+
+        Raises:
+            ConfigError: on a missing link class, a bandwidth that is not positive, or a
+                negative latency.
         """
         missing = [c for c in LINKS if c not in gbps]
         if missing:
             raise ConfigError(f"bandwidth.gbps: expected keys {list(LINKS)}, missing {missing}")
+        bad = {c: gbps[c] for c in LINKS if not gbps[c] > 0}
+        if bad:
+            raise ConfigError(f"bandwidth.gbps: expected GB/s > 0 for every link, got {bad}")
+        message_s = latency_s / 2 if message_s is None else message_s
+        if latency_s < 0 or message_s < 0:
+            raise ConfigError(
+                f"bandwidth latency: expected seconds >= 0, got latency_s={latency_s}, "
+                f"message_s={message_s}"
+            )
         inv = {c: 1.0 / (gbps[c] * 1e9) for c in LINKS}
-        # within a host the CPU copies both directions; a network link is full duplex
-        vec = [alpha_s, inv["self"], inv["host"], inv["host"], inv["net"], 0.0]
-        coef = {n: np.array(vec) for n in NAMES}
-        return cls(coef, "config")
+        vec = [latency_s, inv["self"], inv["host"], inv["host"], inv["net"], 0.0, message_s]
+        return cls({n: np.array(vec) for n in NAMES}, "declared")
+
+
+def _gbps(seconds_per_byte: float) -> str:
+    return f"{1e-9 / seconds_per_byte:.3g}" if seconds_per_byte > 0 else "-"
 
 
 def fit(samples: list[tuple[np.ndarray, float]]) -> np.ndarray:
     """Non-negative least squares on relative error: ``x @ coef ~= t`` for ``(x, t)`` samples.
 
-    Features that never vary (e.g. no cross-host bytes on one host) get coefficient 0.
+    Features that are always zero (e.g. no cross-host bytes on one host) get coefficient 0, and
+    so does a feature the samples cannot tell apart from earlier ones (a linear combination of
+    them: at one world size the all-to-all's messages are a constant, like its one call), whose
+    cost the earlier features carry.
     """
     X = np.array([x for x, _ in samples], dtype=np.float64)
     t = np.array([t for _, t in samples], dtype=np.float64)
     w = 1.0 / np.maximum(t, 1e-9)
-    active = list(np.nonzero(np.abs(X).sum(axis=0) > 0)[0])
+    Xw = X * w[:, None]
+    scale = np.linalg.norm(Xw, axis=0)
+    active: list[int] = []
+    for j in np.nonzero(scale > 0)[0]:
+        cols = Xw[:, [*active, j]] / scale[[*active, j]]
+        if np.linalg.matrix_rank(cols) == len(active) + 1:
+            active.append(int(j))
     coef = np.zeros(X.shape[1])
     while active:
-        sol, *_ = np.linalg.lstsq(X[:, active] * w[:, None], t * w, rcond=None)
+        sol, *_ = np.linalg.lstsq(Xw[:, active], t * w, rcond=None)
         if (sol >= 0).all():
             coef[active] = sol
             break
@@ -221,7 +320,7 @@ def calibrate(
             for matrix in probe_matrices(ex.world, size).values():
                 for name, t in time_strategies(ex, strategies, matrix, repeats).items():
                     samples[name].append((features(name, matrix, links), t))
-    return BandwidthModel({n: fit(s) for n, s in samples.items()}, "probe")
+    return BandwidthModel({n: fit(s) for n, s in samples.items()}, "calibrated")
 
 
 def cache_path(cache_dir: str, backend: str, topo: Topology) -> str:
@@ -302,7 +401,8 @@ def build(
     """The model every rank uses, and the seconds it took (cache, probe, or declared numbers).
 
     Every collective waits with the exchange's timeout (phases ``start-up: agree on the bandwidth
-    model``, ``start-up: calibrate``, ``start-up: calibration cache``).
+    model``, ``start-up: calibrate``, ``start-up: calibration cache``). Rank 0 logs the model's
+    :meth:`~BandwidthModel.describe` line.
 
     Raises:
         PhaseError: if a rank does not take part in a phase within the timeout.
@@ -313,6 +413,8 @@ def build(
     else:
         model = _agreed_model(ex, topo, cache_dir)
         seconds = time.perf_counter() - start
+    if ex.rank == 0:
+        log.info("%s (%.2fs)", model.describe(), seconds)
     return model, seconds
 
 
