@@ -66,6 +66,39 @@ class Parts:
     clock: RoundClock
     control: OverlapController
 
+    def store_stats(self) -> dict[str, object]:
+        """The shard's stats between rounds, evictions counting items dropped at staging."""
+        self.sched.settle()
+        stats, dropped = self.shard.stats(), self.stager.dropped
+        return {**stats, "evictions": stats["evictions"] + dropped, "dropped_at_staging": dropped}
+
+
+def release(parts: Parts) -> None:
+    """Run the closing round (unless a round failed), remove hooks, release the group, the shard
+    and the worker. After a failure the group and the shard are freed only once the worker has
+    left its round.
+
+    Raises:
+        ConfigError: inside a ``staged()`` block (nothing is released then).
+        RoundError: if the closing round fails (everything is released all the same).
+    """
+    if parts.stager.in_block:
+        raise ConfigError("close: cannot run inside a staged() block: leave the block first")
+    parts.control.detach()
+    try:
+        if parts.clock.failed is None:
+            parts.control.closing_round()
+    finally:
+        if parts.sched.close(abandon=parts.clock.failed is not None):
+            parts.exchange.close()
+            parts.shard.close()
+        else:
+            log.warning(
+                "rank %d: the round worker is still inside a failed round; the plane's group "
+                "and shard are left to the process exit",
+                parts.exchange.rank,
+            )
+
 
 def check_args(spec, capacity: int, schedule: str, max_lag: int, timeout_s: float) -> None:
     """The plain-value arguments of a plane.
@@ -179,7 +212,17 @@ def assemble(
             spec, shard, ex.world, limit, sched, max_lag, timeline, device.type == "cuda"
         )
         clock = RoundClock(stager, weights, sched, timeline)
-        control = OverlapController(clock, sched, overlap, trial, max_lag, can_launch, ex.rank)
+        control = OverlapController(
+            clock,
+            sched,
+            overlap,
+            trial,
+            max_lag,
+            can_launch,
+            ex.rank,
+            int(seed),
+            ex.rank in learners,
+        )
         undo.pop_all()
     return Parts(
         ex, topo, model, calibration_s, learners, shard, sampler, placement, runner, sched,

@@ -14,7 +14,7 @@ def main() -> None:
 
     rank = cd.get_rank()
     plane = cd.DataPlane(spec(), 200, seed=2, schedule="sync")
-    topo = discover(plane.exchange.group)
+    topo = discover(plane.exchange)
     put, strategies = [], []
     for it in range(3):
         ids = rank * 1000 + it * 100 + torch.arange(20)

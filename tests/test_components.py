@@ -1,4 +1,4 @@
-"""Components and their contracts: samplers, storage, staging, scheduling, state (real gloo ranks)."""
+"""Components and their contracts: samplers, storage, staging, scheduling, state (gloo ranks)."""
 
 from __future__ import annotations
 
@@ -136,9 +136,8 @@ def _staging_limit(rank, world):
     plane.flush()
     held = shard_items(plane).tolist()
     dropped = plane.store_stats()["dropped_at_staging"]
-    with pytest.raises(cd.ConfigError, match="staging limit of 20"):
-        with plane.staged(21):
-            pass
+    with pytest.raises(cd.ConfigError, match="staging limit of 20"), plane.staged(21):
+        pass
     plane.close()
     return held, dropped
 

@@ -92,7 +92,9 @@ def test_lp_reference_never_prices_above_round_robin_and_finds_near_learners():
     assert t <= rr * (1 + 1e-9)
     assert support == {"learner/4/0": 4, "actor/4/64": 0}
     near = planner.price(planner.plan(put, requests, np.zeros(8), cap), requests, np.zeros(8), cap)
-    assert abs(t - near) <= 1e-6 * near  # the planner's choice is the LP's best here
+    # the LP may route each actor to fewer learners (fewer messages) than near_learners' even
+    # spread; the planner's pick is never cheaper than the reference
+    assert t <= near * (1 + 1e-9) and near < rr
 
 
 def test_stratified_is_proportional_and_local_first():

@@ -73,8 +73,11 @@ def _ingest_lp(model: BandwidthModel, links: np.ndarray, staged: np.ndarray, S: 
     res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(r), A_eq=a_eq, b_eq=b_eq, method="highs")
     if not res.success:
         raise RuntimeError(f"ingest LP failed: {res.message}")
-    forced = set(srcs.tolist()) - set(S) or not np.allclose(staged[srcs], staged.sum() / nd)
-    return res.fun * 1e-6 + (model.coef["all_to_all"][0] if forced else 0.0)
+    # price the LP's routing as the planner prices a plan: the model's choice of strategy, with
+    # its per-call and per-message terms (the LP itself weighs the bytes only)
+    plan = np.zeros(links.shape)
+    plan[np.ix_(srcs, S)] = res.x[:nv].reshape(ns, nd)
+    return model.choose(plan * rb, links)[1] if plan.any() else 0.0
 
 
 def best_balanced(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -102,8 +103,11 @@ class Exchange:
             (a collective call: every rank must construct its Exchange at the same point).
         name: prefix of the heartbeat keys, unique per plane.
 
+    Without a process group under plain ``python`` (no ``RANK``/``WORLD_SIZE``) it is a
+    one-rank exchange that runs no collective, so a world-size-1 plane needs no set-up.
+
     Raises:
-        RuntimeError: if no default process group exists (call ``init_distributed`` first).
+        RuntimeError: under torchrun without a process group (call ``init_distributed``).
 
     Example::
 
@@ -113,16 +117,21 @@ class Exchange:
     """
 
     def __init__(self, timeout_s: float, group: dist.ProcessGroup | None = None, name: str = "0"):
-        if not dist.is_initialized():
-            raise RuntimeError("no process group: call conduit_dist.init_distributed() first")
         self.timeout = timedelta(seconds=timeout_s)
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        if dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        elif "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            raise RuntimeError(
+                "no process group: call conduit_dist.init_distributed() first (under torchrun: "
+                f"RANK={os.environ.get('RANK')}, WORLD_SIZE={os.environ.get('WORLD_SIZE')})"
+            )
+        else:  # plain python, world size 1: nothing to exchange, no group needed
+            self.rank, self.world = 0, 1
         self.group = group
         if group is None and self.world > 1:
             backend = dist.get_backend()
             self.group = dist.new_group(timeout=self.timeout, backend=backend)
-        store, missing = _default_store()
+        store, missing = _default_store() if self.world > 1 else (None, "")
         self._beats = Heartbeats(store, f"{_HB_PREFIX}{name}/", self.rank, self.world, missing)
         self._phase: tuple[str, int] | None = None  # (name, sequence number) of the open phase
         self._phases = 0  # phases entered so far (the same sequence on every rank)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +14,6 @@ from conduit_dist.collectives.exchange import Exchange
 
 LINKS = ("self", "host", "net")  # same process, same host, across hosts
 _NAME_BYTES = 64
-_LEGACY_TIMEOUT_S = 300.0  # callers that pass a group, not an Exchange
 
 
 @dataclass(frozen=True)
@@ -92,15 +90,6 @@ def discover(ex: Exchange) -> Topology:
         topo = discover(Exchange(60.0))
         topo.link(0, 1)  # "host" or "net"
     """
-    if not isinstance(ex, Exchange):  # until every caller passes its Exchange: remove then
-        warnings.warn(
-            f"discover: expected an Exchange, got {type(ex).__name__}; pass the plane's exchange "
-            "(its group and timeout), not its group",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        group = ex if ex is not None else dist.group.WORLD
-        ex = Exchange(_LEGACY_TIMEOUT_S, group=group, name="discover")
     name = socket.gethostname()
     if ex.world == 1:
         return Topology.from_hosts([name])

@@ -8,14 +8,12 @@ import torch
 from torch import nn
 
 from conduit_dist import state
-from conduit_dist.assembly import assemble
+from conduit_dist.assembly import assemble, release
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError, EmptyStoreError
+from conduit_dist.errors import ConfigError
 from conduit_dist.placement import Placement
-from conduit_dist.rounds import RoundStats
 from conduit_dist.sampling import Sampler
-from conduit_dist.sched import FetchTiming, Timeline, fetch_timing
-from conduit_dist.sched.scheduler import now
+from conduit_dist.sched import FetchTiming, fetch_timing
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.tiers import Tiers
 
@@ -23,33 +21,29 @@ from conduit_dist.tiers import Tiers
 class DataPlane:
     """A sharded experience store whose ingestion and delivery are torch.distributed collectives.
 
-    Every rank hosts one shard. ``put`` stages a batch; a *round* (one per ``fetch`` on learners,
-    one per ``flush`` on actors, the same number on every rank) moves staged items to their
-    shards in one fused ``all_to_all_single``, draws each learner's batch from the global store
-    and delivers it in a second one. See docs/architecture.md for the components and a round.
+    Every rank hosts one shard. A *round* (one per ``fetch`` or ``flush``, the same number on
+    every rank) moves staged items to their shards in one fused ``all_to_all_single``, draws each
+    learner's batch from the global store and delivers it in a second (docs/architecture.md).
 
     Args:
         spec: fields of one experience item.
         capacity_per_rank: items each rank's shard holds; the oldest are evicted first.
         seed: run seed; with the round number it fixes every sample drawn.
-        sampler: a :class:`~conduit_dist.sampling.Sampler` or a name from
-            ``registry.SAMPLERS`` (default ``uniform``: each batch i.i.d. over the global store).
-        placement: a :class:`~conduit_dist.placement.Placement` or a name from
-            ``registry.PLACEMENTS`` (default ``round_robin``).
+        sampler: a ``Sampler`` or a name from ``registry.SAMPLERS`` (``uniform``: i.i.d. over
+            the global store; ``stratified``).
+        placement: a ``Placement`` or a name from ``registry.PLACEMENTS`` (``round_robin``).
         storage: a :class:`~conduit_dist.tiers.Tiers` (default: one memory tier on ``device``).
-        learner_ranks: ranks that fetch; ``None``: every rank. Others are actors and ``flush``.
+        learner_ranks: ranks that fetch (``None``: all); the others are actors and ``flush``.
         device: where batches are delivered (``cpu`` or ``cuda``).
         schedule: ``overlap`` (the next round starts at the attached module's backward),
-            ``sync`` (inside ``fetch``) or ``auto`` (each rank times ``auto_trial`` iterations of
-            each, sync first, and keeps the faster). One CPU rank always runs rounds inline.
-        max_lag: ``1``: a batch may miss this rank's puts made after its round was launched
-            (one round of them at most); ``0``: never (overlap then only between
-            ``fetch(..., more=True)`` minibatches).
+            ``sync`` (inside ``fetch``) or ``auto`` (each rank times both, keeps the faster).
+        max_lag: ``1``: a batch may miss this rank's puts made after its round was launched;
+            ``0``: never (then overlap only between ``fetch(..., more=True)`` minibatches).
         auto_trial: iterations timed per mode with ``schedule="auto"``.
         timeout_s: seconds any collective may take before it fails with ``RoundError``.
         strategy: ``auto`` (the bandwidth model picks) or a strategy name to force.
-        bandwidth: ``declared`` (default numbers, no start-up cost), ``calibrate`` (probe the
-            links, cached in ``bandwidth_cache``) or a ``BandwidthModel``; see :attr:`bandwidth`.
+        bandwidth: ``declared``, ``calibrate`` (probe the links once, cached in
+            ``bandwidth_cache``) or a ``BandwidthModel``; :attr:`bandwidth` says which is used.
         bandwidth_cache: directory of calibration caches (``None``: no cache).
         trace: record a per-rank timeline for :meth:`export_trace`.
 
@@ -84,11 +78,7 @@ class DataPlane:
             auto_trial=auto_trial, timeout_s=timeout_s, strategy=strategy, bandwidth=bandwidth,
             bandwidth_cache=bandwidth_cache, trace=trace, can_launch=self._can_launch,
         )  # fmt: skip
-        self.spec, self.capacity_per_rank, self.device = (
-            spec,
-            capacity_per_rank,
-            torch.device(device),
-        )
+        self.spec, self.capacity_per_rank, self.device = spec, capacity_per_rank, p.runner.device
         self.rank, self.world, self.learner_ranks = (
             p.exchange.rank,
             p.exchange.world,
@@ -98,8 +88,6 @@ class DataPlane:
         self.shard, self.sampler, self.placement = p.shard, p.sampler, p.placement
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
         self.timeline, self._p = p.timeline, p
-        self._subset_gen = torch.Generator().manual_seed(int(seed) + 7 * self.rank)
-        self._last: tuple | None = None  # what last_fetch is computed from
 
     def __len__(self) -> int:
         """Items stored over all shards as of the latest completed round."""
@@ -110,43 +98,30 @@ class DataPlane:
         """``int64 [world]``: items on each shard as of the latest completed round."""
         return self._p.runner.published
 
-    @property
-    def round(self) -> int:
-        """Rounds this rank has prepared (the next round's number)."""
-        return self._p.clock.round
-
-    @property
-    def stats(self) -> RoundStats:
-        """What the latest finished round did on this rank."""
-        return self._p.clock.stats
+    round = property(lambda self: self._p.clock.round, doc="Rounds prepared so far.")
+    stats = property(lambda self: self._p.clock.stats, doc="The latest finished round's stats.")
 
     def put(self, batch: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
-        """Validate a batch and stage it for the next round.
+        """Validate a batch and stage it for the next round (beyond the global capacity, the
+        oldest staged items are dropped, and counted as evictions).
 
         Args:
             batch: ``name -> tensor [B, *shape]`` matching the spec (any device).
-            donate: hand the tensors over instead of copying them now (packed by the round,
-                during backward when overlapping); do not modify them until it completed.
+            donate: hand the tensors over instead of copying them now (the round packs them);
+                do not modify them until the next round has completed.
 
         Raises:
-            SpecError: on a missing or extra field, wrong dtype or shape, disagreeing batch
-                sizes, an empty batch or non-finite floats; nothing is staged or stored then.
-            ConfigError: over the staging limit (the global capacity), or with ``max_lag=0``
-                when the round for the next fetch is already in flight.
+            SpecError: on a field, dtype, shape or batch size that does not match, or NaN/inf;
+                nothing is staged or stored then.
+            ConfigError: with ``max_lag=0``, when the next fetch's round is in flight already.
         """
         self._check_open()
         self._p.stager.put(batch, donate)
 
     def staged(self, n: int):
-        """``with plane.staged(n) as rows:`` writable views (``name -> [n, *shape]``) into the
-        next round's staging rows; uninitialised like ``torch.empty``. Leaving the block checks
-        floats for NaN/inf in place and stages the items; an exception or a failed check stages
-        nothing. No other plane call may run inside the block.
-
-        Raises:
-            ConfigError: for ``n < 1``, a nested block, the staging limit or ``max_lag=0``.
-            SpecError: on leaving the block, naming a floating field that holds NaN/inf.
-        """
+        """``with plane.staged(n) as rows:`` writable, uninitialised views (``name -> [n, ...]``)
+        into staging rows; see ``Stager.staged``. Leaving the block checks NaN/inf and stages
+        the items; an exception or a failed check stages nothing."""
         self._check_open()
         return self._p.stager.staged(n)
 
@@ -158,9 +133,8 @@ class DataPlane:
             more: another fetch follows before the next ``put`` (minibatches of one rollout).
 
         Returns:
-            ``name -> tensor [batch_size, *shape]``: views into one packed buffer that is
-            reused only once nothing references it; rows keep the record stride and are grouped
-            by the shard they came from.
+            ``name -> tensor [batch_size, *shape]``: views into one packed buffer, reused only
+            once nothing references it; rows keep the record stride, grouped by shard.
 
         Raises:
             ConfigError: on an actor, a bad ``batch_size``, or one larger than the round
@@ -168,61 +142,24 @@ class DataPlane:
             RoundError: if the round failed or timed out on some rank (names the rank).
             EmptyStoreError: if nothing is stored yet (the round itself completed).
         """
-        if not self.is_learner:
-            raise ConfigError(
-                f"fetch: rank {self.rank} is an actor (learner_ranks={list(self.learner_ranks)}); "
-                "actors call flush() once per iteration instead"
-            )
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         self._check_open()
-        t_wait = now()
-        records, stats, prefetched, lag = self._p.control.fetch_round(batch_size, more)
-        rows = records.shape[0]
-        if rows == 0:
-            raise EmptyStoreError(
-                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: the store is "
-                f"empty (0 items over {self.world} shards); put experience before fetching"
-            )
-        if rows < batch_size:
-            raise ConfigError(
-                f"fetch: batch_size {batch_size} is larger than the {rows} items of the round "
-                "launched for it at backward; keep the batch size fixed, or use schedule='sync'"
-            )
-        if rows > batch_size:  # a uniform random subset of i.i.d. draws is i.i.d. too
-            keep = torch.randperm(rows, generator=self._subset_gen)[:batch_size]
-            records = records.index_select(0, keep.to(records.device))
-        batch = self.spec.unpack(records)
-        self._last = (stats, prefetched, lag, t_wait, now())
-        self.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, self._last[4])
-        return batch
+        return self.spec.unpack(self._p.control.fetch(batch_size, more))
 
     def flush(self) -> None:
-        """Take part in a round without fetching (actors, once per iteration after ``put``);
-        in ``overlap`` mode it runs in the background and this returns at once.
-
-        Raises:
-            RoundError: if a round failed or timed out on some rank.
-        """
+        """Take part in a round without fetching (actors, once per iteration after ``put``); in
+        ``overlap`` mode it runs in the background. Raises ``RoundError`` if a round failed."""
         self._check_open()
         self._p.control.flush()
 
     def wait(self) -> None:
-        """Block until no round is running (e.g. before ``len(plane)`` after an overlapped
-        ``flush``); a round launched at backward stays attributed to the next fetch.
-
-        Raises:
-            RoundError: if the finished round failed (also one launched at backward).
-        """
+        """Block until no round runs (a round launched at backward stays for the next fetch).
+        Raises ``RoundError`` if that round failed."""
         self._check_open()
         self._p.control.wait()
 
     def attach(self, module: nn.Module) -> None:
-        """Launch the next fetch's round when ``module``'s backward starts (``overlap``/``auto``).
-
-        Raises:
-            ConfigError: if a module is attached already.
-        """
+        """Launch the next fetch's round when ``module``'s backward starts (``overlap``/``auto``);
+        ``ConfigError`` if a module is attached already."""
         self._p.control.attach(module)
 
     def detach(self) -> None:
@@ -243,86 +180,47 @@ class DataPlane:
         return self._p.weights.version
 
     def pull_weights(self, module: nn.Module) -> int:
-        """Load the latest weights received into ``module``; returns their version (0: none yet,
-        ``module`` untouched). An overlapped actor gets the previous round's weights.
-
-        Raises:
-            SpecError: if the module's names, shapes or dtypes differ from the published ones.
-        """
+        """Load the latest weights received into ``module``; returns their version (0: none yet).
+        ``SpecError`` if its names, shapes or dtypes differ from the published ones."""
         self._check_open()
         return self._p.weights.pull(_unwrap(module))
 
     def store_stats(self) -> dict[str, object]:
-        """This rank's shard: items and bytes per tier, demotions and evictions so far (counting
-        items dropped at staging, also shown alone); waits for a running round first (one launched at backward stays for
-        its fetch)."""
-        self._p.sched.settle()
-        stats, dropped = self.shard.stats(), self._p.stager.dropped
-        return {**stats, "evictions": stats["evictions"] + dropped, "dropped_at_staging": dropped}
+        """This rank's shard: items and bytes per tier, demotions, evictions (with the items
+        dropped at staging, also shown alone); waits for a running round first."""
+        return self._p.store_stats()
 
     def export_trace(self, path: str) -> str:
-        """Write this rank's timeline as Chrome trace JSON (open in Perfetto); returns the path.
-
-        Raises:
-            ConfigError: if the plane was built without ``trace=True``.
-        """
-        if not self.timeline.enabled:
-            raise ConfigError("export_trace: tracing is off; build the plane with trace=True")
+        """Write this rank's timeline as Chrome trace JSON (Perfetto); returns the path.
+        ``ConfigError`` without ``trace=True``."""
         return self.timeline.export(path)
 
     @property
     def last_fetch(self) -> FetchTiming | None:
         """Exposed/hidden accounting of the latest fetch (``None`` before the first)."""
-        return None if self._last is None else fetch_timing(*self._last)
+        last = self._p.control.last
+        return None if last is None else fetch_timing(*last)
 
     def close(self) -> None:
-        """Run the closing round, remove hooks, release the group. Safe to call twice.
-
-        Collective: every rank calls it (a round launched at backward serves as that rank's
-        closing round; others run one, which also ingests anything still staged).
-
-        Raises:
-            RoundError: if the closing round fails (the group is released all the same).
-            ConfigError: inside a ``staged()`` block.
-        """
-        if self._closed:
-            return
-        if self._p.stager.in_block:
-            raise ConfigError("close: cannot run inside a staged() block: leave the block first")
-        self.detach()
-        p = self._p
-        try:
-            if p.clock.failed is None:
-                p.control.closing_round()
-        finally:
-            self._closed = True
-            if p.sched.close(abandon=p.clock.failed is not None):
-                p.exchange.close()
-                p.shard.close()
+        """Run the closing round, release the group, shard and worker (see ``assembly.release``).
+        Collective; safe to call twice."""
+        if not self._closed:
+            try:
+                release(self._p)
+            finally:
+                self._closed = not self._p.stager.in_block
 
     def state_dict(self) -> dict[str, object]:
-        """This rank's shard, the global sizes, the round counter (tensors and ints only).
-
-        Not collective: it waits for this rank's running round, whose batch stays for the next
-        fetch. Call it at the same point of the loop on every rank, between rounds.
-
-        Raises:
-            RuntimeError: if items were put since the last round (run a round first).
-            RoundError: if the running round failed.
-        """
+        """This rank's state (tensors and ints; see ``state.save``). Not collective: it waits for
+        a running round, whose batch stays for its fetch; call it at the same point on every
+        rank. ``RuntimeError`` if items were put since the last round."""
         self._check_open()
         self._p.control.wait()
         return state.save(self._p, self.spec)
 
     def load_state_dict(self, saved: dict[str, object]) -> None:
-        """Restore a state saved by :meth:`state_dict` (same world size, spec and storage).
-
-        Collective: every rank calls it; a round launched before it is dropped, and the ranks
-        check they all restored the same round.
-
-        Raises:
-            ConfigError: on another world size, spec or storage, or ranks at different rounds.
-        """
+        """Restore :meth:`state_dict` (collective; see ``state.load``): ``ConfigError`` on another
+        world size or spec, or ranks at different rounds."""
         self._check_open()
         state.load(self._p, self.spec, saved)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conduit_dist.errors import ConfigError
+from conduit_dist.errors import ConfigError, EmptyStoreError
 from conduit_dist.rounds import RoundStats
 from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
@@ -36,7 +36,9 @@ class OverlapController:
         trial: the ``auto`` trial, or ``None``.
         max_lag: ``0``: launch at backward only between ``fetch(..., more=True)`` minibatches.
         can_launch: whether a backward may launch a round now (plane open, no staged block).
-        rank: this rank (for the log).
+        rank: this rank.
+        seed: the run seed (a batch smaller than its round is a seeded random subset).
+        is_learner: whether this rank fetches.
     """
 
     def __init__(
@@ -48,10 +50,14 @@ class OverlapController:
         max_lag: int,
         can_launch: Callable[[], bool],
         rank: int = 0,
+        seed: int = 0,
+        is_learner: bool = True,
     ) -> None:
         self.clock, self.sched, self.trial = clock, sched, trial
         self.overlap, self.max_lag, self.can_launch = overlap, max_lag, can_launch
-        self.rank = rank
+        self.rank, self.is_learner = rank, is_learner
+        self._subset_gen = torch.Generator().manual_seed(int(seed) + 7 * rank)
+        self.last: tuple | None = None  # what the latest fetch's FetchTiming is computed from
         self.trigger: BackwardTrigger | None = None
         self._fetched = False  # a fetch happened since the last launch at backward
         self._last_batch = 0
@@ -64,11 +70,46 @@ class OverlapController:
             return "auto (trial)"
         return "overlap" if self.overlap else "sync"
 
-    def fetch_round(
+    def fetch(self, batch_size: int, more: bool) -> torch.Tensor:
+        """This fetch's ``batch_size`` records (see :meth:`DataPlane.fetch`); accounts its time.
+
+        Raises:
+            EmptyStoreError: if nothing is stored yet.
+            ConfigError: on an actor, a bad ``batch_size``, or more rows than the round launched
+                at backward holds.
+        """
+        if not self.is_learner:
+            raise ConfigError(
+                f"fetch: rank {self.rank} is an actor; actors call flush() once per iteration"
+            )
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+        t_wait = now()
+        records, stats, prefetched, lag = self._fetch_round(batch_size, more)
+        rows = records.shape[0]
+        if rows == 0:
+            raise EmptyStoreError(
+                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: the store is "
+                "empty (0 items over all shards); put experience before fetching"
+            )
+        if rows < batch_size:
+            raise ConfigError(
+                f"fetch: batch_size {batch_size} is larger than the {rows} items of the round "
+                "launched for it at backward; keep the batch size fixed, or use schedule='sync'"
+            )
+        if rows > batch_size:  # a uniform random subset of i.i.d. draws is i.i.d. too
+            keep = torch.randperm(rows, generator=self._subset_gen)[:batch_size]
+            records = records.index_select(0, keep.to(records.device))
+        t_end = now()
+        self.last = (stats, prefetched, lag, t_wait, t_end)
+        self.clock.timeline.add("fetch (waiting)", Timeline.LEARNER, t_wait, t_end)
+        return records
+
+    def _fetch_round(
         self, batch_size: int, more: bool
     ) -> tuple[torch.Tensor, RoundStats, bool, int]:
         """This fetch's round: ``(records, stats, prefetched, lag)``."""
-        t_wait = now()
+        t = now()
         pending = self.sched.pending
         if pending is not None and pending.kind == "prefetch":
             p, records, stats = self.clock.wait()
@@ -79,7 +120,7 @@ class OverlapController:
             records, stats = self.clock.run(batch_size)
             prefetched, lag = False, 0
         self._fetched, self._last_batch, self._more = True, batch_size, more
-        self._tick(t_wait)
+        self._tick(t)
         return records, stats, prefetched, lag
 
     def flush(self) -> None:

@@ -8,6 +8,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from conduit_dist.errors import ConfigError
+
 _T0 = time.perf_counter()
 PHASES = ("ingest", "sample", "deliver", "weights")
 
@@ -98,7 +100,13 @@ class Timeline:
                 del self.events[: len(self.events) - self.max_events]
 
     def export(self, path: str) -> str:
-        """Write the trace as Chrome trace JSON; returns the path."""
+        """Write the trace as Chrome trace JSON; returns the path.
+
+        Raises:
+            ConfigError: if tracing is off.
+        """
+        if not self.enabled:
+            raise ConfigError("export_trace: tracing is off; build the plane with trace=True")
         meta = [
             {
                 "name": "process_name",
