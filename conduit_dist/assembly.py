@@ -67,8 +67,8 @@ class Parts:
     control: OverlapController
 
     def store_stats(self) -> dict[str, object]:
-        """The shard's stats between rounds, evictions counting items dropped at staging."""
-        self.sched.settle()
+        """The shard's stats now (a running round is not waited for: it may need peers that
+        are busy elsewhere), evictions counting items dropped at staging."""
         stats, dropped = self.shard.stats(), self.stager.dropped
         return {**stats, "evictions": stats["evictions"] + dropped, "dropped_at_staging": dropped}
 

@@ -187,7 +187,7 @@ class DataPlane:
 
     def store_stats(self) -> dict[str, object]:
         """This rank's shard: items and bytes per tier, demotions, evictions (with the items
-        dropped at staging, also shown alone); waits for a running round first."""
+        dropped at staging, also shown alone), without waiting for a running round."""
         return self._p.store_stats()
 
     def export_trace(self, path: str) -> str:

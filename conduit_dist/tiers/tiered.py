@@ -71,7 +71,9 @@ class TieredShard:
         self.demotion_wait_ms = 0.0
         self._worker = ThreadPoolExecutor(1, "conduit-demote") if self.demotes_ahead else None
         self._ahead: Future | None = None
-        self._lock = threading.Lock()  # held by a background demotion; stats read under it
+        # held while the rings change (a round's writes, a background demotion): stats read under
+        # it from any thread and so never see a ring halfway through a change
+        self._lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -155,6 +157,10 @@ class TieredShard:
     def append(self, records: torch.Tensor) -> None:
         """Add records (oldest first); older items move down the tiers to make room."""
         self.settle()
+        with self._lock:
+            self._append(records)
+
+    def _append(self, records: torch.Tensor) -> None:
         if records.shape[0] > self.capacity:
             self.evictions += records.shape[0] - self.capacity
             records = records[-self.capacity :]
@@ -167,7 +173,8 @@ class TieredShard:
         ring = self.rings[0]
         if n > ring.cap:
             return None
-        self._make_room(0, n)
+        with self._lock:
+            self._make_room(0, n)
         pos = ring.end()
         if pos + n > ring.cap:
             return None
@@ -175,8 +182,9 @@ class TieredShard:
 
     def commit(self, n: int) -> None:
         """Account for ``n`` items received into the region from :meth:`receive_region`."""
-        self.rings[0].size += n
-        self.written += n
+        with self._lock:
+            self.rings[0].size += n
+            self.written += n
 
     direct_views = None  # writing ahead of a round across tiers would need a demotion
 
@@ -203,8 +211,9 @@ class TieredShard:
     def stats(self) -> dict[str, object]:
         """Items and bytes per tier, demotions and evictions so far.
 
-        Reads under the demotion lock and never waits for (or takes over) the background
-        demotion, so it cannot change the shard under a round; the plane calls it between rounds.
+        Safe from any thread at any time: it reads under the lock every change to the rings
+        holds, and never waits for (or takes over) the background demotion, which is the round
+        thread's to settle.
         """
         with self._lock:
             return self._stats()
