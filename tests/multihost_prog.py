@@ -5,7 +5,6 @@ import json
 import torch
 
 import conduit_dist as cd
-from conduit_dist.collectives.topology import discover
 
 
 def main() -> None:
@@ -14,7 +13,7 @@ def main() -> None:
 
     rank = cd.get_rank()
     plane = cd.DataPlane(spec(), 200, seed=2, schedule="sync")
-    topo = discover(plane.exchange)
+    topo = plane.topology  # discovered by the plane at start-up
     put, strategies = [], []
     for it in range(3):
         ids = rank * 1000 + it * 100 + torch.arange(20)
