@@ -113,7 +113,7 @@ class RoundRunner:
         self.ingested = 0  # items ingested over all ranks
         self._send = RecordBuffer(spec.record_bytes, device)
         self._recv = RecordBuffer(spec.record_bytes, device)
-        self.outputs = OutputPool(spec.record_bytes, device)
+        self.outputs = OutputPool(spec.record_bytes, device, spec.unpack)
         self._dev_stage = RecordBuffer(spec.record_bytes, device)  # H2D copy of staged records
         self._meta_local = torch.zeros(_META + sampler.meta_width, dtype=torch.int64)
 
@@ -139,7 +139,7 @@ class RoundRunner:
             self.sampler.feedback(t.round)
         self._demote_ahead()
         self.published = self.sizes.copy()  # a failed round never shows half-finished sizes
-        stats.stored = int(self.published.sum())
+        stats.stored = self.shard.size if self.world == 1 else int(self.published.sum())
         return out, stats
 
     def _demote_ahead(self) -> None:
@@ -164,10 +164,15 @@ class RoundRunner:
         t1 = time.perf_counter()
         stats.mark("ingest", t0, t1)
         size = self.shard.size
-        n_out = t.request if size else 0
+        local = self._meta_local.numpy()  # the sampler's values: at world size 1, its own
+        local[_META:] = self.sampler.local_meta(self.shard)
+        self._requests[0] = t.request
+        counts = self.sampler.allocate(self._requests, self.sizes, t.round, local[None, _META:])
+        n_out = int(counts[0, 0])
         out = self.outputs.acquire(n_out)
         if n_out:
             self.shard.gather(self.sampler.draw(n_out, size, t.round), out)
+        self.sampler.feedback(t.round)
         stats.mark("sample", t1, time.perf_counter())
         rb = self.spec.record_bytes
         stats.items_in, stats.items_out, stats.bytes_in, stats.bytes_out = (

@@ -347,3 +347,29 @@ def test_world_size_one_needs_no_init_but_torchrun_without_a_group_is_an_error()
     bad = subprocess.run([sys.executable, "-c", _PLAIN], env=env, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "call conduit_dist.init_distributed() first" in bad.stderr
+
+
+# ---------------------------------------------------------------- delivery buffers
+
+
+def test_a_pooled_batch_is_never_overwritten_while_any_part_of_it_is_held():
+    plane = cd.DataPlane(spec(), capacity_per_rank=64, seed=5, schedule="sync")
+    plane.put(make_batch(torch.arange(64)))
+    kept = []  # (what the caller holds, a copy of what it held when fetched)
+    for i in range(12):
+        batch = plane.fetch(8)
+        if i % 4 == 0:
+            kept.append((batch, {k: v.clone() for k, v in batch.items()}))
+        elif i % 4 == 1:
+            kept.append((batch["obs"], batch["obs"].clone()))  # one field view only
+        elif i % 4 == 2:
+            kept.append((batch["frame"][:3], batch["frame"][:3].clone()))  # a view of a view
+    for held, copy in kept:
+        if isinstance(held, dict):
+            assert all(torch.equal(held[k], copy[k]) for k in copy)
+        else:
+            assert torch.equal(held, copy)
+    kept.clear()
+    ptrs = {plane.fetch(8)["id"].data_ptr() for _ in range(6)}  # nothing held: reused
+    assert len(ptrs) == 1
+    plane.close()

@@ -234,7 +234,86 @@ static PyObject* rows_nonfinite(PyObject* self, PyObject* args) {
     return first_bad(bad, nf);
 }
 
+/* Copy rows idx[0..n) of src (src_rows rows) into n contiguous rows of dst, prefetching a few
+ * rows ahead: random rows of a large store miss the caches, and overlapping those misses is what
+ * makes a gather fast. Every index is checked before any byte is copied. */
+#define PREFETCH_AHEAD 8
+static int gather_impl(uint8_t* restrict dst, const uint8_t* restrict src, size_t row_bytes,
+                       size_t src_rows, const int64_t* idx, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (idx[i] < 0 || (uint64_t)idx[i] >= src_rows) return (int)(i < INT32_MAX ? i : INT32_MAX);
+    for (size_t i = 0; i < n; i++) {
+#if defined(__GNUC__)
+        if (i + PREFETCH_AHEAD < n) {
+            const uint8_t* ahead = src + (size_t)idx[i + PREFETCH_AHEAD] * row_bytes;
+            for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        }
+#endif
+        memcpy(dst + i * row_bytes, src + (size_t)idx[i] * row_bytes, row_bytes);
+    }
+    return -1;
+}
+
+/* gather_rows(dst, src, row_bytes, src_rows, idx, n): dst[i] = src[idx[i]] for n int64 indices;
+ * IndexError naming the first index outside [0, src_rows). */
+static PyObject* gather_rows(PyObject* self, PyObject* args) {
+    unsigned long long dst, src, idx;
+    long long row_bytes, src_rows, n;
+    int bad;
+    if (!PyArg_ParseTuple(args, "KKLLKL", &dst, &src, &row_bytes, &src_rows, &idx, &n))
+        return NULL;
+    if (check_rows("gather_rows", row_bytes, n) || check_rows("gather_rows", row_bytes, src_rows))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bad = gather_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src, (size_t)row_bytes,
+                      (size_t)src_rows, (const int64_t*)(uintptr_t)idx, (size_t)n);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "gather_rows: index %lld at position %d is outside the "
+                     "%lld rows", (long long)((const int64_t*)(uintptr_t)idx)[bad], bad, src_rows);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* splitmix64: the mixing step sampling/base.py's mix() uses, and the stream of uniform_slots */
+static inline uint64_t splitmix_step(uint64_t h, uint64_t k) {
+    h = (h ^ k) * 0xBF58476D1CE4E5B9ULL;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBULL;
+    return h ^ (h >> 31);
+}
+
+/* uniform_slots(out, n, size, seed, round, rank): n int64 slots uniform in [0, size), from a
+ * splitmix64 stream keyed by (seed, round, rank) -- the same on every process and run. Slots use
+ * the multiply-shift reduction (bias below size / 2**64). */
+static PyObject* uniform_slots(PyObject* self, PyObject* args) {
+    unsigned long long out, seed, round, rank;
+    long long n, size;
+    if (!PyArg_ParseTuple(args, "KLLKKK", &out, &n, &size, &seed, &round, &rank)) return NULL;
+    if (n < 0 || size < 1) {
+        PyErr_Format(PyExc_ValueError, "uniform_slots: expected n >= 0 and size >= 1, got n=%lld, "
+                     "size=%lld", n, size);
+        return NULL;
+    }
+    if (check_span("uniform_slots", "slots", n, 8)) return NULL;
+    uint64_t h = 0x9E3779B97F4A7C15ULL;
+    h = splitmix_step(splitmix_step(splitmix_step(h, seed), round), rank);
+    int64_t* o = (int64_t*)(uintptr_t)out;
+    for (long long i = 0; i < n; i++) {
+        h += 0x9E3779B97F4A7C15ULL;
+        uint64_t z = splitmix_step(h, 0);
+        o[i] = (int64_t)(((unsigned __int128)z * (uint64_t)size) >> 64);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"uniform_slots", uniform_slots, METH_VARARGS,
+     "uniform_slots(out, n, size, seed, round, rank): n int64 slots uniform in [0, size) into out, "
+     "from a stream keyed by (seed, round, rank)."},
+    {"gather_rows", gather_rows, METH_VARARGS,
+     "gather_rows(dst, src, row_bytes, src_rows, idx, n): copy rows src[idx[i]] into n "
+     "contiguous rows of dst (int64 indices, each checked against src_rows)."},
     {"rows_nonfinite", rows_nonfinite, METH_VARARGS,
      "rows_nonfinite(addr, row_bytes, n, sizes, offsets, kinds): first field of n records "
      "holding NaN/inf (float kinds only), scanned in place, or -1."},

@@ -143,7 +143,7 @@ class DataPlane:
             EmptyStoreError: if nothing is stored yet (the round itself completed).
         """
         self._check_open()
-        return self.spec.unpack(self._p.control.fetch(batch_size, more))
+        return self._p.runner.outputs.unpack(self._p.control.fetch(batch_size, more))
 
     def flush(self) -> None:
         """Take part in a round without fetching (actors, once per iteration after ``put``); in

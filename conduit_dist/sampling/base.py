@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conduit_dist.spec import _native
+
 _MASK = (1 << 63) - 1
 
 
@@ -71,6 +73,7 @@ class Sampler(ABC):
         self.ctx: SamplerContext | None = None
         self._alloc_gen = torch.Generator()
         self._draw_gen = torch.Generator()
+        self._slots = torch.empty(256, dtype=torch.int64)  # reused by the native draw
 
     def bind(self, ctx: SamplerContext) -> None:
         """Attach to a plane (called once, when the plane is built)."""
@@ -98,9 +101,20 @@ class Sampler(ABC):
         """``float [learner, shard]``: the mean of :meth:`allocate` over rounds."""
 
     def draw(self, count: int, size: int, round: int) -> torch.Tensor:
-        """``count`` shard-local slots from ``[0, size)`` (default: uniform, with replacement)."""
-        gen = seeded(self._draw_gen, self.ctx.seed, round, self.ctx.rank)
-        return torch.randint(size, (count,), generator=gen, dtype=torch.int64)
+        """``count`` shard-local slots from ``[0, size)`` (default: uniform, with replacement).
+
+        The stream is keyed by ``(seed, round, rank)``; the native draw (a splitmix64 stream)
+        costs ~1 us where ``torch.randint`` with a reseeded generator cost ~9 us per round here.
+        The returned tensor is valid until the next draw.
+        """
+        if _native is None:
+            gen = seeded(self._draw_gen, self.ctx.seed, round, self.ctx.rank)
+            return torch.randint(size, (count,), generator=gen, dtype=torch.int64)
+        if self._slots.shape[0] < count:
+            self._slots = torch.empty(max(count, 2 * self._slots.shape[0]), dtype=torch.int64)
+        out = self._slots[:count]
+        _native.uniform_slots(out.data_ptr(), count, size, self.ctx.seed, round, self.ctx.rank)
+        return out
 
     def feedback(self, round: int) -> None:  # noqa: B027 (default hook)
         """After delivery: nothing by default."""

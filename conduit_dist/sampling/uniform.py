@@ -26,6 +26,8 @@ class Uniform(Sampler):
     ) -> np.ndarray:
         """Per-learner multinomial split over shards in proportion to their sizes."""
         world = sizes.shape[0]
+        if world == 1:  # one shard: it supplies every draw
+            return np.array([[requests[0] if sizes[0] else 0]], dtype=np.int64)
         counts = np.zeros((world, world), dtype=np.int64)
         if int(sizes.sum()) == 0 or not requests.any():
             return counts

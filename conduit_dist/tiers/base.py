@@ -12,6 +12,7 @@ import time
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.spec import _native
 
 
 class Tier:
@@ -89,11 +90,36 @@ class Tier:
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the records at ``slots`` (int64) into ``out`` (``[len(slots), record_bytes]``).
 
-        Rows are moved as int64 words (records are 8-byte multiples): ``index_select`` copies
-        element by element, and 8x fewer elements made it ~4x faster for small records here.
+        In host memory (and memory-mapped files) a native loop copies whole rows, prefetching a
+        few rows ahead: random rows of a large store miss the caches, and overlapping the misses
+        made a 256-row gather of 536-byte records ~2x faster than ``index_select`` here. Elsewhere
+        rows are moved as int64 words (records are 8-byte multiples): ``index_select`` copies
+        element by element, and 8x fewer elements made it ~4x faster for small records.
+
+        Raises:
+            IndexError: on a slot outside the tier (host memory; checked before any copy).
         """
-        idx = slots.to(self.data.device, non_blocking=True)
-        torch.index_select(self.data.view(torch.int64), 0, idx, out=out.view(torch.int64))
+        data = self.data
+        if (
+            _native is not None
+            and data.is_cpu
+            and out.is_cpu
+            and slots.is_cpu
+            and out.is_contiguous()
+            and slots.dtype == torch.int64
+            and slots.is_contiguous()
+        ):
+            _native.gather_rows(
+                out.data_ptr(),
+                data.data_ptr(),
+                self.record_bytes,
+                self.slots,
+                slots.data_ptr(),
+                slots.shape[0],
+            )
+            return
+        idx = slots if slots.device == data.device else slots.to(data.device, non_blocking=True)
+        torch.index_select(data.view(torch.int64), 0, idx, out=out.view(torch.int64))
 
     def write(self, start: int, records: torch.Tensor) -> None:
         """Copy ``records`` into slots ``[start, start + len(records))`` (async from pinned)."""
