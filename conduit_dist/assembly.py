@@ -208,10 +208,8 @@ def assemble(
         undo.callback(sched.close, True)
         timeline = Timeline(ex.rank, enabled=trace)
         limit = capacity * ex.world
-        stager = Stager(
-            spec, shard, ex.world, limit, sched, max_lag, timeline, device.type == "cuda"
-        )
-        clock = RoundClock(stager, weights, sched, timeline)
+        stager = Stager(spec, shard, ex.world, limit, sched, max_lag, timeline, device)
+        clock = RoundClock(stager, weights, sched, timeline, device)
         control = OverlapController(
             clock,
             sched,

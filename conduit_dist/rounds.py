@@ -75,6 +75,21 @@ class RoundTicket:
     staged: RecordBuffer
     direct: int
     weights: WeightsSnapshot
+    device_staged: RecordBuffer | None = None  # CUDA: items put from GPU tensors
+    ready: object = None  # CUDA: event on the consumer's stream when the round was prepared
+    consumer: object = None  # CUDA: the consumer's stream
+
+    @property
+    def count(self) -> int:
+        """Items staged for this round (host and device staging)."""
+        dev = self.device_staged
+        return self.staged.count + (dev.count if dev is not None else 0)
+
+    def pack_deferred(self, spec: ExperienceSpec) -> None:
+        """Pack donated batches into their staging rows (on the round's stream)."""
+        self.staged.pack_deferred(spec)
+        if self.device_staged is not None:
+            self.device_staged.pack_deferred(spec)
 
 
 class RoundRunner:
@@ -121,14 +136,14 @@ class RoundRunner:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
         stats = RoundStats(round=t.round)
         if self.world == 1:
-            t.staged.pack_deferred(self.spec)
+            t.pack_deferred(self.spec)
             self.shard.settle()
             out = self._local(t, stats)
         else:
             t0 = time.perf_counter()
             meta = self._meta(t)
             self._requests = meta[:, 1]
-            self._ingest(t.staged, meta[:, 0], t.round, stats)
+            self._ingest(t, meta[:, 0], t.round, stats)
             t1 = time.perf_counter()
             stats.mark("ingest", t0, t1)
             counts = self.sampler.allocate(meta[:, 1], self.sizes, t.round, meta[:, _META:])
@@ -153,11 +168,11 @@ class RoundRunner:
     def _local(self, t: RoundTicket, stats: RoundStats) -> torch.Tensor:
         """World size 1: the same semantics with no collectives."""
         t0 = time.perf_counter()
-        n_in = t.staged.count + t.direct
+        n_in = t.count + t.direct
         if t.direct:
             self.shard.commit(t.direct)
-        if t.staged.count:
-            self.shard.append(t.staged.view())
+        if t.count:
+            self.shard.append(self._staged_rows(t))
         self.sizes[0] = self.shard.size
         self._inflow[0] = n_in
         self.ingested += n_in
@@ -187,26 +202,44 @@ class RoundRunner:
         """Exchange staged counts, requests and weight versions; local round set-up (packing
         donated batches, waiting for background demotion, the heartbeat) runs meanwhile."""
         local = self._meta_local.numpy()
-        local[:_META] = (t.staged.count, t.request, t.weights.version, t.weights.nbytes)
+        local[:_META] = (t.count, t.request, t.weights.version, t.weights.nbytes)
         local[_META:] = self.sampler.local_meta(self.shard)
         pending = self.exchange.all_gather_start(self._meta_local, t.round)
         try:
             self.exchange.heartbeat(t.round)
-            t.staged.pack_deferred(self.spec)
+            t.pack_deferred(self.spec)
             self.shard.settle()
         finally:  # a started collective is always completed, even if local set-up failed
             meta = pending.wait()
         return meta.numpy().copy()  # the gather's buffer is reused next round
 
-    def _ingest(self, staged: RecordBuffer, counts: np.ndarray, r: int, stats: RoundStats) -> None:
+    def _staged_rows(self, t: RoundTicket) -> torch.Tensor:
+        """This round's staged records on the plane's device, as one block of rows.
+
+        Host staging (pinned on CUDA machines) is copied to the device on the round's stream;
+        device staging (items put from GPU tensors) is used where it is, or, when both kinds
+        were put, copied after it (FIFO within each kind).
+        """
+        host, dev = t.staged, t.device_staged
+        if dev is None or not dev.count:
+            inp = host.view()
+            if inp.device == self.device:
+                return inp
+            return self._dev_stage.rows(host.count).copy_(inp, non_blocking=True)
+        if not host.count:
+            return dev.view()
+        rows = self._dev_stage.rows(dev.count + host.count)
+        rows[: dev.count].copy_(dev.view())
+        rows[dev.count :].copy_(host.view(), non_blocking=True)
+        return rows
+
+    def _ingest(self, t: RoundTicket, counts: np.ndarray, r: int, stats: RoundStats) -> None:
         """Move staged items to their owner shards in one fused all-to-all."""
         plan = self.placement.plan(counts, self._requests, self.sizes, self.shard.capacity)
         inflow = plan.sum(axis=0)
         n_in = int(inflow[self.rank])
         if plan.any():
-            inp = staged.view()
-            if inp.device != self.device:  # pinned host staging -> device, on this (side) stream
-                inp = self._dev_stage.rows(inp.shape[0]).copy_(inp, non_blocking=True)
+            inp = self._staged_rows(t)
             if not _between_ranks(plan).any():
                 self.shard.append(inp)  # every item stays put (known on every rank): no exchange
             else:

@@ -33,7 +33,8 @@ class Stager:
         sched: the plane's scheduler (is a round in flight?).
         max_lag: ``0`` forbids staging once the next fetch's round was launched.
         timeline: where ``put`` spans are recorded.
-        pin_memory: page-locked staging (CUDA machines).
+        device: the plane's device: on CUDA, items put from GPU tensors are staged (and packed,
+            with batched device copies) in device memory, host tensors in pinned host memory.
     """
 
     def __init__(
@@ -45,12 +46,14 @@ class Stager:
         sched: Scheduler,
         max_lag: int,
         timeline: Timeline,
-        pin_memory: bool = False,
+        device: torch.device,
     ) -> None:
         self.spec, self.shard, self.sched, self.timeline = spec, shard, sched, timeline
         self.limit, self.max_lag = limit, max_lag
         self.direct_ok = world == 1 and getattr(shard, "direct_views", None) is not None
-        self.buffers = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=pin_memory)
+        cuda = device.type == "cuda"
+        self.buffers = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
+        self.device_buffers = DoubleBuffer(spec.record_bytes, device) if cuda else None
         self.direct = 0  # items written straight into storage slots, counted at the next round
         self.put_seq = 0  # puts so far (a fetched batch's lag is measured against it)
         self.in_block = False  # inside a staged() block
@@ -59,7 +62,14 @@ class Stager:
     @property
     def pending(self) -> int:
         """Items put since the last round was prepared."""
-        return self.direct + self.buffers.current.count
+        dev = self.device_buffers.current.count if self.device_buffers is not None else 0
+        return self.direct + self.buffers.current.count + dev
+
+    def _stage_for(self, batch: Mapping[str, torch.Tensor]) -> RecordBuffer:
+        """Device staging for a batch whose tensors are all on the GPU, else host staging."""
+        if self.device_buffers is not None and all(t.is_cuda for t in batch.values()):
+            return self.device_buffers.current
+        return self.buffers.current
 
     def put(self, batch: Mapping[str, torch.Tensor], donate: bool = False) -> None:
         """Validate ``batch`` and stage it (see :meth:`DataPlane.put`); a rejected batch leaves
@@ -70,8 +80,8 @@ class Stager:
         if self.direct_ok and self.sched.pending is None and not self.buffers.current.count:
             self._put_direct(batch, n)
         else:
-            stage = self.buffers.current
-            if stage.count + n > self.limit:  # check before dropping: a rejected put drops none
+            stage = self._stage_for(batch)
+            if sum(b.count for b in self._current()) + n > self.limit:  # check, then drop
                 self.spec.check_finite(batch)
                 skip = self._make_room(stage, n)
                 batch, n = {k: v[skip:] for k, v in batch.items()}, n - skip
@@ -122,10 +132,11 @@ class Stager:
         self.put_seq += 1
         self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
 
-    def take(self) -> tuple[RecordBuffer, int]:
-        """Hand this round's staged buffer and direct-write count to a round being prepared."""
+    def take(self) -> tuple[RecordBuffer, RecordBuffer | None, int]:
+        """Hand this round's host and device staging and direct-write count to a round."""
         direct, self.direct = self.direct, 0
-        return self.buffers.take(), direct
+        dev = self.device_buffers.take() if self.device_buffers is not None else None
+        return self.buffers.take(), dev, direct
 
     def check_lag(self, op: str) -> None:
         """With ``max_lag=0``, refuse items the already launched next round would miss.
@@ -142,16 +153,24 @@ class Stager:
 
     def _make_room(self, stage: RecordBuffer, n: int) -> int:
         """Drop the oldest staged items so ``n`` more fit under the limit; returns how many of
-        the new batch's own oldest items are dropped too."""
-        if n >= self.limit:  # the new batch alone fills staging
-            self.dropped += stage.count + n - self.limit
-            stage.reset()
-            return n - self.limit
-        over = stage.count + n - self.limit
-        stage.pack_deferred(self.spec)
-        stage.drop_oldest(over)
-        self.dropped += over
-        return 0
+        the new batch's own oldest items are dropped too. On CUDA the other staging (host or
+        device) gives up its items first; order is kept within each."""
+        other = [b for b in self._current() if b is not stage]
+        over = sum(b.count for b in self._current()) + n - self.limit
+        for buf in (*other, stage):
+            k = min(over, buf.count)
+            if k > 0:
+                buf.pack_deferred(self.spec)
+                buf.drop_oldest(k)
+                self.dropped += k
+                over -= k
+        self.dropped += max(over, 0)
+        return max(over, 0)
+
+    def _current(self) -> tuple[RecordBuffer, ...]:
+        if self.device_buffers is None:
+            return (self.buffers.current,)
+        return (self.buffers.current, self.device_buffers.current)
 
     def _check_limit(self, total: int) -> None:
         if total > self.limit:

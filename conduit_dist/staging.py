@@ -69,6 +69,9 @@ class RecordBuffer:
         """Drop the first ``k`` committed records (deferred batches must be packed already)."""
         assert not self.deferred, "pack deferred batches before dropping records"
         keep = self.count - k
+        if k == self.count:
+            self.reset()
+            return
         self.data[:keep] = self.data[k : self.count].clone()
         self.count = keep
 

@@ -28,18 +28,28 @@ class RoundClock:
         weights: the plane's weights state (what a round broadcasts).
         sched: runs rounds inline or on the worker.
         timeline: where each round's phases are recorded.
+        device: the plane's device (CUDA: tickets carry the consumer's stream and an event).
     """
 
-    def __init__(self, stager, weights, sched: Scheduler, timeline: Timeline) -> None:
+    def __init__(
+        self, stager, weights, sched: Scheduler, timeline: Timeline, device: torch.device
+    ) -> None:
         self.stager, self.weights, self.sched, self.timeline = stager, weights, sched, timeline
+        self.cuda = device if device.type == "cuda" else None
         self.round = 0  # rounds prepared so far (the next round's number)
         self.stats = RoundStats()  # the latest finished round
         self.failed: RoundError | None = None
 
     def prepare(self, request: int) -> RoundTicket:
         """Snapshot what the next round moves (on the thread that owns ``put``)."""
-        staged, direct = self.stager.take()
-        ticket = RoundTicket(self.round, request, staged, direct, self.weights.snapshot())
+        staged, device_staged, direct = self.stager.take()
+        ticket = RoundTicket(
+            self.round, request, staged, direct, self.weights.snapshot(), device_staged
+        )
+        if self.cuda is not None:  # the round's stream starts after what the consumer enqueued
+            ticket.consumer = torch.cuda.current_stream(self.cuda)
+            ticket.ready = torch.cuda.Event()
+            ticket.ready.record(ticket.consumer)
         self.round += 1
         return ticket
 

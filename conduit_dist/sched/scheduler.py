@@ -77,6 +77,12 @@ class Scheduler:
             out, stats = self.runner.run(ticket, self.weights)
             return out, stats, None
         with torch.cuda.stream(self._stream):
+            # explicit ordering, not record_stream: donated tensors and device staging were
+            # written by the consumer's kernels before the round was prepared, and a pooled
+            # output is reused only after the consumer's kernels on it (OutputPool.acquire)
+            if ticket.ready is not None:
+                self._stream.wait_event(ticket.ready)
+            self.runner.outputs.consumer = ticket.consumer
             out, stats = self.runner.run(ticket, self.weights)
             event = torch.cuda.Event()
             event.record(self._stream)
