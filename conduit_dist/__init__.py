@@ -18,10 +18,11 @@ from conduit_dist.collectives import (
     is_rank_zero,
 )
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError, SpecError
+from conduit_dist.errors import ConfigError, EmptyStoreError, PhaseError, RoundError, SpecError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.sampling import Sampler, Uniform
+from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.spec import ExperienceSpec, FieldSpec
 from conduit_dist.tiers import Tiers
 
@@ -34,12 +35,14 @@ __all__ = [
     "ExperienceSpec",
     "FieldSpec",
     "Local",
+    "PhaseError",
     "Placement",
     "RoundError",
     "RoundRobin",
     "RoundStats",
     "Sampler",
     "SpecError",
+    "Stratified",
     "Tiers",
     "Uniform",
     "destroy_distributed",

@@ -36,15 +36,20 @@ class RoundStats:
     """
 
     round: int = -1
+    """The round's number."""
     ingest_ms: float = 0.0
     sample_ms: float = 0.0
     deliver_ms: float = 0.0
     weights_ms: float = 0.0
+    """Each phase's milliseconds."""
     items_in: int = 0
     items_out: int = 0
+    """Items this shard received, and this rank was delivered."""
     bytes_in: int = 0
     bytes_out: int = 0
+    """The same in bytes."""
     stored: int = 0
+    """Items over all shards after the round."""
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
     moves: list[Move] = field(default_factory=list)
 

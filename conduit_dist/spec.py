@@ -26,10 +26,10 @@ except ImportError:  # a source checkout that was not built: pip install -e .
         "torch's strided copies, slower for small fields"
     )
 
-_ALIGN = 8
+ALIGN = 8  # bytes: field offsets and record sizes are multiples of it
 _NATIVE_MAX_FIELDS = 256  # MAX_FIELDS in _native/pack.c
 _KIND = {torch.float32: 4, torch.float64: 8, torch.float16: 2, torch.bfloat16: 3}
-_SUPPORTED = (
+SUPPORTED = (
     torch.float16,
     torch.bfloat16,
     torch.float32,
@@ -43,8 +43,9 @@ _SUPPORTED = (
 )
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def align(n: int) -> int:
+    """``n`` rounded up to the record alignment (8 bytes)."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,9 @@ class FieldSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SpecError(f"field name must be a non-empty string, got {self.name!r}")
-        if self.dtype not in _SUPPORTED:
+        if self.dtype not in SUPPORTED:
             raise SpecError(
-                f"field {self.name!r}: dtype must be one of {[str(d) for d in _SUPPORTED]}, "
+                f"field {self.name!r}: dtype must be one of {[str(d) for d in SUPPORTED]}, "
                 f"got {self.dtype}"
             )
         shape = tuple(int(s) for s in self.shape)
@@ -130,8 +131,8 @@ class ExperienceSpec:
         off = 0
         for f in order:
             self.offsets[f.name] = off
-            off = _align(off + f.nbytes)
-        self.record_bytes: int = max(off, _ALIGN)
+            off = align(off + f.nbytes)
+        self.record_bytes: int = max(off, ALIGN)
         # floating fields checked for NaN/inf, with the dtype their sum accumulates in
         self._checked = [
             (f.name, torch.float64 if f.dtype == torch.float64 else torch.float32)

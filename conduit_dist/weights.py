@@ -23,33 +23,15 @@ from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
+from conduit_dist.spec import ALIGN, SUPPORTED, align
 
 _MAGIC = b"CDWT"
 _FORMAT = 1
 _PREAMBLE = struct.Struct("<4sII")  # magic, format, header length
-_ALIGN = 8
 _KEYS = ("dtype", "name", "offset", "shape")
-_DTYPES = {
-    str(d).removeprefix("torch."): d  # the names the JSON header uses
-    for d in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    )
+_DTYPES = {  # the names the JSON header uses: the record dtypes, and complex for weights
+    str(d).removeprefix("torch."): d for d in (*SUPPORTED, torch.complex64, torch.complex128)
 }
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -113,21 +95,21 @@ def _entries(state: dict[str, torch.Tensor]) -> dict[str, _Entry]:
     out, off = {}, 0
     for name, t in state.items():
         out[name] = _Entry(name, t.dtype, tuple(t.shape), off)
-        off = _align(off + out[name].nbytes)
+        off = align(off + out[name].nbytes)
     return out
 
 
 def _encode(state: dict[str, torch.Tensor]) -> torch.Tensor:
     """Pack ``state`` into one buffer: preamble, JSON header, padding, payload."""
     entries = _entries(state)
-    payload = max((_align(e.offset + e.nbytes) for e in entries.values()), default=0)
+    payload = max((align(e.offset + e.nbytes) for e in entries.values()), default=0)
     tensors = [
         {"name": n, "dtype": _dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset}
         for n, e in entries.items()
     ]
     header = json.dumps({"payload_bytes": payload, "tensors": tensors}).encode()
     head = _PREAMBLE.pack(_MAGIC, _FORMAT, len(header)) + header
-    start = _align(len(head))
+    start = align(len(head))
     buf = torch.zeros(start + payload, dtype=torch.uint8)
     buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     for name, t in state.items():
@@ -153,8 +135,8 @@ def _entry(i: int, d: object, payload: int) -> _Entry:
         raise _corrupt(f"tensor {name!r}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
         raise _corrupt(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
-    if type(off) is not int or off < 0 or off % _ALIGN:
-        raise _corrupt(f"tensor {name!r}: offset must be an int multiple of {_ALIGN}, got {off!r}")
+    if type(off) is not int or off < 0 or off % ALIGN:
+        raise _corrupt(f"tensor {name!r}: offset must be an int multiple of {ALIGN}, got {off!r}")
     e = _Entry(name, _DTYPES[dtype], tuple(shape), off)
     if e.offset + e.nbytes > payload:
         raise _corrupt(
@@ -192,7 +174,7 @@ def _decode(buf: torch.Tensor) -> _Layout:
     if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
         got = type(header.get("tensors") if isinstance(header, dict) else header).__name__
         raise _corrupt(f"expected an object with a list 'tensors', got {got}")
-    payload, start = header.get("payload_bytes"), _align(_PREAMBLE.size + hlen)
+    payload, start = header.get("payload_bytes"), align(_PREAMBLE.size + hlen)
     if type(payload) is not int or payload < 0:
         raise _corrupt(f"expected an int 'payload_bytes' >= 0, got {payload!r}")
     if start + payload != size:

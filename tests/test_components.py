@@ -225,14 +225,12 @@ def test_close_after_a_failure_leaves_a_busy_worker_its_resources():
 
 
 def _state_on_one_rank(rank, world):
-    plane = cd.DataPlane(spec(), 100, seed=2, schedule="overlap", timeout_s=10)
-    model = Learner()
+    plane, model = cd.DataPlane(spec(), 100, seed=2, timeout_s=10), Learner()
     plane.attach(model)
     seen = []
     for it in range(6):
         plane.put(make_batch(_ids(rank, it, 3)))
-        batch = plane.fetch(4)
-        assert_intact(batch)
+        assert_intact(batch := plane.fetch(4))
         seen.append((plane.last_fetch.round, plane.last_fetch.prefetched))
         _step(model, batch)
         if rank == 0 and it == 2:  # a round for the next fetch is in flight

@@ -121,16 +121,19 @@ def test_round_trip_many_tensors_empty_and_nonfinite_values():
         ),
     ],
 )
-def test_pull_rejects_another_layout_and_leaves_the_module_untouched(src, dst, words):
-    a, b = fill(src(), 0), fill(dst(), 1)
-    before = {k: v.clone() for k, v in b.state_dict().items()}
-    ws = published(a)
+def assert_pull_rejected(ws, module: nn.Module, words: list[str]) -> None:
+    """``ws.pull(module)`` raises a SpecError naming ``words`` and leaves ``module`` as it was."""
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(SpecError) as info:
-        ws.pull(b)
+        ws.pull(module)
     for w in words:
         assert w in str(info.value), (w, str(info.value))
-    for k, v in b.state_dict().items():
+    for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_pull_rejects_another_layout_and_leaves_the_module_untouched(src, dst, words):
+    assert_pull_rejected(published(fill(src(), 0)), fill(dst(), 1), words)
 
 
 def rebuild(buf: torch.Tensor, edit: Callable[[dict], None]) -> torch.Tensor:
@@ -183,16 +186,9 @@ def edit_tensor(key: str, value: object) -> Callable[[torch.Tensor], torch.Tenso
     ],
 )
 def test_pull_rejects_a_truncated_or_corrupted_buffer(corrupt, words):
-    a, b = fill(nn.Linear(4, 6), 0), fill(nn.Linear(4, 6), 1)
-    before = {k: v.clone() for k, v in b.state_dict().items()}
-    ws = published(a)
+    ws = published(fill(nn.Linear(4, 6), 0))
     ws.buf = corrupt(ws.buf)
-    with pytest.raises(SpecError) as info:
-        ws.pull(b)
-    for w in words:
-        assert w in str(info.value), (w, str(info.value))
-    for k, v in b.state_dict().items():
-        assert torch.equal(v, before[k]), k
+    assert_pull_rejected(ws, fill(nn.Linear(4, 6), 1), words)
 
 
 class Loopback:

@@ -5,13 +5,15 @@ One run, both schedules, the same learner workload and the same experience volum
 - **learner**: an MLP (DDP over the ranks) whose backward takes tens of milliseconds;
 - **experience**: every iteration each rank puts ``items`` Atari-like transitions (56 KB) and
   fetches a batch of ``--batch`` of them (``round_robin`` placement: about half of both cross
-  ranks). ``items`` is calibrated at start (with a donated put) so the request-driven (``sync``)
+  ranks). ``items`` is calibrated at start, per put kind, so the request-driven (``sync``)
   round takes about as long as the learner's compute, i.e. the experience path is about half of
   the sync iteration: extrapolated from a 256-item probe, then timed warm at that size and
   rescaled once.
-- **put**, both kinds at that same volume: ``donated`` (``put(batch, donate=True)``: packed by the
-  round, so in ``overlap`` mode during backward) and ``copying`` (``put(batch)``: packed inside
-  ``put``, outside the fetch in both modes, the neutral setting that leaves overlap less to hide).
+- **put**: ``donated`` (``put(batch, donate=True)``: packed by the round, so in ``overlap`` mode
+  during backward) and ``copying`` (``put(batch)``: packed inside ``put``, outside the fetch in
+  both modes), each with its round sized to the compute; and ``copying_same_volume``, a copying
+  put of the donated volume (the neutral setting: the same bytes, and the copy that no schedule
+  can hide, ~a tenth of the iteration, stays in both modes).
 
 Per iteration: time the learner waited inside ``fetch`` (exposed latency) and the whole iteration
 (``put`` included). The four (put, mode) settings alternate in blocks; medians per setting;
@@ -44,7 +46,14 @@ import conduit_dist as cd
 from conduit_dist.bench.common import emit
 
 DQN_WARMUP = 20  # learning iterations of each DQN run left out of its medians
-PUTS = {"donated": True, "copying": False}  # put kind -> donate=
+# put kind -> (donate=, the put kind whose calibration sizes the round). Each kind's round is sized
+# to the learner's compute with its own put; "copying_same_volume" puts the donated volume with a
+# copying put (the neutral comparison: the same bytes per iteration as "donated").
+PUTS = {
+    "donated": (True, "donated"),
+    "copying": (False, "copying"),
+    "copying_same_volume": (False, "donated"),
+}
 MODES = ("sync", "overlap")
 OBS_BYTES = 4 * 84 * 84  # the learner reads its features from these
 
@@ -128,15 +137,16 @@ def _run_mode(
 
 
 def _calibrate(
-    model, opt, spec, target_ratio: float, placement: str, batch_size: int
+    model, opt, spec, target_ratio: float, placement: str, batch_size: int, donate: bool
 ) -> tuple[int, float]:
-    """Items put per iteration so that a sync round takes about ``target_ratio`` x the compute."""
+    """Items put per iteration so that a sync round (after a put of that kind) takes about
+    ``target_ratio`` x the compute."""
     probe = 256
     plane = cd.DataPlane(spec, 2 * 4096, seed=0, schedule="sync", placement=placement)
     b = _batch(probe, seed=dist.get_rank())
     rounds, comp, empty = [], [], []
     for i in range(6):
-        plane.put(b, donate=True)
+        plane.put(b, donate=donate)
         t0 = time.perf_counter()
         batch = plane.fetch(batch_size)
         t1 = time.perf_counter()
@@ -156,7 +166,7 @@ def _calibrate(
     big = _batch(items, seed=dist.get_rank())
     measured = []
     for _ in range(8):
-        plane.put(big, donate=True)
+        plane.put(big, donate=donate)
         t0 = time.perf_counter()
         plane.fetch(batch_size)
         measured.append(time.perf_counter() - t0)
@@ -244,21 +254,27 @@ def _measure(learner: str, a, spec, compute_ms: float | None) -> dict:
         model = OffCpuLearner(a.features, compute_ms / 1e3)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    items, comp = _calibrate(ddp, opt, spec, a.ratio, a.placement, a.batch)
+    sized = {}  # calibrating put kind -> (items, compute seconds)
+    for kind in ("donated", "copying"):
+        args = (ddp, opt, spec, a.ratio, a.placement, a.batch, PUTS[kind][0])
+        sized[kind] = _calibrate(*args)
+    items = {put: sized[by][0] for put, (_, by) in PUTS.items()}
     keys = ("iter", "exposed", "hidden", "put")
     results = {put: {m: {k: [] for k in keys} for m in MODES} for put in PUTS}
     for block in range(a.blocks):
-        for put, donate in PUTS.items():
+        for put, (donate, _) in PUTS.items():
             for mode in MODES:
                 r = _run_mode(
-                    mode, items, a.batch, a.iters + 2, ddp, opt, spec, block, a.placement, donate
-                )
+                    mode, items[put], a.batch, a.iters + 2, ddp, opt, spec, block, a.placement,
+                    donate,
+                )  # fmt: skip
                 for k, v in r.items():
                     results[put][mode][k] += v
     med = {
         put: {m: {k: statistics.median(v) for k, v in r.items()} for m, r in by_mode.items()}
         for put, by_mode in results.items()
     }
+    comp = sized["donated"][1]
     return {"items": items, "compute_ms": comp * 1e3, "raw": results, "median": med}
 
 
@@ -370,7 +386,7 @@ def _report(cpu: dict, off: dict) -> dict:
                 print(
                     f"{name}_{put}_{m}: iteration {v['iter']:.1f} ms, exposed "
                     f"{v['exposed']:.2f} ms, hidden {v['hidden']:.2f} ms, put {v['put']:.2f} ms "
-                    f"(items {r['items']}, compute {r['compute_ms']:.1f} ms)"
+                    f"(items {r['items'][put]}, compute {r['compute_ms']:.1f} ms)"
                 )
     for prefix, learner in (("", "cpu"), ("offcpu_", "offcpu")):  # the older keys: donated
         summary[f"{prefix}exposed_reduction"] = summary["donated"][learner]["exposed_cut"]
@@ -403,7 +419,8 @@ def main(argv: list[str]) -> None:
         if dqn:
             _report_dqn(dqn, summary)
         rows = [
-            {"learner": name, "put_kind": put, "mode": m, "items_per_iteration": r["items"], **v}
+            {"learner": name, "put_kind": put, "mode": m, "items_per_iteration": r["items"][put]}
+            | v
             for name, r in (("cpu", cpu), ("offcpu", off))
             for put, by_mode in r["median"].items()
             for m, v in by_mode.items()

@@ -25,9 +25,9 @@ class Uniform(Sampler):
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
     ) -> np.ndarray:
         """Per-learner multinomial split over shards in proportion to their sizes."""
-        world = sizes.shape[0]
-        if world == 1:  # one shard: it supplies every draw
+        if sizes.shape[0] == 1:  # one shard: it supplies every draw
             return np.array([[requests[0] if sizes[0] else 0]], dtype=np.int64)
+        world = sizes.shape[0]
         counts = np.zeros((world, world), dtype=np.int64)
         if int(sizes.sum()) == 0 or not requests.any():
             return counts

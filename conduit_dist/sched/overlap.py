@@ -146,8 +146,10 @@ class OverlapController:
             self.clock.wait()
             return
         self.sched.settle()
-        if pending.future.done() and pending.future.exception() is not None:
-            self.clock.wait()  # a failed prefetched round raises now, not at some later fetch
+        if not pending.future.done() or pending.future.exception() is not None:
+            # a failed (or hung) prefetched round raises now, not at some later fetch, and
+            # nothing reads the runner's state while it may still be inside the round
+            self.clock.wait()
 
     def closing_round(self) -> None:
         """Every rank's last round: a round launched at backward serves as it, else one runs."""

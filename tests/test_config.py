@@ -1,0 +1,32 @@
+"""Config values resolve through the registry's tables: an unknown value is an error naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from conduit_dist import registry
+from conduit_dist.config import AlgoConfig, PlaneConfig, TrainConfig, validate
+from conduit_dist.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (
+            TrainConfig(algo=AlgoConfig(name="ppo")),
+            r"algo.name: expected one of \['dqn'\], got 'ppo'",
+        ),
+        (TrainConfig(plane=PlaneConfig(sampling="exact")), "plane.sampling: expected one of"),
+        (TrainConfig(plane=PlaneConfig(max_lag=3)), r"plane.max_lag: expected one of \[0, 1\]"),
+        (TrainConfig(plane=PlaneConfig(placement="nearest")), "plane.placement"),
+    ],
+)
+def test_unknown_values_are_errors(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_defaults_are_in_the_tables():
+    cfg = TrainConfig()
+    validate(cfg)
+    assert cfg.plane.sampling in registry.SAMPLERS and cfg.plane.placement in registry.PLACEMENTS
