@@ -85,6 +85,7 @@ def release(parts: Parts) -> None:
     if parts.stager.in_block:
         raise ConfigError("close: cannot run inside a staged() block: leave the block first")
     parts.control.detach()
+    parts.clock.closed = True
     try:
         if parts.clock.failed is None:
             parts.control.closing_round()
@@ -161,7 +162,6 @@ def assemble(
     bandwidth: str | BandwidthModel,
     bandwidth_cache: str | None,
     trace: bool,
-    can_launch,
 ) -> Parts:
     """Build every component of a plane (arguments as :class:`~conduit_dist.plane.DataPlane`).
 
@@ -216,7 +216,6 @@ def assemble(
             overlap,
             trial,
             max_lag,
-            can_launch,
             ex.rank,
             int(seed),
             ex.rank in learners,

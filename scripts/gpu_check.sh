@@ -38,10 +38,12 @@ def median_ms(fn, reps=30):
     return sorted(ts)[len(ts) // 2]
 
 
-# 1. device tier + pinned host staging + H2D
-plane = cd.DataPlane(spec, 4096, seed=0, device="cuda", schedule="sync")
+# 1. device tier + pinned host staging + H2D. One CUDA rank over one tier writes puts straight
+# into the shard (no staging at all); two tiers make puts go through staging, as at world > 1.
+tiers = cd.Tiers([("device", 2048), ("host", 2048)])
+plane = cd.DataPlane(spec, 4096, seed=0, device="cuda", schedule="sync", storage=tiers)
 stager = plane._p.stager
-assert plane.shard.tier.kind == "device" and plane.shard.tier.data.is_cuda
+assert plane.shard.rings[0].tier.kind == "device" and plane.shard.rings[0].tier.data.is_cuda
 assert stager.buffers.current.data.is_pinned(), "host staging is not pinned"
 plane.put(batch)
 b = plane.fetch(256)

@@ -371,3 +371,36 @@ def test_a_pooled_batch_is_never_overwritten_while_any_part_of_it_is_held():
     ptrs = {plane.fetch(8)["id"].data_ptr() for _ in range(6)}  # nothing held: reused
     assert len(ptrs) == 1
     plane.close()
+
+
+def test_a_local_error_inside_a_round_fails_the_plane_naming_the_round():
+    """A round that raised half-way leaves the rank out of step: every later call must raise."""
+
+    class Buggy(cd.Uniform):  # a user's sampler with a bug in round 1
+        def allocate(self, requests, sizes, round, meta):
+            if round == 1:
+                raise KeyError("oops")
+            return super().allocate(requests, sizes, round, meta)
+
+    plane = cd.DataPlane(spec(), capacity_per_rank=16, seed=0, sampler=Buggy(), schedule="sync")
+    plane.put(make_batch(torch.arange(8)))
+    plane.fetch(2)
+    with pytest.raises(cd.RoundError, match="round 1 failed on rank 0: KeyError"):
+        plane.fetch(2)
+    with pytest.raises(cd.RoundError, match="failed in round 1"):
+        plane.put(make_batch(torch.arange(8, 10)))
+    plane.close()
+
+
+def test_fetched_tensors_are_fresh_each_time():
+    """In-place metadata changes on a fetched tensor never reach a later batch."""
+    plane = cd.DataPlane(spec(), capacity_per_rank=16, seed=0, schedule="sync")
+    plane.put(make_batch(torch.arange(16)))
+    b = plane.fetch(4)
+    b["obs"].unsqueeze_(1)
+    b["obs"].requires_grad_(False)
+    del b
+    again = plane.fetch(4)
+    assert again["obs"].shape == (4, 3)
+    assert_intact(again)
+    plane.close()

@@ -76,7 +76,7 @@ class DataPlane:
             spec, capacity_per_rank, seed, sampler=sampler, placement=placement, storage=storage,
             learner_ranks=learner_ranks, device=device, schedule=schedule, max_lag=max_lag,
             auto_trial=auto_trial, timeout_s=timeout_s, strategy=strategy, bandwidth=bandwidth,
-            bandwidth_cache=bandwidth_cache, trace=trace, can_launch=self._can_launch,
+            bandwidth_cache=bandwidth_cache, trace=trace,
         )  # fmt: skip
         self.spec, self.capacity_per_rank, self.device = spec, capacity_per_rank, p.runner.device
         self.rank, self.world, self.learner_ranks = (
@@ -215,7 +215,7 @@ class DataPlane:
         a running round, whose batch stays for its fetch; call it at the same point on every
         rank. ``RuntimeError`` if items were put since the last round."""
         self._check_open()
-        self._p.control.wait()
+        self._p.control.quiesce()
         return state.save(self._p, self.spec)
 
     def load_state_dict(self, saved: dict[str, object]) -> None:
@@ -223,9 +223,6 @@ class DataPlane:
         world size or spec, or ranks at different rounds."""
         self._check_open()
         state.load(self._p, self.spec, saved)
-
-    def _can_launch(self) -> bool:
-        return not self._closed and self._p.clock.failed is None and not self._p.stager.in_block
 
     def _check_open(self) -> None:
         if self._closed:

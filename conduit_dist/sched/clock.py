@@ -39,6 +39,7 @@ class RoundClock:
         self.round = 0  # rounds prepared so far (the next round's number)
         self.stats = RoundStats()  # the latest finished round
         self.failed: RoundError | None = None
+        self.closed = False  # set by assembly.release: no round may be launched any more
 
     def prepare(self, request: int) -> RoundTicket:
         """Snapshot what the next round moves (on the thread that owns ``put``)."""
@@ -54,12 +55,23 @@ class RoundClock:
         return ticket
 
     def guard(self, fn: Callable[[], T]) -> T:
-        """Call ``fn``; a :class:`RoundError` is kept, so every later call raises it."""
+        """Call ``fn`` (a round); any failure is kept, so every later call raises it.
+
+        A round that failed half-way (a collective, or a local error such as out of memory)
+        leaves this rank out of step with its peers, so the plane cannot go on: a local error is
+        raised as a :class:`RoundError` naming the round, chained to the cause.
+        """
         try:
             return fn()
         except RoundError as exc:
             self.failed = exc
             raise
+        except Exception as exc:
+            r = self.round - 1
+            self.failed = RoundError(
+                f"round {r} failed on rank {self.sched.runner.rank}: {type(exc).__name__}: {exc}", r
+            )
+            raise self.failed from exc
 
     def run(self, request: int) -> tuple[torch.Tensor, RoundStats]:
         """Prepare a round and run it inline."""

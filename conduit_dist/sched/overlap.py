@@ -10,7 +10,6 @@ learners at every fetch and on actors at every flush, and keeps the faster.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,7 +34,6 @@ class OverlapController:
         overlap: start in ``overlap`` mode (else ``sync``).
         trial: the ``auto`` trial, or ``None``.
         max_lag: ``0``: launch at backward only between ``fetch(..., more=True)`` minibatches.
-        can_launch: whether a backward may launch a round now (plane open, no staged block).
         rank: this rank.
         seed: the run seed (a batch smaller than its round is a seeded random subset).
         is_learner: whether this rank fetches.
@@ -48,13 +46,12 @@ class OverlapController:
         overlap: bool,
         trial: AutoTrial | None,
         max_lag: int,
-        can_launch: Callable[[], bool],
         rank: int = 0,
         seed: int = 0,
         is_learner: bool = True,
     ) -> None:
         self.clock, self.sched, self.trial = clock, sched, trial
-        self.overlap, self.max_lag, self.can_launch = overlap, max_lag, can_launch
+        self.overlap, self.max_lag = overlap, max_lag
         self.rank, self.is_learner = rank, is_learner
         self._subset_gen = torch.Generator().manual_seed(int(seed) + 7 * rank)
         self.last: tuple | None = None  # what the latest fetch's FetchTiming is computed from
@@ -151,6 +148,28 @@ class OverlapController:
             # nothing reads the runner's state while it may still be inside the round
             self.clock.wait()
 
+    def quiesce(self) -> None:
+        """Finish an overlapped flush's round, and let a round launched at backward finish
+        (it stays for its fetch); raise if it failed.
+
+        Raises:
+            RuntimeError: if the launched round is still running after ``timeout_s``: peers on
+                ``sync`` join it only at their next fetch (the plane stays usable).
+        """
+        pending = self.sched.pending
+        if pending is None or pending.kind == "flush":
+            self.wait()
+            return
+        self.sched.settle(self.sched.timeout_s)
+        if not pending.future.done():
+            raise RuntimeError(
+                f"round {pending.ticket.round}, launched at this rank's backward, is still "
+                f"running after {self.sched.timeout_s:.0f}s: ranks on schedule='sync' join it "
+                "only at their next fetch; call this where no round is in flight (before the "
+                "backward), or run every rank on the same schedule"
+            )
+        self.wait()
+
     def closing_round(self) -> None:
         """Every rank's last round: a round launched at backward serves as it, else one runs."""
         pending = self.sched.pending
@@ -183,7 +202,8 @@ class OverlapController:
     def _on_backward(self) -> None:
         t = now()
         self.clock.timeline.add("backward start", Timeline.LEARNER, t, t)
-        if not self.overlap or not self.can_launch():
+        clock = self.clock  # closed, failed or inside a staged() block: launch nothing
+        if not self.overlap or clock.closed or clock.failed is not None or clock.stager.in_block:
             return
         if self.sched.pending is not None or not self._fetched:
             return

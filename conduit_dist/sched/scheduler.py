@@ -104,7 +104,8 @@ class Scheduler:
 
     def launch(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
         """Start a round on the worker thread (``overlap`` mode only; one at a time)."""
-        assert self._pool is not None and self.pending is None, "one launched round at a time"
+        if self._pool is None or self.pending is not None:
+            raise RuntimeError("launch: one launched round at a time, in overlap mode only")
         self._last = self._pool.submit(self._execute, ticket)
         self.pending = Pending(kind, ticket, self._last, put_seq)
 
@@ -130,14 +131,14 @@ class Scheduler:
         if self.pending is not None:
             self.wait()
 
-    def settle(self) -> None:
+    def settle(self, timeout_s: float | None = None) -> None:
         """Block until no round is running; a launched round stays pending for its call.
 
         Nothing is raised or swallowed here: a failed round raises at :meth:`wait`, from the
         call it belongs to.
         """
         if self.pending is not None:
-            wait_futures([self.pending.future], timeout=4 * self.timeout_s)
+            wait_futures([self.pending.future], timeout=timeout_s or 4 * self.timeout_s)
 
     @property
     def running(self) -> bool:

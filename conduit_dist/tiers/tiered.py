@@ -205,7 +205,10 @@ class TieredShard:
                     (pos.numel(), out.shape[1]), dtype=out.dtype, device=ring.tier.data.device
                 )
                 ring.tier.gather(phys, rows)
-                out.index_copy_(0, pos.to(out.device), rows.to(out.device, non_blocking=True))
+                # a device tier read into host memory must finish before index_copy_ reads it
+                to_host = out.device.type == "cpu"
+                rows = rows.to(out.device, non_blocking=not to_host)
+                out.index_copy_(0, pos.to(out.device), rows)
             offset += ring.size
 
     def stats(self) -> dict[str, object]:
