@@ -92,6 +92,17 @@ def test_round_trip_many_tensors_empty_and_nonfinite_values():
     assert_same_state(a, b)
 
 
+def assert_pull_rejected(ws, module: nn.Module, words: list[str]) -> None:
+    """``ws.pull(module)`` raises a SpecError naming ``words`` and leaves ``module`` as it was."""
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(SpecError) as info:
+        ws.pull(module)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 @pytest.mark.parametrize(
     "src, dst, words",
     [
@@ -121,17 +132,6 @@ def test_round_trip_many_tensors_empty_and_nonfinite_values():
         ),
     ],
 )
-def assert_pull_rejected(ws, module: nn.Module, words: list[str]) -> None:
-    """``ws.pull(module)`` raises a SpecError naming ``words`` and leaves ``module`` as it was."""
-    before = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.raises(SpecError) as info:
-        ws.pull(module)
-    for w in words:
-        assert w in str(info.value), (w, str(info.value))
-    for k, v in module.state_dict().items():
-        assert torch.equal(v, before[k]), k
-
-
 def test_pull_rejects_another_layout_and_leaves_the_module_untouched(src, dst, words):
     assert_pull_rejected(published(fill(src(), 0)), fill(dst(), 1), words)
 
