@@ -200,6 +200,10 @@ def assemble(
         # one CPU rank has no collective to wait for: a background round would only add a
         # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
         can_overlap = ex.world > 1 or device.type == "cuda"
+        if schedule != "sync" and not can_overlap:
+            log.info(
+                "schedule=%s: one CPU rank has nothing to overlap; rounds run inline", schedule
+            )
         trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
         overlap = schedule == "overlap" and can_overlap
         weights = WeightsState()

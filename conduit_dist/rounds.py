@@ -158,7 +158,7 @@ class RoundRunner:
             stats.mark("weights", t3, time.perf_counter())
             self.sampler.feedback(t.round)
         self._demote_ahead()
-        self.published = self.sizes.copy()  # a failed round never shows half-finished sizes
+        self.published = self.sizes.copy()  # what len(plane) reads: never a half-finished round
         stats.stored = self.shard.size if self.world == 1 else int(self.published.sum())
         return out, stats
 

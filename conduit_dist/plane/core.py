@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -94,9 +95,9 @@ class DataPlane:
         return int(self._p.runner.published.sum())
 
     @property
-    def sizes(self):
-        """``int64 [world]``: items on each shard as of the latest completed round."""
-        return self._p.runner.published
+    def sizes(self) -> np.ndarray:
+        """``int64 [world]``: items on each shard as of the latest completed round (a copy)."""
+        return self._p.runner.published.copy()
 
     round = property(lambda self: self._p.clock.round, doc="Rounds prepared so far.")
     stats = property(lambda self: self._p.clock.stats, doc="The latest finished round's stats.")
