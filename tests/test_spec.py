@@ -248,3 +248,21 @@ def test_native_scans_misaligned_floats():
         vals[-1] = float("inf")
         raw[1:].copy_(vals.view(torch.uint8))
         assert native.any_nonfinite(raw.data_ptr() + 1, vals.numel(), kind)
+
+
+def test_a_pack_larger_than_the_caches_streams_and_still_checks():
+    """Above 64 MiB of destination the native pack writes with non-temporal stores."""
+    n = 1100
+    spec = ExperienceSpec({"frame": ((65_536,), torch.uint8), "r": ((), torch.float32)})
+    assert n * spec.record_bytes >= 64 << 20
+    batch = {
+        "frame": torch.randint(0, 256, (n, 65_536), dtype=torch.uint8),
+        "r": torch.arange(n, dtype=torch.float32),
+    }
+    out = torch.empty(n, spec.record_bytes, dtype=torch.uint8)
+    spec.pack(batch, out, check=True)
+    view = spec.unpack(out)
+    assert torch.equal(view["frame"], batch["frame"]) and torch.equal(view["r"], batch["r"])
+    batch["r"][n - 1] = float("inf")
+    with pytest.raises(SpecError, match="'r'.*NaN/inf"):
+        spec.pack(batch, out, check=True)

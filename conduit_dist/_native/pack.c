@@ -88,6 +88,61 @@ static void pack_impl(uint8_t* out, size_t row_bytes, size_t n, Py_ssize_t nf,
     }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_NT 1
+/* A pack whose destination is larger than this writes with non-temporal stores: it cannot stay in
+ * any cache (twice the 32 MiB L3 of the machines measured), and skipping the read-for-ownership
+ * of every destination line made packing 3,470 Atari-like items (196 MB) ~20% faster here
+ * (0.84-0.87x a plain torch copy_ of the same bytes, against 0.98-1.11x). Smaller
+ * packs (staging reused every round, a ring slot range) may be cache-hot: plain stores. */
+#define NT_MIN_BYTES ((size_t)64 << 20)
+
+/* Write one field as whole 8-byte words (the record layout pads every field to 8 bytes). */
+static inline void nt_field(uint8_t* d, const uint8_t* s, size_t sz) {
+    size_t w = 0;
+    for (; w + 8 <= sz; w += 8) {
+        long long v;
+        memcpy(&v, s + w, 8);
+        _mm_stream_si64((long long*)(d + w), v);
+    }
+    if (w < sz) {
+        long long v = 0;
+        memcpy(&v, s + w, sz - w);
+        _mm_stream_si64((long long*)(d + w), v);
+    }
+}
+
+/* Whether every field starts on an 8-byte boundary and no two share a word (the layout
+ * ExperienceSpec makes), with rows and the destination 8-byte aligned: what nt_field needs. */
+static int nt_layout(uintptr_t dst, size_t row_bytes, Py_ssize_t nf, const size_t* size,
+                     const size_t* off) {
+    if ((dst | row_bytes) & 7) return 0;
+    for (Py_ssize_t f = 0; f < nf; f++) {
+        size_t end = (off[f] + size[f] + 7) & ~(size_t)7;
+        if ((off[f] & 7) || end > row_bytes) return 0;
+        for (Py_ssize_t g = 0; g < nf; g++)
+            if (g != f && off[g] >= off[f] && off[g] < end) return 0;
+    }
+    return 1;
+}
+
+CLONES
+static void pack_nt(uint8_t* out, size_t row_bytes, size_t n, Py_ssize_t nf,
+                    uint8_t* const* src, const size_t* size, const size_t* off, const int* kind,
+                    int* bad) {
+    for (size_t i = 0; i < n; i++) {
+        uint8_t* row = out + i * row_bytes;
+        for (Py_ssize_t f = 0; f < nf; f++) {
+            const uint8_t* s = src[f] + i * size[f];
+            if (kind[f]) bad[f] |= scan(s, NULL, size[f], kind[f]);
+            nt_field(row + off[f], s, size[f]);
+        }
+    }
+    _mm_sfence();
+}
+#endif
+
 /* Check that n items of `width` bytes span at most PY_SSIZE_T_MAX bytes (both already >= 0).
  * Returns 0, or -1 with OverflowError set. */
 static int check_span(const char* fn, const char* what, long long n, long long width) {
@@ -173,6 +228,16 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
     for (Py_ssize_t f = 0; f < nf; f++)
         src[f] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(srcs, f));
     if (PyErr_Occurred()) return NULL;
+#ifdef HAVE_NT
+    if ((size_t)n * (size_t)row_bytes >= NT_MIN_BYTES &&
+        nt_layout((uintptr_t)dst, (size_t)row_bytes, nf, size, off)) {
+        Py_BEGIN_ALLOW_THREADS
+        pack_nt((uint8_t*)(uintptr_t)dst, (size_t)row_bytes, (size_t)n, nf, src, size, off, kind,
+                bad);
+        Py_END_ALLOW_THREADS
+        return first_bad(bad, nf);
+    }
+#endif
     Py_BEGIN_ALLOW_THREADS
     pack_impl((uint8_t*)(uintptr_t)dst, (size_t)row_bytes, (size_t)n, nf, src, size, off, kind,
               bad);
