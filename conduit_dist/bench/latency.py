@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import math
 import os
 import statistics
 import time
@@ -43,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit
+from conduit_dist.bench.common import emit, number, out_path
 
 DQN_WARMUP = 20  # learning iterations of each DQN run left out of its medians
 # put kind -> (donate=, the put kind whose calibration sizes the round). Each kind's round is sized
@@ -311,53 +310,21 @@ class _DeviceTime(torch.autograd.Function):
         return grad, None
 
 
-def _number(kind: type, low: float, strict: bool = False):
-    """An argparse ``type=``: a finite ``kind`` >= ``low`` (> with ``strict``); argparse adds
-    the flag's name to the error."""
-    what = f"{'an integer' if kind is int else 'a finite number'} {'>' if strict else '>='} {low}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not low <= value < math.inf or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    parse.__name__ = what
-    return parse
-
-
-def _png_path(text: str) -> str:
-    """An argparse ``type=``: a ``.png`` path whose nearest existing folder is writable."""
-    parent = os.path.dirname(os.path.abspath(text))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not text.lower().endswith(".png") or os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"expected a path to a .png file, got {text!r}")
-    if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-        raise argparse.ArgumentTypeError(
-            f"expected a .png path under a writable folder, got {text!r} ({parent} is not one)"
-        )
-    return text
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse and check every option before anything is measured (errors name the flag)."""
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench latency")
-    p.add_argument("--iters", type=_number(int, 1), default=24, help="iterations per block")
-    p.add_argument("--blocks", type=_number(int, 1), default=2, help="alternating blocks")
-    p.add_argument("--hidden", type=_number(int, 1), default=1024)
-    p.add_argument("--layers", type=_number(int, 1), default=3)
-    p.add_argument("--features", type=_number(int, 1), default=2048, help=f"<= {OBS_BYTES}")
+    p.add_argument("--iters", type=number(int, 1), default=24, help="iterations per block")
+    p.add_argument("--blocks", type=number(int, 1), default=2, help="alternating blocks")
+    p.add_argument("--hidden", type=number(int, 1), default=1024)
+    p.add_argument("--layers", type=number(int, 1), default=3)
+    p.add_argument("--features", type=number(int, 1), default=2048, help=f"<= {OBS_BYTES}")
     p.add_argument(
-        "--ratio", type=_number(float, 0, strict=True), default=1.0, help="sync round / compute"
+        "--ratio", type=number(float, 0, strict=True), default=1.0, help="sync round / compute"
     )
-    p.add_argument("--batch", type=_number(int, 1), default=256, help="items the learner fetches")
+    p.add_argument("--batch", type=number(int, 1), default=256, help="items the learner fetches")
     p.add_argument("--placement", default="round_robin", choices=["round_robin", "local"])
-    p.add_argument("--dqn-iters", type=_number(int, 0), default=1500, help="0 skips the DQN part")
-    p.add_argument("--out", type=_png_path, default="bench_out/latency.png", help="the plot")
+    p.add_argument("--dqn-iters", type=number(int, 0), default=1500, help="0 skips the DQN part")
+    p.add_argument("--out", type=out_path(".png"), default="bench_out/latency.png", help="the plot")
     a = p.parse_args(argv)
     if a.features > OBS_BYTES:
         p.error(f"--features: expected <= {OBS_BYTES} (bytes of an observation), got {a.features}")
