@@ -140,11 +140,6 @@ class Scheduler:
         if self.pending is not None:
             wait_futures([self.pending.future], timeout=timeout_s or 4 * self.timeout_s)
 
-    @property
-    def running(self) -> bool:
-        """Whether a launched round has not finished yet."""
-        return self.pending is not None and not self.pending.future.done()
-
     def close(self, abandon: bool = False) -> bool:
         """Stop the worker after draining; returns whether it has stopped.
 
