@@ -32,6 +32,9 @@ _QUERY_TIMEOUT = timedelta(seconds=2)
 # ("Broken pipe", "Connection was likely closed"), DistStoreError on a store timeout or a
 # FileStore whose file was removed. Anything else (a malformed mark) is a bug and propagates.
 _STORE_DOWN = (dist.DistNetworkError, dist.DistStoreError)
+# gloo rounds mark their heartbeat lazily: a wait first gives its collective this long, and only a
+# wait that outlasts it writes the mark (a store round trip, ~0.05 ms, is then off the fast path)
+_GRACE = timedelta(milliseconds=50)
 
 
 class Heartbeats:
@@ -131,15 +134,28 @@ class Exchange:
         if group is None and self.world > 1:
             backend = dist.get_backend()
             self.group = dist.new_group(timeout=self.timeout, backend=backend)
+        # gloo's work.wait(t) raises when t expires and can be waited on again: marks can wait
+        self._lazy = self.world > 1 and dist.get_backend(self.group) == "gloo"
         store, missing = _default_store() if self.world > 1 else (None, "")
         self._beats = Heartbeats(store, f"{_HB_PREFIX}{name}/", self.rank, self.world, missing)
         self._phase: tuple[str, int] | None = None  # (name, sequence number) of the open phase
         self._phases = 0  # phases entered so far (the same sequence on every rank)
         self._gather_bufs: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._a2a_opts = dist.AllToAllOptions()
+        # set to a list to record (op, bytes sent per peer, bytes received per peer) of every
+        # all-to-all (benchmarks replay them raw); None: nothing recorded
+        self.record: list[tuple[str, list[int], list[int]]] | None = None
 
     def heartbeat(self, round: int) -> None:
         """Record in the rendezvous store that this rank has reached ``round``."""
         self._beats.mark("round", round)
+
+    def arrive(self, round: int) -> None:
+        """A round starts on this rank: mark it now, or, on gloo, once one of its waits outlasts
+        a 50 ms grace (a rank blocked in ``round`` has marked it long before any timeout; a rank
+        that never arrived has not, so failures still name it)."""
+        if not self._lazy:
+            self.heartbeat(round)
 
     def laggards(self, round: int) -> tuple[int, ...]:
         """Ranks whose last heartbeat is older than ``round`` (empty if the store cannot tell)."""
@@ -186,6 +202,14 @@ class Exchange:
         if work is None:
             return
         start = time.monotonic()
+        if self._lazy and round >= 0:
+            try:
+                if work.wait(_GRACE):
+                    return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc):
+                    self._fail(op, round, start, exc)
+            self.heartbeat(round)  # still waiting: say this rank got here
         try:
             ok = work.wait(self.timeout)
         except Exception as exc:
@@ -202,6 +226,8 @@ class Exchange:
             f"(timeout {self.timeout.total_seconds():g}s)"
         )
         if round >= 0:
+            if self._lazy:  # this rank got here (a peer's crash can fail a wait at once)
+                self.heartbeat(round)
             late = self.laggards(round)
             who = (
                 f"ranks {list(late)} never reached round {round}"
@@ -245,10 +271,28 @@ class Exchange:
         inp.view(self.world, -1).copy_(local)
         start = time.monotonic()
         try:
-            work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+            work = self.all_to_all_start(out, inp, [], [], "all_gather(meta)")
         except Exception as exc:
             self._fail("all_gather(meta)", round, start, exc)
         return PendingGather(self, work, out.view(self.world, -1), round)
+
+    def all_to_all_start(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        op: str = "all_to_all",
+    ) -> dist.Work:
+        """Launch ``all_to_all_single`` on the plane's group (splits along dim 0; ``[]``: even).
+
+        Calls the process group's ``alltoall_base`` directly: ``dist.all_to_all_single`` is that
+        call behind Python-side checks and logging that cost ~0.04 ms a call here, and the
+        plane's buffers are contiguous and of one dtype by construction. Returns the work.
+        """
+        if self.record is not None:
+            self.record.append((op, _split_bytes(inp, in_splits), _split_bytes(out, out_splits)))
+        return self.group.alltoall_base(out, inp, out_splits, in_splits, self._a2a_opts)
 
     def all_to_all(
         self,
@@ -260,10 +304,7 @@ class Exchange:
         op: str = "all_to_all",
     ) -> None:
         """Fused ``all_to_all_single`` of record rows (splits in rows along dim 0)."""
-        work = lambda: dist.all_to_all_single(  # noqa: E731
-            out, inp, out_splits, in_splits, group=self.group, async_op=True
-        )
-        self.run(work, op, round)
+        self.run(lambda: self.all_to_all_start(out, inp, out_splits, in_splits, op), op, round)
 
     def wait_all(self, launch, op: str, round: int) -> None:
         """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout."""
@@ -319,6 +360,16 @@ class PendingGather:
         work, self._work = self._work, None
         self._ex._wait(work, "all_gather(meta)", self._round)
         return self._out
+
+
+def _split_bytes(t: torch.Tensor, splits: list[int]) -> list[int]:
+    """Bytes per peer of an ``all_to_all_single`` buffer (``splits`` along dim 0; ``[]``: even)."""
+    total = t.numel() * t.element_size()
+    if not splits:
+        world = dist.get_world_size()
+        return [total // world] * world
+    row = total // max(t.shape[0], 1)
+    return [n * row for n in splits]
 
 
 def _default_store() -> tuple[dist.Store | None, str]:

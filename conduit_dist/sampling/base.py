@@ -68,6 +68,10 @@ class Sampler(ABC):
 
     name: str = "abstract"
     meta_width: int = 0  # int64 values local_meta adds to the round's meta exchange
+    # True when a shard's draws for a learner do not depend on the allocation (i.i.d. draws,
+    # an allocation from requests, sizes and meta alone): a shard may then send a learner
+    # candidates before the allocation is known, and the round fuses meta and delivery
+    speculative: bool = False
 
     def __init__(self) -> None:
         self.ctx: SamplerContext | None = None
@@ -107,13 +111,25 @@ class Sampler(ABC):
         costs ~1 us where ``torch.randint`` with a reseeded generator cost ~9 us per round here.
         The returned tensor is valid until the next draw.
         """
+        return self.uniform(count, size, round, self.ctx.rank)
+
+    def uniform(
+        self, count: int, size: int, round: int, key: int, scratch: str = "_slots"
+    ) -> torch.Tensor:
+        """``count`` int64 values uniform in ``[0, size)`` from the stream ``(seed, round, key)``
+        (keys below ``world`` are the ranks' draw streams), in the reused buffer named
+        ``scratch``: valid until the next call with the same buffer (draws use ``_slots``, so
+        an allocation made after a draw must name another)."""
         if _native is None:
-            gen = seeded(self._draw_gen, self.ctx.seed, round, self.ctx.rank)
+            gen = seeded(self._draw_gen, self.ctx.seed, round, key)
             return torch.randint(size, (count,), generator=gen, dtype=torch.int64)
-        if self._slots.shape[0] < count:
-            self._slots = torch.empty(max(count, 2 * self._slots.shape[0]), dtype=torch.int64)
-        out = self._slots[:count]
-        _native.uniform_slots(out.data_ptr(), count, size, self.ctx.seed, round, self.ctx.rank)
+        buf = getattr(self, scratch, None)
+        if buf is None or buf.shape[0] < count:
+            size0 = 0 if buf is None else buf.shape[0]
+            buf = torch.empty(max(count, 2 * size0, 256), dtype=torch.int64)
+            setattr(self, scratch, buf)
+        out = buf[:count]
+        _native.uniform_slots(out.data_ptr(), count, size, self.ctx.seed, round, key)
         return out
 
     def feedback(self, round: int) -> None:  # noqa: B027 (default hook)

@@ -4,22 +4,25 @@ A learner's batch of ``b`` items is split over shards by a multinomial draw with
 ``n_s / N`` (shard sizes, known to every rank after the round's meta exchange); each shard then
 draws its share uniformly from its own items. Every stored item is equally likely whichever shard
 holds it, and draws are independent: the batch is i.i.d. uniform over the global store (grouped by
-shard, not shuffled). The multinomial generator is seeded by ``(seed, round)`` so every rank
-computes the same allocation without a further exchange.
+shard, not shuffled). The multinomial is drawn as ``b`` items uniform over the global store's
+``N`` items (a stream keyed by ``(seed, round, learner)``, the same on every rank), each counted
+for the shard that holds it: every rank computes the same allocation without a further exchange.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from conduit_dist.sampling.base import Sampler, seeded
+from conduit_dist.sampling.base import Sampler
+
+_KEY = 1 << 40  # allocation streams: (seed, round, _KEY + learner), apart from the draw streams
 
 
 class Uniform(Sampler):
     """Each learner's batch i.i.d. uniform over every item of every shard."""
 
     name = "uniform"
+    speculative = True  # a shard's draws are i.i.d. whatever its share: candidates are exact
 
     def allocate(
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
@@ -31,13 +34,12 @@ class Uniform(Sampler):
         counts = np.zeros((world, world), dtype=np.int64)
         if int(sizes.sum()) == 0 or not requests.any():
             return counts
-        gen = seeded(self._alloc_gen, self.ctx.seed, round, 0x5A11)
-        probs = torch.from_numpy(sizes.astype(np.float64))
+        ends = np.cumsum(sizes)
         for learner in np.nonzero(requests)[0]:
-            draws = torch.multinomial(
-                probs, int(requests[learner]), replacement=True, generator=gen
-            )
-            counts[learner] = torch.bincount(draws, minlength=world).numpy()
+            n, key = int(requests[learner]), _KEY + int(learner)
+            items = self.uniform(n, int(ends[-1]), round, key, scratch="_alloc_slots")
+            shards = np.searchsorted(ends, items.numpy(), side="right")
+            counts[learner] = np.bincount(shards, minlength=world)
         return counts
 
     def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
