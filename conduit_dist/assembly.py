@@ -144,6 +144,32 @@ def _unbound(obj, field: str):
     return obj
 
 
+def _check_reduce(
+    numel: int, runner: RoundRunner, schedule: str, sampler, placement, device: torch.device
+) -> None:
+    """``reduce_numel`` needs a fused round on ``sync`` (at world size 1 nothing is averaged).
+
+    Raises:
+        ConfigError: naming what is missing.
+    """
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ConfigError(f"reduce_numel: expected an int >= 0, got {numel!r}")
+    if not numel or runner.world == 1:
+        return
+    if not runner.fusable:
+        raise ConfigError(
+            "reduce_numel: payloads are averaged inside a one-exchange round, which needs a "
+            "placement that keeps items local ('local'), a speculative sampler ('uniform') and "
+            f"device 'cpu'; got placement={placement.name!r}, sampler={sampler.name!r}, "
+            f"device={device.type!r}"
+        )
+    if schedule != "sync":
+        raise ConfigError(
+            "reduce_numel: expected schedule='sync' (a round launched at backward would run "
+            f"before the payload it averages exists), got {schedule!r}"
+        )
+
+
 def assemble(
     spec: ExperienceSpec,
     capacity: int,
@@ -162,6 +188,7 @@ def assemble(
     bandwidth: str | BandwidthModel,
     bandwidth_cache: str | None,
     trace: bool,
+    reduce_numel: int = 0,
 ) -> Parts:
     """Build every component of a plane (arguments as :class:`~conduit_dist.plane.DataPlane`).
 
@@ -196,7 +223,11 @@ def assemble(
         undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
         undo.callback(setattr, placement, "ctx", None)
         transport = Transport(ex, topo, model, strategy)
-        runner = RoundRunner(spec, shard, ex, sampler, placement, learners[0], device, transport)
+        runner = RoundRunner(
+            spec, shard, ex, sampler, placement, learners[0], device, transport,
+            tuple(learners), reduce_numel,
+        )  # fmt: skip
+        _check_reduce(reduce_numel, runner, schedule, sampler, placement, device)
         # one CPU rank has no collective to wait for: a background round would only add a
         # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
         can_overlap = ex.world > 1 or device.type == "cuda"

@@ -17,6 +17,8 @@ import torch
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.transport import Move, Transport
+from conduit_dist.errors import ConfigError
+from conduit_dist.fused import FusedLayout
 from conduit_dist.placement.base import Placement
 from conduit_dist.sampling.base import Sampler
 from conduit_dist.spec import ExperienceSpec
@@ -42,6 +44,9 @@ class RoundStats:
     deliver_ms: float = 0.0
     weights_ms: float = 0.0
     """Each phase's milliseconds."""
+    cpu_ms: float = 0.0
+    """CPU time of the thread that ran the round (``time.thread_time``; gloo's own threads,
+    which move the bytes, are not in it)."""
     items_in: int = 0
     items_out: int = 0
     """Items this shard received, and this rank was delivered."""
@@ -83,6 +88,7 @@ class RoundTicket:
     device_staged: RecordBuffer | None = None  # CUDA: items put from GPU tensors
     ready: object = None  # CUDA: event on the consumer's stream when the round was prepared
     consumer: object = None  # CUDA: the consumer's stream
+    reduce: torch.Tensor | None = None  # float32 [reduce_numel]: averaged over learners in place
 
     @property
     def count(self) -> int:
@@ -109,6 +115,8 @@ class RoundRunner:
         weights_src: rank whose published weights are broadcast.
         device: where delivered batches live.
         transport: runs each exchange with the strategy the bandwidth model chooses.
+        learners: the learner ranks (fused rounds carry learners' ``reduce`` payloads).
+        reduce_numel: float32 elements of a fetch's ``reduce`` payload (0: none).
     """
 
     def __init__(
@@ -121,6 +129,8 @@ class RoundRunner:
         weights_src: int,
         device: torch.device,
         transport: Transport,
+        learners: tuple[int, ...] = (),
+        reduce_numel: int = 0,
     ) -> None:
         self.spec, self.shard, self.exchange = spec, shard, exchange
         self.sampler, self.placement, self.transport = sampler, placement, transport
@@ -136,14 +146,34 @@ class RoundRunner:
         self.outputs = OutputPool(spec.record_bytes, device, spec.unpack)
         self._dev_stage = RecordBuffer(spec.record_bytes, device)  # H2D copy of staged records
         self._meta_local = torch.zeros(_META + sampler.meta_width, dtype=torch.int64)
+        # one-exchange rounds (see _fused): items stay where they were put and draws are i.i.d.,
+        # so each shard sends every learner a header and candidates in a single all-to-all
+        self.fusable = (
+            self.world > 1
+            and sampler.speculative
+            and placement.keeps_local
+            and self.device.type == "cpu"  # headers are parsed on the host: no device syncs
+        )
+        learner_mask = np.zeros(self.world, dtype=bool)
+        learner_mask[list(learners)] = True
+        self.reduce_numel = int(reduce_numel)
+        # header: the meta values, the sampler's, this shard's size, whether a payload came
+        head_len = _META + sampler.meta_width + 2
+        self._fused_layout = FusedLayout(
+            spec.record_bytes, self.rank, learner_mask, head_len, self.reduce_numel, device
+        )
+        self.fused_rounds = 0  # rounds that ran as one exchange (and delivered from it)
 
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
+        cpu0 = time.thread_time()
         stats = RoundStats(round=t.round)
         if self.world == 1:
             t.pack_deferred(self.spec)
             self.shard.settle()
             out = self._local(t, stats)
+        elif self.fusable:
+            out = self._fused(t, stats, weights)
         else:
             t0 = time.perf_counter()
             meta = self._meta(t)
@@ -160,6 +190,7 @@ class RoundRunner:
         self._demote_ahead()
         self.published = self.sizes.copy()  # what len(plane) reads: never a half-finished round
         stats.stored = self.shard.size if self.world == 1 else int(self.published.sum())
+        stats.cpu_ms = (time.thread_time() - cpu0) * 1e3
         return out, stats
 
     def _demote_ahead(self) -> None:
@@ -203,6 +234,92 @@ class RoundRunner:
         )
         return out
 
+    def _fused(self, t: RoundTicket, stats: RoundStats, weights: WeightsState) -> torch.Tensor:
+        """A round in one ``all_to_all_single`` (``fusable`` planes; layout in ``fused.py``).
+
+        Every rank ingests its staged items into its own shard, then sends each peer its header
+        and, when the peer is a learner, as many candidate rows drawn i.i.d. from this shard as
+        that learner fetched last round (known to every rank). After the exchange every rank
+        holds every header, so the allocation is the same everywhere; a learner takes the first
+        ``k`` candidates of each shard's block (a prefix of i.i.d. draws is i.i.d.: the batch
+        has the distribution the three-exchange round draws). When some learner's share from a
+        shard exceeds what that shard sent (its fetch grew; the first fetch), every rank knows
+        it from the headers and the round finishes with the ordinary delivery exchange.
+        """
+        me, r, lay = self.rank, t.round, self._fused_layout
+        t0 = time.perf_counter()
+        self.exchange.arrive(r)
+        t.pack_deferred(self.spec)
+        self.shard.settle()
+        if t.count:
+            self.shard.append(self._staged_rows(t))
+        size = int(self.shard.size)
+        head = lay.head.numpy()
+        head[:_META] = (t.count, t.request, t.weights.version, t.weights.nbytes)
+        head[_META:-2] = self.sampler.local_meta(self.shard)
+        head[-2:] = (size, t.reduce is not None)
+        ask = self._requests  # last round's fetch sizes: candidates each learner is sent
+        n_cand = int(ask.sum() - ask[me])
+        n_draw = n_cand + int(t.request)
+        slots = self.sampler.draw(n_draw, size, r) if size and n_draw else None
+        send, in_splits = lay.pack(ask, t.reduce, self.shard.gather, slots)
+        recv, out_splits = lay.recv_rows(ask)
+        self.exchange.all_to_all(recv, send, out_splits, in_splits, r, "all_to_all(round)")
+        meta, payloads, blocks = lay.unpack(recv, ask)
+        if t.reduce is not None:
+            lay.average(t.reduce, payloads)
+        counts, self._requests = meta[:, 0], meta[:, 1]
+        self.sizes, self._inflow = meta[:, -2].copy(), counts.copy()
+        self.ingested += int(counts.sum())
+        t1 = time.perf_counter()
+        stats.mark("ingest", t0, t1)
+        rb = self.spec.record_bytes
+        stats.items_in, stats.bytes_in = int(t.count), int(t.count) * rb
+        alloc = self.sampler.allocate(self._requests, self.sizes, r, meta[:, _META:-2])
+        short = alloc > ask[:, None]
+        np.fill_diagonal(short, False)  # a learner's own shard is read locally
+        if short.any():  # the same on every rank: all run the ordinary delivery
+            out = self._deliver(alloc, r, stats, t1)
+        else:
+            self.fused_rounds += 1
+            out = self.outputs.acquire(int(alloc[me].sum()))
+            at = 0
+            for p in lay.peers:
+                k = int(alloc[me, p])
+                if k:
+                    out[at : at + k].copy_(blocks[p][:k])
+                at += k
+            own = int(alloc[me, me])
+            if own:
+                self.shard.gather(slots[n_cand : n_cand + own], out[at:])
+            t2 = time.perf_counter()
+            stats.mark("sample", t1, t2)
+            stats.mark("deliver", t2, t2)  # the rows arrived with the headers
+            stats.items_out, stats.bytes_out = out.shape[0], out.shape[0] * rb
+        t3 = time.perf_counter()
+        weights.exchange(self.exchange, meta, self.weights_src, r, t.weights)
+        stats.mark("weights", t3, time.perf_counter())
+        self.sampler.feedback(r)
+        return out
+
+    def check_payload(self, t: torch.Tensor) -> None:
+        """Check a fetch's ``reduce`` payload.
+
+        Raises:
+            ConfigError: unless it is a contiguous CPU float32 ``[reduce_numel]`` tensor.
+        """
+        numel = self.reduce_numel
+        if numel == 0:
+            raise ConfigError("reduce: this plane was built with reduce_numel=0; pass reduce_numel")
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"reduce: expected a torch.Tensor, got {type(t).__name__}")
+        ok = t.dtype == torch.float32 and t.shape == (numel,) and t.device.type == "cpu"
+        if not ok or not t.is_contiguous():
+            raise ConfigError(
+                f"reduce: expected a contiguous cpu float32 tensor of shape ({numel},), got "
+                f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
+            )
+
     def _meta(self, t: RoundTicket) -> np.ndarray:
         """Exchange staged counts, requests and weight versions; local round set-up (packing
         donated batches, waiting for background demotion, the heartbeat) runs meanwhile."""
@@ -211,7 +328,7 @@ class RoundRunner:
         local[_META:] = self.sampler.local_meta(self.shard)
         pending = self.exchange.all_gather_start(self._meta_local, t.round)
         try:
-            self.exchange.heartbeat(t.round)
+            self.exchange.arrive(t.round)
             t.pack_deferred(self.spec)
             self.shard.settle()
         finally:  # a started collective is always completed, even if local set-up failed

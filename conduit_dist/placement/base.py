@@ -42,6 +42,9 @@ class Placement(ABC):
 
     name: str = "abstract"
     ctx: PlacementContext | None = None
+    # True when every plan is the diagonal (items stay where they were put): a round then
+    # needs no ingestion exchange and can fuse its meta with delivery
+    keeps_local: bool = False
 
     def bind(self, ctx: PlacementContext) -> None:
         """Attach to a plane (called once, when the plane is built)."""

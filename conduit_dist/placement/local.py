@@ -11,6 +11,7 @@ class Local(Placement):
     """Every item is stored on the shard of the rank that put it."""
 
     name = "local"
+    keeps_local = True
 
     def plan(
         self, staged: np.ndarray, requests: np.ndarray, sizes: np.ndarray, capacity: int

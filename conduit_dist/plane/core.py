@@ -47,6 +47,8 @@ class DataPlane:
             ``bandwidth_cache``) or a ``BandwidthModel``; :attr:`bandwidth` says which is used.
         bandwidth_cache: directory of calibration caches (``None``: no cache).
         trace: record a per-rank timeline for :meth:`export_trace`.
+        reduce_numel: float32 elements of the ``reduce`` payload learners may pass to
+            :meth:`fetch` (0: none); needs a one-exchange round and ``schedule="sync"``.
 
     Raises:
         ConfigError: on a bad argument, naming it (nothing is left behind: no group, no files).
@@ -71,13 +73,14 @@ class DataPlane:
         bandwidth: str | BandwidthModel = "declared",
         bandwidth_cache: str | None = "~/.cache/conduit_dist",
         trace: bool = False,
+        reduce_numel: int = 0,
     ) -> None:
         self._closed = False
         p = assemble(
             spec, capacity_per_rank, seed, sampler=sampler, placement=placement, storage=storage,
             learner_ranks=learner_ranks, device=device, schedule=schedule, max_lag=max_lag,
             auto_trial=auto_trial, timeout_s=timeout_s, strategy=strategy, bandwidth=bandwidth,
-            bandwidth_cache=bandwidth_cache, trace=trace,
+            bandwidth_cache=bandwidth_cache, trace=trace, reduce_numel=reduce_numel,
         )  # fmt: skip
         self.spec, self.capacity_per_rank, self.device = spec, capacity_per_rank, p.runner.device
         self.rank, self.world, self.learner_ranks = (
@@ -126,12 +129,17 @@ class DataPlane:
         self._check_open()
         return self._p.stager.staged(n)
 
-    def fetch(self, batch_size: int, *, more: bool = False) -> dict[str, torch.Tensor]:
+    def fetch(
+        self, batch_size: int, *, more: bool = False, reduce: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """This learner's batch, drawn by the sampler from the global store.
 
         Args:
             batch_size: items to return.
             more: another fetch follows before the next ``put`` (minibatches of one rollout).
+            reduce: a contiguous CPU float32 tensor of ``reduce_numel`` elements (e.g. flat
+                gradients), replaced in place by its mean over the learners that passed one in
+                this round, carried in the round's own exchange (no extra collective).
 
         Returns:
             ``name -> tensor [batch_size, *shape]``: views into one packed buffer, reused only
@@ -144,7 +152,9 @@ class DataPlane:
             EmptyStoreError: if nothing is stored yet (the round itself completed).
         """
         self._check_open()
-        return self._p.runner.outputs.unpack(self._p.control.fetch(batch_size, more))
+        if reduce is not None:
+            self._p.runner.check_payload(reduce)
+        return self._p.runner.outputs.unpack(self._p.control.fetch(batch_size, more, reduce))
 
     def flush(self) -> None:
         """Take part in a round without fetching (actors, once per iteration after ``put``); in

@@ -41,12 +41,13 @@ class RoundClock:
         self.failed: RoundError | None = None
         self.closed = False  # set by assembly.release: no round may be launched any more
 
-    def prepare(self, request: int) -> RoundTicket:
+    def prepare(self, request: int, reduce: torch.Tensor | None = None) -> RoundTicket:
         """Snapshot what the next round moves (on the thread that owns ``put``)."""
         staged, device_staged, direct = self.stager.take()
         ticket = RoundTicket(
             self.round, request, staged, direct, self.weights.snapshot(), device_staged
         )
+        ticket.reduce = reduce
         if self.cuda is not None:  # the round's stream starts after what the consumer enqueued
             ticket.consumer = torch.cuda.current_stream(self.cuda)
             ticket.ready = torch.cuda.Event()
@@ -73,9 +74,11 @@ class RoundClock:
             )
             raise self.failed from exc
 
-    def run(self, request: int) -> tuple[torch.Tensor, RoundStats]:
+    def run(
+        self, request: int, reduce: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RoundStats]:
         """Prepare a round and run it inline."""
-        ticket = self.prepare(request)
+        ticket = self.prepare(request, reduce)
         out, stats = self.guard(lambda: self.sched.run(ticket))
         self.finish(stats)
         return out, stats

@@ -67,7 +67,9 @@ class OverlapController:
             return "auto (trial)"
         return "overlap" if self.overlap else "sync"
 
-    def fetch(self, batch_size: int, more: bool) -> torch.Tensor:
+    def fetch(
+        self, batch_size: int, more: bool, reduce: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """This fetch's ``batch_size`` records (see :meth:`DataPlane.fetch`); accounts its time.
 
         Raises:
@@ -82,7 +84,7 @@ class OverlapController:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         t_wait = now()
-        records, stats, prefetched, lag = self._fetch_round(batch_size, more)
+        records, stats, prefetched, lag = self._fetch_round(batch_size, more, reduce)
         rows = records.shape[0]
         if rows == 0:
             raise EmptyStoreError(
@@ -103,7 +105,7 @@ class OverlapController:
         return records
 
     def _fetch_round(
-        self, batch_size: int, more: bool
+        self, batch_size: int, more: bool, reduce: torch.Tensor | None
     ) -> tuple[torch.Tensor, RoundStats, bool, int]:
         """This fetch's round: ``(records, stats, prefetched, lag)``."""
         t = now()
@@ -114,7 +116,7 @@ class OverlapController:
         else:
             if pending is not None:  # an overlapped flush's round: finish it first
                 self.clock.wait()
-            records, stats = self.clock.run(batch_size)
+            records, stats = self.clock.run(batch_size, reduce)
             prefetched, lag = False, 0
         self._fetched, self._last_batch, self._more = True, batch_size, more
         self._tick(t)

@@ -1,0 +1,159 @@
+"""The one-exchange round's wire layout: headers, payloads and candidate rows in one all-to-all.
+
+A fused round (``RoundRunner.fusable``: a placement that keeps items local, a speculative
+sampler, host delivery) sends each peer one block of record rows::
+
+    [header rows][payload rows][candidate rows]
+
+- header: the round's meta values (staged count, request, weights version and bytes, the
+  sampler's values), this shard's size and whether a payload follows, as int64 packed into
+  ``ceil(8 * n / record_bytes)`` rows;
+- payload: a learner's ``reduce`` tensor (float32 bytes), sent from every learner to every other
+  learner in every round, so the splits never depend on this round's values;
+- candidates: as many rows, drawn i.i.d. from this shard, as the peer fetched in the previous
+  round (0 for actors).
+
+Every split depends only on values every rank already holds (the previous round's requests, the
+learner set, ``reduce_numel``), so all ranks agree on them without exchanging them first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conduit_dist.staging import RecordBuffer
+
+
+class FusedLayout:
+    """Buffers and splits of fused rounds on one rank.
+
+    Args:
+        record_bytes: bytes per record row.
+        rank: this rank.
+        learners: ``bool [world]``, which ranks are learners.
+        head_len: int64 values in a header.
+        reduce_numel: float32 elements of a payload (0: none).
+        device: where the rows live (the host: headers are parsed there).
+    """
+
+    def __init__(
+        self,
+        record_bytes: int,
+        rank: int,
+        learners: np.ndarray,
+        head_len: int,
+        reduce_numel: int,
+        device: torch.device,
+    ) -> None:
+        self.rb, self.rank, self.world = record_bytes, rank, learners.shape[0]
+        self.learners = learners
+        self.head = torch.zeros(head_len, dtype=torch.int64)
+        self.h = -(-head_len * 8 // record_bytes)  # header rows
+        self.numel = reduce_numel
+        self.pay = -(-reduce_numel * 4 // record_bytes)  # payload rows between two learners
+        self.peers = [p for p in range(self.world) if p != rank]
+        self._send = RecordBuffer(record_bytes, device)
+        self._recv = RecordBuffer(record_bytes, device)
+        self._rows = torch.empty((self.world, reduce_numel), dtype=torch.float32)
+        self._splits: dict[bytes, tuple[list[int], list[int], list[int]]] = {}
+
+    def splits(self, ask: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """``(payload rows, rows sent, rows received)`` per peer for last round's requests."""
+        key = ask.tobytes()
+        got = self._splits.get(key)
+        if got is None:
+            me, h = self.rank, self.h
+            pay = [
+                self.pay if self.learners[me] and self.learners[p] and p != me else 0
+                for p in range(self.world)
+            ]
+            send = [0 if p == me else h + pay[p] + int(ask[p]) for p in range(self.world)]
+            recv = [0 if p == me else h + pay[p] + int(ask[me]) for p in range(self.world)]
+            got = self._splits[key] = (pay, send, recv)
+            if len(self._splits) > 64:  # requests that keep changing: keep the cache small
+                self._splits = {key: got}
+        return got
+
+    def pack(
+        self, ask: np.ndarray, payload: torch.Tensor | None, gather, slots: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The send rows: per peer the header, the payload, then ``ask[peer]`` candidates
+        gathered by ``gather(slots, out)`` from consecutive segments of ``slots``.
+
+        Returns:
+            ``(rows, in_splits)``.
+        """
+        pay, in_splits, _ = self.splits(ask)
+        send = self._send.rows(sum(in_splits))
+        hb = self.head.numpy().view(np.uint8)
+        raw = payload.view(torch.uint8) if payload is not None else None
+        at = drawn = 0
+        for p in self.peers:
+            send[at, : hb.shape[0]].numpy()[:] = hb
+            at += self.h
+            if pay[p] and raw is not None:
+                send[at : at + pay[p]].view(-1)[: raw.numel()].copy_(raw)
+            at += pay[p]
+            k = int(ask[p])
+            if k and slots is not None:
+                gather(slots[drawn : drawn + k], send[at : at + k])
+            at, drawn = at + k, drawn + k
+        return send, in_splits
+
+    def recv_rows(self, ask: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+        """The receive rows and their splits."""
+        _, _, out_splits = self.splits(ask)
+        return self._recv.rows(sum(out_splits)), out_splits
+
+    def unpack(
+        self, recv: torch.Tensor, ask: np.ndarray
+    ) -> tuple[np.ndarray, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Every rank's header (this rank's own included), each peer's payload (learners that
+        sent one) and each peer's candidate block.
+
+        Returns:
+            ``(meta [world, head_len], payloads, candidates)``.
+        """
+        pay, _, out_splits = self.splits(ask)
+        head = self.head.numpy()
+        meta = np.empty((self.world, head.shape[0]), dtype=np.int64)
+        nb = head.shape[0] * 8
+        payloads: dict[int, torch.Tensor] = {}
+        blocks: dict[int, torch.Tensor] = {}
+        at = 0
+        for p in range(self.world):
+            if p == self.rank:
+                meta[p] = head
+                continue
+            meta[p] = recv[at, :nb].numpy().view(np.int64)
+            if pay[p] and meta[p, -1]:
+                payloads[p] = self._as_floats(recv[at + self.h : at + self.h + pay[p]], p)
+            blocks[p] = recv[at + self.h + pay[p] : at + out_splits[p]]
+            at += out_splits[p]
+        return meta, payloads, blocks
+
+    def _as_floats(self, rows: torch.Tensor, p: int) -> torch.Tensor:
+        """A payload's float32 values: a view of the rows when aligned, else a copy."""
+        raw = rows.reshape(-1)[: self.numel * 4]
+        if (raw.storage_offset() % 4) == 0:
+            return raw.view(torch.float32)
+        self._rows[p].view(torch.uint8).copy_(raw)
+        return self._rows[p]
+
+    def average(self, payload: torch.Tensor, payloads: dict[int, torch.Tensor]) -> None:
+        """Replace ``payload`` by the mean of it and the payloads received, in place.
+
+        Every rank adds the same values in rank order (two: IEEE addition commutes), so the
+        result is bitwise identical on every learner: replicas updated with it stay identical.
+        """
+        if not payloads:
+            return
+        if len(payloads) == 1:
+            (other,) = payloads.values()
+            payload.add_(other).mul_(0.5)
+            return
+        rows = sorted([*payloads, self.rank])
+        self._rows[self.rank].copy_(payload)
+        stacked = torch.stack([self._rows[p] if p == self.rank else payloads[p] for p in rows])
+        torch.sum(stacked, dim=0, out=payload).div_(len(rows))

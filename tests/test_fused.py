@@ -1,0 +1,188 @@
+"""One-exchange rounds (local placement, uniform sampling) and payloads averaged inside them, on
+real gloo ranks: the batch stays exactly uniform, a grown fetch falls back to the full delivery,
+and learners' averaged payloads are bitwise identical."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from plane_helpers import assert_intact, make_batch, spec
+
+from conduit_dist.errors import ConfigError
+
+
+def _plane(numel: int = 0, **kw):
+    import conduit_dist as cd
+
+    args = dict(placement="local", schedule="sync", bandwidth="declared", reduce_numel=numel)
+    return cd.DataPlane(spec(), 1000, seed=3, **{**args, **kw})
+
+
+def _uniform_over_uneven_shards(rank, world):
+    plane = _plane()
+    ex = plane._p.exchange
+    puts = [10, 30, 0][rank]  # uneven producers; rank 2 puts nothing
+    base = 1000 * rank
+    for r in range(4):
+        if puts:
+            plane.put(make_batch(torch.arange(base + r * puts, base + (r + 1) * puts)))
+        plane.fetch(64) if r else plane.flush()
+    calls, ids = [], []
+    for _ in range(150):
+        ex.record = []
+        batch = plane.fetch(64)
+        calls.append(len(ex.record))
+        assert_intact(batch)
+        ids.append(batch["id"].clone())
+    ex.record = None
+    fused = plane._p.runner.fused_rounds
+    sizes = plane.sizes.tolist()
+    plane.close()
+    return torch.cat(ids).tolist(), calls, fused, sizes
+
+
+def test_fused_rounds_run_one_exchange_and_stay_uniform_over_uneven_shards():
+    res = run_ranks(_uniform_over_uneven_shards, 3, timeout_s=120)
+    sizes = res[0][3]
+    assert sizes == [40, 120, 0]
+    n = sum(sizes)
+    for rank, (ids, calls, fused, _) in res.items():
+        assert set(calls) == {1}, calls  # meta, ingestion and delivery in one all-to-all
+        assert fused >= 150
+        counts: dict[int, int] = {}
+        for i in ids:
+            counts[i] = counts.get(i, 0) + 1
+        assert len(counts) == n  # every stored item can be drawn, nothing else is
+        expected = len(ids) / n
+        chi2 = sum((counts.get(i, 0) - expected) ** 2 / expected for i in counts)
+        df = n - 1
+        assert chi2 < df + 5 * math.sqrt(2 * df), (rank, chi2, df)  # ~5 sigma
+        from_shard0 = sum(c for i, c in counts.items() if i < 1000) / len(ids)
+        assert abs(from_shard0 - 40 / 160) < 5 * math.sqrt(0.25 * 0.75 / len(ids))
+
+
+def _grown_fetch(rank, world):
+    plane = _plane()
+    ex = plane._p.exchange
+    plane.put(make_batch(torch.arange(100 * rank, 100 * rank + 50)))
+    plane.fetch(16)
+    plane.put(make_batch(torch.arange(100 * rank + 50, 100 * rank + 60)))
+    plane.fetch(16)
+    before = plane._p.runner.fused_rounds
+    ex.record = []
+    grown = plane.fetch(64)  # more than each shard sent as candidates: the full delivery runs
+    ncalls = len(ex.record)
+    ex.record = None
+    after = plane._p.runner.fused_rounds
+    again = plane.fetch(64)
+    assert_intact(grown)
+    assert_intact(again)
+    out = (grown["id"].shape[0], ncalls, after - before, plane._p.runner.fused_rounds - after)
+    plane.close()
+    return out
+
+
+def test_a_fetch_larger_than_last_round_falls_back_to_the_full_delivery():
+    res = run_ranks(_grown_fetch, 2)
+    for rows, ncalls, fused_then, fused_next in res.values():
+        assert rows == 64
+        assert ncalls == 2  # the fused exchange, then the ordinary delivery
+        assert (fused_then, fused_next) == (0, 1)
+
+
+def _average(rank, world):
+    plane = _plane(numel=5)
+    plane.put(make_batch(torch.arange(10 * rank, 10 * rank + 10)))
+    plane.flush()
+    payload = torch.arange(5, dtype=torch.float32) * (rank + 1) + 0.1 * rank
+    plane.fetch(8, reduce=payload)  # every learner passes one: the mean
+    first = payload.clone()
+    other = torch.full((5,), float(rank))
+    plane.fetch(8, reduce=other) if rank != 1 else plane.fetch(8)  # rank 1 passes none
+    errors = []
+    for bad in (torch.zeros(4), torch.zeros(5, dtype=torch.float64), torch.zeros(10)[::2]):
+        try:
+            plane.fetch(8, reduce=bad)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    plane.close()
+    return first.tolist(), other.tolist(), errors
+
+
+def test_payloads_are_averaged_inside_the_round_identically_on_every_learner():
+    res = run_ranks(_average, 3)
+    payloads = [torch.arange(5, dtype=torch.float32) * (r + 1) + 0.1 * r for r in range(3)]
+    mean = torch.stack(payloads).sum(0) / 3
+    firsts = [res[r][0] for r in range(3)]
+    assert firsts[0] == firsts[1] == firsts[2]  # bitwise identical
+    assert torch.allclose(torch.tensor(firsts[0]), mean)
+    assert res[0][1] == res[2][1] == [1.0] * 5  # the mean of ranks 0 and 2 only
+    for _, _, errors in res.values():
+        assert len(errors) == 3
+        assert all("expected a contiguous cpu float32 tensor of shape (5,)" in e for e in errors)
+
+
+def _replicas(rank, world):
+    from conduit_dist.config import AlgoConfig
+    from conduit_dist.rl.dqn import DQN
+
+    torch.manual_seed(0)  # the same initial weights on both ranks
+    agent = DQN(AlgoConfig(hidden=[16]), 4, 2, flat_grads=True)
+    torch.manual_seed(rank + 1)  # different data per rank
+    example = {
+        "obs": torch.zeros(1, 4),
+        "action": torch.zeros(1, dtype=torch.int64),
+        "reward": torch.zeros(1),
+        "next_obs": torch.zeros(1, 4),
+        "done": torch.zeros(1, dtype=torch.bool),
+    }
+    import conduit_dist as cd
+
+    plane = cd.DataPlane(
+        cd.ExperienceSpec.from_batch(example), 500, placement="local", schedule="sync",
+        bandwidth="declared", reduce_numel=agent.flat.numel(),
+    )  # fmt: skip
+    pending = False
+    for _ in range(30):
+        n = 8
+        plane.put({
+            "obs": torch.randn(n, 4), "action": torch.randint(2, (n,)), "reward": torch.randn(n),
+            "next_obs": torch.randn(n, 4), "done": torch.rand(n) < 0.1,
+        })  # fmt: skip
+        batch = plane.fetch(16, reduce=agent.flat) if pending else plane.fetch(16)
+        if pending:
+            agent.step()
+        agent.loss(batch).backward()
+        pending = True
+    plane.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in agent.q.parameters()])
+    return flat.numpy().tobytes(), agent.steps
+
+
+def test_dqn_replicas_updated_from_round_averaged_gradients_stay_bitwise_identical():
+    res = run_ranks(_replicas, 2)
+    assert res[0][1] == res[1][1] == 29
+    assert res[0][0] == res[1][0]
+
+
+def _bad_reduce(rank, world, kwargs):
+    try:
+        _plane(numel=4, **kwargs).close()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"placement": "round_robin"}, "placement='round_robin'"),
+        ({"schedule": "overlap"}, "expected schedule='sync'"),
+    ],
+)
+def test_reduce_needs_a_fused_sync_round(kwargs, expected):
+    res = run_ranks(_bad_reduce, 2, kwargs)
+    assert all(expected in (msg or "") for msg in res.values()), res
