@@ -16,7 +16,7 @@ from conduit_dist.config import TrainConfig, register, validate
 from conduit_dist.launch import prepare_hydra_argv
 from conduit_dist.logging import log_rank_zero
 from conduit_dist.metrics import make_logger
-from conduit_dist.rl.trainer import Trainer
+from conduit_dist.rl.trainer import Trainer, write_summary
 
 register()
 
@@ -44,6 +44,8 @@ def main(dcfg: DictConfig) -> None:
             "done: %s",
             {k: summary[k] for k in ("env_steps", "wall_s", "return_100", "reached_target")},
         )
+        if cfg.logger.summary_path and trainer.rank == 0:
+            write_summary(cfg.logger.summary_path, summary)
     finally:
         if trainer is not None:
             trainer.close()

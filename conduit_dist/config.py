@@ -23,7 +23,9 @@ class PlaneConfig:
         kind: ``conduit`` (the sharded data plane) or ``simple`` (a single-process ring buffer,
             the baseline; world size 1 only).
         capacity_per_rank: items each rank's shard holds.
-        placement: a name from ``registry.PLACEMENTS``: ``round_robin``, ``local`` or
+        placement: ``auto`` (``local``: every item stays on the rank that put it, so a round
+            needs one exchange; in disaggregated mode only the actors' shards then hold items)
+            or a name from ``registry.PLACEMENTS``: ``round_robin``, ``local`` or
             ``bandwidth_aware``.
         sampling: a name from ``registry.SAMPLERS``: ``uniform`` (each learner's batch i.i.d.
             over the global store) or ``stratified`` (proportional over shards, read
@@ -52,7 +54,7 @@ class PlaneConfig:
 
     kind: str = "conduit"
     capacity_per_rank: int = 50_000
-    placement: str = "round_robin"
+    placement: str = "auto"
     sampling: str = "uniform"
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None
@@ -84,11 +86,21 @@ class EnvConfig:
 
 @dataclass
 class AlgoConfig:
-    """DQN hyperparameters (per learner rank unless noted).
+    """DQN hyperparameters.
 
     Attributes:
         name: algorithm (``dqn``).
-        batch_size: items each learner fetches per update.
+        batch_size: items per update over all learners: each of ``n`` learners fetches
+            ``batch_size / n`` and DDP averages their gradients, so one update is the same
+            whatever the number of learners (``n`` must divide it).
+        grad_sync: how several learners average gradients (``registry.GRAD_SYNCS``):
+            ``round`` (inside the data plane's round, in the exchange that delivers the next
+            batch: one collective per iteration, no DDP; the update is applied at the next
+            fetch, so acting uses weights one update older; needs a one-exchange plane and
+            ``plane.schedule`` ``sync`` or ``auto``, which then runs ``sync``), ``all_to_all``
+            or ``allreduce`` (DDP, each bucket averaged by one ``all_to_all_single`` or by
+            gloo's ring ``all_reduce``), ``auto`` (``round`` where it can run, else DDP with
+            ``all_to_all`` for buckets up to 1 MiB); see ``conduit_dist/rl/grad_sync.py``.
         lr: Adam learning rate.
         gamma: discount.
         hidden: hidden layer widths of the Q-network.
@@ -106,6 +118,7 @@ class AlgoConfig:
 
     name: str = "dqn"
     batch_size: int = 128
+    grad_sync: str = "auto"
     lr: float = 1e-3
     gamma: float = 0.99
     hidden: list[int] = field(default_factory=lambda: [128, 128])
@@ -130,12 +143,16 @@ class LoggerConfig:
         mode: W&B mode: ``offline`` (default), ``online`` or ``disabled``.
         project: W&B project.
         log_every: iterations between aggregated metric logs.
+        summary_path: rank 0 writes the run's summary here as JSON at the end (env steps,
+            wall and time to the target, env steps/s, the per-iteration breakdown of
+            ``rl/breakdown.py``); ``null``: not written.
     """
 
     kind: str = "wandb"
     mode: str = "offline"
     project: str = "conduit_dist"
     log_every: int = 100
+    summary_path: str | None = None
 
 
 @dataclass
@@ -173,8 +190,9 @@ def validate(cfg: TrainConfig) -> None:
     choices = [
         ("mode", cfg.mode, registry.MODES),
         ("algo.name", cfg.algo.name, registry.ALGOS),
+        ("algo.grad_sync", cfg.algo.grad_sync, registry.GRAD_SYNCS),
         ("plane.kind", cfg.plane.kind, registry.PLANE_KINDS),
-        ("plane.placement", cfg.plane.placement, registry.PLACEMENTS),
+        ("plane.placement", cfg.plane.placement, registry.TRAIN_PLACEMENTS),
         ("plane.sampling", cfg.plane.sampling, registry.SAMPLERS),
         ("plane.schedule", cfg.plane.schedule, registry.SCHEDULES),
         ("plane.strategy", cfg.plane.strategy, registry.STRATEGIES),

@@ -27,6 +27,8 @@ PLACEMENTS: dict[str, Callable[[], Placement]] = {
     "local": Local,
     "bandwidth_aware": BandwidthAware,
 }
+# plane.placement in train.py: ``auto`` (local; see config.PlaneConfig) or a placement above
+TRAIN_PLACEMENTS = ("auto", *PLACEMENTS)
 SCHEDULES = ("overlap", "sync", "auto")
 STRATEGIES = ("auto", *STRATEGY_NAMES)
 BANDWIDTHS = ("declared", "calibrate")
@@ -34,6 +36,8 @@ MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one 
 MODES = ("colocated", "disaggregated")
 PLANE_KINDS = ("conduit", "simple")
 ALGOS = ("dqn",)
+# how learners average gradients: in the data plane's round, or DDP with a GradSync bucket hook
+GRAD_SYNCS = ("auto", "round", "allreduce", "all_to_all")
 LOGGERS = ("wandb", "console", "none")
 LOGGER_MODES = ("offline", "online", "disabled")
 

@@ -29,4 +29,6 @@ def test_unknown_values_are_errors(cfg, message):
 def test_defaults_are_in_the_tables():
     cfg = TrainConfig()
     validate(cfg)
-    assert cfg.plane.sampling in registry.SAMPLERS and cfg.plane.placement in registry.PLACEMENTS
+    assert cfg.plane.sampling in registry.SAMPLERS
+    assert cfg.plane.placement in registry.TRAIN_PLACEMENTS
+    assert cfg.algo.grad_sync in registry.GRAD_SYNCS

@@ -4,4 +4,4 @@ Each benchmark measures conduit_dist and its baseline side by side in one run an
 line last, with a ``summary`` object of ratios.
 """
 
-BENCHES = ("store", "ingest", "latency", "strategies", "placement")
+BENCHES = ("store", "ingest", "latency", "strategies", "placement", "scaling", "rounds")

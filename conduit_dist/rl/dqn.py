@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from conduit_dist.config import AlgoConfig
+from conduit_dist.rl.grad_sync import GradSync
 
 
 class QNetwork(nn.Module):
@@ -42,17 +44,40 @@ class DQN:
         cfg: hyperparameters.
         obs_dim: observation size.
         n_actions: number of actions.
-        ddp: wrap the online network in DistributedDataParallel for updates.
+        ddp_group: average gradients over this group with DistributedDataParallel (``None``: a
+            single learner, no DDP); buckets are averaged by :class:`GradSync` (``cfg.grad_sync``).
+        flat_grads: keep the gradients as views of one flat buffer, :attr:`flat` (for
+            ``grad_sync=round``: the data plane averages it inside a round).
     """
 
-    def __init__(self, cfg: AlgoConfig, obs_dim: int, n_actions: int, ddp: bool) -> None:
+    def __init__(
+        self,
+        cfg: AlgoConfig,
+        obs_dim: int,
+        n_actions: int,
+        ddp_group: dist.ProcessGroup | None = None,
+        flat_grads: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.n_actions = n_actions
         self.q = QNetwork(obs_dim, n_actions, list(cfg.hidden))
         self.target = copy.deepcopy(self.q).requires_grad_(False)
-        self.learner = nn.parallel.DistributedDataParallel(self.q) if ddp else self.q
+        self.learner: nn.Module = self.q
+        self.grad_sync: GradSync | None = None
+        if ddp_group is not None:
+            self.learner = nn.parallel.DistributedDataParallel(self.q, process_group=ddp_group)
+            self.grad_sync = GradSync(ddp_group, cfg.grad_sync)
+            self.learner.register_comm_hook(self.grad_sync, GradSync.hook)
         self.opt = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
         self.steps = 0
+        self.flat: torch.Tensor | None = None  # flat gradient buffer (flat_grads)
+        if flat_grads:
+            params = list(self.q.parameters())
+            self.flat = torch.zeros(sum(p.numel() for p in params))
+            at = 0
+            for p in params:  # backward accumulates into these views in place
+                p.grad = self.flat[at : at + p.numel()].view_as(p)
+                at += p.numel()
 
     def epsilon(self, env_steps: int) -> float:
         """Linearly decayed exploration rate at ``env_steps`` (all ranks)."""
@@ -85,7 +110,10 @@ class DQN:
         """Clip, apply the optimizer step and update the target network."""
         nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.max_grad_norm)
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.flat is not None:
+            self.flat.zero_()
+        else:
+            self.opt.zero_grad(set_to_none=True)
         self.steps += 1
         if self.steps % self.cfg.target_every == 0:
             with torch.no_grad():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +17,7 @@ from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
 from conduit_dist.metrics import Logger, aggregate
 from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.rl.breakdown import PARTS, Breakdown
 from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
@@ -36,6 +39,8 @@ _PHASES = (
     "measured_move",
 )
 
+_PATH_PARTS = ("put", "exposed", "round_cpu")  # breakdown parts logged under path/, others train/
+
 
 @dataclass
 class _Window:
@@ -47,6 +52,8 @@ class _Window:
     bytes_out: int = 0
     learner_steps: int = 0
     iterations: int = 0
+    learning_iterations: int = 0
+    breakdown: Breakdown = field(default_factory=Breakdown)
     losses: list[float] = field(default_factory=list)
 
     def add(self, stats: RoundStats, wait_ms: float, hidden_ms: float = 0.0) -> None:
@@ -80,6 +87,12 @@ class Trainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         learners = self._learner_ranks()
         self.is_learner = self.rank in learners
+        if cfg.algo.batch_size % len(learners):
+            raise ConfigError(
+                f"algo.batch_size: expected a multiple of the {len(learners)} learners (each "
+                f"fetches an equal share of the update's batch), got {cfg.algo.batch_size}"
+            )
+        self.batch_per_learner = cfg.algo.batch_size // len(learners)
         self.is_actor = cfg.mode == "colocated" or not self.is_learner
         self.n_actors = self.world if cfg.mode == "colocated" else self.world - len(learners)
         torch.manual_seed(cfg.seed + self.rank)
@@ -92,16 +105,17 @@ class Trainer:
             if self.is_actor
             else None
         )
-        ddp_group = self._ddp_group(learners)
-        self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp=ddp_group is not None)
-        if ddp_group is not None and ddp_group is not dist.group.WORLD:
-            self.agent.learner = torch.nn.parallel.DistributedDataParallel(
-                self.agent.q, process_group=ddp_group
-            )
+        self.grad_sync = self._grad_sync(learners)
+        ddp = self._ddp_group(learners) if self.grad_sync != "round" else None
+        self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp, flat_grads=self.grad_sync == "round")
+        self._grads_pending = False  # grad_sync=round: gradients waiting for the next fetch
+        if self.rank == 0:
+            log.info("learners average gradients with grad_sync=%s", self.grad_sync)
         self.plane = self._make_plane(obs_dim, learners)
         if isinstance(self.plane, DataPlane) and self.is_learner:
             self.plane.attach(self.agent.learner)
         self.records: list[tuple[float, float, float]] = []  # (iteration, exposed, hidden) ms
+        self.breakdown = Breakdown()  # windows spent wholly learning (the steady state)
         self.env_steps = 0
         self.policy_version = 0
 
@@ -119,6 +133,33 @@ class Trainer:
                 f"learner_ranks: expected ranks in 0..{self.world - 1}, got {learners}"
             )
         return learners
+
+    def _placement(self) -> str:
+        placement = self.cfg.plane.placement
+        return "local" if placement == "auto" else placement
+
+    def _grad_sync(self, learners: list[int]) -> str:
+        """``algo.grad_sync`` resolved (``none`` with a single learner)."""
+        cfg, pc = self.cfg, self.cfg.plane
+        if len(learners) < 2:
+            return "none"
+        fusable = (
+            pc.kind == "conduit"
+            and self._placement() == "local"
+            and pc.sampling == "uniform"
+            and cfg.device == "cpu"
+            and pc.schedule in ("sync", "auto")
+        )
+        if cfg.algo.grad_sync == "auto":
+            return "round" if fusable else "all_to_all"
+        if cfg.algo.grad_sync == "round" and not fusable:
+            raise ConfigError(
+                "algo.grad_sync: 'round' needs plane.kind=conduit, plane.placement local (or "
+                "auto), plane.sampling=uniform, device=cpu and plane.schedule sync (or auto); "
+                f"got kind={pc.kind!r}, placement={pc.placement!r}, sampling={pc.sampling!r}, "
+                f"device={cfg.device!r}, schedule={pc.schedule!r}"
+            )
+        return cfg.algo.grad_sync
 
     def _ddp_group(self, learners: list[int]):
         if len(learners) < 2:
@@ -151,17 +192,18 @@ class Trainer:
             pc.capacity_per_rank,
             seed=self.cfg.seed,
             sampler=pc.sampling,
-            placement=pc.placement,
+            placement=self._placement(),
             storage=storage,
             learner_ranks=learners,
             device=self.cfg.device,
-            schedule=pc.schedule,
+            schedule="sync" if self.grad_sync == "round" else pc.schedule,
             max_lag=pc.max_lag,
             timeout_s=pc.timeout_s,
             strategy=pc.strategy,
             bandwidth="calibrate" if pc.calibrate else declared,
             bandwidth_cache=pc.bandwidth_cache,
             trace=pc.trace_dir is not None,
+            reduce_numel=self.agent.flat.numel() if self.grad_sync == "round" else 0,
         )
 
     # ------------------------------------------------------------------ loop
@@ -179,50 +221,91 @@ class Trainer:
             self._iteration(window)
             if it % cfg.logger.log_every == 0 or it == iters:
                 summary = {"reached_target": False, **self._log(window)}
+                if window.learning_iterations == window.iterations:
+                    self.breakdown.merge(window.breakdown)
                 window = _Window()
                 if cfg.target_return is not None and summary["return_100"] >= cfg.target_return:
                     summary["reached_target"] = True
                     break
-        summary.update(env_steps=self.env_steps, wall_s=time.perf_counter() - start, iterations=it)
+        wall = time.perf_counter() - start
+        summary.update(env_steps=self.env_steps, wall_s=wall, iterations=it)
+        summary["time_to_target_s"] = wall if summary["reached_target"] else None
+        summary["env_steps_per_s"] = self.env_steps / wall
+        agg = aggregate(self.breakdown.means())  # a collective: every rank ends here
+        summary["breakdown_ms"] = {p: agg[f"{p}_mean"] for p in PARTS}
+        summary["breakdown_ms_max"] = {p: agg[f"{p}_max"] for p in PARTS}
+        summary["schedule"] = getattr(self.plane, "chosen_schedule", "none")
+        summary["grad_sync"] = self.grad_sync
+        summary["breakdown_iterations"] = self.breakdown.iterations
         return summary
 
     def _iteration(self, window: _Window) -> None:
-        cfg = self.cfg
-        t_iter = time.perf_counter()
+        cfg, bd = self.cfg, window.breakdown
+        bd.begin()
         if self.is_actor:
             eps = self.agent.epsilon(self.env_steps)
             actions = self.agent.act(self.env.obs, eps, self.gen)
-            self.plane.put(self.env.step(actions))
+            bd.lap("act")
+            batch = self.env.step(actions)
+            bd.lap("env")
+            self.plane.put(batch)
+            bd.lap("put")
         self.env_steps += cfg.env.num_envs * self.n_actors
         learning = self.env_steps >= cfg.algo.learning_starts
         learned, exposed_ms, hidden_ms = False, 0.0, 0.0
         for _ in range(cfg.algo.updates_per_iter if learning else 1):
             if learning and self.is_learner:
+                deferred = self.grad_sync == "round"
+                reduce = self.agent.flat if deferred and self._grads_pending else None
                 t0 = time.perf_counter()
-                batch = self.plane.fetch(cfg.algo.batch_size)
+                if reduce is not None:  # the last backward's gradients, averaged in this round
+                    batch = self.plane.fetch(self.batch_per_learner, reduce=reduce)
+                else:
+                    batch = self.plane.fetch(self.batch_per_learner)
                 timing = getattr(self.plane, "last_fetch", None)
                 wait_ms = (time.perf_counter() - t0) * 1e3
+                bd.lap("exposed")
                 hidden_ms = timing.hidden_ms if timing is not None else 0.0
                 window.add(self.plane.stats, wait_ms, hidden_ms)
                 exposed_ms, learned = wait_ms, True
+                if reduce is not None:
+                    self._update(bd)
                 loss = self.agent.loss(batch)
+                bd.lap("forward")
                 loss.backward()
-                self.agent.step()
+                bd.lap("backward")
+                if deferred:
+                    self._grads_pending = True
+                else:
+                    self._update(bd)
                 window.learner_steps += 1
                 window.losses.append(float(loss.detach()))
-                if cfg.mode == "disaggregated" and self.agent.steps % cfg.algo.publish_every == 0:
-                    self.policy_version = self.plane.publish_weights(self.agent.q)
             else:
                 t0 = time.perf_counter()
                 self.plane.flush()
                 window.add(self.plane.stats, (time.perf_counter() - t0) * 1e3)
+                bd.lap("exposed")
+            bd.add("round_cpu", getattr(self.plane.stats, "cpu_ms", 0.0))
         if cfg.mode == "disaggregated" and not self.is_learner:
             self.policy_version = self.plane.pull_weights(self.agent.q)
+            bd.lap("publish")
+        if self.agent.grad_sync is not None:
+            bd.add("ddp", self.agent.grad_sync.take_ms())
         window.iterations += 1
-        iter_ms = (time.perf_counter() - t_iter) * 1e3
+        iter_ms = bd.end()
         window.ms["iteration"].append(iter_ms)
         if learned:
             self.records.append((iter_ms, exposed_ms, hidden_ms))
+        if learning:
+            window.learning_iterations += 1
+
+    def _update(self, bd: Breakdown) -> None:
+        """The optimizer step (and, disaggregated, publishing the weights every few steps)."""
+        self.agent.step()
+        bd.lap("optimizer")
+        if self.cfg.mode == "disaggregated" and self.agent.steps % self.cfg.algo.publish_every == 0:
+            self.policy_version = self.plane.publish_weights(self.agent.q)
+            bd.lap("publish")
 
     def _log(self, window: _Window) -> dict[str, float]:
         """Aggregate the window over ranks (a collective) and log on rank 0."""
@@ -242,6 +325,8 @@ class Trainer:
         }
         for p, vals in window.ms.items():
             local[f"{p}_ms"] = sum(vals) / len(vals) if vals else 0.0
+        for p, v in window.breakdown.means().items():
+            local[f"bd_{p}"] = v
         store = self.plane.store_stats() if isinstance(self.plane, DataPlane) else None
         if store is not None:
             for i, tier in enumerate(store["tiers"]):
@@ -282,6 +367,9 @@ class Trainer:
         for p in _PHASES:
             metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
             metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]
+        for p in PARTS:  # the per-iteration breakdown (rl/breakdown.py), mean over ranks
+            prefix = "path" if p in _PATH_PARTS else "train"
+            metrics[f"{prefix}/iter_{p}_ms"] = agg[f"bd_{p}_mean"]
         self.logger.log(metrics, self.env_steps)
         if hasattr(self.logger, "log_histogram") and window.ms["exposed"]:
             self.logger.log_histogram("path/exposed_ms_hist", window.ms["exposed"], self.env_steps)
@@ -295,3 +383,12 @@ class Trainer:
         self.plane.close()
         if self.env is not None:
             self.env.close()
+
+
+def write_summary(path: str, summary: dict[str, object]) -> None:
+    """Write the run's summary as JSON (atomically: a temporary file, then a rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=1, default=float)
+    os.replace(tmp, path)

@@ -1,0 +1,155 @@
+"""``torchrun --standalone --nproc_per_node=2 -m conduit_dist.bench rounds``: a round's fixed cost.
+
+Side by side in one run, a sync round (``fetch`` on every rank, after an untimed ``put``) against
+the raw ``all_to_all_single`` calls of the same sizes: while a round runs, the plane's exchange
+records every all-to-all it launches (bytes sent to and received from each peer); the baseline
+replays exactly those calls, with ``dist.all_to_all_single`` from ready buffers, nothing else.
+Both start after a barrier; each sample is the slowest rank's wall time (a round ends when its
+last rank does) and the CPU time (``time.process_time``: every thread of the process, gloo's
+included), medians over samples, the two interleaved sample by sample.
+
+Cases (DQN-sized records: 56 bytes; every rank puts ``--put`` items and fetches ``--batch``):
+
+- ``fused``: ``placement="local"`` with the uniform sampler: meta, ingestion and delivery in one
+  exchange (``fused.py``);
+- ``fused_grads``: the same carrying a ``reduce`` payload of DQN's gradients (17,282 floats), as
+  ``train.py``'s ``grad_sync=round`` does (it moves more than 64 KB);
+- ``three_exchange``: ``placement="round_robin"``: meta gather, ingestion, delivery.
+
+The JSON line's ``summary`` has per case ``round_ms``, ``raw_ms``, ``vs_raw`` (round / raw, wall),
+``round_cpu_ms``, ``raw_cpu_ms``, ``cpu_vs_raw``, ``calls`` and ``bytes`` (per rank, sent), and
+``fused_vs_three_exchange`` (the fused round's wall over the three-exchange round's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import conduit_dist as cd
+from conduit_dist.bench.common import emit, number
+
+GRAD_NUMEL = 17_282  # DQN's Q-network [4 -> 128 -> 128 -> 2]
+
+
+def _batch(n: int) -> dict[str, torch.Tensor]:
+    return {
+        "obs": torch.randn(n, 4),
+        "action": torch.randint(0, 2, (n,)),
+        "reward": torch.randn(n),
+        "next_obs": torch.randn(n, 4),
+        "done": torch.zeros(n, dtype=torch.bool),
+    }
+
+
+class _Raw:
+    """Buffers replaying recorded all-to-alls with ``dist.all_to_all_single`` (byte splits)."""
+
+    def __init__(self, calls: list[tuple[str, list[int], list[int]]]) -> None:
+        self.calls = []
+        for _op, sent, got in calls:
+            inp = torch.zeros(sum(sent), dtype=torch.uint8)
+            out = torch.empty(sum(got), dtype=torch.uint8)
+            self.calls.append((out, inp, got, sent))
+
+    def __call__(self) -> None:
+        for out, inp, got, sent in self.calls:
+            dist.all_to_all_single(out, inp, got, sent)
+
+
+def _sample(fn) -> tuple[float, float]:
+    dist.barrier()
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None) -> dict:
+    """Interleave ``a.samples`` rounds and raw replays of that round's calls."""
+    batch = _batch(a.put)
+    ex = plane._p.exchange  # the plane's own exchange records what its round launches
+
+    def round_() -> None:
+        if payload is not None:
+            plane.fetch(a.batch, reduce=payload)
+        else:
+            plane.fetch(a.batch)
+
+    for _ in range(a.warmup):
+        plane.put(batch)
+        round_()
+    walls, cpus, raw_walls, raw_cpus, sizes = [], [], [], [], []
+    for _ in range(a.samples):
+        plane.put(batch)
+        ex.record = []
+        w, c = _sample(round_)
+        calls, ex.record = ex.record, None
+        raw = _Raw(calls)
+        rw, rc = _sample(raw)
+        walls.append(w)
+        cpus.append(c)
+        raw_walls.append(rw)
+        raw_cpus.append(rc)
+        sizes.append((len(calls), sum(sum(s) for _, s, _ in calls)))
+    t = torch.tensor([walls, raw_walls], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
+    c = torch.tensor([cpus, raw_cpus], dtype=torch.float64)
+    dist.all_reduce(c, op=dist.ReduceOp.SUM)
+    c /= dist.get_world_size()  # CPU: mean over ranks
+    med = [statistics.median(row) * 1e3 for row in t.tolist()]
+    cmed = [statistics.median(row) * 1e3 for row in c.tolist()]
+    calls, nbytes = statistics.median_low(sizes)
+    return {
+        "case": name,
+        "round_ms": med[0],
+        "raw_ms": med[1],
+        "vs_raw": med[0] / med[1],
+        "round_cpu_ms": cmed[0],
+        "raw_cpu_ms": cmed[1],
+        "cpu_vs_raw": cmed[0] / cmed[1],
+        "calls": calls,
+        "bytes": nbytes,
+    }
+
+
+def main(argv: list[str]) -> None:
+    """Run the rounds benchmark (every rank) and print the JSON line last on rank 0."""
+    p = argparse.ArgumentParser(prog="python -m conduit_dist.bench rounds")
+    p.add_argument("--put", type=number(int, 1), default=8, help="items each rank puts a round")
+    p.add_argument("--batch", type=number(int, 1), default=128, help="items each rank fetches")
+    p.add_argument("--samples", type=number(int, 10), default=1000)
+    p.add_argument("--warmup", type=number(int, 1), default=200)
+    a = p.parse_args(argv)
+    cd.init_distributed()
+    torch.set_num_threads(1)
+    spec = cd.ExperienceSpec.from_batch(_batch(1))
+    cases = [
+        ("fused", "local", 0),
+        ("fused_grads", "local", GRAD_NUMEL),
+        ("three_exchange", "round_robin", 0),
+    ]
+    results = []
+    for name, placement, numel in cases:
+        plane = cd.DataPlane(spec, 50_000, placement=placement, schedule="sync", reduce_numel=numel)
+        try:
+            payload = torch.randn(numel) if numel else None
+            results.append(_case(name, plane, a, payload))
+        finally:
+            plane.close()
+    by = {r["case"]: r for r in results}
+    summary = {name: {k: v for k, v in r.items() if k != "case"} for name, r in by.items()}
+    summary["fused_vs_three_exchange"] = by["fused"]["round_ms"] / by["three_exchange"]["round_ms"]
+    if dist.get_rank() == 0:
+        for r in results:
+            print(
+                f"{r['case']:>15}: round {r['round_ms']:.3f} ms, raw {r['raw_ms']:.3f} ms "
+                f"({r['vs_raw']:.2f}x); CPU {r['round_cpu_ms']:.3f} vs {r['raw_cpu_ms']:.3f} ms "
+                f"({r['cpu_vs_raw']:.2f}x); {r['calls']} call(s), {r['bytes']} B sent",
+                flush=True,
+            )
+        emit("rounds", results, summary, world=dist.get_world_size(), put=a.put, batch=a.batch)
+    cd.destroy_distributed()
