@@ -243,7 +243,9 @@ def assemble(
         undo.callback(sched.close, True)
         timeline = Timeline(ex.rank, enabled=trace)
         limit = capacity * ex.world
-        stager = Stager(spec, shard, ex.world, limit, sched, max_lag, timeline, device)
+        stager = Stager(
+            spec, shard, ex.world, limit, sched, max_lag, timeline, device, local=runner.fusable
+        )
         clock = RoundClock(stager, weights, sched, timeline, device)
         control = OverlapController(
             clock,

@@ -48,7 +48,11 @@ class FusedLayout:
     ) -> None:
         self.rb, self.rank, self.world = record_bytes, rank, learners.shape[0]
         self.learners = learners
-        self.head = torch.zeros(head_len, dtype=torch.int64)
+        self._meta = torch.zeros((self.world, head_len), dtype=torch.int64)  # reused per round
+        self._meta_np = self._meta.numpy()
+        self._meta_bytes = self._meta.view(torch.uint8)
+        self.head = self._meta[rank]  # this rank's header is its row of the round's meta
+        self._head_bytes = self._meta_bytes[rank]
         self.h = -(-head_len * 8 // record_bytes)  # header rows
         self.numel = reduce_numel
         self.pay = -(-reduce_numel * 4 // record_bytes)  # payload rows between two learners
@@ -86,11 +90,11 @@ class FusedLayout:
         """
         pay, in_splits, _ = self.splits(ask)
         send = self._send.rows(sum(in_splits))
-        hb = self.head.numpy().view(np.uint8)
+        hb = self._head_bytes
         raw = payload.view(torch.uint8) if payload is not None else None
         at = drawn = 0
         for p in self.peers:
-            send[at, : hb.shape[0]].numpy()[:] = hb
+            send[at, : hb.shape[0]].copy_(hb)
             at += self.h
             if pay[p] and raw is not None:
                 send[at : at + pay[p]].view(-1)[: raw.numel()].copy_(raw)
@@ -113,20 +117,19 @@ class FusedLayout:
         sent one) and each peer's candidate block.
 
         Returns:
-            ``(meta [world, head_len], payloads, candidates)``.
+            ``(meta [world, head_len], payloads, candidates)``; ``meta`` is reused by the next
+            round.
         """
         pay, _, out_splits = self.splits(ask)
-        head = self.head.numpy()
-        meta = np.empty((self.world, head.shape[0]), dtype=np.int64)
-        nb = head.shape[0] * 8
+        meta, mb = self._meta_np, self._meta_bytes
+        nb = self._head_bytes.shape[0]
         payloads: dict[int, torch.Tensor] = {}
         blocks: dict[int, torch.Tensor] = {}
         at = 0
         for p in range(self.world):
             if p == self.rank:
-                meta[p] = head
                 continue
-            meta[p] = recv[at, :nb].numpy().view(np.int64)
+            mb[p].copy_(recv[at, :nb])
             if pay[p] and meta[p, -1]:
                 payloads[p] = self._as_floats(recv[at + self.h : at + self.h + pay[p]], p)
             blocks[p] = recv[at + self.h + pay[p] : at + out_splits[p]]

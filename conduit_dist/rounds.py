@@ -163,6 +163,7 @@ class RoundRunner:
             spec.record_bytes, self.rank, learner_mask, head_len, self.reduce_numel, device
         )
         self.fused_rounds = 0  # rounds that ran as one exchange (and delivered from it)
+        self._asked_of_me = 0  # candidates this shard sends this round (last round's requests)
 
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
@@ -251,15 +252,17 @@ class RoundRunner:
         self.exchange.arrive(r)
         t.pack_deferred(self.spec)
         self.shard.settle()
+        if t.direct:  # written into the slots by put
+            self.shard.commit(t.direct)
         if t.count:
             self.shard.append(self._staged_rows(t))
         size = int(self.shard.size)
         head = lay.head.numpy()
-        head[:_META] = (t.count, t.request, t.weights.version, t.weights.nbytes)
+        head[:_META] = (t.count + t.direct, t.request, t.weights.version, t.weights.nbytes)
         head[_META:-2] = self.sampler.local_meta(self.shard)
         head[-2:] = (size, t.reduce is not None)
         ask = self._requests  # last round's fetch sizes: candidates each learner is sent
-        n_cand = int(ask.sum() - ask[me])
+        n_cand = self._asked_of_me
         n_draw = n_cand + int(t.request)
         slots = self.sampler.draw(n_draw, size, r) if size and n_draw else None
         send, in_splits = lay.pack(ask, t.reduce, self.shard.gather, slots)
@@ -268,17 +271,20 @@ class RoundRunner:
         meta, payloads, blocks = lay.unpack(recv, ask)
         if t.reduce is not None:
             lay.average(t.reduce, payloads)
-        counts, self._requests = meta[:, 0], meta[:, 1]
-        self.sizes, self._inflow = meta[:, -2].copy(), counts.copy()
-        self.ingested += int(counts.sum())
+        self._requests, self.sizes, self._inflow = (
+            meta[:, 1].copy(),
+            meta[:, -2].copy(),
+            meta[:, 0].copy(),
+        )
+        req = self._requests.tolist()  # small: Python sums beat numpy's per-call cost here
+        self._asked_of_me = sum(req) - req[me]
+        self.ingested += sum(self._inflow.tolist())
         t1 = time.perf_counter()
         stats.mark("ingest", t0, t1)
-        rb = self.spec.record_bytes
-        stats.items_in, stats.bytes_in = int(t.count), int(t.count) * rb
+        rb, n_in = self.spec.record_bytes, t.count + t.direct
+        stats.items_in, stats.bytes_in = n_in, n_in * rb
         alloc = self.sampler.allocate(self._requests, self.sizes, r, meta[:, _META:-2])
-        short = alloc > ask[:, None]
-        np.fill_diagonal(short, False)  # a learner's own shard is read locally
-        if short.any():  # the same on every rank: all run the ordinary delivery
+        if _short(alloc, ask):  # the same on every rank: all run the ordinary delivery
             out = self._deliver(alloc, r, stats, t1)
         else:
             self.fused_rounds += 1
@@ -428,6 +434,18 @@ class RoundRunner:
         self.ingested = int(state["ingested"])
         self.sampler.load_state_dict(state["sampler"])
         self.placement.load_state_dict(state["placement"])
+
+
+def _short(alloc: np.ndarray, ask: np.ndarray) -> bool:
+    """Whether some learner's share from another shard exceeds the candidates it was sent
+    (``alloc[learner, shard] > ask[learner]``; a learner reads its own shard locally)."""
+    world = alloc.shape[0]
+    if world > 16:
+        over = alloc > ask[:, None]
+        np.fill_diagonal(over, False)
+        return bool(over.any())
+    rows, asked = alloc.tolist(), ask.tolist()  # a few values: Python beats numpy's call cost
+    return any(n > asked[i] for i, row in enumerate(rows) for s, n in enumerate(row) if s != i)
 
 
 def _between_ranks(matrix: np.ndarray) -> np.ndarray:

@@ -3,8 +3,9 @@
 Items put between two rounds are staged in one of two host buffers (pinned on CUDA machines) that
 the next round ingests, so ``put`` never waits for a collective; on CUDA, items put from GPU
 tensors go to one of two device buffers instead (packed there, no host round trip). At world
-size 1 over one tier, ``put`` writes straight into the shard's slots (no second copy): the slots
-count from the next round on, as staged items do. Staging is bounded by the global store's
+size 1, and on one-exchange planes (items stay where they were put), over one tier, ``put``
+writes straight into the shard's slots (no second copy): the slots count from the next round on,
+as staged items do. Staging is bounded by the global store's
 capacity: items beyond it would be evicted by the next round anyway, so ``put`` drops the oldest
 staged items first (counted in ``dropped``), and ``staged`` refuses a block that does not fit.
 """
@@ -36,6 +37,8 @@ class Stager:
         timeline: where ``put`` spans are recorded.
         device: the plane's device: on CUDA, items put from GPU tensors are staged (and packed,
             with batched device copies) in device memory, host tensors in pinned host memory.
+        local: items stay on this rank's shard (a one-exchange plane): ``put`` writes into the
+            shard's slots as at world size 1.
     """
 
     def __init__(
@@ -48,10 +51,12 @@ class Stager:
         max_lag: int,
         timeline: Timeline,
         device: torch.device,
+        local: bool = False,
     ) -> None:
         self.spec, self.shard, self.sched, self.timeline = spec, shard, sched, timeline
         self.limit, self.max_lag = limit, max_lag
-        self.direct_ok = world == 1 and getattr(shard, "direct_views", None) is not None
+        writable = getattr(shard, "direct_views", None) is not None
+        self.direct_ok = (world == 1 or local) and writable
         cuda = device.type == "cuda"
         self.buffers = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
         self.device_buffers = DoubleBuffer(spec.record_bytes, device) if cuda else None

@@ -372,7 +372,49 @@ static PyObject* uniform_slots(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* uniform_alloc(counts, world, ends, requests, seed, round, key): for each learner l with
+ * requests[l] > 0, draw requests[l] items uniform over [0, ends[world-1]) from the stream
+ * (seed, round, key + l) and count each in the shard whose cumulative-size interval holds it:
+ * counts[l * world + s] (int64, zeroed here). ends are the shards' cumulative sizes. */
+static PyObject* uniform_alloc(PyObject* self, PyObject* args) {
+    unsigned long long counts, ends_p, req_p, seed, round, key;
+    long long world;
+    if (!PyArg_ParseTuple(args, "KLKKKKK", &counts, &world, &ends_p, &req_p, &seed, &round, &key))
+        return NULL;
+    if (world < 1) {
+        PyErr_Format(PyExc_ValueError, "uniform_alloc: expected world >= 1, got %lld", world);
+        return NULL;
+    }
+    int64_t* c = (int64_t*)(uintptr_t)counts;
+    const int64_t* ends = (const int64_t*)(uintptr_t)ends_p;
+    const int64_t* req = (const int64_t*)(uintptr_t)req_p;
+    int64_t total = ends[world - 1];
+    memset(c, 0, (size_t)(world * world) * sizeof(int64_t));
+    if (total < 1) Py_RETURN_NONE;
+    for (long long l = 0; l < world; l++) {
+        if (req[l] <= 0) continue;
+        uint64_t h = 0x9E3779B97F4A7C15ULL;
+        h = splitmix_step(splitmix_step(splitmix_step(h, seed), round), key + (uint64_t)l);
+        int64_t* row = c + l * world;
+        for (int64_t i = 0; i < req[l]; i++) {
+            h += 0x9E3779B97F4A7C15ULL;
+            uint64_t z = splitmix_step(h, 0);
+            int64_t item = (int64_t)(((unsigned __int128)z * (uint64_t)total) >> 64);
+            long long lo = 0, hi = world - 1; /* first shard whose end exceeds item */
+            while (lo < hi) {
+                long long mid = (lo + hi) / 2;
+                if (ends[mid] > item) hi = mid; else lo = mid + 1;
+            }
+            row[lo]++;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"uniform_alloc", uniform_alloc, METH_VARARGS,
+     "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
+     "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},
     {"uniform_slots", uniform_slots, METH_VARARGS,
      "uniform_slots(out, n, size, seed, round, rank): n int64 slots uniform in [0, size) into out, "
      "from a stream keyed by (seed, round, rank)."},
