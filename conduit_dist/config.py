@@ -23,10 +23,14 @@ class PlaneConfig:
         kind: ``conduit`` (the sharded data plane) or ``simple`` (a single-process ring buffer,
             the baseline; world size 1 only).
         capacity_per_rank: items each rank's shard holds.
-        placement: ``auto`` (``local``: every item stays on the rank that put it, so a round
-            needs one exchange; in disaggregated mode only the actors' shards then hold items)
-            or a name from ``registry.PLACEMENTS``: ``round_robin``, ``local`` or
-            ``bandwidth_aware``.
+        placement: ``auto`` (colocated: ``local``, every item stays on the rank that put it, so
+            a round needs one exchange; disaggregated: ``round_robin``, since ``local`` would
+            leave the learners' shards empty) or a name from ``registry.PLACEMENTS``:
+            ``round_robin``, ``local`` or ``bandwidth_aware``.
+        early_start: with ``algo.grad_sync=round`` (and one update per iteration), start each
+            round right after the backward and finish it at the next fetch: the next
+            environment step and ``put`` run while its exchange is in flight, on the main thread
+            (a batch then holds items up to the previous iteration's ``put``).
         sampling: a name from ``registry.SAMPLERS``: ``uniform`` (each learner's batch i.i.d.
             over the global store) or ``stratified`` (proportional over shards, read
             local-first).
@@ -55,6 +59,7 @@ class PlaneConfig:
     kind: str = "conduit"
     capacity_per_rank: int = 50_000
     placement: str = "auto"
+    early_start: bool = True
     sampling: str = "uniform"
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None

@@ -10,6 +10,7 @@ the same order on every rank.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -103,6 +104,20 @@ class RoundTicket:
             self.device_staged.pack_deferred(spec)
 
 
+@dataclass
+class _Flight:
+    """A fused round between its launch and its finish."""
+
+    ticket: RoundTicket
+    stats: RoundStats
+    t0: float
+    ask: np.ndarray
+    n_cand: int
+    slots: torch.Tensor | None
+    recv: torch.Tensor
+    work: object  # the exchange's pending all-to-all (``.wait()``)
+
+
 class RoundRunner:
     """Runs rounds for one plane.
 
@@ -165,6 +180,24 @@ class RoundRunner:
         self.fused_rounds = 0  # rounds that ran as one exchange (and delivered from it)
         self._asked_of_me = 0  # candidates this shard sends this round (last round's requests)
 
+    def start(
+        self, t: RoundTicket, weights: WeightsState
+    ) -> Callable[[], tuple[torch.Tensor, RoundStats]]:
+        """Run a one-exchange round up to its exchange, which is left in flight; returns the
+        function that waits for it and finishes the round (``fusable`` planes only). Nothing
+        else may touch the plane's shard or sampler in between (puts are staged meanwhile)."""
+        cpu0 = time.thread_time()
+        stats = RoundStats(round=t.round)
+        flight = self._fused_start(t, stats)
+        spent = time.thread_time() - cpu0
+
+        def finish() -> tuple[torch.Tensor, RoundStats]:
+            cpu1 = time.thread_time()
+            out = self._fused_finish(flight, weights)
+            return out, self._after(stats, cpu1 - spent)
+
+        return finish
+
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
         cpu0 = time.thread_time()
@@ -174,7 +207,7 @@ class RoundRunner:
             self.shard.settle()
             out = self._local(t, stats)
         elif self.fusable:
-            out = self._fused(t, stats, weights)
+            out = self._fused_finish(self._fused_start(t, stats), weights)
         else:
             t0 = time.perf_counter()
             meta = self._meta(t)
@@ -188,11 +221,15 @@ class RoundRunner:
             weights.exchange(self.exchange, meta, self.weights_src, t.round, t.weights)
             stats.mark("weights", t3, time.perf_counter())
             self.sampler.feedback(t.round)
+        return out, self._after(stats, cpu0)
+
+    def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:
+        """After every round: start demotion, publish the sizes, close the stats."""
         self._demote_ahead()
         self.published = self.sizes.copy()  # what len(plane) reads: never a half-finished round
         stats.stored = self.shard.size if self.world == 1 else int(self.published.sum())
         stats.cpu_ms = (time.thread_time() - cpu0) * 1e3
-        return out, stats
+        return stats
 
     def _demote_ahead(self) -> None:
         """Start the shard's background demotion for the next round; replicate its evictions
@@ -235,8 +272,9 @@ class RoundRunner:
         )
         return out
 
-    def _fused(self, t: RoundTicket, stats: RoundStats, weights: WeightsState) -> torch.Tensor:
-        """A round in one ``all_to_all_single`` (``fusable`` planes; layout in ``fused.py``).
+    def _fused_start(self, t: RoundTicket, stats: RoundStats) -> _Flight:
+        """A round in one ``all_to_all_single`` (``fusable`` planes; layout in ``fused.py``), up
+        to its exchange, launched and left in flight (:meth:`_fused_finish` completes it).
 
         Every rank ingests its staged items into its own shard, then sends each peer its header
         and, when the peer is a learner, as many candidate rows drawn i.i.d. from this shard as
@@ -247,7 +285,7 @@ class RoundRunner:
         shard exceeds what that shard sent (its fetch grew; the first fetch), every rank knows
         it from the headers and the round finishes with the ordinary delivery exchange.
         """
-        me, r, lay = self.rank, t.round, self._fused_layout
+        r, lay = t.round, self._fused_layout
         t0 = time.perf_counter()
         self.exchange.arrive(r)
         t.pack_deferred(self.spec)
@@ -267,8 +305,20 @@ class RoundRunner:
         slots = self.sampler.draw(n_draw, size, r) if size and n_draw else None
         send, in_splits = lay.pack(ask, t.reduce, self.shard.gather, slots)
         recv, out_splits = lay.recv_rows(ask)
-        self.exchange.all_to_all(recv, send, out_splits, in_splits, r, "all_to_all(round)")
-        meta, payloads, blocks = lay.unpack(recv, ask)
+        work = self.exchange.all_to_all_async(
+            recv, send, out_splits, in_splits, r, "all_to_all(round)"
+        )
+        return _Flight(t, stats, t0, ask, n_cand, slots, recv, work)
+
+    def _fused_finish(self, f: _Flight, weights: WeightsState) -> torch.Tensor:
+        """Wait for a fused round's exchange and finish the round: headers, payload average,
+        allocation, this learner's batch, weights."""
+        me, lay, t, stats, ask, slots, n_cand = (
+            self.rank, self._fused_layout, f.ticket, f.stats, f.ask, f.slots, f.n_cand,
+        )  # fmt: skip
+        r, t0 = t.round, f.t0
+        f.work.wait()
+        meta, payloads, blocks = lay.unpack(f.recv, ask)
         if t.reduce is not None:
             lay.average(t.reduce, payloads)
         self._requests, self.sizes, self._inflow = (

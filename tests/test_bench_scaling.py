@@ -79,7 +79,8 @@ def test_job_command_lines(tmp_path):
         ]
     )
     train = tmp_path / "train.py"
-    cmds = {job: scaling.job_argv(job, 7, a, tmp_path, train) for job in scaling.JOBS}
+    jobs = ("single", "colocated", "disaggregated")
+    cmds = {job: scaling.job_argv(job, 7, a, tmp_path, train) for job in jobs}
     assert cmds["single"][:2] == [sys.executable, str(train)]
     for job in ("colocated", "disaggregated"):
         assert cmds[job][: len(TORCHRUN) + 1] == [*TORCHRUN, str(train)], job
@@ -118,6 +119,13 @@ def test_job_command_lines(tmp_path):
     assert "target_return" not in plain and "total_env_steps" not in plain
     with pytest.raises(ValueError, match="job: expected one of .* got 'triple'"):
         scaling.job_argv("triple", 0, a, tmp_path, train)
+    # floor: two plain processes with a colocated rank's share, fixed length, no target
+    floor = [overrides(scaling.job_argv("floor", 7, a, tmp_path, train, part)) for part in (0, 1)]
+    assert [f["seed"] for f in floor] == ["7", "1007"]
+    for f in floor:
+        assert f["plane"] == "simple" and f["env.num_envs"] == "8"
+        assert f["algo.batch_size"] == "64" and f["total_env_steps"] == "60000"
+        assert f["target_return"] == "null"
 
 
 # ---------------------------------------------------------------------------- summary
@@ -230,3 +238,20 @@ def test_a_job_returns_its_summary_and_process_wall(tmp_path):
     assert r["return_100"] is None  # NaN: strict JSON
     assert r["threads"] == "3"  # OMP_NUM_THREADS of the job
     assert 0 < r["process_wall_s"] < 30 and "seed=5" in r["command"]
+
+
+def test_the_floor_runs_two_processes_at_once_and_keeps_the_slower_parts(tmp_path):
+    train = fake_train(
+        tmp_path,
+        """
+        slow = int(args["seed"]) >= 1000
+        bd = {"act": 0.5 if slow else 0.7, "iteration": 4.0 if slow else 3.0}
+        summary = {"env_steps": 600, "env_steps_per_s": 100.0, "breakdown_ms": bd}
+        json.dump(summary, open(args["logger.summary_path"], "w"))
+        """,
+    )
+    a = scaling.parse_args(["--seeds", "2"])
+    r = scaling.run_job("floor", 2, a, tmp_path, train)
+    assert r["breakdown_ms"] == {"act": 0.7, "iteration": 4.0}  # per part, the slower process
+    assert r["env_steps_per_s"] == pytest.approx(16 * 1e3 / 4.0)
+    assert r["env_steps"] == 1200 and r["time_to_target_s"] is None

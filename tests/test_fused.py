@@ -186,3 +186,62 @@ def _bad_reduce(rank, world, kwargs):
 def test_reduce_needs_a_fused_sync_round(kwargs, expected):
     res = run_ranks(_bad_reduce, 2, kwargs)
     assert all(expected in (msg or "") for msg in res.values()), res
+
+
+def _early(rank, world):
+    plane = _plane(numel=3)
+    base = 1000 * rank
+    plane.put(make_batch(torch.arange(base, base + 20)))
+    plane.fetch(16)  # establishes the request
+    payload = torch.full((3,), float(rank + 1))
+    plane.fetch_start(16, reduce=payload)  # the exchange is in flight from here
+    plane.put(make_batch(torch.arange(base + 20, base + 40)))  # staged for the round after
+    errors = []
+    for call in (lambda: plane.fetch_start(16), lambda: plane.fetch_start(0)):
+        try:
+            call()
+        except ConfigError as exc:
+            errors.append(str(exc))
+    batch = plane.fetch(16)
+    assert_intact(batch)
+    early_ids = batch["id"].tolist()
+    lag = plane.last_fetch.lag_rounds
+    after = plane.fetch(16)  # the next round sees the items put during the flight
+    sizes = plane.sizes.tolist()
+    plane.fetch_start(16)  # left in flight: close() finishes it as the closing round
+    plane.close()
+    return early_ids, lag, payload.tolist(), errors, sizes, after["id"].shape[0]
+
+
+def test_an_early_started_round_overlaps_puts_and_finishes_at_the_next_fetch():
+    res = run_ranks(_early, 2)
+    for ids, lag, payload, errors, sizes, n_after in res.values():
+        assert all(i % 1000 < 20 for i in ids), ids  # items put during the flight are not in it
+        assert lag == 1  # and the batch says so
+        assert payload == [1.5, 1.5, 1.5]  # averaged when the round finished
+        assert "a round is in flight already" in errors[0] and "batch_size" in errors[1]
+        assert sizes == [40, 40] and n_after == 16
+
+
+def _early_refused(rank, world, kwargs):
+    plane = _plane(**kwargs)
+    plane.put(make_batch(torch.arange(10 * rank, 10 * rank + 10)))
+    try:
+        plane.fetch_start(8)
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        plane.close()
+    return None
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"placement": "round_robin"}, "needs one-exchange rounds"),
+        ({"schedule": "overlap"}, "sync"),
+    ],
+)
+def test_fetch_start_needs_a_fused_sync_plane(kwargs, expected):
+    res = run_ranks(_early_refused, 2, kwargs)
+    assert all(expected in (msg or "") for msg in res.values()), res

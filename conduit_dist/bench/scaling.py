@@ -62,12 +62,13 @@ import conduit_dist
 from conduit_dist.bench.common import emit, number, out_path
 from conduit_dist.rl.breakdown import PARTS
 
-JOBS = ("single", "colocated", "disaggregated")
+JOBS = ("single", "colocated", "disaggregated", "floor")
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 JOB_OVERRIDES = {
     "single": ("plane=simple", "env.num_envs=16"),
     "colocated": ("env.num_envs=8",),
     "disaggregated": ("mode=disaggregated", "learner_ranks=[0]", "env.num_envs=16"),
+    "floor": ("plane=simple", "env.num_envs=8", "target_return=null"),
 }
 """Each job's own overrides, after ``experiment=...`` (16 envs in all in every job)."""
 COLUMNS = tuple(p for p in PARTS if p not in ("publish", "main_cpu"))
@@ -119,6 +120,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="OVERRIDE")
     for job in JOBS:
         p.add_argument(f"--{job}-extra", nargs="+", action="extend", default=[], metavar="OVERRIDE")
+    p.add_argument(
+        "--floor-batch",
+        type=number(int, 1),
+        default=64,
+        help="floor: each process's batch (the colocated job's per-learner batch: the "
+        "experiment's algo.batch_size over 2 learners)",
+    )
+    p.add_argument(
+        "--floor-env-steps", type=number(int, 1), default=60_000, help="floor: env steps each"
+    )
     p.add_argument("--out", type=out_path(".json"), default=None, help="full results as JSON")
     a = p.parse_args(argv)
     if len(set(a.seeds)) != len(a.seeds):
@@ -135,7 +146,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def job_argv(
-    job: str, seed: int, a: argparse.Namespace, run_dir: Path, train_py: Path
+    job: str, seed: int, a: argparse.Namespace, run_dir: Path, train_py: Path, part: int = 0
 ) -> list[str]:
     """The command line of one job (see the module docstring for what each job adds).
 
@@ -145,6 +156,8 @@ def job_argv(
         a: the options from :func:`parse_args`.
         run_dir: the directory for the job's summary file and Hydra run directory.
         train_py: the training script.
+        part: ``floor`` only: which of its two processes (0 or 1; seeds ``seed`` and
+            ``seed + 1000``).
 
     Returns:
         The argument list, starting with ``sys.executable``.
@@ -154,12 +167,16 @@ def job_argv(
     """
     if job not in JOBS:
         raise ValueError(f"job: expected one of {JOBS}, got {job!r}")
-    launch = [sys.executable] if job == "single" else [sys.executable, *TORCHRUN]
-    name = f"{job}_{seed}"
-    overrides = [f"experiment={a.experiment}", *JOB_OVERRIDES[job], f"seed={seed}"]
-    if a.total_env_steps is not None:
+    one = job in ("single", "floor")
+    launch = [sys.executable] if one else [sys.executable, *TORCHRUN]
+    name = f"{job}_{seed}" if job != "floor" else f"floor_{seed}_{part}"
+    run_seed = seed + 1000 * part
+    overrides = [f"experiment={a.experiment}", *JOB_OVERRIDES[job], f"seed={run_seed}"]
+    if job == "floor":
+        overrides += [f"algo.batch_size={a.floor_batch}", f"total_env_steps={a.floor_env_steps}"]
+    elif a.total_env_steps is not None:
         overrides.append(f"total_env_steps={a.total_env_steps}")
-    if a.no_target:
+    if a.no_target and job != "floor":
         overrides.append("target_return=null")
     overrides += [
         "logger.mode=disabled",
@@ -242,6 +259,8 @@ def run_job(
             the message names the job, the seed and the command, with the output's last lines.
     """
     train_py = train_script() if train_py is None else train_py
+    if job == "floor":
+        return _run_floor(seed, a, run_dir, train_py)
     argv = job_argv(job, seed, a, run_dir, train_py)
     log = run_dir / f"{job}_{seed}.log"
     summary_path = run_dir / f"{job}_{seed}.json"
@@ -273,6 +292,59 @@ def run_job(
         f"command: {shlex.join(argv)}\n"
         f"last {TAIL_LINES} lines of its output:\n{_tail(log)}"
     )
+
+
+def _run_floor(seed: int, a: argparse.Namespace, run_dir: Path, train_py: Path) -> dict:
+    """``floor``: two single processes at once, each with a colocated rank's share of the work
+    (8 envs, the per-learner batch) and no communication at all. Ranks in lockstep run at the
+    slower one's pace, so the per-part maximum of their breakdowns is what a colocated iteration
+    costs with a free data path: the bound of any 2-rank colocated job on this machine."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1"}
+    argvs = [job_argv("floor", seed, a, run_dir, train_py, part) for part in (0, 1)]
+    start = time.perf_counter()
+    procs, logs = [], []
+    for part, argv in enumerate(argvs):
+        logs.append(run_dir / f"floor_{seed}_{part}.log")
+        with open(logs[-1], "wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    cwd=train_py.parent,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+    done = [_wait(p, a.timeout_s) for p in procs]
+    wall = time.perf_counter() - start
+    summaries = []
+    for part, (proc, ok, argv) in enumerate(zip(procs, done, argvs)):
+        path = run_dir / f"floor_{seed}_{part}.json"
+        if not ok or proc.returncode != 0 or not path.is_file():
+            problem = "timed out" if not ok else f"exited with status {proc.returncode}"
+            raise JobError(
+                f"scaling: job floor seed {seed} process {part} {problem} or wrote no summary "
+                f"({wall:.1f} s)\ncommand: {shlex.join(argv)}\nlast {TAIL_LINES} lines of its "
+                f"output:\n{_tail(logs[part])}"
+            )
+        summaries.append(_finite(json.loads(path.read_text())))
+    parts = summaries[0]["breakdown_ms"]
+    slower = {k: max(s["breakdown_ms"][k] for s in summaries) for k in parts}
+    it = slower.get("iteration") or 0.0
+    return {
+        "job": "floor",
+        "seed": seed,
+        "command": " & ".join(shlex.join(v) for v in argvs),
+        "process_wall_s": wall,
+        "env_steps": sum(s["env_steps"] for s in summaries),
+        "env_steps_per_s": 16 * 1e3 / it if it else None,  # steady state, 2 x 8 envs
+        "reached_target": False,
+        "time_to_target_s": None,
+        "breakdown_ms": slower,
+        "schedule": "none",
+    }
 
 
 def _median(values: Sequence[object]) -> float | None:
@@ -329,6 +401,11 @@ def summarize(results: Sequence[dict]) -> dict:
         )
         summary[f"{job}_time_to_target_vs_single"] = _ratio(
             summary[job]["time_to_target_s"], base.get("time_to_target_s")
+        )
+        # steady state: every job's iteration moves 16 env steps, so iterations compare directly
+        summary[f"{job}_iteration_throughput_vs_single"] = _ratio(
+            (base.get("breakdown_ms") or {}).get("iteration"),
+            summary[job]["breakdown_ms"].get("iteration"),
         )
     summary["seeds_reached"] = reached
     return summary

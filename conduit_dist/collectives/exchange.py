@@ -306,6 +306,28 @@ class Exchange:
         """Fused ``all_to_all_single`` of record rows (splits in rows along dim 0)."""
         self.run(lambda: self.all_to_all_start(out, inp, out_splits, in_splits, op), op, round)
 
+    def all_to_all_async(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        round: int,
+        op: str = "all_to_all",
+    ) -> PendingWork:
+        """Launch :meth:`all_to_all` and return at once; ``.wait()`` (with the timeout) completes
+        it. Every launched exchange must be waited on, on every rank, before the next one.
+
+        Raises:
+            RoundError: if the launch fails.
+        """
+        start = time.monotonic()
+        try:
+            work = self.all_to_all_start(out, inp, out_splits, in_splits, op)
+        except Exception as exc:
+            self._fail(op, round, start, exc)
+        return PendingWork(self, work, op, round)
+
     def wait_all(self, launch, op: str, round: int) -> None:
         """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout."""
         start = time.monotonic()
@@ -360,6 +382,22 @@ class PendingGather:
         work, self._work = self._work, None
         self._ex._wait(work, "all_gather(meta)", self._round)
         return self._out
+
+
+class PendingWork:
+    """A collective in flight (see :meth:`Exchange.all_to_all_async`)."""
+
+    def __init__(self, ex: Exchange, work: dist.Work | None, op: str, round: int):
+        self._ex, self._work, self._op, self._round = ex, work, op, round
+
+    def wait(self) -> None:
+        """Block (with the exchange's timeout) until it completed.
+
+        Raises:
+            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
+        """
+        work, self._work = self._work, None
+        self._ex._wait(work, self._op, self._round)
 
 
 def _split_bytes(t: torch.Tensor, splits: list[int]) -> list[int]:

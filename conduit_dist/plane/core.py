@@ -156,6 +156,18 @@ class DataPlane:
             self._p.runner.check_payload(reduce)
         return self._p.runner.outputs.unpack(self._p.control.fetch(batch_size, more, reduce))
 
+    def fetch_start(self, batch_size: int, *, reduce: torch.Tensor | None = None) -> None:
+        """Start the next fetch's round now and return with its exchange in flight: work done
+        before that ``fetch(batch_size)`` (stepping environments, ``put``) overlaps the
+        exchange and the peers' lateness on this thread, with no worker thread. Its batch
+        holds items put before this call (later puts go to the round after); ``reduce`` is
+        averaged when the round finishes. One-exchange planes on ``schedule="sync"`` only;
+        ``ConfigError`` otherwise or when a round is in flight."""
+        self._check_open()
+        if reduce is not None:
+            self._p.runner.check_payload(reduce)
+        self._p.control.fetch_start(batch_size, reduce)
+
     def flush(self) -> None:
         """Take part in a round without fetching (actors, once per iteration after ``put``); in
         ``overlap`` mode it runs in the background. Raises ``RoundError`` if a round failed."""

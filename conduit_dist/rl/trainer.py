@@ -109,6 +109,10 @@ class Trainer:
         ddp = self._ddp_group(learners) if self.grad_sync != "round" else None
         self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp, flat_grads=self.grad_sync == "round")
         self._grads_pending = False  # grad_sync=round: gradients waiting for the next fetch
+        # grad_sync=round: start each round after the backward, finish it at the next fetch
+        self.early = (
+            self.grad_sync == "round" and cfg.plane.early_start and cfg.algo.updates_per_iter == 1
+        )
         if self.rank == 0:
             log.info("learners average gradients with grad_sync=%s", self.grad_sync)
         self.plane = self._make_plane(obs_dim, learners)
@@ -135,8 +139,12 @@ class Trainer:
         return learners
 
     def _placement(self) -> str:
+        """``auto``: ``local`` colocated; ``round_robin`` disaggregated (``local`` would leave
+        the learners' shards empty: the store would hold only the actors' capacity)."""
         placement = self.cfg.plane.placement
-        return "local" if placement == "auto" else placement
+        if placement != "auto":
+            return placement
+        return "local" if self.cfg.mode == "colocated" else "round_robin"
 
     def _grad_sync(self, learners: list[int]) -> str:
         """``algo.grad_sync`` resolved (``none`` with a single learner)."""
@@ -256,11 +264,12 @@ class Trainer:
         for _ in range(cfg.algo.updates_per_iter if learning else 1):
             if learning and self.is_learner:
                 deferred = self.grad_sync == "round"
-                reduce = self.agent.flat if deferred and self._grads_pending else None
+                pending = deferred and self._grads_pending
+                reduce = self.agent.flat if pending and not self.early else None
                 t0 = time.perf_counter()
                 if reduce is not None:  # the last backward's gradients, averaged in this round
                     batch = self.plane.fetch(self.batch_per_learner, reduce=reduce)
-                else:
+                else:  # early start: the round started after the last backward carried them
                     batch = self.plane.fetch(self.batch_per_learner)
                 timing = getattr(self.plane, "last_fetch", None)
                 wait_ms = (time.perf_counter() - t0) * 1e3
@@ -268,7 +277,7 @@ class Trainer:
                 hidden_ms = timing.hidden_ms if timing is not None else 0.0
                 window.add(self.plane.stats, wait_ms, hidden_ms)
                 exposed_ms, learned = wait_ms, True
-                if reduce is not None:
+                if pending:
                     self._update(bd)
                 loss = self.agent.loss(batch)
                 bd.lap("forward")
@@ -276,6 +285,9 @@ class Trainer:
                 bd.lap("backward")
                 if deferred:
                     self._grads_pending = True
+                    if self.early:  # the exchange flies while the next env step runs
+                        self.plane.fetch_start(self.batch_per_learner, reduce=self.agent.flat)
+                        bd.lap("exposed")
                 else:
                     self._update(bd)
                 window.learner_steps += 1

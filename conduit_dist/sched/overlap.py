@@ -122,6 +122,34 @@ class OverlapController:
         self._tick(t)
         return records, stats, prefetched, lag
 
+    def fetch_start(self, batch_size: int, reduce: torch.Tensor | None) -> None:
+        """Start the next fetch's round now, on this thread, and leave its exchange in flight
+        (see :meth:`DataPlane.fetch_start`).
+
+        Raises:
+            ConfigError: on an actor, a bad ``batch_size``, a plane without one-exchange rounds,
+                in ``overlap`` mode, or when a round is in flight already.
+        """
+        if not self.is_learner:
+            raise ConfigError(f"fetch_start: rank {self.rank} is an actor; actors call flush()")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+        if not self.sched.runner.fusable:
+            raise ConfigError(
+                "fetch_start: needs one-exchange rounds (placement 'local', sampler 'uniform', "
+                "device 'cpu', world size > 1)"
+            )
+        if self.overlap or self.trial is not None:
+            raise ConfigError(
+                f"fetch_start: expected schedule='sync', got {self.chosen_schedule!r} (rounds "
+                "launched at backward and early-started rounds would compete for the next fetch)"
+            )
+        if self.sched.pending is not None:
+            raise ConfigError("fetch_start: a round is in flight already; fetch its batch first")
+        ticket = self.clock.prepare(batch_size, reduce)
+        self.clock.guard(lambda: self.sched.start(ticket, "prefetch", self.clock.stager.put_seq))
+        self._fetched, self._last_batch = False, batch_size
+
     def flush(self) -> None:
         """An actor's round (see :meth:`DataPlane.flush`)."""
         self._tick(now())

@@ -102,6 +102,15 @@ class Scheduler:
         out, stats, event = self._execute(ticket)
         return self._adopt(out, event), stats
 
+    def start(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
+        """Run a one-exchange round up to its exchange on this thread and leave it in flight
+        (``RoundRunner.start``); the call that owns it finishes it, on its own thread."""
+        if self.pending is not None:
+            raise RuntimeError("start: one launched round at a time")
+        self.pending = Pending(
+            kind, ticket, _Started(self.runner.start(ticket, self.weights)), put_seq
+        )
+
     def launch(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
         """Start a round on the worker thread (``overlap`` mode only; one at a time)."""
         if self._pool is None or self.pending is not None:
@@ -138,7 +147,11 @@ class Scheduler:
         call it belongs to.
         """
         if self.pending is not None:
-            wait_futures([self.pending.future], timeout=timeout_s or 4 * self.timeout_s)
+            future = self.pending.future
+            if isinstance(future, _Started):  # nothing runs it but the caller: finish it now
+                future.finish()
+                return
+            wait_futures([future], timeout=timeout_s or 4 * self.timeout_s)
 
     def close(self, abandon: bool = False) -> bool:
         """Stop the worker after draining; returns whether it has stopped.
@@ -161,6 +174,45 @@ class Scheduler:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
         return True
+
+
+class _Started:
+    """A round started on the caller's thread, with the part of ``Future``'s surface the
+    scheduler and the controller use; :meth:`result` finishes it on the calling thread (once).
+    """
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+        self._result = None
+        self._error: BaseException | None = None
+        self._done = False
+
+    def finish(self) -> None:
+        """Wait for the exchange and finish the round (keeping its result or its error)."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            out, stats = self._finish()
+            self._result = (out, stats, None)
+        except BaseException as exc:
+            self._error = exc
+
+    def done(self) -> bool:
+        """Whether it was finished."""
+        return self._done
+
+    def exception(self) -> BaseException | None:
+        """Its error, if finishing it failed."""
+        return self._error
+
+    def result(self, timeout: float | None = None):
+        """``(out, stats, None)``, finishing it first; raises its error (the exchange itself
+        waits with the plane's timeout, so ``timeout`` is not needed)."""
+        self.finish()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def now() -> float:
