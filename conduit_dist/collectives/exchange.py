@@ -364,26 +364,6 @@ class Exchange:
             self.group = None
 
 
-class PendingGather:
-    """An all-gather in flight (see :meth:`Exchange.all_gather_start`)."""
-
-    def __init__(self, ex: Exchange, work: dist.Work | None, out: torch.Tensor, round: int):
-        self._ex, self._work, self._out, self._round = ex, work, out, round
-
-    def wait(self) -> torch.Tensor:
-        """Block (with the exchange's timeout) until every rank's tensor arrived.
-
-        Returns:
-            ``[world, len(local)]``.
-
-        Raises:
-            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
-        """
-        work, self._work = self._work, None
-        self._ex._wait(work, "all_gather(meta)", self._round)
-        return self._out
-
-
 class PendingWork:
     """A collective in flight (see :meth:`Exchange.all_to_all_async`)."""
 
@@ -398,6 +378,26 @@ class PendingWork:
         """
         work, self._work = self._work, None
         self._ex._wait(work, self._op, self._round)
+
+
+class PendingGather(PendingWork):
+    """An all-gather in flight (see :meth:`Exchange.all_gather_start`)."""
+
+    def __init__(self, ex: Exchange, work: dist.Work | None, out: torch.Tensor, round: int):
+        super().__init__(ex, work, "all_gather(meta)", round)
+        self._out = out
+
+    def wait(self) -> torch.Tensor:
+        """Block (with the exchange's timeout) until every rank's tensor arrived.
+
+        Returns:
+            ``[world, len(local)]``.
+
+        Raises:
+            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
+        """
+        super().wait()
+        return self._out
 
 
 def _split_bytes(t: torch.Tensor, splits: list[int]) -> list[int]:
