@@ -19,10 +19,14 @@ learner set, ``reduce_numel``), so all ranks agree on them without exchanging th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from conduit_dist.errors import ConfigError
 from conduit_dist.staging import RecordBuffer
+from conduit_dist.tickets import RoundStats, RoundTicket
 
 
 class FusedLayout:
@@ -167,3 +171,48 @@ class FusedLayout:
         self._rows[self.rank].copy_(payload)
         stacked = torch.stack([self._rows[p] if p == self.rank else payloads[p] for p in rows])
         torch.sum(stacked, dim=0, out=payload).div_(len(rows))
+
+
+@dataclass
+class Flight:
+    """A fused round between its launch and its finish."""
+
+    ticket: RoundTicket
+    stats: RoundStats
+    t0: float
+    ask: np.ndarray
+    n_cand: int
+    slots: torch.Tensor | None
+    recv: torch.Tensor
+    work: object  # the exchange's pending all-to-all (``.wait()``)
+
+
+def short(alloc: np.ndarray, ask: np.ndarray) -> bool:
+    """Whether some learner's share from another shard exceeds the candidates it was sent
+    (``alloc[learner, shard] > ask[learner]``; a learner reads its own shard locally)."""
+    world = alloc.shape[0]
+    if world > 16:
+        over = alloc > ask[:, None]
+        np.fill_diagonal(over, False)
+        return bool(over.any())
+    rows, asked = alloc.tolist(), ask.tolist()  # a few values: Python beats numpy's call cost
+    return any(n > asked[i] for i, row in enumerate(rows) for s, n in enumerate(row) if s != i)
+
+
+def check_payload(t: torch.Tensor, numel: int) -> None:
+    """Check a fetch's ``reduce`` payload.
+
+    Raises:
+        ConfigError: unless it is a contiguous CPU float32 ``[numel]`` tensor (or when the plane
+            has no payloads: ``numel == 0``).
+    """
+    if numel == 0:
+        raise ConfigError("reduce: this plane was built with reduce_numel=0; pass reduce_numel")
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"reduce: expected a torch.Tensor, got {type(t).__name__}")
+    ok = t.dtype == torch.float32 and t.shape == (numel,) and t.device.type == "cpu"
+    if not ok or not t.is_contiguous():
+        raise ConfigError(
+            f"reduce: expected a contiguous cpu float32 tensor of shape ({numel},), got "
+            f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
+        )

@@ -9,6 +9,9 @@ Metric namespace (every logger uses the same names):
 - ``store/items``, ``store/occupancy``, ``store/tier<i>_<kind>_bytes``, ``store/demotions``,
   ``store/evictions``
 - ``train/loss``, ``train/epsilon``, ``train/policy_version``
+- the per-iteration breakdown of ``rl/breakdown.py`` (ms per iteration, mean over ranks):
+  ``path/iter_{put,exposed,round_cpu}_ms`` and ``train/iter_{act,env,forward,backward,optimizer,
+  publish,ddp,cpu,main_cpu,idle,iteration}_ms``
 
 Step axes: ``env_steps`` (all ranks) for ``rl/*``, ``rate/*``, ``train/*``, ``store/*`` and
 ``path/*``; ``learner_steps`` is logged too.

@@ -11,111 +11,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
 from conduit_dist.collectives.exchange import Exchange
-from conduit_dist.collectives.transport import Move, Transport
-from conduit_dist.errors import ConfigError
-from conduit_dist.fused import FusedLayout
+from conduit_dist.collectives.transport import Transport
+from conduit_dist.fused import Flight, FusedLayout, check_payload, short
 from conduit_dist.placement.base import Placement
 from conduit_dist.sampling.base import Sampler
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import OutputPool, RecordBuffer
+from conduit_dist.tickets import RoundStats, RoundTicket
 from conduit_dist.tiers import Shard
-from conduit_dist.weights import WeightsSnapshot, WeightsState
+from conduit_dist.weights import WeightsState
 
 _META = 4  # staged items, fetch size, weights version, weights bytes; then the sampler's values
-
-
-@dataclass
-class RoundStats:
-    """What one round did and how long each phase took (milliseconds, this rank).
-
-    ``spans`` holds each phase's ``(start, end)`` in ``time.perf_counter`` seconds, for the
-    exposed/hidden split and the trace.
-    """
-
-    round: int = -1
-    """The round's number."""
-    ingest_ms: float = 0.0
-    sample_ms: float = 0.0
-    deliver_ms: float = 0.0
-    weights_ms: float = 0.0
-    """Each phase's milliseconds."""
-    cpu_ms: float = 0.0
-    """CPU time of the thread that ran the round (``time.thread_time``; gloo's own threads,
-    which move the bytes, are not in it)."""
-    items_in: int = 0
-    items_out: int = 0
-    """Items this shard received, and this rank was delivered."""
-    bytes_in: int = 0
-    bytes_out: int = 0
-    """The same in bytes."""
-    stored: int = 0
-    """Items over all shards after the round."""
-    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
-    moves: list[Move] = field(default_factory=list)
-
-    @property
-    def total_ms(self) -> float:
-        """Wall time of the whole round."""
-        return self.ingest_ms + self.sample_ms + self.deliver_ms + self.weights_ms
-
-    def mark(self, phase: str, start: float, end: float) -> None:
-        """Record a phase's span and duration."""
-        self.spans[phase] = (start, end)
-        setattr(self, f"{phase}_ms", (end - start) * 1e3)
-
-    def as_dict(self) -> dict[str, float]:
-        """Plain dict of the numbers, with ``total_ms``."""
-        d = asdict(self)
-        d.pop("spans")
-        d.pop("moves")
-        return {**d, "total_ms": self.total_ms}
-
-
-@dataclass
-class RoundTicket:
-    """Everything a round moves, snapshotted when it was prepared."""
-
-    round: int
-    request: int
-    staged: RecordBuffer
-    direct: int
-    weights: WeightsSnapshot
-    device_staged: RecordBuffer | None = None  # CUDA: items put from GPU tensors
-    ready: object = None  # CUDA: event on the consumer's stream when the round was prepared
-    consumer: object = None  # CUDA: the consumer's stream
-    reduce: torch.Tensor | None = None  # float32 [reduce_numel]: averaged over learners in place
-
-    @property
-    def count(self) -> int:
-        """Items staged for this round (host and device staging)."""
-        dev = self.device_staged
-        return self.staged.count + (dev.count if dev is not None else 0)
-
-    def pack_deferred(self, spec: ExperienceSpec) -> None:
-        """Pack donated batches into their staging rows (on the round's stream)."""
-        self.staged.pack_deferred(spec)
-        if self.device_staged is not None:
-            self.device_staged.pack_deferred(spec)
-
-
-@dataclass
-class _Flight:
-    """A fused round between its launch and its finish."""
-
-    ticket: RoundTicket
-    stats: RoundStats
-    t0: float
-    ask: np.ndarray
-    n_cand: int
-    slots: torch.Tensor | None
-    recv: torch.Tensor
-    work: object  # the exchange's pending all-to-all (``.wait()``)
 
 
 class RoundRunner:
@@ -272,7 +183,7 @@ class RoundRunner:
         )
         return out
 
-    def _fused_start(self, t: RoundTicket, stats: RoundStats) -> _Flight:
+    def _fused_start(self, t: RoundTicket, stats: RoundStats) -> Flight:
         """A round in one ``all_to_all_single`` (``fusable`` planes; layout in ``fused.py``), up
         to its exchange, launched and left in flight (:meth:`_fused_finish` completes it).
 
@@ -308,9 +219,9 @@ class RoundRunner:
         work = self.exchange.all_to_all_async(
             recv, send, out_splits, in_splits, r, "all_to_all(round)"
         )
-        return _Flight(t, stats, t0, ask, n_cand, slots, recv, work)
+        return Flight(t, stats, t0, ask, n_cand, slots, recv, work)
 
-    def _fused_finish(self, f: _Flight, weights: WeightsState) -> torch.Tensor:
+    def _fused_finish(self, f: Flight, weights: WeightsState) -> torch.Tensor:
         """Wait for a fused round's exchange and finish the round: headers, payload average,
         allocation, this learner's batch, weights."""
         me, lay, t, stats, ask, slots, n_cand = (
@@ -334,7 +245,7 @@ class RoundRunner:
         rb, n_in = self.spec.record_bytes, t.count + t.direct
         stats.items_in, stats.bytes_in = n_in, n_in * rb
         alloc = self.sampler.allocate(self._requests, self.sizes, r, meta[:, _META:-2])
-        if _short(alloc, ask):  # the same on every rank: all run the ordinary delivery
+        if short(alloc, ask):  # the same on every rank: all run the ordinary delivery
             out = self._deliver(alloc, r, stats, t1)
         else:
             self.fused_rounds += 1
@@ -359,22 +270,9 @@ class RoundRunner:
         return out
 
     def check_payload(self, t: torch.Tensor) -> None:
-        """Check a fetch's ``reduce`` payload.
-
-        Raises:
-            ConfigError: unless it is a contiguous CPU float32 ``[reduce_numel]`` tensor.
-        """
-        numel = self.reduce_numel
-        if numel == 0:
-            raise ConfigError("reduce: this plane was built with reduce_numel=0; pass reduce_numel")
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"reduce: expected a torch.Tensor, got {type(t).__name__}")
-        ok = t.dtype == torch.float32 and t.shape == (numel,) and t.device.type == "cpu"
-        if not ok or not t.is_contiguous():
-            raise ConfigError(
-                f"reduce: expected a contiguous cpu float32 tensor of shape ({numel},), got "
-                f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
-            )
+        """Check a fetch's ``reduce`` payload (``ConfigError`` unless a contiguous CPU float32
+        ``[reduce_numel]`` tensor; see ``fused.check_payload``)."""
+        check_payload(t, self.reduce_numel)
 
     def _meta(self, t: RoundTicket) -> np.ndarray:
         """Exchange staged counts, requests and weight versions; local round set-up (packing
@@ -484,18 +382,6 @@ class RoundRunner:
         self.ingested = int(state["ingested"])
         self.sampler.load_state_dict(state["sampler"])
         self.placement.load_state_dict(state["placement"])
-
-
-def _short(alloc: np.ndarray, ask: np.ndarray) -> bool:
-    """Whether some learner's share from another shard exceeds the candidates it was sent
-    (``alloc[learner, shard] > ask[learner]``; a learner reads its own shard locally)."""
-    world = alloc.shape[0]
-    if world > 16:
-        over = alloc > ask[:, None]
-        np.fill_diagonal(over, False)
-        return bool(over.any())
-    rows, asked = alloc.tolist(), ask.tolist()  # a few values: Python beats numpy's call cost
-    return any(n > asked[i] for i, row in enumerate(rows) for s, n in enumerate(row) if s != i)
 
 
 def _between_ranks(matrix: np.ndarray) -> np.ndarray:

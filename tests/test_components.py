@@ -203,8 +203,8 @@ def test_a_failed_prefetched_round_raises_at_wait():
 
 def test_close_after_a_failure_leaves_a_busy_worker_its_resources():
     """The scheduler never reports the worker stopped while it is still inside a round."""
-    from conduit_dist.rounds import RoundTicket
     from conduit_dist.sched.scheduler import Scheduler
+    from conduit_dist.tickets import RoundTicket
 
     release = threading.Event()
 

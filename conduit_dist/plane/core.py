@@ -23,8 +23,9 @@ class DataPlane:
     """A sharded experience store whose ingestion and delivery are torch.distributed collectives.
 
     Every rank hosts one shard. A *round* (one per ``fetch`` or ``flush``, the same number on
-    every rank) moves staged items to their shards in one fused ``all_to_all_single``, draws each
-    learner's batch from the global store and delivers it in a second (docs/architecture.md).
+    every rank) ingests staged items, draws each learner's batch from the global store and
+    delivers it: one ``all_to_all_single`` with ``local`` placement and ``uniform`` sampling on
+    CPU, else a meta exchange, then ingestion and delivery (docs/architecture.md).
 
     Args:
         spec: fields of one experience item.
@@ -47,8 +48,7 @@ class DataPlane:
             ``bandwidth_cache``) or a ``BandwidthModel``; :attr:`bandwidth` says which is used.
         bandwidth_cache: directory of calibration caches (``None``: no cache).
         trace: record a per-rank timeline for :meth:`export_trace`.
-        reduce_numel: float32 elements of the ``reduce`` payload learners may pass to
-            :meth:`fetch` (0: none); needs a one-exchange round and ``schedule="sync"``.
+        reduce_numel: elements of :meth:`fetch`'s ``reduce`` (0: none; one-exchange, sync).
 
     Raises:
         ConfigError: on a bad argument, naming it (nothing is left behind: no group, no files).
@@ -137,35 +137,25 @@ class DataPlane:
         Args:
             batch_size: items to return.
             more: another fetch follows before the next ``put`` (minibatches of one rollout).
-            reduce: a contiguous CPU float32 tensor of ``reduce_numel`` elements (e.g. flat
-                gradients), replaced in place by its mean over the learners that passed one in
-                this round, carried in the round's own exchange (no extra collective).
+            reduce: a CPU float32 ``[reduce_numel]`` tensor, replaced by its mean over learners.
 
         Returns:
-            ``name -> tensor [batch_size, *shape]``: views into one packed buffer, reused only
-            once nothing references it; rows keep the record stride, grouped by shard.
+            ``name -> [batch_size, *shape]`` views of one pooled buffer (rows grouped by shard).
 
         Raises:
-            ConfigError: on an actor, a bad ``batch_size``, or one larger than the round
-                launched for it at backward.
+            ConfigError: on an actor, a bad ``batch_size``, or one above its launched round's.
             RoundError: if the round failed or timed out on some rank (names the rank).
             EmptyStoreError: if nothing is stored yet (the round itself completed).
         """
         self._check_open()
-        if reduce is not None:
-            self._p.runner.check_payload(reduce)
         return self._p.runner.outputs.unpack(self._p.control.fetch(batch_size, more, reduce))
 
     def fetch_start(self, batch_size: int, *, reduce: torch.Tensor | None = None) -> None:
-        """Start the next fetch's round now and return with its exchange in flight: work done
-        before that ``fetch(batch_size)`` (stepping environments, ``put``) overlaps the
-        exchange and the peers' lateness on this thread, with no worker thread. Its batch
-        holds items put before this call (later puts go to the round after); ``reduce`` is
-        averaged when the round finishes. One-exchange planes on ``schedule="sync"`` only;
-        ``ConfigError`` otherwise or when a round is in flight."""
+        """Start the next ``fetch(batch_size)``'s round, returning with its exchange in flight
+        (work until that fetch overlaps it on this thread; later puts go to the round after;
+        ``reduce`` is averaged when it finishes). One-exchange ``sync`` planes only, else
+        ``ConfigError`` (also when a round is in flight); see docs/architecture.md."""
         self._check_open()
-        if reduce is not None:
-            self._p.runner.check_payload(reduce)
         self._p.control.fetch_start(batch_size, reduce)
 
     def flush(self) -> None:

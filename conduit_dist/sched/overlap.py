@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from conduit_dist.errors import ConfigError, EmptyStoreError
-from conduit_dist.rounds import RoundStats
 from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
 from conduit_dist.sched.hooks import BackwardTrigger
 from conduit_dist.sched.scheduler import Scheduler, now
 from conduit_dist.sched.timeline import Timeline
+from conduit_dist.tickets import RoundStats
 
 log = logging.getLogger("conduit_dist")
 
@@ -83,6 +83,8 @@ class OverlapController:
             )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+        if reduce is not None:
+            self.sched.runner.check_payload(reduce)
         t_wait = now()
         records, stats, prefetched, lag = self._fetch_round(batch_size, more, reduce)
         rows = records.shape[0]
@@ -146,6 +148,8 @@ class OverlapController:
             )
         if self.sched.pending is not None:
             raise ConfigError("fetch_start: a round is in flight already; fetch its batch first")
+        if reduce is not None:
+            self.sched.runner.check_payload(reduce)
         ticket = self.clock.prepare(batch_size, reduce)
         self.clock.guard(lambda: self.sched.start(ticket, "prefetch", self.clock.stager.put_seq))
         self._fetched, self._last_batch = False, batch_size

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from conduit_dist.errors import RoundError
-from conduit_dist.rounds import RoundRunner, RoundStats, RoundTicket
+from conduit_dist.rounds import RoundRunner
+from conduit_dist.tickets import RoundStats, RoundTicket
 from conduit_dist.weights import WeightsState
 
 MODES = ("overlap", "sync")

@@ -1,0 +1,87 @@
+"""What a round moves and what it reports: :class:`RoundTicket` (snapshotted when a round is
+prepared) and :class:`RoundStats` (filled in as it runs)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from conduit_dist.collectives.transport import Move
+from conduit_dist.spec import ExperienceSpec
+from conduit_dist.staging import RecordBuffer
+from conduit_dist.weights import WeightsSnapshot
+
+
+@dataclass
+class RoundStats:
+    """What one round did and how long each phase took (milliseconds, this rank).
+
+    ``spans`` holds each phase's ``(start, end)`` in ``time.perf_counter`` seconds, for the
+    exposed/hidden split and the trace.
+    """
+
+    round: int = -1
+    """The round's number."""
+    ingest_ms: float = 0.0
+    sample_ms: float = 0.0
+    deliver_ms: float = 0.0
+    weights_ms: float = 0.0
+    """Each phase's milliseconds."""
+    cpu_ms: float = 0.0
+    """CPU time of the thread that ran the round (``time.thread_time``; gloo's own threads,
+    which move the bytes, are not in it)."""
+    items_in: int = 0
+    items_out: int = 0
+    """Items this shard received, and this rank was delivered."""
+    bytes_in: int = 0
+    bytes_out: int = 0
+    """The same in bytes."""
+    stored: int = 0
+    """Items over all shards after the round."""
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    moves: list[Move] = field(default_factory=list)
+
+    @property
+    def total_ms(self) -> float:
+        """Wall time of the whole round."""
+        return self.ingest_ms + self.sample_ms + self.deliver_ms + self.weights_ms
+
+    def mark(self, phase: str, start: float, end: float) -> None:
+        """Record a phase's span and duration."""
+        self.spans[phase] = (start, end)
+        setattr(self, f"{phase}_ms", (end - start) * 1e3)
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain dict of the numbers, with ``total_ms``."""
+        d = asdict(self)
+        d.pop("spans")
+        d.pop("moves")
+        return {**d, "total_ms": self.total_ms}
+
+
+@dataclass
+class RoundTicket:
+    """Everything a round moves, snapshotted when it was prepared."""
+
+    round: int
+    request: int
+    staged: RecordBuffer
+    direct: int
+    weights: WeightsSnapshot
+    device_staged: RecordBuffer | None = None  # CUDA: items put from GPU tensors
+    ready: object = None  # CUDA: event on the consumer's stream when the round was prepared
+    consumer: object = None  # CUDA: the consumer's stream
+    reduce: torch.Tensor | None = None  # float32 [reduce_numel]: averaged over learners in place
+
+    @property
+    def count(self) -> int:
+        """Items staged for this round (host and device staging)."""
+        dev = self.device_staged
+        return self.staged.count + (dev.count if dev is not None else 0)
+
+    def pack_deferred(self, spec: ExperienceSpec) -> None:
+        """Pack donated batches into their staging rows (on the round's stream)."""
+        self.staged.pack_deferred(spec)
+        if self.device_staged is not None:
+            self.device_staged.pack_deferred(spec)
