@@ -27,10 +27,13 @@ class PlaneConfig:
             a round needs one exchange; disaggregated: ``round_robin``, since ``local`` would
             leave the learners' shards empty) or a name from ``registry.PLACEMENTS``:
             ``round_robin``, ``local`` or ``bandwidth_aware``.
-        early_start: with ``algo.grad_sync=round`` (and one update per iteration), start each
+        early_start: with ``algo.grad_sync=round``, one update per iteration and ``max_lag=1``
+            (else rounds run inside fetch), start each
             round right after the backward and finish it at the next fetch: the next
             environment step and ``put`` run while its exchange is in flight, on the main thread
-            (a batch then holds items up to the previous iteration's ``put``).
+            (a batch then holds items up to the previous iteration's ``put``). Off by default:
+            ~7% more env steps/s on 2 cores, but only 1 of 3 seeds reached the target within
+            500k env steps against 3 of 3 without it (issue 12's closing note).
         sampling: a name from ``registry.SAMPLERS``: ``uniform`` (each learner's batch i.i.d.
             over the global store) or ``stratified`` (proportional over shards, read
             local-first).
@@ -59,7 +62,7 @@ class PlaneConfig:
     kind: str = "conduit"
     capacity_per_rank: int = 50_000
     placement: str = "auto"
-    early_start: bool = True
+    early_start: bool = False
     sampling: str = "uniform"
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None

@@ -104,7 +104,7 @@ class FusedLayout:
         raw = payload.view(torch.uint8) if payload is not None else None
         at = drawn = 0
         for p in self.peers:
-            rows[at, : hb.shape[0]] = hb
+            rows[at : at + self.h].reshape(-1)[: hb.shape[0]] = hb  # h rows: small records
             at += self.h
             if pay[p] and raw is not None:
                 send[at : at + pay[p]].view(-1)[: raw.numel()].copy_(raw)
@@ -140,7 +140,7 @@ class FusedLayout:
         for p in range(self.world):
             if p == self.rank:
                 continue
-            mb[p] = rows[at, :nb]
+            mb[p] = rows[at : at + self.h].reshape(-1)[:nb]
             if pay[p] and meta[p, -1]:
                 payloads[p] = self._as_floats(recv[at + self.h : at + self.h + pay[p]], p)
             blocks[p] = recv[at + self.h + pay[p] : at + out_splits[p]]
@@ -185,6 +185,7 @@ class Flight:
     slots: torch.Tensor | None
     recv: torch.Tensor
     work: object  # the exchange's pending all-to-all (``.wait()``)
+    launched: float = 0.0  # perf_counter when the exchange was launched
 
 
 def short(alloc: np.ndarray, ask: np.ndarray) -> bool:

@@ -219,7 +219,7 @@ class RoundRunner:
         work = self.exchange.all_to_all_async(
             recv, send, out_splits, in_splits, r, "all_to_all(round)"
         )
-        return Flight(t, stats, t0, ask, n_cand, slots, recv, work)
+        return Flight(t, stats, t0, ask, n_cand, slots, recv, work, time.perf_counter())
 
     def _fused_finish(self, f: Flight, weights: WeightsState) -> torch.Tensor:
         """Wait for a fused round's exchange and finish the round: headers, payload average,
@@ -228,6 +228,7 @@ class RoundRunner:
             self.rank, self._fused_layout, f.ticket, f.stats, f.ask, f.slots, f.n_cand,
         )  # fmt: skip
         r, t0 = t.round, f.t0
+        t_wait = time.perf_counter()
         f.work.wait()
         meta, payloads, blocks = lay.unpack(f.recv, ask)
         if t.reduce is not None:
@@ -241,7 +242,11 @@ class RoundRunner:
         self._asked_of_me = sum(req) - req[me]
         self.ingested += sum(self._inflow.tolist())
         t1 = time.perf_counter()
-        stats.mark("ingest", t0, t1)
+        if t_wait - f.launched > 1e-3:  # started early: the caller's work in between is not ours
+            stats.mark("ingest", t_wait, t1)  # the span the fetch waited; ms: set-up + wait
+            stats.ingest_ms = (f.launched - t0 + t1 - t_wait) * 1e3
+        else:
+            stats.mark("ingest", t0, t1)
         rb, n_in = self.spec.record_bytes, t.count + t.direct
         stats.items_in, stats.bytes_in = n_in, n_in * rb
         alloc = self.sampler.allocate(self._requests, self.sizes, r, meta[:, _META:-2])

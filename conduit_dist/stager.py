@@ -101,7 +101,8 @@ class Stager:
         self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
 
     def _put_direct(self, batch: Mapping[str, torch.Tensor], n: int) -> None:
-        """World size 1: pack into the slots the items take at the next round."""
+        """World size 1 or a one-exchange plane, no round in flight: pack into the slots the
+        items take at the next round."""
         skip, views = self.shard.direct_views(self.direct, n)
         # slots that still hold live (or earlier put) items are only written once the batch is
         # known to be finite; free slots take the one-pass pack with its fused check
@@ -154,7 +155,8 @@ class Stager:
         if self.max_lag == 0 and pending is not None and pending.kind == "prefetch":
             raise ConfigError(
                 f"{op}: max_lag=0, but the round for the next fetch was launched already "
-                "(fetch(..., more=True)); put before the first fetch of an iteration"
+                "(fetch(..., more=True) or fetch_start); put before the first fetch of an "
+                "iteration, or use max_lag=1"
             )
 
     def _make_room(self, stage: RecordBuffer, n: int) -> int:

@@ -404,3 +404,24 @@ def test_fetched_tensors_are_fresh_each_time():
     assert again["obs"].shape == (4, 3)
     assert_intact(again)
     plane.close()
+
+
+def test_uniform_allocation_is_the_same_with_and_without_the_native_extension(monkeypatch):
+    """Every rank must compute the same allocation, whether or not its extension is built."""
+    import numpy as np
+
+    import conduit_dist.sampling.uniform as uniform_mod
+    from conduit_dist.sampling import SamplerContext
+    from conduit_dist.spec import _native
+
+    if _native is None:
+        pytest.skip("the native extension is not built")
+    u = uniform_mod.Uniform()
+    u.bind(SamplerContext(3, 0, 3, np.zeros((3, 3))))
+    cases = [([128, 0, 64], [40, 120, 7]), ([5, 5, 5], [0, 9, 0]), ([300, 1, 0], [1, 1, 1])]
+    native = [u.allocate(np.array(r), np.array(s), 11, None) for r, s in cases]
+    monkeypatch.setattr(uniform_mod, "_native", None)
+    fallback = [u.allocate(np.array(r), np.array(s), 11, None) for r, s in cases]
+    for a, b, (req, _) in zip(native, fallback, cases):
+        assert (a == b).all()
+        assert (a.sum(axis=1) == np.array(req)).all()

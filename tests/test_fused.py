@@ -245,3 +245,46 @@ def _early_refused(rank, world, kwargs):
 def test_fetch_start_needs_a_fused_sync_plane(kwargs, expected):
     res = run_ranks(_early_refused, 2, kwargs)
     assert all(expected in (msg or "") for msg in res.values()), res
+
+
+def _small_records(rank, world):
+    import conduit_dist as cd
+
+    spec_ = cd.ExperienceSpec.from_batch({"x": torch.zeros(1)})  # an 8-byte record: h > 1
+    plane = cd.DataPlane(spec_, 100, placement="local", schedule="sync", bandwidth="declared")
+    vals = []
+    for r in range(5):
+        plane.put({"x": torch.arange(4, dtype=torch.float32) + 100 * rank + 10 * r})
+        vals.append(plane.fetch(6)["x"].clone())
+    fused, h = plane._p.runner.fused_rounds, plane._p.runner._fused_layout.h
+    plane.close()
+    return torch.cat(vals).tolist(), fused, h
+
+
+def test_records_smaller_than_a_header_take_several_header_rows():
+    res = run_ranks(_small_records, 2)
+    stored = {100 * r + 10 * k + i for r in range(2) for k in range(5) for i in range(4)}
+    for vals, fused, h in res.values():
+        assert h > 1 and fused >= 3
+        assert set(vals) <= {float(v) for v in stored}
+
+
+def _reduce_after_start(rank, world):
+    plane = _plane(numel=2)
+    plane.put(make_batch(torch.arange(10 * rank, 10 * rank + 10)))
+    plane.fetch(4)
+    plane.fetch_start(4)
+    try:
+        plane.fetch(4, reduce=torch.zeros(2))
+    except ConfigError as exc:
+        msg = str(exc)
+    else:
+        msg = None
+    plane.fetch(4)
+    plane.close()
+    return msg
+
+
+def test_a_payload_given_to_the_fetch_of_a_started_round_is_refused():
+    for msg in run_ranks(_reduce_after_start, 2).values():
+        assert msg is not None and "pass reduce to fetch_start" in msg

@@ -35,7 +35,10 @@ seeds that reached the target only, ``null`` if none did); ``JOB_steps_per_s_vs_
 ``JOB_time_to_target_vs_single`` for ``colocated`` and ``disaggregated``: ratios of the medians
 (not medians of per-seed ratios: the jobs of one seed are not paired runs, and a seed that misses
 the target has no time to pair), ``null`` where ``single`` was not run or either job never reached
-the target; and ``seeds_reached``: per job, how many seeds reached the target.
+the target; ``JOB_iteration_throughput_vs_single``: the steady-state comparison (the single
+job's iteration over the job's, both moving 16 env steps; ``floor``'s env steps/s is steady state
+too, so its ``_steps_per_s_vs_single`` is flattered against a whole-run rate with start-up; use
+this one); and ``seeds_reached``: per job, how many seeds reached the target.
 
 Example::
 
@@ -297,8 +300,8 @@ def run_job(
 def _run_floor(seed: int, a: argparse.Namespace, run_dir: Path, train_py: Path) -> dict:
     """``floor``: two single processes at once, each with a colocated rank's share of the work
     (8 envs, the per-learner batch) and no communication at all. Ranks in lockstep run at the
-    slower one's pace, so the per-part maximum of their breakdowns is what a colocated iteration
-    costs with a free data path: the bound of any 2-rank colocated job on this machine."""
+    slower one's pace, so the per-part maximum of their breakdowns estimates what a colocated
+    iteration would cost if its data path (rounds, gradient averaging) were free."""
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1"}
     argvs = [job_argv("floor", seed, a, run_dir, train_py, part) for part in (0, 1)]
     start = time.perf_counter()

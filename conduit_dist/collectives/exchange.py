@@ -207,7 +207,7 @@ class Exchange:
                 if work.wait(_GRACE):
                     return
             except RuntimeError as exc:
-                if "timed out" not in str(exc):
+                if "timed out" not in str(exc).lower():
                     self._fail(op, round, start, exc)
             self.heartbeat(round)  # still waiting: say this rank got here
         try:
@@ -291,7 +291,11 @@ class Exchange:
         plane's buffers are contiguous and of one dtype by construction. Returns the work.
         """
         if self.record is not None:
-            self.record.append((op, _split_bytes(inp, in_splits), _split_bytes(out, out_splits)))
+            sent, got = (
+                _split_bytes(inp, in_splits, self.world),
+                _split_bytes(out, out_splits, self.world),
+            )
+            self.record.append((op, sent, got))
         return self.group.alltoall_base(out, inp, out_splits, in_splits, self._a2a_opts)
 
     def all_to_all(
@@ -400,11 +404,11 @@ class PendingGather(PendingWork):
         return self._out
 
 
-def _split_bytes(t: torch.Tensor, splits: list[int]) -> list[int]:
-    """Bytes per peer of an ``all_to_all_single`` buffer (``splits`` along dim 0; ``[]``: even)."""
+def _split_bytes(t: torch.Tensor, splits: list[int], world: int) -> list[int]:
+    """Bytes per peer of an ``all_to_all_single`` buffer (``splits`` along dim 0; ``[]``: even
+    over the ``world`` ranks of the plane's group)."""
     total = t.numel() * t.element_size()
     if not splits:
-        world = dist.get_world_size()
         return [total // world] * world
     row = total // max(t.shape[0], 1)
     return [n * row for n in splits]

@@ -151,10 +151,17 @@ class DataPlane:
         return self._p.runner.outputs.unpack(self._p.control.fetch(batch_size, more, reduce))
 
     def fetch_start(self, batch_size: int, *, reduce: torch.Tensor | None = None) -> None:
-        """Start the next ``fetch(batch_size)``'s round, returning with its exchange in flight
-        (work until that fetch overlaps it on this thread; later puts go to the round after;
-        ``reduce`` is averaged when it finishes). One-exchange ``sync`` planes only, else
-        ``ConfigError`` (also when a round is in flight); see docs/architecture.md."""
+        """Start the next ``fetch(batch_size)``'s round; return with its exchange in flight
+        (work until that fetch overlaps it on this thread; later puts go to the round after).
+
+        Args:
+            batch_size: what that fetch will ask for (a larger one raises there).
+            reduce: as in :meth:`fetch`, averaged when the round finishes (not at the fetch).
+
+        Raises:
+            ConfigError: on an actor, without one-exchange rounds, off ``sync``, or when a round
+                is in flight already.
+        """
         self._check_open()
         self._p.control.fetch_start(batch_size, reduce)
 

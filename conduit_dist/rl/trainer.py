@@ -111,7 +111,10 @@ class Trainer:
         self._grads_pending = False  # grad_sync=round: gradients waiting for the next fetch
         # grad_sync=round: start each round after the backward, finish it at the next fetch
         self.early = (
-            self.grad_sync == "round" and cfg.plane.early_start and cfg.algo.updates_per_iter == 1
+            self.grad_sync == "round"
+            and cfg.plane.early_start
+            and cfg.algo.updates_per_iter == 1
+            and cfg.plane.max_lag == 1  # puts run while the started round is in flight
         )
         if self.rank == 0:
             log.info("learners average gradients with grad_sync=%s", self.grad_sync)

@@ -40,6 +40,28 @@ def mix(*keys: int) -> int:
     return h & _MASK
 
 
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _step(h: int, k: int) -> int:
+    h = (h ^ k) * 0xBF58476D1CE4E5B9 & _M64
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _M64
+    return h ^ (h >> 31)
+
+
+def splitmix_uniform(count: int, size: int, seed: int, round: int, key: int) -> list[int]:
+    """The native ``uniform_slots`` stream in Python: ``count`` values in ``[0, size)`` keyed by
+    ``(seed, round, key)``, bit for bit (for what must agree across ranks without the
+    extension; ~1 us a value)."""
+    h = _step(_step(_step(_GOLDEN, seed & _M64), round & _M64), key & _M64)
+    out = []
+    for _ in range(count):
+        h = (h + _GOLDEN) & _M64
+        out.append((_step(h, 0) * size) >> 64)
+    return out
+
+
 def seeded(gen: torch.Generator, *keys: int) -> torch.Generator:
     """Reseed ``gen`` from ``keys`` and return it."""
     gen.manual_seed(mix(*keys))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conduit_dist.sampling.base import Sampler
+from conduit_dist.sampling.base import Sampler, splitmix_uniform
 from conduit_dist.spec import _native
 
 _KEY = 1 << 40  # allocation streams: (seed, round, _KEY + learner), apart from the draw streams
@@ -43,10 +43,10 @@ class Uniform(Sampler):
                 self.ctx.seed, round, _KEY,
             )  # fmt: skip
             return counts
-        for learner in np.nonzero(requests)[0]:
+        for learner in np.nonzero(requests)[0]:  # the same stream without the extension
             n, key = int(requests[learner]), _KEY + int(learner)
-            items = self.uniform(n, int(ends[-1]), round, key, scratch="_alloc_slots")
-            shards = np.searchsorted(ends, items.numpy(), side="right")
+            items = splitmix_uniform(n, int(ends[-1]), self.ctx.seed, round, key)
+            shards = np.searchsorted(ends, np.array(items, dtype=np.int64), side="right")
             counts[learner] = np.bincount(shards, minlength=world)
         return counts
 

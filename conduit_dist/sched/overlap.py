@@ -59,6 +59,7 @@ class OverlapController:
         self._fetched = False  # a fetch happened since the last launch at backward
         self._last_batch = 0
         self._more = False
+        self._started = False  # the pending round was started by fetch_start
 
     @property
     def chosen_schedule(self) -> str:
@@ -94,9 +95,10 @@ class OverlapController:
                 "empty (0 items over all shards); put experience before fetching"
             )
         if rows < batch_size:
+            how = "started by fetch_start" if self._started else "launched for it at backward"
             raise ConfigError(
                 f"fetch: batch_size {batch_size} is larger than the {rows} items of the round "
-                "launched for it at backward; keep the batch size fixed, or use schedule='sync'"
+                f"{how}; keep the batch size fixed, or use schedule='sync' without fetch_start"
             )
         if rows > batch_size:  # a uniform random subset of i.i.d. draws is i.i.d. too
             keep = torch.randperm(rows, generator=self._subset_gen)[:batch_size]
@@ -113,6 +115,12 @@ class OverlapController:
         t = now()
         pending = self.sched.pending
         if pending is not None and pending.kind == "prefetch":
+            if reduce is not None:  # never averaged: the round carries fetch_start's payload
+                raise ConfigError(
+                    "fetch: reduce= given, but this fetch's round was started already (by "
+                    "fetch_start or at backward) and carries the payload given then; pass "
+                    "reduce to fetch_start"
+                )
             p, records, stats = self.clock.wait()
             prefetched, lag = True, int(self.clock.stager.put_seq > p.put_seq)
         else:
@@ -120,6 +128,7 @@ class OverlapController:
                 self.clock.wait()
             records, stats = self.clock.run(batch_size, reduce)
             prefetched, lag = False, 0
+        self._started = False
         self._fetched, self._last_batch, self._more = True, batch_size, more
         self._tick(t)
         return records, stats, prefetched, lag
@@ -141,7 +150,7 @@ class OverlapController:
                 "fetch_start: needs one-exchange rounds (placement 'local', sampler 'uniform', "
                 "device 'cpu', world size > 1)"
             )
-        if self.overlap or self.trial is not None:
+        if self.overlap or (self.trial is not None and self.trial.choice is None):
             raise ConfigError(
                 f"fetch_start: expected schedule='sync', got {self.chosen_schedule!r} (rounds "
                 "launched at backward and early-started rounds would compete for the next fetch)"
@@ -152,7 +161,7 @@ class OverlapController:
             self.sched.runner.check_payload(reduce)
         ticket = self.clock.prepare(batch_size, reduce)
         self.clock.guard(lambda: self.sched.start(ticket, "prefetch", self.clock.stager.put_seq))
-        self._fetched, self._last_batch = False, batch_size
+        self._fetched, self._last_batch, self._started = False, batch_size, True
 
     def flush(self) -> None:
         """An actor's round (see :meth:`DataPlane.flush`)."""
