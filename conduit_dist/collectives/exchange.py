@@ -4,97 +4,32 @@ All experience movement goes through an :class:`Exchange`. It owns a process gro
 plane (so rounds never interleave with the learner's own DDP all-reduces, even when a round runs on
 a background thread), waits on every collective with a timeout, and on failure raises a
 :class:`~conduit_dist.errors.RoundError` naming the round, the operation and, where the rendezvous
-store can still tell, the ranks that never reached that round. Collectives outside the rounds
-(start-up, metrics) run inside a named :meth:`Exchange.phase` and fail the same way, with a
-:class:`~conduit_dist.errors.PhaseError` naming the phase.
+store can still tell, the ranks that never reached that round (``heartbeats.py``). Collectives
+outside the rounds (start-up, metrics) run inside a named :meth:`Exchange.phase` and fail the
+same way, with a :class:`~conduit_dist.errors.PhaseError` naming the phase.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from conduit_dist.collectives.heartbeats import Heartbeats, _default_store
 from conduit_dist.errors import PhaseError, RoundError
 
-log = logging.getLogger("conduit_dist")
+T = TypeVar("T")
 
 _HB_PREFIX = "conduit_dist/hb/"
-# how long asking the store who is behind may take (the store's own timeout is restored after)
-_QUERY_TIMEOUT = timedelta(seconds=2)
-# what a dead or unreachable store raises: DistNetworkError when the TCPStore server is gone
-# ("Broken pipe", "Connection was likely closed"), DistStoreError on a store timeout or a
-# FileStore whose file was removed. Anything else (a malformed mark) is a bug and propagates.
-_STORE_DOWN = (dist.DistNetworkError, dist.DistStoreError)
 # gloo rounds mark their heartbeat lazily: a wait first gives its collective this long, and only a
 # wait that outlasts it writes the mark (a store round trip, ~0.05 ms, is then off the fast path)
 _GRACE = timedelta(milliseconds=50)
-
-
-class Heartbeats:
-    """Marks in the rendezvous store: the last round (or phase) each rank reached.
-
-    Each rank writes its own key per channel (``round``, ``phase``); after a failure any rank can
-    read every rank's mark and name those behind. When the store is missing or stops answering,
-    marks and queries are skipped and one warning says that failures cannot name ranks.
-
-    Args:
-        store: the rendezvous store, or ``None`` when there is none.
-        prefix: key prefix, unique per plane.
-        rank: this rank.
-        world: number of ranks.
-        missing: why there is no store (logged once, on rank 0, when ``store`` is ``None``).
-    """
-
-    def __init__(
-        self, store: dist.Store | None, prefix: str, rank: int, world: int, missing: str = ""
-    ) -> None:
-        self.store, self.prefix, self.rank, self.world = store, prefix, rank, world
-        self._warned = False
-        if store is None and world > 1 and rank == 0:  # the same on every rank: say it once
-            self._unavailable(missing or "no rendezvous store")
-
-    def _key(self, channel: str, rank: int) -> str:
-        return f"{self.prefix}{channel}/{rank}"
-
-    def mark(self, channel: str, value: int) -> None:
-        """Record that this rank reached ``value`` on ``channel``."""
-        if self.store is None or self.world == 1:
-            return
-        try:
-            self.store.set(self._key(channel, self.rank), str(value))
-        except _STORE_DOWN as exc:  # the collective will fail and say so; only naming is lost
-            self._unavailable(f"the rendezvous store refused this rank's mark ({_brief(exc)})")
-
-    def behind(self, channel: str, value: int) -> tuple[int, ...]:
-        """Ranks whose last mark on ``channel`` is below ``value`` (empty if the store cannot say).
-
-        The query runs with a short store timeout, restored afterwards (the default store is
-        shared by the whole process: its timeout is not ours to keep).
-        """
-        if self.store is None or self.world == 1:
-            return ()
-        keys = [self._key(channel, r) for r in range(self.world)]
-        try:
-            with _store_timeout(self.store, _QUERY_TIMEOUT):
-                seen = [int(self.store.get(k)) if self.store.check([k]) else -1 for k in keys]
-        except _STORE_DOWN as exc:
-            self._unavailable(f"the rendezvous store did not answer ({_brief(exc)})")
-            return ()
-        return tuple(r for r, s in enumerate(seen) if s < value)
-
-    def _unavailable(self, reason: str) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "rank %d: failures cannot name the ranks that never arrived: %s", self.rank, reason
-            )
 
 
 class Exchange:
@@ -269,11 +204,8 @@ class Exchange:
             )
         inp, out = bufs
         inp.view(self.world, -1).copy_(local)
-        start = time.monotonic()
-        try:
-            work = self.all_to_all_start(out, inp, [], [], "all_gather(meta)")
-        except Exception as exc:
-            self._fail("all_gather(meta)", round, start, exc)
+        op = "all_gather(meta)"
+        work = self._launch(lambda: self.all_to_all_start(out, inp, [], [], op), op, round)
         return PendingGather(self, work, out.view(self.world, -1), round)
 
     def all_to_all_start(
@@ -308,7 +240,7 @@ class Exchange:
         op: str = "all_to_all",
     ) -> None:
         """Fused ``all_to_all_single`` of record rows (splits in rows along dim 0)."""
-        self.run(lambda: self.all_to_all_start(out, inp, out_splits, in_splits, op), op, round)
+        self.all_to_all_async(out, inp, out_splits, in_splits, round, op).wait()
 
     def all_to_all_async(
         self,
@@ -325,22 +257,21 @@ class Exchange:
         Raises:
             RoundError: if the launch fails.
         """
-        start = time.monotonic()
-        try:
-            work = self.all_to_all_start(out, inp, out_splits, in_splits, op)
-        except Exception as exc:
-            self._fail(op, round, start, exc)
-        return PendingWork(self, work, op, round)
+        launch = lambda: self.all_to_all_start(out, inp, out_splits, in_splits, op)  # noqa: E731
+        return PendingWork(self, self._launch(launch, op, round), op, round)
 
     def wait_all(self, launch, op: str, round: int) -> None:
         """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout."""
+        for work in self._launch(launch, op, round):
+            self._wait(work, op, round)
+
+    def _launch(self, launch: Callable[[], T], op: str, round: int) -> T:
+        """``launch()``; a failure to launch raises as :meth:`_fail` does."""
         start = time.monotonic()
         try:
-            works = launch()
+            return launch()
         except Exception as exc:
             self._fail(op, round, start, exc)
-        for work in works:
-            self._wait(work, op, round)
 
     def gather(
         self, send: torch.Tensor, recv: list[torch.Tensor] | None, dst: int, round: int, op: str
@@ -412,38 +343,3 @@ def _split_bytes(t: torch.Tensor, splits: list[int], world: int) -> list[int]:
         return [total // world] * world
     row = total // max(t.shape[0], 1)
     return [n * row for n in splits]
-
-
-def _default_store() -> tuple[dist.Store | None, str]:
-    """The default group's rendezvous store, or ``None`` and why (a private torch API)."""
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if get is None:
-        return None, (
-            "torch.distributed.distributed_c10d._get_default_store is missing in torch "
-            f"{torch.__version__}, so no heartbeats are written"
-        )
-    return get(), ""
-
-
-@contextlib.contextmanager
-def _store_timeout(store: dist.Store, timeout: timedelta) -> Iterator[None]:
-    """Use ``timeout`` for the store's calls inside the block, then restore the previous one.
-
-    Without ``Store.timeout`` (older torch) the previous value cannot be read back, so the store's
-    own timeout is left as it is.
-    """
-    previous = getattr(store, "timeout", None)
-    if previous is None:
-        yield
-        return
-    store.set_timeout(timeout)
-    try:
-        yield
-    finally:
-        store.set_timeout(previous)
-
-
-def _brief(exc: BaseException) -> str:
-    """An exception's type and first line (store errors append a C++ stack trace)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
