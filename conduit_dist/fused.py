@@ -186,6 +186,7 @@ class Flight:
     recv: torch.Tensor
     work: object  # the exchange's pending all-to-all (``.wait()``)
     launched: float = 0.0  # perf_counter when the exchange was launched
+    early: bool = False  # started by fetch_start: the caller's work runs before the finish
 
 
 def short(alloc: np.ndarray, ask: np.ndarray) -> bool:

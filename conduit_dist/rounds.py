@@ -100,6 +100,7 @@ class RoundRunner:
         cpu0 = time.thread_time()
         stats = RoundStats(round=t.round)
         flight = self._fused_start(t, stats)
+        flight.early = True  # the caller works before the finish: its time is not the round's
         spent = time.thread_time() - cpu0
 
         def finish() -> tuple[torch.Tensor, RoundStats]:
@@ -242,7 +243,7 @@ class RoundRunner:
         self._asked_of_me = sum(req) - req[me]
         self.ingested += sum(self._inflow.tolist())
         t1 = time.perf_counter()
-        if t_wait - f.launched > 1e-3:  # started early: the caller's work in between is not ours
+        if f.early:
             stats.mark("ingest", t_wait, t1)  # the span the fetch waited; ms: set-up + wait
             stats.ingest_ms = (f.launched - t0 + t1 - t_wait) * 1e3
         else:

@@ -268,30 +268,49 @@ def run_job(
     log = run_dir / f"{job}_{seed}.log"
     summary_path = run_dir / f"{job}_{seed}.json"
     start = time.perf_counter()
+    proc = _spawn(argv, log, a, train_py.parent)
+    finished = _wait(proc, a.timeout_s)
+    wall = time.perf_counter() - start
+    problem = _problem(proc, finished, summary_path, a.timeout_s)
+    if problem is not None:
+        raise _job_error(f"job {job} seed {seed}", problem, wall, argv, log)
+    summary = json.loads(summary_path.read_text())
+    ours = {"job": job, "seed": seed, "command": shlex.join(argv), "process_wall_s": wall}
+    return ours | {k: v for k, v in _finite(summary).items() if k not in ours}
+
+
+def _spawn(argv: list[str], log: Path, a: argparse.Namespace, cwd: Path) -> subprocess.Popen:
+    """Start one training process, its output to ``log``, in its own process group (a timeout
+    stops every rank), with ``OMP_NUM_THREADS`` = ``a.threads``."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             argv,
-            cwd=train_py.parent,
+            cwd=cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,  # its own process group: a timeout stops every rank
+            env=env,
+            start_new_session=True,
         )
-        finished = _wait(proc, a.timeout_s)
-    wall = time.perf_counter() - start
+
+
+def _problem(
+    proc: subprocess.Popen, finished: bool, summary_path: Path, timeout_s: float
+) -> str | None:
+    """What went wrong with a finished (or timed-out) process, or ``None``."""
     if not finished:
-        problem = f"timed out after {a.timeout_s:g} s"
-    elif proc.returncode != 0:
-        problem = f"exited with status {proc.returncode}"
-    elif not summary_path.is_file():
-        problem = f"exited 0 but wrote no summary file {summary_path}"
-    else:
-        summary = json.loads(summary_path.read_text())
-        ours = {"job": job, "seed": seed, "command": shlex.join(argv), "process_wall_s": wall}
-        return ours | {k: v for k, v in _finite(summary).items() if k not in ours}
-    raise JobError(
-        f"scaling: job {job} seed {seed} {problem} ({wall:.1f} s)\n"
+        return f"timed out after {timeout_s:g} s"
+    if proc.returncode != 0:
+        return f"exited with status {proc.returncode}"
+    if not summary_path.is_file():
+        return f"exited 0 but wrote no summary file {summary_path}"
+    return None
+
+
+def _job_error(who: str, problem: str, wall: float, argv: list[str], log: Path) -> JobError:
+    return JobError(
+        f"scaling: {who} {problem} ({wall:.1f} s)\n"
         f"command: {shlex.join(argv)}\n"
         f"last {TAIL_LINES} lines of its output:\n{_tail(log)}"
     )
@@ -302,35 +321,19 @@ def _run_floor(seed: int, a: argparse.Namespace, run_dir: Path, train_py: Path) 
     (8 envs, the per-learner batch) and no communication at all. Ranks in lockstep run at the
     slower one's pace, so the per-part maximum of their breakdowns estimates what a colocated
     iteration would cost if its data path (rounds, gradient averaging) were free."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1"}
     argvs = [job_argv("floor", seed, a, run_dir, train_py, part) for part in (0, 1)]
+    logs = [run_dir / f"floor_{seed}_{part}.log" for part in (0, 1)]
     start = time.perf_counter()
-    procs, logs = [], []
-    for part, argv in enumerate(argvs):
-        logs.append(run_dir / f"floor_{seed}_{part}.log")
-        with open(logs[-1], "wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    cwd=train_py.parent,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,
-                )
-            )
+    procs = [_spawn(argv, log, a, train_py.parent) for argv, log in zip(argvs, logs)]
     done = [_wait(p, a.timeout_s) for p in procs]
     wall = time.perf_counter() - start
     summaries = []
     for part, (proc, ok, argv) in enumerate(zip(procs, done, argvs)):
         path = run_dir / f"floor_{seed}_{part}.json"
-        if not ok or proc.returncode != 0 or not path.is_file():
-            problem = "timed out" if not ok else f"exited with status {proc.returncode}"
-            raise JobError(
-                f"scaling: job floor seed {seed} process {part} {problem} or wrote no summary "
-                f"({wall:.1f} s)\ncommand: {shlex.join(argv)}\nlast {TAIL_LINES} lines of its "
-                f"output:\n{_tail(logs[part])}"
+        problem = _problem(proc, ok, path, a.timeout_s)
+        if problem is not None:
+            raise _job_error(
+                f"job floor seed {seed} process {part}", problem, wall, argv, logs[part]
             )
         summaries.append(_finite(json.loads(path.read_text())))
     parts = summaries[0]["breakdown_ms"]
