@@ -170,6 +170,21 @@ def _check_reduce(
         )
 
 
+def _check_sampler(sampler: Sampler, runner: RoundRunner, placement, device) -> None:
+    """Samplers that tag rows or route updates run on one-exchange rounds (or one rank).
+
+    Raises:
+        ConfigError: naming what is missing.
+    """
+    needs = sampler.trailer_bytes or sampler.routes_updates
+    if needs and runner.world > 1 and not runner.fusable:
+        raise ConfigError(
+            f"sampler: {sampler.name!r} runs on one-exchange rounds, which need a placement "
+            "that keeps items local ('local') and device 'cpu'; got "
+            f"placement={placement.name!r}, device={device.type!r}"
+        )
+
+
 def assemble(
     spec: ExperienceSpec,
     capacity: int,
@@ -209,7 +224,9 @@ def assemble(
         ex = Exchange(timeout_s, name=str(next(_plane_ids)))
         undo.callback(ex.close)
         learners = _learners(learner_ranks, ex.world)
-        shard = storage.build(capacity, spec.record_bytes, device)
+        # rows carry the sampler's trailer (e.g. a prioritized item's address and mass)
+        wire = spec.with_trailer(sampler.trailer_bytes) if sampler.trailer_bytes else spec
+        shard = storage.build(capacity, wire.record_bytes, device)
         undo.callback(shard.close)
         topo = discover(ex)
         model, calibration_s = _bandwidth(bandwidth, ex, topo, bandwidth_cache)
@@ -217,16 +234,18 @@ def assemble(
         is_learner = np.zeros(ex.world, dtype=bool)
         is_learner[list(learners)] = True
         sampler.bind(SamplerContext(int(seed), ex.rank, ex.world, links))
+        sampler.attach(shard, wire.trailer or 0)
         placement.bind(
-            PlacementContext(ex.world, links, is_learner, spec.record_bytes, model, sampler)
+            PlacementContext(ex.world, links, is_learner, wire.record_bytes, model, sampler)
         )
         undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
         undo.callback(setattr, placement, "ctx", None)
         transport = Transport(ex, topo, model, strategy)
         runner = RoundRunner(
-            spec, shard, ex, sampler, placement, learners[0], device, transport,
+            wire, shard, ex, sampler, placement, learners[0], device, transport,
             tuple(learners), reduce_numel,
         )  # fmt: skip
+        _check_sampler(sampler, runner, placement, device)
         _check_reduce(reduce_numel, runner, schedule, sampler, placement, device)
         # one CPU rank has no collective to wait for: a background round would only add a
         # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
@@ -244,7 +263,7 @@ def assemble(
         timeline = Timeline(ex.rank, enabled=trace)
         limit = capacity * ex.world
         stager = Stager(
-            spec, shard, ex.world, limit, sched, max_lag, timeline, device, local=runner.fusable
+            wire, shard, ex.world, limit, sched, max_lag, timeline, device, local=runner.fusable
         )
         clock = RoundClock(stager, weights, sched, timeline, device)
         control = OverlapController(

@@ -3,7 +3,7 @@
 A fused round (``RoundRunner.fusable``: a placement that keeps items local, a speculative
 sampler, host delivery) sends each peer one block of record rows::
 
-    [header rows][payload rows][candidate rows]
+    [header rows][payload rows][candidate rows][update rows]
 
 - header: the round's meta values (staged count, request, weights version and bytes, the
   sampler's values), this shard's size and whether a payload follows, as int64 packed into
@@ -11,7 +11,10 @@ sampler, host delivery) sends each peer one block of record rows::
 - payload: a learner's ``reduce`` tensor (float32 bytes), sent from every learner to every other
   learner in every round, so the splits never depend on this round's values;
 - candidates: as many rows, drawn i.i.d. from this shard, as the peer fetched in the previous
-  round (0 for actors).
+  round (0 for actors);
+- updates (samplers that route them, e.g. priority updates): from a learner to a shard, room for
+  as many ``(generation, value)`` pairs as the learner drew from that shard in the previous
+  round, after a count (int64 pairs packed into rows; 0 rows when there is no room).
 
 Every split depends only on values every rank already holds (the previous round's requests, the
 learner set, ``reduce_numel``), so all ranks agree on them without exchanging them first.
@@ -64,6 +67,25 @@ class FusedLayout:
         self._np: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # numpy views of the buffers
         self._rows = torch.empty((self.world, reduce_numel), dtype=torch.float32)
         self._splits: dict[bytes, tuple[list[int], list[int], list[int]]] = {}
+        self.up_send = [0] * self.world  # update rows to each peer this round
+        self.up_recv = [0] * self.world  # update rows from each peer this round
+
+    def update_rows(self, pairs: int) -> int:
+        """Rows holding a count and ``pairs`` int64 pairs (0 when there is no room)."""
+        return -(-16 * (pairs + 1) // self.rb) if pairs > 0 else 0
+
+    def set_updates(self, alloc: np.ndarray | None) -> dict[int, int]:
+        """Size this round's update regions from last round's ``[learner, shard]`` allocation
+        (``None``: no updates); returns the pairs this rank may send each peer."""
+        me = self.rank
+        if alloc is None:
+            self.up_send = self.up_recv = [0] * self.world
+            return {}
+        send, recv = alloc[me].tolist(), alloc[:, me].tolist()
+        send[me] = recv[me] = 0
+        self.up_send = [self.update_rows(k) for k in send]
+        self.up_recv = [self.update_rows(k) for k in recv]
+        return {p: k for p, k in enumerate(send) if k}
 
     def splits(self, ask: np.ndarray) -> tuple[list[int], list[int], list[int]]:
         """``(payload rows, rows sent, rows received)`` per peer for last round's requests."""
@@ -80,6 +102,11 @@ class FusedLayout:
             got = self._splits[key] = (pay, send, recv)
             if len(self._splits) > 64:  # requests that keep changing: keep the cache small
                 self._splits = {key: got}
+        if any(self.up_send) or any(self.up_recv):
+            pay, send, recv = got
+            send = [a + b for a, b in zip(send, self.up_send)]
+            recv = [a + b for a, b in zip(recv, self.up_recv)]
+            return pay, send, recv
         return got
 
     def _numpy(self, buf: RecordBuffer) -> np.ndarray:
@@ -90,10 +117,16 @@ class FusedLayout:
         return got[1]
 
     def pack(
-        self, ask: np.ndarray, payload: torch.Tensor | None, gather, slots: torch.Tensor | None
+        self,
+        ask: np.ndarray,
+        payload: torch.Tensor | None,
+        gather,
+        slots: torch.Tensor | None,
+        updates: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """The send rows: per peer the header, the payload, then ``ask[peer]`` candidates
-        gathered by ``gather(slots, out)`` from consecutive segments of ``slots``.
+        gathered by ``gather(slots, out)`` from consecutive segments of ``slots``, then the
+        update region (``updates[peer]``: ``[k, 2]`` int64 pairs, ``k`` within its room).
 
         Returns:
             ``(rows, in_splits)``.
@@ -113,6 +146,15 @@ class FusedLayout:
             if k and slots is not None:
                 gather(slots[drawn : drawn + k], send[at : at + k])
             at, drawn = at + k, drawn + k
+            u = self.up_send[p]
+            if u:
+                region = rows[at : at + u].reshape(-1).view(np.int64)
+                pairs = updates.get(p) if updates else None
+                n = 0 if pairs is None else pairs.shape[0]
+                region[0] = n
+                if n:
+                    region[2 : 2 + 2 * n] = pairs.numpy().reshape(-1)
+                at += u
         return send, in_splits
 
     def recv_rows(self, ask: np.ndarray) -> tuple[torch.Tensor, list[int]]:
@@ -122,13 +164,13 @@ class FusedLayout:
 
     def unpack(
         self, recv: torch.Tensor, ask: np.ndarray
-    ) -> tuple[np.ndarray, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    ) -> tuple[np.ndarray, dict[int, torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor]]:
         """Every rank's header (this rank's own included), each peer's payload (learners that
-        sent one) and each peer's candidate block.
+        sent one), each peer's candidate block, and the update pairs peers sent.
 
         Returns:
-            ``(meta [world, head_len], payloads, candidates)``; ``meta`` is reused by the next
-            round.
+            ``(meta [world, head_len], payloads, candidates, updates)``; ``meta`` is reused by
+            the next round; ``updates``: ``[k, 2]`` int64 copies.
         """
         pay, _, out_splits = self.splits(ask)
         meta, rows = self._meta_np, self._numpy(self._recv)
@@ -136,6 +178,7 @@ class FusedLayout:
         nb = mb.shape[1]
         payloads: dict[int, torch.Tensor] = {}
         blocks: dict[int, torch.Tensor] = {}
+        updates: list[torch.Tensor] = []
         at = 0
         for p in range(self.world):
             if p == self.rank:
@@ -143,9 +186,16 @@ class FusedLayout:
             mb[p] = rows[at : at + self.h].reshape(-1)[:nb]
             if pay[p] and meta[p, -1]:
                 payloads[p] = self._as_floats(recv[at + self.h : at + self.h + pay[p]], p)
-            blocks[p] = recv[at + self.h + pay[p] : at + out_splits[p]]
+            u = self.up_recv[p]
+            end = at + out_splits[p] - u
+            blocks[p] = recv[at + self.h + pay[p] : end]
+            if u:
+                region = rows[end : end + u].reshape(-1).view(np.int64)
+                n = int(region[0])
+                if n:
+                    updates.append(torch.from_numpy(region[2 : 2 + 2 * n].reshape(n, 2).copy()))
             at += out_splits[p]
-        return meta, payloads, blocks
+        return meta, payloads, blocks, updates
 
     def _as_floats(self, rows: torch.Tensor, p: int) -> torch.Tensor:
         """A payload's float32 values: a view of the rows when aligned, else a copy."""

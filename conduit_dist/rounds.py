@@ -90,6 +90,14 @@ class RoundRunner:
         )
         self.fused_rounds = 0  # rounds that ran as one exchange (and delivered from it)
         self._asked_of_me = 0  # candidates this shard sends this round (last round's requests)
+        self._tags = sampler.trailer_bytes > 0
+        self._alloc: np.ndarray | None = None  # last round's allocation (update regions' sizes)
+
+    def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the records at ``slots`` into ``out``; the sampler writes their trailers."""
+        self.shard.gather(slots, out)
+        if self._tags:
+            self.sampler.tag(slots, out)
 
     def start(
         self, t: RoundTicket, weights: WeightsState
@@ -172,7 +180,7 @@ class RoundRunner:
         n_out = int(counts[0, 0])
         out = self.outputs.acquire(n_out)
         if n_out:
-            self.shard.gather(self.sampler.draw(n_out, size, t.round), out)
+            self._gather(self.sampler.draw(n_out, size, t.round), out)
         self.sampler.feedback(t.round)
         stats.mark("sample", t1, time.perf_counter())
         rb = self.spec.record_bytes
@@ -215,7 +223,10 @@ class RoundRunner:
         n_cand = self._asked_of_me
         n_draw = n_cand + int(t.request)
         slots = self.sampler.draw(n_draw, size, r) if size and n_draw else None
-        send, in_splits = lay.pack(ask, t.reduce, self.shard.gather, slots)
+        routes = self.sampler.routes_updates
+        budgets = lay.set_updates(self._alloc if routes else None)
+        updates = self.sampler.outgoing(budgets) if budgets else None
+        send, in_splits = lay.pack(ask, t.reduce, self._gather, slots, updates)
         recv, out_splits = lay.recv_rows(ask)
         work = self.exchange.all_to_all_async(
             recv, send, out_splits, in_splits, r, "all_to_all(round)"
@@ -231,7 +242,9 @@ class RoundRunner:
         r, t0 = t.round, f.t0
         t_wait = time.perf_counter()
         f.work.wait()
-        meta, payloads, blocks = lay.unpack(f.recv, ask)
+        meta, payloads, blocks, updates = lay.unpack(f.recv, ask)
+        for rows in updates:
+            self.sampler.incoming(rows)
         if t.reduce is not None:
             lay.average(t.reduce, payloads)
         self._requests, self.sizes, self._inflow = (
@@ -251,6 +264,7 @@ class RoundRunner:
         rb, n_in = self.spec.record_bytes, t.count + t.direct
         stats.items_in, stats.bytes_in = n_in, n_in * rb
         alloc = self.sampler.allocate(self._requests, self.sizes, r, meta[:, _META:-2])
+        self._alloc = alloc
         if short(alloc, ask):  # the same on every rank: all run the ordinary delivery
             out = self._deliver(alloc, r, stats, t1)
         else:
@@ -264,7 +278,7 @@ class RoundRunner:
                 at += k
             own = int(alloc[me, me])
             if own:
-                self.shard.gather(slots[n_cand : n_cand + own], out[at:])
+                self._gather(slots[n_cand : n_cand + own], out[at:])
             t2 = time.perf_counter()
             stats.mark("sample", t1, t2)
             stats.mark("deliver", t2, t2)  # the rows arrived with the headers
@@ -359,10 +373,10 @@ class RoundRunner:
         if n_draw:
             slots = self.sampler.draw(n_draw, int(self.shard.size), r)
             if mine:
-                self.shard.gather(slots[first : first + mine], out[remote:])
+                self._gather(slots[first : first + mine], out[remote:])
             if n_draw > mine:
                 others = torch.cat([slots[:first], slots[first + mine :]]) if mine else slots
-                self.shard.gather(others, send)
+                self._gather(others, send)
         t2 = time.perf_counter()
         stats.mark("sample", t1, t2)
         rows = _between_ranks(counts.T)  # rows[shard, learner], own-shard rows already placed

@@ -8,6 +8,7 @@ received batch is viewed field by field with ``Tensor.view(dtype)`` on aligned c
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Mapping
@@ -67,6 +68,11 @@ class FieldSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SpecError(f"field name must be a non-empty string, got {self.name!r}")
+        if self.name.startswith("_"):
+            raise SpecError(
+                f"field {self.name!r}: names starting with '_' are reserved for what the plane "
+                "returns beside the fields (e.g. '_index', '_weight'); rename the field"
+            )
         if self.dtype not in SUPPORTED:
             raise SpecError(
                 f"field {self.name!r}: dtype must be one of {[str(d) for d in SUPPORTED]}, "
@@ -153,6 +159,17 @@ class ExperienceSpec:
         # what pack checks per source, and whether the native table holds every field
         self._want = tuple((name, dtype, shape) for name, _, _, dtype, shape in self._cols)
         self._use_native = _native is not None and len(self._cols) <= _NATIVE_MAX_FIELDS
+
+    trailer: int | None = None  # offset of the bytes a sampler writes after the fields
+
+    def with_trailer(self, nbytes: int) -> ExperienceSpec:
+        """This layout with ``nbytes`` (rounded up to 8) more per record after the fields, which
+        ``pack`` leaves alone and ``unpack`` does not return: where a sampler writes what it
+        delivers beside each item (see ``Sampler.trailer_bytes``). Equal to this spec."""
+        out = copy.copy(self)
+        out.trailer = self.record_bytes
+        out.record_bytes = self.record_bytes + align(nbytes)
+        return out
 
     @classmethod
     def from_batch(

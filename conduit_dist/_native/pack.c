@@ -11,6 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define MAX_FIELDS 256
@@ -411,7 +412,88 @@ static PyObject* uniform_alloc(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+
+/* Sum and min trees over P leaves (P a power of two): node i has children 2i and 2i+1, leaves
+ * are P..2P-1, node 1 is the root. A dead leaf has sum 0 and min +inf. */
+
+/* tree_set(sum, min, P, idx, val, n): leaf idx[i] := val[i] (float64 >= 0), in order (the last
+ * of duplicates wins), then its ancestors are recomputed. */
+static PyObject* tree_set(PyObject* self, PyObject* args) {
+    unsigned long long sum_p, min_p, idx_p, val_p;
+    long long P, n;
+    if (!PyArg_ParseTuple(args, "KKLKKL", &sum_p, &min_p, &P, &idx_p, &val_p, &n)) return NULL;
+    if (P < 1 || (P & (P - 1)) || n < 0) {
+        PyErr_Format(PyExc_ValueError, "tree_set: expected a power of two P and n >= 0, got "
+                     "P=%lld, n=%lld", P, n);
+        return NULL;
+    }
+    double* s = (double*)(uintptr_t)sum_p;
+    double* m = (double*)(uintptr_t)min_p;
+    const int64_t* idx = (const int64_t*)(uintptr_t)idx_p;
+    const double* val = (const double*)(uintptr_t)val_p;
+    for (long long i = 0; i < n; i++) {
+        if (idx[i] < 0 || idx[i] >= P) {
+            PyErr_Format(PyExc_IndexError, "tree_set: leaf %lld outside [0, %lld)",
+                         (long long)idx[i], P);
+            return NULL;
+        }
+        int64_t k = P + idx[i];
+        s[k] = val[i];
+        m[k] = val[i] > 0 ? val[i] : INFINITY;
+        for (k >>= 1; k >= 1; k >>= 1) {
+            s[k] = s[2 * k] + s[2 * k + 1];
+            double a = m[2 * k], b = m[2 * k + 1];
+            m[k] = a < b ? a : b;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* tree_sample(sum, P, n, seed, round, key, out, mass): n leaves drawn i.i.d. with probability
+ * leaf / root, from the splitmix64 stream (seed, round, key); their indices (int64) into out and
+ * their values (float64) into mass. The descent never enters a child of zero mass, so rounding
+ * cannot land on a dead leaf. The root must be > 0. */
+static PyObject* tree_sample(PyObject* self, PyObject* args) {
+    unsigned long long sum_p, seed, round, key, out_p, mass_p;
+    long long P, n;
+    if (!PyArg_ParseTuple(args, "KLLKKKKK", &sum_p, &P, &n, &seed, &round, &key, &out_p, &mass_p))
+        return NULL;
+    const double* s = (const double*)(uintptr_t)sum_p;
+    if (P < 1 || (P & (P - 1)) || n < 0 || !(s[1] > 0)) {
+        PyErr_Format(PyExc_ValueError, "tree_sample: expected a power of two P, n >= 0 and a "
+                     "positive total, got P=%lld, n=%lld, total=%g", P, n, s[1]);
+        return NULL;
+    }
+    int64_t* out = (int64_t*)(uintptr_t)out_p;
+    double* mass = (double*)(uintptr_t)mass_p;
+    uint64_t h = 0x9E3779B97F4A7C15ULL;
+    h = splitmix_step(splitmix_step(splitmix_step(h, seed), round), key);
+    for (long long i = 0; i < n; i++) {
+        h += 0x9E3779B97F4A7C15ULL;
+        double u = (double)(splitmix_step(h, 0) >> 11) * 0x1.0p-53 * s[1];
+        int64_t k = 1;
+        while (k < P) {
+            double left = s[2 * k];
+            if ((u < left && left > 0) || !(s[2 * k + 1] > 0)) {
+                k = 2 * k;
+            } else {
+                u -= left;
+                k = 2 * k + 1;
+            }
+        }
+        out[i] = k - P;
+        mass[i] = s[k];
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"tree_set", tree_set, METH_VARARGS,
+     "tree_set(sum, min, P, idx, val, n): set n leaves of float64 sum/min trees over P leaves "
+     "and recompute their ancestors."},
+    {"tree_sample", tree_sample, METH_VARARGS,
+     "tree_sample(sum, P, n, seed, round, key, out, mass): n leaves drawn in proportion to their "
+     "mass from the stream (seed, round, key)."},
     {"uniform_alloc", uniform_alloc, METH_VARARGS,
      "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
      "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},

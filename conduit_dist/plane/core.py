@@ -148,7 +148,40 @@ class DataPlane:
             EmptyStoreError: if nothing is stored yet (the round itself completed).
         """
         self._check_open()
-        return self._p.runner.outputs.unpack(self._p.control.fetch(batch_size, more, reduce))
+        records = self._p.control.fetch(batch_size, more, reduce)
+        out = self._p.runner.outputs.unpack(records)
+        if self.sampler.trailer_bytes:  # e.g. prioritized replay's _index and _weight
+            at = self._p.runner.spec.trailer
+            out = {**out, **self.sampler.entries(records[:, at:])}
+        return out
+
+    def update_priorities(self, index: torch.Tensor, priority: torch.Tensor) -> None:
+        """Set the priorities of fetched items (``Prioritized`` sampler, learners).
+
+        Each update travels to the shard that holds the item in a later round; an update whose
+        item was overwritten meanwhile is dropped and counted (``store_stats()``).
+
+        Args:
+            index: the ``"_index"`` entries of fetched batches (int64 ``[k]``, any device).
+            priority: new priorities (``[k]``, finite, ``>= 0``; e.g. ``|TD error|``).
+
+        Raises:
+            ConfigError: without a sampler that takes updates, on an actor, on shapes, dtypes
+                or addresses that do not match, or on NaN/inf/negative priorities (nothing is
+                queued then).
+        """
+        self._check_open()
+        if not self.is_learner:
+            raise ConfigError(
+                f"update_priorities: rank {self.rank} is an actor; learners update what they fetched"
+            )
+        if not self.sampler.routes_updates:
+            raise ConfigError(
+                f"update_priorities: the {self.sampler.name!r} sampler takes no priority "
+                "updates; build the plane with sampler=cd.Prioritized(...)"
+            )
+        index, priority = _check_updates(index, priority, self.world)
+        self.sampler.queue_updates(index, priority)
 
     def fetch_start(self, batch_size: int, *, reduce: torch.Tensor | None = None) -> None:
         """Start the next ``fetch(batch_size)``'s round; return with its exchange in flight
@@ -208,7 +241,7 @@ class DataPlane:
     def store_stats(self) -> dict[str, object]:
         """This rank's shard: items and bytes per tier, demotions, evictions (with the items
         dropped at staging, also shown alone), without waiting for a running round."""
-        return self._p.store_stats()
+        return {**self._p.store_stats(), **self.sampler.stats()}
 
     def export_trace(self, path: str) -> str:
         """Write this rank's timeline as Chrome trace JSON (Perfetto); returns the path.
@@ -250,6 +283,45 @@ class DataPlane:
         if self._p.stager.in_block:
             raise ConfigError("this call cannot run inside a staged() block: leave the block first")
         self._p.clock.check()
+
+
+def _check_updates(index, priority, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked CPU copies of ``update_priorities``' arguments (int64 and float64 ``[k]``).
+
+    Raises:
+        ConfigError: naming the argument, the expected and the received value.
+    """
+    from conduit_dist.sampling.prioritized import RANK_SHIFT
+
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
+        got = f"{index.dtype} {list(index.shape)}" if isinstance(index, torch.Tensor) else index
+        raise ConfigError(f"update_priorities index: expected an int64 [k] tensor, got {got}")
+    if not isinstance(priority, torch.Tensor) or not priority.dtype.is_floating_point:
+        got = priority.dtype if isinstance(priority, torch.Tensor) else type(priority).__name__
+        raise ConfigError(
+            f"update_priorities priority: expected a floating-point tensor, got {got}"
+        )
+    if priority.shape != index.shape:
+        raise ConfigError(
+            f"update_priorities priority: expected shape {list(index.shape)} (one per index), "
+            f"got {list(priority.shape)}"
+        )
+    index = index.detach().to("cpu", torch.int64)
+    priority = priority.detach().to("cpu", torch.float64)
+    bad = ~torch.isfinite(priority) | (priority < 0)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0])
+        raise ConfigError(
+            f"update_priorities priority: expected finite values >= 0, got {int(bad.sum())} "
+            f"others (e.g. {float(priority[first])} at position {first})"
+        )
+    rank = index >> RANK_SHIFT
+    if index.numel() and (int(index.min()) < 0 or int(rank.max()) >= world):
+        raise ConfigError(
+            "update_priorities index: expected '_index' entries of fetched batches (ranks "
+            f"0..{world - 1}), got ranks {sorted(set(rank.tolist()))[:8]}"
+        )
+    return index.contiguous(), priority.contiguous()
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

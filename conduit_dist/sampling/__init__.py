@@ -1,6 +1,7 @@
 """Samplers over the sharded store: the protocol in ``base.py``, one module per kind."""
 
 from conduit_dist.sampling.base import Sampler, SamplerContext
+from conduit_dist.sampling.prioritized import Prioritized
 from conduit_dist.sampling.uniform import Uniform
 
-__all__ = ["Sampler", "SamplerContext", "Uniform"]
+__all__ = ["Prioritized", "Sampler", "SamplerContext", "Uniform"]

@@ -94,6 +94,11 @@ class Sampler(ABC):
     # an allocation from requests, sizes and meta alone): a shard may then send a learner
     # candidates before the allocation is known, and the round fuses meta and delivery
     speculative: bool = False
+    # bytes the sampler writes after each delivered record (tag) and reads back at the learner
+    # (entries): what it returns beside the fields, e.g. prioritized replay's _index and _weight
+    trailer_bytes: int = 0
+    # learners queue updates for other shards (outgoing), which rounds carry to them (incoming)
+    routes_updates: bool = False
 
     def __init__(self) -> None:
         self.ctx: SamplerContext | None = None
@@ -104,6 +109,28 @@ class Sampler(ABC):
     def bind(self, ctx: SamplerContext) -> None:
         """Attach to a plane (called once, when the plane is built)."""
         self.ctx = ctx
+
+    def attach(self, shard, trailer: int) -> None:  # noqa: B027 (default hook)
+        """Called once the plane's shard is built; ``trailer``: byte offset of the trailer in a
+        row (when ``trailer_bytes``)."""
+
+    def tag(self, index: torch.Tensor, out: torch.Tensor) -> None:  # noqa: B027
+        """Write the trailers of rows just gathered from ``index`` (when ``trailer_bytes``)."""
+
+    def entries(self, trailer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a learner returns beside the fields, from its rows' trailers."""
+        return {}
+
+    def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Queued updates to send, at most ``budgets[peer]`` rows per peer (``routes_updates``)."""
+        return {}
+
+    def incoming(self, rows: torch.Tensor) -> None:  # noqa: B027
+        """Updates a peer sent this shard (``routes_updates``)."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``store_stats`` (none by default)."""
+        return {}
 
     def local_meta(self, shard: object) -> Sequence[int]:
         """This shard's ``meta_width`` values for the meta exchange."""

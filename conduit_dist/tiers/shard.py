@@ -25,6 +25,21 @@ class Shard:
         self.size = 0
         self.written = 0  # items ever written (the next item's generation)
 
+    addresses_are_slots = True  # a gather index is the slot ``generation % capacity``
+
+    @property
+    def oldest(self) -> int:
+        """Generation of the oldest live item (live items: ``oldest .. written - 1``)."""
+        return self.written - self.size
+
+    def index_of(self, generations: torch.Tensor) -> torch.Tensor:
+        """Gather indices of live items by generation (their slots)."""
+        return generations % self.capacity
+
+    def generations(self, index: torch.Tensor) -> torch.Tensor:
+        """Generations of the live items at gather indices (inverse of :meth:`index_of`)."""
+        return self.oldest + (index - self.oldest) % self.capacity
+
     def receive_region(self, n: int) -> torch.Tensor | None:
         """Slots the next ``n`` items would occupy, as one contiguous view, if they do not wrap.
 

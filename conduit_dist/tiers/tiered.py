@@ -161,10 +161,10 @@ class TieredShard:
             self._append(records)
 
     def _append(self, records: torch.Tensor) -> None:
+        self.written += records.shape[0]  # skipped items count: generations stay FIFO order
         if records.shape[0] > self.capacity:
             self.evictions += records.shape[0] - self.capacity
             records = records[-self.capacity :]
-        self.written += records.shape[0]
         self._push(0, records)
 
     def receive_region(self, n: int) -> torch.Tensor | None:
@@ -189,6 +189,43 @@ class TieredShard:
     direct_views = None  # writing ahead of a round across tiers would need a demotion
 
     # ------------------------------------------------------------------ reads
+
+    addresses_are_slots = False  # gather indices are logical: they shift as items arrive
+
+    @property
+    def oldest(self) -> int:
+        """Generation of the oldest live item (live items: ``oldest .. written - 1``, FIFO
+        across tiers)."""
+        return self.written - self.size
+
+    def _tier_spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per non-empty tier, oldest first: first age position (0: the oldest item), first
+        logical index, and items held."""
+        newer = np.array([r.size for r in self.rings], dtype=np.int64)  # newest tier first
+        logical = np.concatenate([[0], np.cumsum(newer)[:-1]])[::-1].copy()
+        sizes = newer[::-1].copy()  # oldest tier first
+        ages = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        keep = sizes > 0
+        return (
+            torch.from_numpy(ages[keep]),
+            torch.from_numpy(logical[keep]),
+            torch.from_numpy(sizes[keep]),
+        )
+
+    def index_of(self, generations: torch.Tensor) -> torch.Tensor:
+        """Logical gather indices of live items by generation (valid until items arrive)."""
+        age = generations - self.oldest
+        ages, logical, _ = self._tier_spans()
+        tier = torch.searchsorted(ages, age, right=True) - 1
+        return age - ages[tier] + logical[tier]
+
+    def generations(self, index: torch.Tensor) -> torch.Tensor:
+        """Generations of the live items at logical indices (inverse of :meth:`index_of`)."""
+        ages, logical, sizes = self._tier_spans()
+        order = torch.argsort(logical)  # tiers by logical start
+        lo = logical[order]
+        k = order[torch.searchsorted(lo, index, right=True) - 1]
+        return self.oldest + index - logical[k] + ages[k]
 
     def gather(self, logical: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the items at logical indices (newest tier first) into ``out``."""

@@ -1,0 +1,274 @@
+"""Prioritized replay, exact over the global (sharded) store.
+
+Every shard keeps a sum tree (and a min tree) over its slots, keyed by ``generation % capacity``
+so an item's priority follows it whichever tier holds it. An item ``i`` has mass
+``m_i = (p_i + eps) ** alpha``; a learner's batch of ``b`` items is split over shards by a
+multinomial with probabilities ``M_s / M`` (each shard's total mass travels in the round's meta
+exchange, so every rank computes the same split with no further exchange), and each shard draws
+its share i.i.d. in proportion to ``m_i`` from its tree: item ``i`` is drawn with probability
+``m_i / M`` whichever shard holds it, i.i.d. across the batch.
+
+Delivered beside the fields: ``"_index"`` (int64: ``rank << 48 | generation``, an opaque
+address) and ``"_weight"`` (float32), ``(N P(i)) ** -beta / (N P_min) ** -beta``, which equals
+``(m_i / m_min) ** -beta`` with ``m_min`` the smallest mass over the global store (the
+shards' minima also travel in the meta exchange).
+
+``DataPlane.update_priorities`` queues ``(index, priority)`` on the learner; each queued update
+travels to its owner inside a later round's exchange (a learner may send a shard as many updates
+per round as it drew from it in the round before, the usual loop of one update per sampled item;
+more wait for the next round). The owner applies them at the start of its next round, after
+this round's draws: an update whose slot now holds another generation (the item was
+overwritten or evicted) is dropped and counted, never applied to the new item. New items enter
+with the largest priority set so far over the global store (every shard's maximum travels in the
+meta exchange; a shard's own updates count at once, others' one round later).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.sampling.base import Sampler, mix
+from conduit_dist.sampling.sumtree import SumTree
+
+_KEY = 1 << 41  # allocation streams: (seed, round, _KEY + learner)
+RANK_SHIFT = 48  # _index = rank << 48 | generation
+_GEN_MASK = (1 << RANK_SHIFT) - 1
+
+
+def _bits(x: float) -> int:
+    """A float64's bit pattern as an int64 (the meta exchange carries int64)."""
+    return int(np.float64(x).view(np.int64))
+
+
+class Prioritized(Sampler):
+    """Each learner's batch i.i.d. with probability ``(p_i + eps)^alpha / sum``, over every shard.
+
+    Args:
+        alpha: priority exponent (0: uniform).
+        beta: importance-weight exponent (may be changed between fetches, e.g. annealed to 1).
+        eps: added to every priority (keeps items with a zero TD error sampleable).
+        initial_priority: the largest priority before any update (what the first items get).
+
+    Raises:
+        ConfigError: on a negative ``alpha``, ``beta`` outside ``[0, 1]``, a negative ``eps``,
+            or a non-positive ``initial_priority``.
+    """
+
+    name = "prioritized"
+    speculative = True  # i.i.d. draws from the tree, the split from the masses in the meta
+    meta_width = 3  # total mass, smallest positive mass, largest priority (float64 bits)
+    trailer_bytes = 16  # int64 generation, float64 mass per delivered row
+    routes_updates = True
+
+    def __init__(
+        self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, initial_priority=1.0
+    ) -> None:
+        super().__init__()
+        for field, value, ok, want in (
+            ("alpha", alpha, alpha >= 0, ">= 0"),
+            ("beta", beta, 0 <= beta <= 1, "in [0, 1]"),
+            ("eps", eps, eps >= 0, ">= 0"),
+            ("initial_priority", initial_priority, initial_priority > 0, "> 0"),
+        ):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
+                raise ConfigError(f"sampler.{field}: expected a number {want}, got {value!r}")
+        self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
+        self.max_priority = float(initial_priority)  # over the global store, as known here
+        self.global_min = math.inf  # smallest mass over the global store, latest round
+        self.tree: SumTree | None = None
+        self.shard = None
+        self._lock = threading.Lock()  # pending updates: queued by the caller, sent by rounds
+        self._pending: dict[int, list[torch.Tensor]] = {}  # owner -> [k, 2] int64 rows
+        self._received: list[torch.Tensor] = []  # [k, 2] rows for this shard
+        self.applied = self.dropped = 0
+
+    def attach(self, shard, trailer: int) -> None:
+        """Track ``shard``'s items; rows carry their trailer at byte ``trailer``."""
+        self.shard, self._col = shard, trailer // 8
+        cap = shard.capacity
+        self.tree = SumTree(cap)
+        self._gen = torch.full((cap,), -1, dtype=torch.int64)  # generation in each tree leaf
+        self._lo = self._hi = 0  # live generations the tree holds: [lo, hi)
+        self._draw = torch.empty(256, dtype=torch.int64)
+        self._mass = torch.empty(256, dtype=torch.float64)
+
+    def mass(self, priority: torch.Tensor) -> torch.Tensor:
+        """``(priority + eps) ** alpha`` in float64."""
+        return (priority.to(torch.float64) + self.eps).pow_(self.alpha)
+
+    # ------------------------------------------------------------------ the shard's side
+
+    def _sync(self) -> None:
+        """Zero the leaves of items gone since the last call, give new items the max priority."""
+        sh, cap = self.shard, self.shard.capacity
+        written, oldest = sh.written, sh.oldest
+        # gone and not reused by a newer item (whose write below sets the leaf)
+        gone_lo, gone_hi = max(self._lo, written - cap), min(oldest, self._hi)
+        if gone_hi > gone_lo:
+            leaf = torch.arange(gone_lo, gone_hi) % cap
+            self.tree.set(leaf, torch.zeros(leaf.numel(), dtype=torch.float64))
+            self._gen[leaf] = -1
+        new_lo = max(self._hi, oldest)
+        if written > new_lo:
+            gens = torch.arange(new_lo, written)
+            leaf = gens % cap
+            top = self.mass(torch.tensor([self.max_priority]))
+            self.tree.set(leaf, top.expand(leaf.numel()))
+            self._gen[leaf] = gens
+        self._lo, self._hi = oldest, written
+
+    def _apply(self) -> None:
+        """Apply the updates received for this shard (stale generations are dropped)."""
+        with self._lock:
+            rows, self._received = self._received, []
+            own = self._pending.pop(self.ctx.rank, [])
+        rows = rows + own
+        if not rows:
+            return
+        upd = torch.cat(rows)
+        gens, prio = upd[:, 0], upd[:, 1].view(torch.float64)
+        leaf = gens % self.shard.capacity
+        live = (self._gen[leaf] == gens) & (gens >= self._lo)
+        n_live = int(live.sum())
+        self.dropped += gens.numel() - n_live
+        self.applied += n_live
+        if n_live:
+            self.tree.set(leaf[live], self.mass(prio[live]))
+            self.max_priority = max(self.max_priority, float(prio[live].max()) + self.eps)
+
+    def local_meta(self, shard: object) -> Sequence[int]:
+        """After this round's items are in: sync the tree, apply received updates, and report
+        the shard's total mass, smallest mass and largest priority (as float64 bits)."""
+        self._sync()
+        self._apply()
+        return (_bits(self.tree.total), _bits(self.tree.smallest), _bits(self.max_priority))
+
+    def draw(self, count: int, size: int, round: int) -> torch.Tensor:
+        """``count`` gather indices drawn in proportion to mass (valid until the next draw)."""
+        if self._draw.shape[0] < count:
+            self._draw = torch.empty(max(count, 2 * self._draw.shape[0]), dtype=torch.int64)
+            self._mass = torch.empty(self._draw.shape[0], dtype=torch.float64)
+        leaf = self._draw[:count]
+        self.tree.sample(count, self.ctx.seed, round, self.ctx.rank, leaf, self._mass)
+        if self.shard.addresses_are_slots:
+            return leaf
+        return self.shard.index_of(self._gen[leaf])
+
+    def tag(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Write each gathered row's address and mass into its trailer."""
+        if index.numel() == 0:
+            return
+        sh = self.shard
+        leaf = index if sh.addresses_are_slots else sh.generations(index) % sh.capacity
+        cols, at = out.view(torch.int64), self._col  # rows are 8-byte multiples
+        cols[:, at] = self._gen[leaf] | (self.ctx.rank << RANK_SHIFT)
+        cols[:, at + 1] = self.tree.sum[leaf + self.tree.P].view(torch.int64)
+
+    # ------------------------------------------------------------------ the allocation
+
+    def allocate(
+        self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
+    ) -> np.ndarray:
+        """Per-learner multinomial split over shards in proportion to their masses."""
+        world = sizes.shape[0]
+        vals = np.ascontiguousarray(meta[:, :3]).view(np.float64)
+        masses, mins, tops = vals[:, 0], vals[:, 1], vals[:, 2]
+        self.global_min = float(mins.min())
+        self.max_priority = max(self.max_priority, float(tops.max()))
+        counts = np.zeros((world, world), dtype=np.int64)
+        total = float(masses.sum())
+        if not total > 0 or not requests.any():
+            return counts
+        if world == 1:
+            counts[0, 0] = requests[0]
+            return counts
+        p = masses / total
+        for learner in np.nonzero(requests)[0]:
+            key = mix(self.ctx.seed, round, _KEY + int(learner))
+            rng = np.random.Generator(np.random.PCG64(key))
+            counts[learner] = rng.multinomial(int(requests[learner]), p)
+        return counts
+
+    def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Size-proportional (masses are not known ahead of a round)."""
+        total = sizes.sum()
+        if total == 0:
+            return np.zeros((sizes.shape[0], sizes.shape[0]))
+        return requests[:, None] * (sizes[None, :] / total)
+
+    # ------------------------------------------------------------------ the learner's side
+
+    def entries(self, trailer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``_index`` and ``_weight`` of delivered rows from their trailers (``[n, 16]`` bytes)."""
+        cols = trailer.contiguous().view(torch.int64)
+        index = cols[:, 0].clone()
+        mass = cols[:, 1].view(torch.float64)
+        weight = (mass / self.global_min).pow_(-self.beta).to(torch.float32)
+        return {"_index": index, "_weight": weight}
+
+    def queue_updates(self, index: torch.Tensor, priority: torch.Tensor) -> None:
+        """Queue checked updates (int64 ``[k]`` addresses, float64 ``[k]`` priorities)."""
+        rank = index >> RANK_SHIFT
+        rows = torch.stack([index & _GEN_MASK, priority.view(torch.int64)], dim=1)
+        with self._lock:
+            for owner in torch.unique(rank).tolist():
+                self._pending.setdefault(owner, []).append(rows[rank == owner])
+
+    def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Up to ``budgets[peer]`` queued updates per peer (``[k, 2]`` int64), oldest first; the
+        rest stay queued."""
+        out = {}
+        with self._lock:
+            for peer, budget in budgets.items():
+                queued = self._pending.get(peer)
+                if not queued or budget <= 0:
+                    continue
+                rows = torch.cat(queued) if len(queued) > 1 else queued[0]
+                out[peer] = rows[:budget]
+                rest = rows[budget:]
+                self._pending[peer] = [rest] if rest.numel() else []
+        return out
+
+    def pending(self) -> int:
+        """Updates queued for other shards and not yet sent."""
+        with self._lock:
+            return sum(int(r.shape[0]) for q in self._pending.values() for r in q)
+
+    def incoming(self, rows: torch.Tensor) -> None:
+        """Updates another learner sent this shard (applied at the next round's start)."""
+        if rows.numel():
+            with self._lock:
+                self._received.append(rows.clone())
+
+    def stats(self) -> dict[str, int]:
+        """Updates applied and dropped (stale: the slot holds another item now) on this shard."""
+        return {"priority_updates_applied": self.applied, "priority_updates_dropped": self.dropped}
+
+    def state_dict(self) -> dict[str, object]:
+        """The trees' leaves, their generations and the largest priority (sums are derived)."""
+        return {
+            "name": self.name,
+            "leaves": self.tree.leaves().clone(),
+            "generations": self._gen.clone(),
+            "live": torch.tensor([self._lo, self._hi]),
+            "max_priority": self.max_priority,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore leaves saved by :meth:`state_dict` (same capacity) and rebuild the sums."""
+        super().load_state_dict(state)
+        leaves = state["leaves"]
+        if leaves.shape != (self.shard.capacity,):
+            raise ConfigError(
+                f"sampler leaves: expected [{self.shard.capacity}], got {list(leaves.shape)}"
+            )
+        self.tree.load(leaves)
+        self._gen.copy_(state["generations"])
+        self._lo, self._hi = (int(v) for v in state["live"])
+        self.max_priority = float(state["max_priority"])

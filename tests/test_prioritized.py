@@ -1,0 +1,175 @@
+"""Prioritized replay over real gloo ranks: exact draws, weights, routed and stale updates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import conduit_dist as cd
+from conduit_dist.errors import ConfigError, SpecError
+from tests.dist_utils import run_ranks
+
+SPEC = {"id": ((), torch.int64), "obs": ((3,), torch.float32)}
+ALPHA, BETA, EPS = 0.7, 0.6, 0.01
+
+
+def _prio(ids: torch.Tensor) -> torch.Tensor:
+    return 1.0 + (ids % 5).double() * 1.5  # priorities 1 .. 7
+
+
+def _mass(ids: torch.Tensor) -> torch.Tensor:
+    return (_prio(ids) + EPS) ** ALPHA
+
+
+def _items(rank: int, n: int) -> dict[str, torch.Tensor]:
+    ids = torch.arange(n) + 1000 * rank
+    return {"id": ids, "obs": ids.float()[:, None].expand(n, 3).contiguous()}
+
+
+def _uneven(rank: int, world: int, rounds: int, batch: int) -> dict[str, object]:
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(SPEC), 64, seed=3, sampler=cd.Prioritized(ALPHA, BETA, EPS),
+        placement="local", schedule="sync",
+    )  # fmt: skip
+    plane.put(_items(rank, 5 + 9 * rank))  # 5, 14, 23 items: uneven shards
+    for _ in range(6):  # every item is drawn and given its priority
+        b = plane.fetch(batch)
+        plane.update_priorities(b["_index"], _prio(b["id"]))
+    counts: dict[int, int] = {}
+    weights_ok = True
+    all_ids = torch.cat([_items(r, 5 + 9 * r)["id"] for r in range(world)])
+    m_min = float(_mass(all_ids).min())
+    for _ in range(rounds):
+        b = plane.fetch(batch)
+        plane.update_priorities(b["_index"], _prio(b["id"]))
+        want = ((_mass(b["id"]) / m_min) ** -BETA).float()
+        weights_ok &= torch.allclose(b["_weight"], want, rtol=1e-5)
+        for i in b["id"].tolist():
+            counts[i] = counts.get(i, 0) + 1
+    stats = plane.store_stats()
+    plane.close()
+    return {"counts": counts, "weights_ok": weights_ok, "stats": stats}
+
+
+def test_prioritized_is_exact_over_uneven_shards():
+    """Draws follow ``m_i / sum m`` over 3 uneven shards once priorities came back through
+    update_priorities (routed to the owner in the rounds), and ``_weight`` is the formula with
+    the global minimum."""
+    rounds, batch = 60, 64
+    res = run_ranks(_uneven, 3, rounds, batch, timeout_s=240)
+    ids = torch.cat([_items(r, 5 + 9 * r)["id"] for r in range(3)])
+    p = _mass(ids) / _mass(ids).sum()
+    for rank, got in res.items():
+        assert got["weights_ok"], rank
+        assert got["stats"]["priority_updates_applied"] > 0
+        n = rounds * batch
+        chi2 = sum(
+            (got["counts"].get(int(i), 0) - n * float(q)) ** 2 / (n * float(q))
+            for i, q in zip(ids, p)
+        )
+        df = ids.numel() - 1
+        assert chi2 < df + 5 * math.sqrt(2 * df), (rank, chi2, df)
+        assert set(got["counts"]) <= set(ids.tolist())
+
+
+def _stale(rank: int, world: int) -> dict[str, int]:
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(SPEC), 8, seed=1, sampler=cd.Prioritized(1.0, 0.5, 0.0),
+        placement="local", schedule="sync",
+    )  # fmt: skip
+    plane.put(_items(rank, 8))
+    old = plane.fetch(16)
+    plane.put(_items(rank + 10, 8))  # overwrites every slot of this shard
+    plane.fetch(16)  # the new items arrive; `old`'s slots now hold other generations
+    plane.update_priorities(old["_index"], torch.full((16,), 100.0))
+    for _ in range(3):
+        b = plane.fetch(64)
+    stats = plane.store_stats()
+    weights = b["_weight"]
+    plane.close()
+    return {**{k: v for k, v in stats.items() if k.startswith("priority")}, "w": weights}
+
+
+def test_update_for_an_overwritten_slot_is_dropped():
+    """An update whose item was overwritten since it was sampled is dropped and counted (never
+    applied to the new item: the new items keep equal priorities, so every weight stays 1)."""
+    res = run_ranks(_stale, 2, timeout_s=120)
+    dropped = sum(r["priority_updates_dropped"] for r in res.values())
+    applied = sum(r["priority_updates_applied"] for r in res.values())
+    assert (dropped, applied) == (32, 0)
+    for r in res.values():
+        assert torch.equal(r["w"], torch.ones_like(r["w"]))
+
+
+def test_priority_follows_items_across_tiers():
+    """One rank, two tiers: items demoted to the second tier keep their priorities."""
+    storage = cd.Tiers([("host", 6), ("host", 18)], gbps={"host": (1.0, 1.0)})
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(SPEC), 24, sampler=cd.Prioritized(1.0, 0.0, 0.0), storage=storage
+    )
+    plane.put(_items(0, 6))
+    for _ in range(4):
+        b = plane.fetch(32)
+        plane.update_priorities(b["_index"], _prio(b["id"]))
+    for k in range(3):  # 12 newer items push the first 6 into the second tier
+        plane.put(_items(1 + k, 4))
+        b = plane.fetch(32)
+        plane.update_priorities(b["_index"], _prio(b["id"]))
+    tiers = plane.store_stats()["tiers"]
+    assert tiers[1]["items"] >= 6
+    counts = torch.zeros(6)
+    n = 0
+    for _ in range(40):
+        b = plane.fetch(256)
+        plane.update_priorities(b["_index"], _prio(b["id"]))
+        first = b["id"] < 6
+        counts += torch.bincount(b["id"][first], minlength=6)[:6]
+        n += 256
+    ids = torch.cat([_items(0, 6)["id"], *[_items(1 + k, 4)["id"] for k in range(3)]])
+    p = (_prio(ids) / _prio(ids).sum())[:6]
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 6 + 5 * math.sqrt(12), chi2
+    plane.close()
+
+
+def test_prioritized_rejects_bad_input():
+    """Bad updates are clear errors that queue nothing; reserved names and unsupported set-ups
+    are refused."""
+    plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler=cd.Prioritized())
+    plane.put(_items(0, 4))
+    b = plane.fetch(4)
+    with pytest.raises(ConfigError, match="finite values >= 0"):
+        plane.update_priorities(b["_index"], torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+    with pytest.raises(ConfigError, match="finite values >= 0"):
+        plane.update_priorities(b["_index"], torch.tensor([1.0, -1.0, 1.0, 1.0]))
+    with pytest.raises(ConfigError, match=r"expected shape \[4\]"):
+        plane.update_priorities(b["_index"], torch.ones(3))
+    with pytest.raises(ConfigError, match="int64"):
+        plane.update_priorities(b["_index"].int(), torch.ones(4))
+    with pytest.raises(ConfigError, match="ranks 0..0"):
+        plane.update_priorities(b["_index"] + (5 << 48), torch.ones(4))
+    assert plane.sampler.pending() == 0 and not plane.sampler._pending
+    plane.close()
+    with pytest.raises(SpecError, match="reserved"):
+        cd.ExperienceSpec({"_index": ((), torch.int64)})
+    uniform = cd.DataPlane(cd.ExperienceSpec(SPEC), 16)
+    with pytest.raises(ConfigError, match="takes no priority updates"):
+        uniform.update_priorities(torch.zeros(1, dtype=torch.int64), torch.ones(1))
+    uniform.close()
+    with pytest.raises(ConfigError, match="beta"):
+        cd.Prioritized(beta=2.0)
+
+
+def _round_robin(rank: int, world: int) -> str:
+    try:
+        cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler=cd.Prioritized())
+    except ConfigError as e:
+        return str(e)
+    return "built"
+
+
+def test_prioritized_needs_one_exchange_rounds():
+    res = run_ranks(_round_robin, 2, timeout_s=60)
+    assert all("one-exchange rounds" in m and "round_robin" in m for m in res.values())
