@@ -173,7 +173,8 @@ class DataPlane:
         self._check_open()
         if not self.is_learner:
             raise ConfigError(
-                f"update_priorities: rank {self.rank} is an actor; learners update what they fetched"
+                f"update_priorities: rank {self.rank} is an actor; learners update what they "
+                "fetched"
             )
         if not self.sampler.routes_updates:
             raise ConfigError(

@@ -221,7 +221,7 @@ class TieredShard:
 
     def generations(self, index: torch.Tensor) -> torch.Tensor:
         """Generations of the live items at logical indices (inverse of :meth:`index_of`)."""
-        ages, logical, sizes = self._tier_spans()
+        ages, logical, _ = self._tier_spans()
         order = torch.argsort(logical)  # tiers by logical start
         lo = logical[order]
         k = order[torch.searchsorted(lo, index, right=True) - 1]
