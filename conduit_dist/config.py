@@ -16,6 +16,23 @@ from conduit_dist.errors import ConfigError
 
 
 @dataclass
+class PrioritizedConfig:
+    """Prioritized replay (``plane.sampler=prioritized``; see ``cd.Prioritized``).
+
+    Attributes:
+        alpha: priority exponent.
+        beta: importance-weight exponent at the start.
+        beta_end: ``beta`` after ``total_env_steps`` (annealed linearly).
+        eps: added to every ``|TD error|`` priority.
+    """
+
+    alpha: float = 0.6
+    beta: float = 0.4
+    beta_end: float = 1.0
+    eps: float = 1e-6
+
+
+@dataclass
 class PlaneConfig:
     """The data plane.
 
@@ -34,9 +51,12 @@ class PlaneConfig:
             (a batch then holds items up to the previous iteration's ``put``). Off by default:
             ~7% more env steps/s on 2 cores, but only 1 of 3 seeds reached the target within
             500k env steps against 3 of 3 without it (issue 12's closing note).
-        sampling: a name from ``registry.SAMPLERS``: ``uniform`` (each learner's batch i.i.d.
-            over the global store) or ``stratified`` (proportional over shards, read
-            local-first).
+        sampler: a name from ``registry.SAMPLERS``: ``uniform`` (each learner's batch i.i.d.
+            over the global store), ``stratified`` (proportional over shards, read
+            local-first) or ``prioritized`` (prioritized replay exact over the global store,
+            settings in ``prioritized``; needs ``local`` placement, which ``auto`` picks).
+        prioritized: ``alpha``, ``beta`` (annealed linearly to ``beta_end`` over
+            ``total_env_steps``) and ``eps`` of ``plane.sampler=prioritized``.
         tiers: the shard's tiers, fastest first, as ``[[kind, items], ...]`` (kinds ``device``,
             ``pinned``, ``host``, ``disk``) adding up to ``capacity_per_rank``; ``null``: one
             memory tier.
@@ -63,7 +83,8 @@ class PlaneConfig:
     capacity_per_rank: int = 50_000
     placement: str = "auto"
     early_start: bool = False
-    sampling: str = "uniform"
+    sampler: str = "uniform"
+    prioritized: PrioritizedConfig = field(default_factory=lambda: PrioritizedConfig())
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None
     demote_in_background: bool = True
@@ -201,7 +222,7 @@ def validate(cfg: TrainConfig) -> None:
         ("algo.grad_sync", cfg.algo.grad_sync, registry.GRAD_SYNCS),
         ("plane.kind", cfg.plane.kind, registry.PLANE_KINDS),
         ("plane.placement", cfg.plane.placement, registry.TRAIN_PLACEMENTS),
-        ("plane.sampling", cfg.plane.sampling, registry.SAMPLERS),
+        ("plane.sampler", cfg.plane.sampler, registry.SAMPLERS),
         ("plane.schedule", cfg.plane.schedule, registry.SCHEDULES),
         ("plane.strategy", cfg.plane.strategy, registry.STRATEGIES),
         ("plane.max_lag", cfg.plane.max_lag, registry.MAX_LAGS),
@@ -210,14 +231,16 @@ def validate(cfg: TrainConfig) -> None:
     ]
     for name, got, allowed in choices:
         registry.check_choice(name, got, allowed)
+    pr = cfg.plane.prioritized
     checks = [
         ("env.num_envs", cfg.env.num_envs >= 1, ">= 1", cfg.env.num_envs),
         ("algo.batch_size", cfg.algo.batch_size >= 1, ">= 1", cfg.algo.batch_size),
         ("total_env_steps", cfg.total_env_steps >= 1, ">= 1", cfg.total_env_steps),
         ("logger.log_every", cfg.logger.log_every >= 1, ">= 1", cfg.logger.log_every),
         ("algo.tau", 0 < cfg.algo.tau <= 1, "in (0, 1]", cfg.algo.tau),
+        ("plane.prioritized.beta_end", 0 <= pr.beta_end <= 1, "in [0, 1]", pr.beta_end),
     ]
-    for name, ok, expected, got in checks:
+    for name, ok, expected, got in checks:  # alpha, beta, eps: checked by cd.Prioritized
         if not ok:
             raise ConfigError(f"{name}: expected {expected}, got {got!r}")
 

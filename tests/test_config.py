@@ -16,7 +16,7 @@ from conduit_dist.errors import ConfigError
             TrainConfig(algo=AlgoConfig(name="ppo")),
             r"algo.name: expected one of \['dqn'\], got 'ppo'",
         ),
-        (TrainConfig(plane=PlaneConfig(sampling="exact")), "plane.sampling: expected one of"),
+        (TrainConfig(plane=PlaneConfig(sampler="exact")), "plane.sampler: expected one of"),
         (TrainConfig(plane=PlaneConfig(max_lag=3)), r"plane.max_lag: expected one of \[0, 1\]"),
         (TrainConfig(plane=PlaneConfig(placement="nearest")), "plane.placement"),
     ],
@@ -29,6 +29,6 @@ def test_unknown_values_are_errors(cfg, message):
 def test_defaults_are_in_the_tables():
     cfg = TrainConfig()
     validate(cfg)
-    assert cfg.plane.sampling in registry.SAMPLERS
+    assert cfg.plane.sampler in registry.SAMPLERS
     assert cfg.plane.placement in registry.TRAIN_PLACEMENTS
     assert cfg.algo.grad_sync in registry.GRAD_SYNCS

@@ -122,7 +122,7 @@ def test_tiers_sampling_and_placement_from_the_command_line(tmp_path):
         "algo.learning_starts=200",
         "plane.tiers=[[host,1000],[disk,3000]]",
         f"plane.disk_dir={disk}",
-        "plane.sampling=stratified",
+        "plane.sampler=stratified",
         "plane.placement=bandwidth_aware",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_FIELDS 256
@@ -413,87 +414,287 @@ static PyObject* uniform_alloc(PyObject* self, PyObject* args) {
 }
 
 
-/* Sum and min trees over P leaves (P a power of two): node i has children 2i and 2i+1, leaves
- * are P..2P-1, node 1 is the root. A dead leaf has sum 0 and min +inf. */
+/* Sum and min trees with fan-out 8 (one cache line of children per node): level 0 holds the
+ * leaves, level d + 1 one node per 8 of level d, the last level (H) the root alone; each level
+ * starts at offs[d] in one float64 array and is padded to a multiple of 8 (padding 0 in the sum
+ * tree, +inf in the min tree). A dead leaf has sum 0 and min +inf. */
+#define FAN 8
 
-/* tree_set(sum, min, P, idx, val, n): leaf idx[i] := val[i] (float64 >= 0), in order (the last
- * of duplicates wins), then its ancestors are recomputed. */
-static PyObject* tree_set(PyObject* self, PyObject* args) {
-    unsigned long long sum_p, min_p, idx_p, val_p;
-    long long P, n;
-    if (!PyArg_ParseTuple(args, "KKLKKL", &sum_p, &min_p, &P, &idx_p, &val_p, &n)) return NULL;
-    if (P < 1 || (P & (P - 1)) || n < 0) {
-        PyErr_Format(PyExc_ValueError, "tree_set: expected a power of two P and n >= 0, got "
-                     "P=%lld, n=%lld", P, n);
-        return NULL;
+/* Recompute the ancestors of leaves i[0..g_n), level by level across the group (its cache
+ * misses overlap; a shared ancestor is recomputed after all of its changed children). */
+static inline void tree_fix(double* s, double* m, const int64_t* offs, long long H, int64_t* i,
+                            int g_n) {
+    for (long long d = 1; d <= H; d++) {
+        for (int g = 0; g < g_n; g++) {
+            int64_t j = i[g] / FAN;
+            const double* cs = s + offs[d - 1] + j * FAN;
+            const double* cm = m + offs[d - 1] + j * FAN;
+            double sum = 0.0, mn = INFINITY;
+            for (int c = 0; c < FAN; c++) {
+                sum += cs[c];
+                if (cm[c] < mn) mn = cm[c];
+            }
+            s[offs[d] + j] = sum;
+            m[offs[d] + j] = mn;
+            i[g] = j;
+            if (d < H) {
+                __builtin_prefetch(s + offs[d] + (j / FAN) * FAN);
+                __builtin_prefetch(m + offs[d] + (j / FAN) * FAN);
+            }
+        }
     }
+}
+
+enum { FIX_GROUP = 16 };
+
+/* tree_set(sum, min, offs, H, idx, val, n): leaf idx[i] := val[i] (float64 >= 0), in order (the
+ * last of duplicates wins), then its ancestors are recomputed. Leaves must be < offs[1]. */
+static PyObject* tree_set(PyObject* self, PyObject* args) {
+    unsigned long long sum_p, min_p, offs_p, idx_p, val_p;
+    long long H, n;
+    if (!PyArg_ParseTuple(args, "KKKLKKL", &sum_p, &min_p, &offs_p, &H, &idx_p, &val_p, &n))
+        return NULL;
     double* s = (double*)(uintptr_t)sum_p;
     double* m = (double*)(uintptr_t)min_p;
+    const int64_t* offs = (const int64_t*)(uintptr_t)offs_p;
     const int64_t* idx = (const int64_t*)(uintptr_t)idx_p;
     const double* val = (const double*)(uintptr_t)val_p;
+    int64_t leaves = H > 0 ? offs[1] : 1;
     for (long long i = 0; i < n; i++) {
-        if (idx[i] < 0 || idx[i] >= P) {
+        if (idx[i] < 0 || idx[i] >= leaves) {
             PyErr_Format(PyExc_IndexError, "tree_set: leaf %lld outside [0, %lld)",
-                         (long long)idx[i], P);
+                         (long long)idx[i], (long long)leaves);
             return NULL;
         }
-        int64_t k = P + idx[i];
-        s[k] = val[i];
-        m[k] = val[i] > 0 ? val[i] : INFINITY;
-        for (k >>= 1; k >= 1; k >>= 1) {
-            s[k] = s[2 * k] + s[2 * k + 1];
-            double a = m[2 * k], b = m[2 * k + 1];
-            m[k] = a < b ? a : b;
+    }
+    int64_t group[FIX_GROUP];
+    for (long long at = 0; at < n; at += FIX_GROUP) {
+        int g_n = n - at < FIX_GROUP ? (int)(n - at) : FIX_GROUP;
+        for (int g = 0; g < g_n; g++) {
+            int64_t k = idx[at + g];
+            s[k] = val[at + g];
+            m[k] = val[at + g] > 0 ? val[at + g] : INFINITY;
+            group[g] = k;
         }
+        tree_fix(s, m, offs, H, group, g_n);
     }
     Py_RETURN_NONE;
 }
 
-/* tree_sample(sum, P, n, seed, round, key, out, mass): n leaves drawn i.i.d. with probability
- * leaf / root, from the splitmix64 stream (seed, round, key); their indices (int64) into out and
- * their values (float64) into mass. The descent never enters a child of zero mass, so rounding
- * cannot land on a dead leaf. The root must be > 0. */
+/* tree_sample(sum, offs, H, n, seed, round, key, out, mass): n leaves drawn i.i.d. with
+ * probability leaf / root, from the splitmix64 stream (seed, round, key); their indices (int64)
+ * into out and their values (float64) into mass. The descent never enters a child of zero mass,
+ * so rounding cannot land on a dead leaf. The root must be > 0. */
 static PyObject* tree_sample(PyObject* self, PyObject* args) {
-    unsigned long long sum_p, seed, round, key, out_p, mass_p;
-    long long P, n;
-    if (!PyArg_ParseTuple(args, "KLLKKKKK", &sum_p, &P, &n, &seed, &round, &key, &out_p, &mass_p))
+    unsigned long long sum_p, offs_p, seed, round, key, out_p, mass_p;
+    long long H, n;
+    if (!PyArg_ParseTuple(args, "KKLLKKKKK", &sum_p, &offs_p, &H, &n, &seed, &round, &key, &out_p,
+                          &mass_p))
         return NULL;
     const double* s = (const double*)(uintptr_t)sum_p;
-    if (P < 1 || (P & (P - 1)) || n < 0 || !(s[1] > 0)) {
-        PyErr_Format(PyExc_ValueError, "tree_sample: expected a power of two P, n >= 0 and a "
-                     "positive total, got P=%lld, n=%lld, total=%g", P, n, s[1]);
+    const int64_t* offs = (const int64_t*)(uintptr_t)offs_p;
+    double total = s[offs[H]];
+    if (n < 0 || !(total > 0)) {
+        PyErr_Format(PyExc_ValueError, "tree_sample: expected n >= 0 and a positive total, got "
+                     "n=%lld, total=%g", n, total);
         return NULL;
     }
     int64_t* out = (int64_t*)(uintptr_t)out_p;
     double* mass = (double*)(uintptr_t)mass_p;
     uint64_t h = 0x9E3779B97F4A7C15ULL;
     h = splitmix_step(splitmix_step(splitmix_step(h, seed), round), key);
-    for (long long i = 0; i < n; i++) {
-        h += 0x9E3779B97F4A7C15ULL;
-        double u = (double)(splitmix_step(h, 0) >> 11) * 0x1.0p-53 * s[1];
-        int64_t k = 1;
-        while (k < P) {
-            double left = s[2 * k];
-            if ((u < left && left > 0) || !(s[2 * k + 1] > 0)) {
-                k = 2 * k;
-            } else {
-                u -= left;
-                k = 2 * k + 1;
+    /* draws descend in groups, level by level, each prefetching its next line: the cache
+     * misses of a group overlap instead of queueing one behind the other */
+    enum { GROUP = 16 };
+    double u[GROUP];
+    int64_t j[GROUP];
+    for (long long at = 0; at < n; at += GROUP) {
+        int g_n = n - at < GROUP ? (int)(n - at) : GROUP;
+        for (int g = 0; g < g_n; g++) {
+            h += 0x9E3779B97F4A7C15ULL;
+            u[g] = (double)(splitmix_step(h, 0) >> 11) * 0x1.0p-53 * total;
+            j[g] = 0;
+        }
+        for (long long d = H - 1; d >= 0; d--) {
+            for (int g = 0; g < g_n; g++) {
+                const double* cs = s + offs[d] + j[g] * FAN;
+                int last = -1, pick = -1;
+                double v = u[g];
+                for (int c = 0; c < FAN; c++) {
+                    if (!(cs[c] > 0)) continue;
+                    last = c;
+                    if (v < cs[c]) { pick = c; break; }
+                    v -= cs[c];
+                }
+                if (pick < 0) { pick = last; v = cs[last] * 0.5; } /* rounding past the end */
+                u[g] = v;
+                j[g] = j[g] * FAN + pick;
+                if (d > 0) __builtin_prefetch(s + offs[d - 1] + j[g] * FAN);
             }
         }
-        out[i] = k - P;
-        mass[i] = s[k];
+        for (int g = 0; g < g_n; g++) {
+            out[at + g] = j[g];
+            mass[at + g] = s[j[g]];
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* tree_update(sum, min, offs, H, gen, cap, lo, upd, n, alpha, eps): apply n priority updates,
+ * pairs (generation, float64 priority bits) in upd: an update whose leaf (generation % cap)
+ * holds another generation, or one older than lo, is stale and skipped; a live one sets the leaf
+ * to (priority + eps) ** alpha and recomputes its ancestors. Returns (applied, largest priority
+ * + eps applied, or -1.0). */
+static PyObject* tree_update(PyObject* self, PyObject* args) {
+    unsigned long long sum_p, min_p, offs_p, gen_p, upd_p;
+    long long H, cap, lo, n;
+    double alpha, eps;
+    if (!PyArg_ParseTuple(args, "KKKLKLLKLdd", &sum_p, &min_p, &offs_p, &H, &gen_p, &cap, &lo,
+                          &upd_p, &n, &alpha, &eps))
+        return NULL;
+    if (cap < 1 || n < 0) {
+        PyErr_Format(PyExc_ValueError, "tree_update: expected cap >= 1 and n >= 0, got cap=%lld, "
+                     "n=%lld", cap, n);
+        return NULL;
+    }
+    double* s = (double*)(uintptr_t)sum_p;
+    double* m = (double*)(uintptr_t)min_p;
+    const int64_t* offs = (const int64_t*)(uintptr_t)offs_p;
+    const int64_t* gen = (const int64_t*)(uintptr_t)gen_p;
+    const int64_t* upd = (const int64_t*)(uintptr_t)upd_p;
+    long long applied = 0;
+    double top = -1.0;
+    int64_t group[FIX_GROUP];
+    int g_n = 0;
+    for (long long i = 0; i < n; i++) {
+        int64_t g = upd[2 * i];
+        double p;
+        memcpy(&p, &upd[2 * i + 1], sizeof p);
+        if (g < lo || g < 0) continue;
+        int64_t leaf = g % cap;
+        if (gen[leaf] != g) continue;
+        applied++;
+        if (p + eps > top) top = p + eps;
+        double v = alpha == 0.0 ? 1.0 : pow(p + eps, alpha);
+        s[leaf] = v;
+        m[leaf] = v > 0 ? v : INFINITY;
+        group[g_n++] = leaf;
+        if (g_n == FIX_GROUP) {
+            tree_fix(s, m, offs, H, group, g_n);
+            g_n = 0;
+        }
+    }
+    if (g_n) tree_fix(s, m, offs, H, group, g_n);
+    return Py_BuildValue("Ld", applied, top);
+}
+
+/* tag_rows(out, row_bytes, n, col, idx, gen, leaves, rank_bits): for each of n rows just
+ * gathered from leaves idx, write gen[idx] | rank_bits (int64) and leaves[idx] (float64) at
+ * byte col of the row (8-byte aligned rows). */
+static PyObject* tag_rows(PyObject* self, PyObject* args) {
+    unsigned long long out_p, idx_p, gen_p, sum_p;
+    long long row_bytes, n, col, rank_bits;
+    if (!PyArg_ParseTuple(args, "KLLLKKKL", &out_p, &row_bytes, &n, &col, &idx_p, &gen_p, &sum_p,
+                          &rank_bits))
+        return NULL;
+    if (row_bytes % 8 || col % 8 || col + 16 > row_bytes || (out_p % 8)) {
+        PyErr_Format(PyExc_ValueError, "tag_rows: expected 8-byte aligned rows and a trailer "
+                     "inside them, got row_bytes=%lld, col=%lld", row_bytes, col);
+        return NULL;
+    }
+    uint8_t* out = (uint8_t*)(uintptr_t)out_p;
+    const int64_t* idx = (const int64_t*)(uintptr_t)idx_p;
+    const int64_t* gen = (const int64_t*)(uintptr_t)gen_p;
+    const double* s = (const double*)(uintptr_t)sum_p;
+    for (long long i = 0; i < n; i++) {
+        int64_t* t = (int64_t*)(out + i * row_bytes + col);
+        t[0] = gen[idx[i]] | rank_bits;
+        memcpy(&t[1], &s[idx[i]], sizeof(double));
+    }
+    Py_RETURN_NONE;
+}
+
+/* queue_updates(idx, prio, n, world, shift, out, counts): check n priority updates (int64
+ * addresses rank << shift | generation, float64 priorities) and write them as (generation,
+ * priority bits) pairs into out, grouped by owner rank in rank order (counts[world] receives each
+ * owner's count). Returns -1, or the position of the first bad update (nothing is written past
+ * the check then): 2 * pos for a priority that is NaN, inf or negative, 2 * pos + 1 for an
+ * address whose rank is outside [0, world). */
+static PyObject* queue_updates(PyObject* self, PyObject* args) {
+    unsigned long long idx_p, prio_p, out_p, counts_p;
+    long long n, world, shift;
+    if (!PyArg_ParseTuple(args, "KKLLLKK", &idx_p, &prio_p, &n, &world, &shift, &out_p, &counts_p))
+        return NULL;
+    const int64_t* idx = (const int64_t*)(uintptr_t)idx_p;
+    const double* prio = (const double*)(uintptr_t)prio_p;
+    int64_t* out = (int64_t*)(uintptr_t)out_p;
+    int64_t* counts = (int64_t*)(uintptr_t)counts_p;
+    memset(counts, 0, (size_t)world * sizeof(int64_t));
+    for (long long i = 0; i < n; i++) {
+        double p = prio[i];
+        if (!(p >= 0) || isinf(p)) return PyLong_FromLongLong(2 * i);
+        int64_t r = idx[i] < 0 ? -1 : idx[i] >> shift;
+        if (r < 0 || r >= world) return PyLong_FromLongLong(2 * i + 1);
+        counts[r]++;
+    }
+    int64_t mask = ((int64_t)1 << shift) - 1;
+    int64_t start[4096];
+    int64_t* at = world <= 4096 ? start : (int64_t*)malloc((size_t)world * sizeof(int64_t));
+    if (!at) return PyErr_NoMemory();
+    int64_t sum = 0;
+    for (long long r = 0; r < world; r++) { at[r] = sum; sum += counts[r]; }
+    for (long long i = 0; i < n; i++) {
+        int64_t k = at[idx[i] >> shift]++;
+        out[2 * k] = idx[i] & mask;
+        memcpy(&out[2 * k + 1], &prio[i], sizeof(double));
+    }
+    if (at != start) free(at);
+    return PyLong_FromLongLong(-1);
+}
+
+/* read_trailer(rows, row_bytes, n, col, min_mass, beta, index, weight): each delivered row's
+ * address (int64) and importance weight (mass / min_mass) ** -beta (float32) from its trailer. */
+static PyObject* read_trailer(PyObject* self, PyObject* args) {
+    unsigned long long rows_p, idx_p, w_p;
+    long long row_bytes, n, col;
+    double min_mass, beta;
+    if (!PyArg_ParseTuple(args, "KLLLddKK", &rows_p, &row_bytes, &n, &col, &min_mass, &beta,
+                          &idx_p, &w_p))
+        return NULL;
+    const uint8_t* rows = (const uint8_t*)(uintptr_t)rows_p;
+    int64_t* idx = (int64_t*)(uintptr_t)idx_p;
+    float* w = (float*)(uintptr_t)w_p;
+    for (long long i = 0; i < n; i++) {
+        const uint8_t* t = rows + i * row_bytes + col;
+        double mass;
+        memcpy(&idx[i], t, sizeof(int64_t));
+        memcpy(&mass, t + 8, sizeof(double));
+        w[i] = beta == 0.0 ? 1.0f : (float)pow(mass / min_mass, -beta);
     }
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"tree_set", tree_set, METH_VARARGS,
-     "tree_set(sum, min, P, idx, val, n): set n leaves of float64 sum/min trees over P leaves "
+     "tree_set(sum, min, offs, H, idx, val, n): set n leaves of float64 8-ary sum/min trees "
      "and recompute their ancestors."},
     {"tree_sample", tree_sample, METH_VARARGS,
-     "tree_sample(sum, P, n, seed, round, key, out, mass): n leaves drawn in proportion to their "
+     "tree_sample(sum, offs, H, n, seed, round, key, out, mass): n leaves drawn in proportion to "
+     "their "
      "mass from the stream (seed, round, key)."},
+    {"tree_update", tree_update, METH_VARARGS,
+     "tree_update(sum, min, offs, H, gen, cap, lo, upd, n, alpha, eps): apply live priority "
+     "updates; "
+     "returns (applied, largest priority + eps or -1)."},
+    {"tag_rows", tag_rows, METH_VARARGS,
+     "tag_rows(out, row_bytes, n, col, idx, gen, leaves, rank_bits): write each row's address "
+     "and mass into its trailer."},
+    {"queue_updates", queue_updates, METH_VARARGS,
+     "queue_updates(idx, prio, n, world, shift, out, counts): check priority updates and group "
+     "them by owner; returns -1 or the first bad one (2 * pos: priority, 2 * pos + 1: rank)."},
+    {"read_trailer", read_trailer, METH_VARARGS,
+     "read_trailer(rows, row_bytes, n, col, min_mass, beta, index, weight): addresses and "
+     "importance weights of delivered rows."},
     {"uniform_alloc", uniform_alloc, METH_VARARGS,
      "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
      "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},

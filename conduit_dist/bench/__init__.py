@@ -4,4 +4,7 @@ Each benchmark measures conduit_dist and its baseline side by side in one run an
 line last, with a ``summary`` object of ratios.
 """
 
-BENCHES = ("store", "ingest", "latency", "strategies", "placement", "scaling", "rounds")
+BENCHES = (
+    "store", "ingest", "latency", "strategies", "placement", "scaling", "rounds", "per",
+    "sequences",
+)  # fmt: skip

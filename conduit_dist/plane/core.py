@@ -151,8 +151,7 @@ class DataPlane:
         records = self._p.control.fetch(batch_size, more, reduce)
         out = self._p.runner.outputs.unpack(records)
         if self.sampler.trailer_bytes:  # e.g. prioritized replay's _index and _weight
-            at = self._p.runner.spec.trailer
-            out = {**out, **self.sampler.entries(records[:, at:])}
+            out = {**out, **self.sampler.entries(records, self._p.runner.spec.trailer)}
         return out
 
     def update_priorities(self, index: torch.Tensor, priority: torch.Tensor) -> None:
@@ -181,7 +180,7 @@ class DataPlane:
                 f"update_priorities: the {self.sampler.name!r} sampler takes no priority "
                 "updates; build the plane with sampler=cd.Prioritized(...)"
             )
-        index, priority = _check_updates(index, priority, self.world)
+        index, priority = _check_updates(index, priority)
         self.sampler.queue_updates(index, priority)
 
     def fetch_start(self, batch_size: int, *, reduce: torch.Tensor | None = None) -> None:
@@ -286,14 +285,13 @@ class DataPlane:
         self._p.clock.check()
 
 
-def _check_updates(index, priority, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked CPU copies of ``update_priorities``' arguments (int64 and float64 ``[k]``).
+def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
+    """``update_priorities``' arguments as contiguous CPU int64 and float64 ``[k]`` tensors
+    (their values are checked by the sampler).
 
     Raises:
-        ConfigError: naming the argument, the expected and the received value.
+        ConfigError: naming the argument, the expected and the received type or shape.
     """
-    from conduit_dist.sampling.prioritized import RANK_SHIFT
-
     if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
         got = f"{index.dtype} {list(index.shape)}" if isinstance(index, torch.Tensor) else index
         raise ConfigError(f"update_priorities index: expected an int64 [k] tensor, got {got}")
@@ -307,22 +305,9 @@ def _check_updates(index, priority, world: int) -> tuple[torch.Tensor, torch.Ten
             f"update_priorities priority: expected shape {list(index.shape)} (one per index), "
             f"got {list(priority.shape)}"
         )
-    index = index.detach().to("cpu", torch.int64)
-    priority = priority.detach().to("cpu", torch.float64)
-    bad = ~torch.isfinite(priority) | (priority < 0)
-    if bool(bad.any()):
-        first = int(bad.nonzero()[0])
-        raise ConfigError(
-            f"update_priorities priority: expected finite values >= 0, got {int(bad.sum())} "
-            f"others (e.g. {float(priority[first])} at position {first})"
-        )
-    rank = index >> RANK_SHIFT
-    if index.numel() and (int(index.min()) < 0 or int(rank.max()) >= world):
-        raise ConfigError(
-            "update_priorities index: expected '_index' entries of fetched batches (ranks "
-            f"0..{world - 1}), got ranks {sorted(set(rank.tolist()))[:8]}"
-        )
-    return index.contiguous(), priority.contiguous()
+    index = index.detach().to("cpu", torch.int64).contiguous()
+    priority = priority.detach().to("cpu", torch.float64).contiguous()
+    return index, priority
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -70,6 +70,7 @@ class DQN:
             self.learner.register_comm_hook(self.grad_sync, GradSync.hook)
         self.opt = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
         self.steps = 0
+        self.last_td: torch.Tensor | None = None  # |TD error| of the latest weighted loss
         self.flat: torch.Tensor | None = None  # flat gradient buffer (flat_grads)
         if flat_grads:
             params = list(self.q.parameters())
@@ -93,7 +94,11 @@ class DQN:
         return torch.where(explore, random, greedy)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Huber TD loss on a batch (forward only; the caller runs backward)."""
+        """Huber TD loss on a batch (forward only; the caller runs backward).
+
+        With prioritized replay's ``"_weight"`` in the batch, each item's loss is weighted by
+        it; :attr:`last_td` holds the batch's ``|TD error|`` (the new priorities).
+        """
         obs, next_obs = batch["obs"], batch["next_obs"]
         q = self.learner(obs).gather(1, batch["action"].view(-1, 1)).squeeze(1)
         with torch.no_grad():
@@ -104,7 +109,10 @@ class DQN:
                 nq = self.target(next_obs).max(dim=1).values
             notdone = (~batch["done"]).to(q.dtype)
             target = batch["reward"] + self.cfg.gamma * notdone * nq
-        return F.smooth_l1_loss(q, target)
+        if "_weight" not in batch:
+            return F.smooth_l1_loss(q, target)
+        self.last_td = (q - target).detach().abs()
+        return (F.smooth_l1_loss(q, target, reduction="none") * batch["_weight"]).mean()
 
     def step(self) -> None:
         """Clip, apply the optimizer step and update the target network."""

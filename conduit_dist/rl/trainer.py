@@ -21,6 +21,7 @@ from conduit_dist.rl.breakdown import PARTS, Breakdown
 from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
+from conduit_dist.sampling import Prioritized
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.tiers import Tiers
 
@@ -119,6 +120,7 @@ class Trainer:
         if self.rank == 0:
             log.info("learners average gradients with grad_sync=%s", self.grad_sync)
         self.plane = self._make_plane(obs_dim, learners)
+        self.prioritized = self.cfg.plane.sampler == "prioritized" and self.is_learner
         if isinstance(self.plane, DataPlane) and self.is_learner:
             self.plane.attach(self.agent.learner)
         self.records: list[tuple[float, float, float]] = []  # (iteration, exposed, hidden) ms
@@ -142,12 +144,29 @@ class Trainer:
         return learners
 
     def _placement(self) -> str:
-        """``auto``: ``local`` colocated; ``round_robin`` disaggregated (``local`` would leave
-        the learners' shards empty: the store would hold only the actors' capacity)."""
+        """``auto``: ``local`` colocated or with prioritized replay; else ``round_robin``
+        disaggregated (``local`` would leave the learners' shards empty: the store would hold
+        only the actors' capacity)."""
         placement = self.cfg.plane.placement
         if placement != "auto":
             return placement
-        return "local" if self.cfg.mode == "colocated" else "round_robin"
+        if self.cfg.mode == "colocated" or self.cfg.plane.sampler == "prioritized":
+            return "local"  # prioritized replay runs on one-exchange rounds
+        return "round_robin"
+
+    def _sampler(self):
+        """``plane.sampler`` as a name, or a ``Prioritized`` built from ``plane.prioritized``."""
+        pc = self.cfg.plane
+        if pc.sampler != "prioritized":
+            return pc.sampler
+        pr = pc.prioritized
+        return Prioritized(alpha=pr.alpha, beta=pr.beta, eps=pr.eps)
+
+    def _anneal_beta(self) -> None:
+        """Move ``beta`` linearly from ``plane.prioritized.beta`` to ``beta_end``."""
+        pr = self.cfg.plane.prioritized
+        frac = min(1.0, self.env_steps / self.cfg.total_env_steps)
+        self.plane.sampler.beta = pr.beta + (pr.beta_end - pr.beta) * frac
 
     def _grad_sync(self, learners: list[int]) -> str:
         """``algo.grad_sync`` resolved (``none`` with a single learner)."""
@@ -157,7 +176,7 @@ class Trainer:
         fusable = (
             pc.kind == "conduit"
             and self._placement() == "local"
-            and pc.sampling == "uniform"
+            and pc.sampler in ("uniform", "prioritized")
             and cfg.device == "cpu"
             and pc.schedule in ("sync", "auto")
         )
@@ -166,8 +185,9 @@ class Trainer:
         if cfg.algo.grad_sync == "round" and not fusable:
             raise ConfigError(
                 "algo.grad_sync: 'round' needs plane.kind=conduit, plane.placement local (or "
-                "auto), plane.sampling=uniform, device=cpu and plane.schedule sync (or auto); "
-                f"got kind={pc.kind!r}, placement={pc.placement!r}, sampling={pc.sampling!r}, "
+                "auto), plane.sampler uniform or prioritized, device=cpu and plane.schedule sync "
+                f"(or auto); got kind={pc.kind!r}, placement={pc.placement!r}, "
+                f"sampler={pc.sampler!r}, "
                 f"device={cfg.device!r}, schedule={pc.schedule!r}"
             )
         return cfg.algo.grad_sync
@@ -190,6 +210,10 @@ class Trainer:
         }
         pc = self.cfg.plane
         if pc.kind == "simple":
+            if pc.sampler != "uniform":
+                raise ConfigError(
+                    f"plane.sampler: plane.kind=simple samples uniformly only, got {pc.sampler!r}"
+                )
             return SimpleBuffer(example, pc.capacity_per_rank, self.cfg.seed)
         declared = BandwidthModel.declared(pc.latency_us * 1e-6, dict(pc.gbps))
         storage = Tiers(
@@ -202,7 +226,7 @@ class Trainer:
             ExperienceSpec.from_batch(example),
             pc.capacity_per_rank,
             seed=self.cfg.seed,
-            sampler=pc.sampling,
+            sampler=self._sampler(),
             placement=self._placement(),
             storage=storage,
             learner_ranks=learners,
@@ -283,6 +307,9 @@ class Trainer:
                 if pending:
                     self._update(bd)
                 loss = self.agent.loss(batch)
+                if self.prioritized:  # |TD error| back to the shards that hold the items
+                    self.plane.update_priorities(batch["_index"], self.agent.last_td)
+                    self._anneal_beta()
                 bd.lap("forward")
                 loss.backward()
                 bd.lap("backward")

@@ -117,8 +117,8 @@ class Sampler(ABC):
     def tag(self, index: torch.Tensor, out: torch.Tensor) -> None:  # noqa: B027
         """Write the trailers of rows just gathered from ``index`` (when ``trailer_bytes``)."""
 
-    def entries(self, trailer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What a learner returns beside the fields, from its rows' trailers."""
+    def entries(self, rows: torch.Tensor, at: int) -> dict[str, torch.Tensor]:
+        """What a learner returns beside the fields, from its rows' trailers at byte ``at``."""
         return {}
 
     def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:

@@ -35,6 +35,7 @@ import torch
 from conduit_dist.errors import ConfigError
 from conduit_dist.sampling.base import Sampler, mix
 from conduit_dist.sampling.sumtree import SumTree
+from conduit_dist.spec import _native
 
 _KEY = 1 << 41  # allocation streams: (seed, round, _KEY + learner)
 RANK_SHIFT = 48  # _index = rank << 48 | generation
@@ -131,7 +132,19 @@ class Prioritized(Sampler):
         rows = rows + own
         if not rows:
             return
-        upd = torch.cat(rows)
+        upd = torch.cat(rows) if len(rows) > 1 else rows[0]
+        if _native is not None:  # one C loop: check, mass, leaf and ancestors per update
+            upd = upd.contiguous()
+            t = self.tree
+            n_live, top = _native.tree_update(
+                t.sum.data_ptr(), t.min.data_ptr(), t.offs.data_ptr(), t.H, self._gen.data_ptr(),
+                self.shard.capacity, self._lo, upd.data_ptr(), upd.shape[0], self.alpha,
+                self.eps,
+            )  # fmt: skip
+            self.applied += n_live
+            self.dropped += upd.shape[0] - n_live
+            self.max_priority = max(self.max_priority, top)
+            return
         gens, prio = upd[:, 0], upd[:, 1].view(torch.float64)
         leaf = gens % self.shard.capacity
         live = (self._gen[leaf] == gens) & (gens >= self._lo)
@@ -166,9 +179,16 @@ class Prioritized(Sampler):
             return
         sh = self.shard
         leaf = index if sh.addresses_are_slots else sh.generations(index) % sh.capacity
+        if _native is not None and out.stride(0) == out.shape[1] and out.stride(1) == 1:
+            leaf = leaf.contiguous()
+            _native.tag_rows(
+                out.data_ptr(), out.shape[1], out.shape[0], self._col * 8, leaf.data_ptr(),
+                self._gen.data_ptr(), self.tree.sum.data_ptr(), self.ctx.rank << RANK_SHIFT,
+            )  # fmt: skip
+            return
         cols, at = out.view(torch.int64), self._col  # rows are 8-byte multiples
         cols[:, at] = self._gen[leaf] | (self.ctx.rank << RANK_SHIFT)
-        cols[:, at + 1] = self.tree.sum[leaf + self.tree.P].view(torch.int64)
+        cols[:, at + 1] = self.tree.sum[leaf].view(torch.int64)
 
     # ------------------------------------------------------------------ the allocation
 
@@ -204,21 +224,75 @@ class Prioritized(Sampler):
 
     # ------------------------------------------------------------------ the learner's side
 
-    def entries(self, trailer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``_index`` and ``_weight`` of delivered rows from their trailers (``[n, 16]`` bytes)."""
-        cols = trailer.contiguous().view(torch.int64)
-        index = cols[:, 0].clone()
+    def entries(self, rows: torch.Tensor, at: int) -> dict[str, torch.Tensor]:
+        """``_index`` and ``_weight`` of delivered rows from their trailers at byte ``at``."""
+        n = rows.shape[0]
+        index = torch.empty(n, dtype=torch.int64)
+        weight = torch.empty(n, dtype=torch.float32)
+        if _native is not None and rows.is_cpu and rows.stride(1) == 1:
+            _native.read_trailer(
+                rows.data_ptr(), rows.stride(0), n, at, self.global_min, self.beta,
+                index.data_ptr(), weight.data_ptr(),
+            )  # fmt: skip
+            return {"_index": index, "_weight": weight}
+        cols = rows[:, at : at + 16].contiguous().view(torch.int64)
+        index.copy_(cols[:, 0])
         mass = cols[:, 1].view(torch.float64)
-        weight = (mass / self.global_min).pow_(-self.beta).to(torch.float32)
+        weight.copy_((mass / self.global_min).pow_(-self.beta))
         return {"_index": index, "_weight": weight}
 
     def queue_updates(self, index: torch.Tensor, priority: torch.Tensor) -> None:
-        """Queue checked updates (int64 ``[k]`` addresses, float64 ``[k]`` priorities)."""
-        rank = index >> RANK_SHIFT
-        rows = torch.stack([index & _GEN_MASK, priority.view(torch.int64)], dim=1)
+        """Check and queue updates (contiguous CPU int64 ``[k]`` addresses and float64 ``[k]``
+        priorities), grouped by the shard that owns each item.
+
+        Raises:
+            ConfigError: on a NaN, infinite or negative priority, or an address of no rank
+                (nothing is queued then).
+        """
+        world, n = self.ctx.world, index.numel()
+        rows = torch.empty((n, 2), dtype=torch.int64)
+        counts = np.zeros(world, dtype=np.int64)
+        if _native is not None:
+            bad = _native.queue_updates(
+                index.data_ptr(), priority.data_ptr(), n, world, RANK_SHIFT, rows.data_ptr(),
+                counts.ctypes.data,
+            )  # fmt: skip
+        else:
+            bad = self._queue_rows(index, priority, rows, counts)
+        if bad >= 0:
+            pos = bad // 2
+            if bad % 2 == 0:
+                raise ConfigError(
+                    "update_priorities priority: expected finite values >= 0, got "
+                    f"{float(priority[pos])} at position {pos}"
+                )
+            rank = int(index[pos]) >> RANK_SHIFT if int(index[pos]) >= 0 else -1
+            raise ConfigError(
+                "update_priorities index: expected '_index' entries of fetched batches (ranks "
+                f"0..{world - 1}), got rank {rank} at position {pos}"
+            )
         with self._lock:
-            for owner in torch.unique(rank).tolist():
-                self._pending.setdefault(owner, []).append(rows[rank == owner])
+            at = 0
+            for owner, k in enumerate(counts.tolist()):
+                if k:
+                    self._pending.setdefault(owner, []).append(rows[at : at + k])
+                    at += k
+
+    @staticmethod
+    def _queue_rows(index, priority, rows, counts) -> int:
+        """``queue_updates`` without the extension: the same checks and grouping in torch."""
+        bad = ~torch.isfinite(priority) | (priority < 0)
+        rank = torch.where(index >= 0, index >> RANK_SHIFT, -1)
+        wrong = (rank < 0) | (rank >= counts.shape[0])
+        if bool(bad.any()) or bool(wrong.any()):
+            first_bad = int(bad.nonzero()[0]) if bool(bad.any()) else index.numel()
+            first_wrong = int(wrong.nonzero()[0]) if bool(wrong.any()) else index.numel()
+            return 2 * first_bad if first_bad <= first_wrong else 2 * first_wrong + 1
+        order = torch.argsort(rank, stable=True)
+        rows[:, 0] = (index & _GEN_MASK)[order]
+        rows[:, 1] = priority.view(torch.int64)[order]
+        counts[:] = torch.bincount(rank, minlength=counts.shape[0]).numpy()
+        return -1
 
     def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
         """Up to ``budgets[peer]`` queued updates per peer (``[k, 2]`` int64), oldest first; the

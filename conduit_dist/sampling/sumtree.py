@@ -1,10 +1,13 @@
 """Sum and min trees over a shard's slots: O(log n) updates and draws, vectorised per call.
 
-Leaves ``0 .. P-1`` (``P`` the capacity rounded up to a power of two) hold float64 masses; node
-``i`` has children ``2i`` and ``2i + 1`` and node 1 is the root, so the root is the shard's
-total mass and the min tree's root its smallest positive mass. A dead leaf has mass 0 (min
-``+inf``). With the native extension a call is one C loop over its items; without it the same
-trees are updated and descended level by level with torch ops (no Python loop per item).
+The trees have fan-out 8, so the children of a node are one 64-byte cache line: a draw or an
+update touches ``log8(n)`` lines (7 for a million slots) where a binary tree touches ``log2(n)``
+(20), and at replay sizes every level misses the cache. Level 0 holds the leaves (float64
+masses), level ``d + 1`` one node per 8 of level ``d``, the last level the root (the shard's
+total mass; the min tree's root is its smallest positive mass). Each level is padded to a
+multiple of 8 (0 in the sum tree, ``+inf`` in the min tree); a dead leaf has mass 0. With the
+native extension a call is one C loop over its items; without it the same trees are updated
+and descended level by level with torch ops (no Python loop per item).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 from conduit_dist.sampling.base import seeded
 from conduit_dist.spec import _native
 
+FAN = 8
+
 
 class SumTree:
     """Masses of ``capacity`` leaves with their sums and minima.
@@ -26,24 +31,35 @@ class SumTree:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)
-        self.P = 1 << max(0, math.ceil(math.log2(max(1, self.capacity))))
-        self.sum = torch.zeros(2 * self.P, dtype=torch.float64)
-        self.min = torch.full((2 * self.P,), math.inf, dtype=torch.float64)
+        sizes = [-(-max(1, self.capacity) // FAN) * FAN]
+        while sizes[-1] > FAN:
+            sizes.append(-(-(sizes[-1] // FAN) // FAN) * FAN)
+        sizes.append(FAN)  # the root's level (one node, padded)
+        offs = [0]
+        for n in sizes[:-1]:
+            offs.append(offs[-1] + n)
+        self.H = len(sizes) - 1  # the root is node 0 of level H
+        self.offs = torch.tensor(offs, dtype=torch.int64)
+        self._offs = offs
+        total = offs[-1] + sizes[-1]
+        self.sum = torch.zeros(total, dtype=torch.float64)
+        self.min = torch.full((total,), math.inf, dtype=torch.float64)
         self._gen = torch.Generator()
+        self._fan = torch.arange(FAN)
 
     @property
     def total(self) -> float:
         """Sum of every leaf."""
-        return float(self.sum[1])
+        return float(self.sum[self._offs[self.H]])
 
     @property
     def smallest(self) -> float:
         """The smallest positive leaf (``inf`` when every leaf is 0)."""
-        return float(self.min[1])
+        return float(self.min[self._offs[self.H]])
 
     def leaves(self) -> torch.Tensor:
         """The leaf masses (a view: ``[capacity]`` float64)."""
-        return self.sum[self.P : self.P + self.capacity]
+        return self.sum[: self.capacity]
 
     def set(self, idx: torch.Tensor, val: torch.Tensor) -> None:
         """Set leaves ``idx`` (int64) to ``val`` (float64 >= 0); the last of duplicates wins."""
@@ -54,34 +70,31 @@ class SumTree:
             return
         if _native is not None:
             _native.tree_set(
-                self.sum.data_ptr(), self.min.data_ptr(), self.P, idx.data_ptr(),
-                val.data_ptr(), n,
+                self.sum.data_ptr(), self.min.data_ptr(), self.offs.data_ptr(), self.H,
+                idx.data_ptr(), val.data_ptr(), n,
             )  # fmt: skip
             return
-        node = idx + self.P
-        self.sum[node] = val  # index_put keeps the last write of duplicates
-        self.min[node] = torch.where(val > 0, val, torch.full_like(val, math.inf))
-        for _ in range(self.P.bit_length() - 1):  # every leaf is at the same depth
-            node = torch.unique(node >> 1)
-            self.sum[node] = self.sum[2 * node] + self.sum[2 * node + 1]
-            self.min[node] = torch.minimum(self.min[2 * node], self.min[2 * node + 1])
+        self.sum[idx] = val  # index_put keeps the last write of duplicates
+        self.min[idx] = torch.where(val > 0, val, torch.full_like(val, math.inf))
+        node = idx
+        for d in range(1, self.H + 1):
+            node = torch.unique(node // FAN)
+            kids = self._offs[d - 1] + node[:, None] * FAN + self._fan
+            self.sum[self._offs[d] + node] = self.sum[kids].sum(dim=1)
+            self.min[self._offs[d] + node] = self.min[kids].min(dim=1).values
 
     def load(self, leaves: torch.Tensor) -> None:
-        """Replace every leaf (``[capacity]`` float64) and rebuild the sums bottom-up."""
+        """Replace every leaf (``[capacity]`` float64) and rebuild the levels bottom-up."""
         self.sum.zero_()
-        self.sum[self.P : self.P + self.capacity] = leaves.to(torch.float64)
-        lv = self.sum[self.P :]
-        self.min[self.P :] = torch.where(lv > 0, lv, torch.full_like(lv, math.inf))
-        width = self.P // 2
-        while width >= 1:
-            lo = width
-            self.sum[lo : 2 * lo] = (
-                self.sum[2 * lo : 4 * lo : 2] + self.sum[2 * lo + 1 : 4 * lo : 2]
-            )
-            self.min[lo : 2 * lo] = torch.minimum(
-                self.min[2 * lo : 4 * lo : 2], self.min[2 * lo + 1 : 4 * lo : 2]
-            )
-            width //= 2
+        self.min.fill_(math.inf)
+        lv = leaves.to(torch.float64)
+        self.sum[: self.capacity] = lv
+        self.min[: self.capacity] = torch.where(lv > 0, lv, torch.full_like(lv, math.inf))
+        for d in range(1, self.H + 1):
+            lo, hi = self._offs[d - 1], self._offs[d]
+            n = (hi - lo) // FAN
+            self.sum[hi : hi + n] = self.sum[lo:hi].view(n, FAN).sum(dim=1)
+            self.min[hi : hi + n] = self.min[lo:hi].view(n, FAN).min(dim=1).values
 
     def sample(
         self, n: int, seed: int, round: int, key: int, out: torch.Tensor, mass: torch.Tensor
@@ -96,8 +109,8 @@ class SumTree:
             return
         if _native is not None:
             _native.tree_sample(
-                self.sum.data_ptr(), self.P, n, seed, round, key, out.data_ptr(),
-                mass.data_ptr(),
+                self.sum.data_ptr(), self.offs.data_ptr(), self.H, n, seed, round, key,
+                out.data_ptr(), mass.data_ptr(),
             )  # fmt: skip
             return
         total = self.total
@@ -105,12 +118,19 @@ class SumTree:
             raise ValueError(f"sample: expected a positive total mass, got {total}")
         gen = seeded(self._gen, seed, round, key)
         u = torch.rand(n, dtype=torch.float64, generator=gen) * total
-        node = torch.ones(n, dtype=torch.int64)
-        for _ in range(self.P.bit_length() - 1):
-            left = self.sum[2 * node]
-            right = self.sum[2 * node + 1]
-            go_left = ((u < left) & (left > 0)) | ~(right > 0)
-            u = torch.where(go_left, u, u - left)
-            node = torch.where(go_left, 2 * node, 2 * node + 1)
-        out[:n] = node - self.P
+        node = torch.zeros(n, dtype=torch.int64)
+        for d in range(self.H - 1, -1, -1):
+            kids = self.sum[self._offs[d] + node[:, None] * FAN + self._fan]  # [n, FAN]
+            ends = kids.cumsum(dim=1)
+            ok = (u[:, None] < ends) & (kids > 0)
+            # the first positive child whose running sum passes u; rounding past the end takes
+            # the last positive child
+            last = FAN - 1 - (kids > 0).flip(1).int().argmax(dim=1)
+            pick = torch.where(ok.any(dim=1), ok.int().argmax(dim=1), last)
+            before = torch.where(
+                pick > 0, ends.gather(1, (pick - 1).clamp(min=0)[:, None])[:, 0], 0
+            )
+            u = (u - before).clamp(min=0)
+            node = node * FAN + pick
+        out[:n] = node
         mass[:n] = self.sum[node]
