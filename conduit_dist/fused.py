@@ -10,14 +10,18 @@ sampler, host delivery) sends each peer one block of record rows::
   ``ceil(8 * n / record_bytes)`` rows;
 - payload: a learner's ``reduce`` tensor (float32 bytes), sent from every learner to every other
   learner in every round, so the splits never depend on this round's values;
-- candidates: as many rows, drawn i.i.d. from this shard, as the peer fetched in the previous
-  round (0 for actors);
+- candidates: rows drawn i.i.d. from this shard for the peer (0 for actors), as many as
+  ``candidates()`` sizes from the previous round: the peer's request times this shard's share
+  of the draws then, plus a margin of 6 standard deviations of that binomial share (a round
+  whose share exceeds it, e.g. the first or after a jump in a shard's share, falls back to the
+  ordinary delivery, which every rank sees from the headers);
 - updates (samplers that route them, e.g. priority updates): from a learner to a shard, room for
   as many ``(generation, value)`` pairs as the learner drew from that shard in the previous
   round, after a count (int64 pairs packed into rows; 0 rows when there is no room).
 
-Every split depends only on values every rank already holds (the previous round's requests, the
-learner set, ``reduce_numel``), so all ranks agree on them without exchanging them first.
+Every split depends only on values every rank already holds (the previous round's requests,
+shares and allocation, the learner set, ``reduce_numel``), so all ranks agree on them without
+exchanging them first.
 """
 
 from __future__ import annotations
@@ -87,18 +91,21 @@ class FusedLayout:
         self.up_recv = [self.update_rows(k) for k in recv]
         return {p: k for p, k in enumerate(send) if k}
 
-    def splits(self, ask: np.ndarray) -> tuple[list[int], list[int], list[int]]:
-        """``(payload rows, rows sent, rows received)`` per peer for last round's requests."""
-        key = ask.tobytes()
+    def splits(self, cand: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """``(payload rows, rows sent, rows received)`` per peer for the candidate counts
+        ``cand[shard, learner]``."""
+        me = self.rank
+        out_c, in_c = cand[me], cand[:, me]
+        key = out_c.tobytes() + in_c.tobytes()
         got = self._splits.get(key)
         if got is None:
-            me, h = self.rank, self.h
+            h = self.h
             pay = [
                 self.pay if self.learners[me] and self.learners[p] and p != me else 0
                 for p in range(self.world)
             ]
-            send = [0 if p == me else h + pay[p] + int(ask[p]) for p in range(self.world)]
-            recv = [0 if p == me else h + pay[p] + int(ask[me]) for p in range(self.world)]
+            send = [0 if p == me else h + pay[p] + int(out_c[p]) for p in range(self.world)]
+            recv = [0 if p == me else h + pay[p] + int(in_c[p]) for p in range(self.world)]
             got = self._splits[key] = (pay, send, recv)
             if len(self._splits) > 64:  # requests that keep changing: keep the cache small
                 self._splits = {key: got}
@@ -118,20 +125,20 @@ class FusedLayout:
 
     def pack(
         self,
-        ask: np.ndarray,
+        cand: np.ndarray,
         payload: torch.Tensor | None,
         gather,
         slots: torch.Tensor | None,
         updates: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
-        """The send rows: per peer the header, the payload, then ``ask[peer]`` candidates
+        """The send rows: per peer the header, the payload, then ``cand[rank, peer]`` candidates
         gathered by ``gather(slots, out)`` from consecutive segments of ``slots``, then the
         update region (``updates[peer]``: ``[k, 2]`` int64 pairs, ``k`` within its room).
 
         Returns:
             ``(rows, in_splits)``.
         """
-        pay, in_splits, _ = self.splits(ask)
+        pay, in_splits, _ = self.splits(cand)
         send = self._send.rows(sum(in_splits))
         rows, hb = self._numpy(self._send), self._meta_np[self.rank].view(np.uint8)
         raw = payload.view(torch.uint8) if payload is not None else None
@@ -142,7 +149,7 @@ class FusedLayout:
             if pay[p] and raw is not None:
                 send[at : at + pay[p]].view(-1)[: raw.numel()].copy_(raw)
             at += pay[p]
-            k = int(ask[p])
+            k = int(cand[self.rank, p])
             if k and slots is not None:
                 gather(slots[drawn : drawn + k], send[at : at + k])
             at, drawn = at + k, drawn + k
@@ -157,13 +164,13 @@ class FusedLayout:
                 at += u
         return send, in_splits
 
-    def recv_rows(self, ask: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+    def recv_rows(self, cand: np.ndarray) -> tuple[torch.Tensor, list[int]]:
         """The receive rows and their splits."""
-        _, _, out_splits = self.splits(ask)
+        _, _, out_splits = self.splits(cand)
         return self._recv.rows(sum(out_splits)), out_splits
 
     def unpack(
-        self, recv: torch.Tensor, ask: np.ndarray
+        self, recv: torch.Tensor, cand: np.ndarray
     ) -> tuple[np.ndarray, dict[int, torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor]]:
         """Every rank's header (this rank's own included), each peer's payload (learners that
         sent one), each peer's candidate block, and the update pairs peers sent.
@@ -172,7 +179,7 @@ class FusedLayout:
             ``(meta [world, head_len], payloads, candidates, updates)``; ``meta`` is reused by
             the next round; ``updates``: ``[k, 2]`` int64 copies.
         """
-        pay, _, out_splits = self.splits(ask)
+        pay, _, out_splits = self.splits(cand)
         meta, rows = self._meta_np, self._numpy(self._recv)
         mb = meta.view(np.uint8)
         nb = mb.shape[1]
@@ -230,7 +237,7 @@ class Flight:
     ticket: RoundTicket
     stats: RoundStats
     t0: float
-    ask: np.ndarray
+    cand: np.ndarray  # [shard, learner] candidate rows of this round
     n_cand: int
     slots: torch.Tensor | None
     recv: torch.Tensor
@@ -239,16 +246,36 @@ class Flight:
     early: bool = False  # started by fetch_start: the caller's work runs before the finish
 
 
-def short(alloc: np.ndarray, ask: np.ndarray) -> bool:
+def short(alloc: np.ndarray, cand: np.ndarray) -> bool:
     """Whether some learner's share from another shard exceeds the candidates it was sent
-    (``alloc[learner, shard] > ask[learner]``; a learner reads its own shard locally)."""
+    (``alloc[learner, shard] > cand[shard, learner]``; a learner reads its own shard locally)."""
     world = alloc.shape[0]
     if world > 16:
-        over = alloc > ask[:, None]
+        over = alloc > cand.T
         np.fill_diagonal(over, False)
         return bool(over.any())
-    rows, asked = alloc.tolist(), ask.tolist()  # a few values: Python beats numpy's call cost
-    return any(n > asked[i] for i, row in enumerate(rows) for s, n in enumerate(row) if s != i)
+    rows, sent = alloc.tolist(), cand.T.tolist()  # a few values: Python beats numpy's calls
+    return any(n > sent[i][s] for i, row in enumerate(rows) for s, n in enumerate(row) if s != i)
+
+
+def candidates(requests: np.ndarray, shares: np.ndarray, learners: np.ndarray) -> np.ndarray:
+    """``int64 [shard, learner]`` candidate rows for the next round: each learner's request
+    times each shard's share, plus 6 standard deviations of the binomial share, 1% and 4 rows
+    (capped at the request; 0 to itself and to actors).
+
+    Args:
+        requests: ``[world]`` this round's fetch sizes.
+        shares: ``[world]`` each shard's probability of a draw this round (sums to 1, or all 0).
+        learners: ``bool [world]``.
+    """
+    req = np.where(learners, requests, 0).astype(np.float64)[None, :]
+    p = shares.astype(np.float64)[:, None]
+    mean = req * p
+    want = np.ceil(mean + 6.0 * np.sqrt(mean * (1.0 - p)) + 0.01 * req + 4.0)
+    cand = np.minimum(want, req).astype(np.int64)
+    cand[p[:, 0] <= 0, :] = 0
+    np.fill_diagonal(cand, 0)
+    return cand
 
 
 def check_payload(t: torch.Tensor, numel: int) -> None:

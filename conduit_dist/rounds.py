@@ -17,7 +17,7 @@ import torch
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.transport import Transport
-from conduit_dist.fused import Flight, FusedLayout, check_payload, short
+from conduit_dist.fused import Flight, FusedLayout, candidates, check_payload, short
 from conduit_dist.placement.base import Placement
 from conduit_dist.sampling.base import Sampler
 from conduit_dist.spec import ExperienceSpec
@@ -89,7 +89,9 @@ class RoundRunner:
             spec.record_bytes, self.rank, learner_mask, head_len, self.reduce_numel, device
         )
         self.fused_rounds = 0  # rounds that ran as one exchange (and delivered from it)
-        self._asked_of_me = 0  # candidates this shard sends this round (last round's requests)
+        # candidate rows [shard, learner] of the next fused round (sized from this one's)
+        self._cand = np.zeros((self.world, self.world), dtype=np.int64)
+        self._learner_mask = learner_mask
         self._tags = sampler.trailer_bytes > 0
         self._alloc: np.ndarray | None = None  # last round's allocation (update regions' sizes)
 
@@ -197,13 +199,15 @@ class RoundRunner:
         to its exchange, launched and left in flight (:meth:`_fused_finish` completes it).
 
         Every rank ingests its staged items into its own shard, then sends each peer its header
-        and, when the peer is a learner, as many candidate rows drawn i.i.d. from this shard as
-        that learner fetched last round (known to every rank). After the exchange every rank
-        holds every header, so the allocation is the same everywhere; a learner takes the first
-        ``k`` candidates of each shard's block (a prefix of i.i.d. draws is i.i.d.: the batch
-        has the distribution the three-exchange round draws). When some learner's share from a
-        shard exceeds what that shard sent (its fetch grew; the first fetch), every rank knows
-        it from the headers and the round finishes with the ordinary delivery exchange.
+        and, when the peer is a learner, candidate rows drawn i.i.d. from this shard: that
+        learner's last request times this shard's last share of the draws, plus a margin
+        (``fused.candidates``; known to every rank). After the exchange every rank holds every
+        header, so the allocation is the same everywhere; a learner takes the first ``k``
+        candidates of each shard's block (a prefix of i.i.d. draws is i.i.d.: the batch has the
+        distribution the three-exchange round draws) and draws its own shard's share then. When
+        some learner's share from a shard exceeds what that shard sent (its fetch grew, the
+        first fetch, a jump in a share), every rank knows it from the headers and the round
+        finishes with the ordinary delivery exchange.
         """
         r, lay = t.round, self._fused_layout
         t0 = time.perf_counter()
@@ -219,30 +223,27 @@ class RoundRunner:
         head[:_META] = (t.count + t.direct, t.request, t.weights.version, t.weights.nbytes)
         head[_META:-2] = self.sampler.local_meta(self.shard)
         head[-2:] = (size, t.reduce is not None)
-        ask = self._requests  # last round's fetch sizes: candidates each learner is sent
-        n_cand = self._asked_of_me
-        n_draw = n_cand + int(t.request)
-        slots = self.sampler.draw(n_draw, size, r) if size and n_draw else None
+        cand = self._cand  # sized from the last round's requests and shares
+        n_cand = int(cand[self.rank].sum())  # the own-shard share is drawn once known (finish)
+        slots = self.sampler.draw(n_cand, size, r) if size and n_cand else None
         routes = self.sampler.routes_updates
         budgets = lay.set_updates(self._alloc if routes else None)
         updates = self.sampler.outgoing(budgets) if budgets else None
-        send, in_splits = lay.pack(ask, t.reduce, self._gather, slots, updates)
-        recv, out_splits = lay.recv_rows(ask)
+        send, in_splits = lay.pack(cand, t.reduce, self._gather, slots, updates)
+        recv, out_splits = lay.recv_rows(cand)
         work = self.exchange.all_to_all_async(
             recv, send, out_splits, in_splits, r, "all_to_all(round)"
         )
-        return Flight(t, stats, t0, ask, n_cand, slots, recv, work, time.perf_counter())
+        return Flight(t, stats, t0, cand, n_cand, slots, recv, work, time.perf_counter())
 
     def _fused_finish(self, f: Flight, weights: WeightsState) -> torch.Tensor:
         """Wait for a fused round's exchange and finish the round: headers, payload average,
         allocation, this learner's batch, weights."""
-        me, lay, t, stats, ask, slots, n_cand = (
-            self.rank, self._fused_layout, f.ticket, f.stats, f.ask, f.slots, f.n_cand,
-        )  # fmt: skip
+        me, lay, t, stats, cand = self.rank, self._fused_layout, f.ticket, f.stats, f.cand
         r, t0 = t.round, f.t0
         t_wait = time.perf_counter()
         f.work.wait()
-        meta, payloads, blocks, updates = lay.unpack(f.recv, ask)
+        meta, payloads, blocks, updates = lay.unpack(f.recv, cand)
         for rows in updates:
             self.sampler.incoming(rows)
         if t.reduce is not None:
@@ -252,9 +253,7 @@ class RoundRunner:
             meta[:, -2].copy(),
             meta[:, 0].copy(),
         )
-        req = self._requests.tolist()  # small: Python sums beat numpy's per-call cost here
-        self._asked_of_me = sum(req) - req[me]
-        self.ingested += sum(self._inflow.tolist())
+        self.ingested += sum(self._inflow.tolist())  # small: Python beats numpy's call cost
         t1 = time.perf_counter()
         if f.early:
             stats.mark("ingest", t_wait, t1)  # the span the fetch waited; ms: set-up + wait
@@ -263,9 +262,12 @@ class RoundRunner:
             stats.mark("ingest", t0, t1)
         rb, n_in = self.spec.record_bytes, t.count + t.direct
         stats.items_in, stats.bytes_in = n_in, n_in * rb
-        alloc = self.sampler.allocate(self._requests, self.sizes, r, meta[:, _META:-2])
+        sampler_meta = meta[:, _META:-2]
+        alloc = self.sampler.allocate(self._requests, self.sizes, r, sampler_meta)
         self._alloc = alloc
-        if short(alloc, ask):  # the same on every rank: all run the ordinary delivery
+        shares = self.sampler.shares(self.sizes, sampler_meta)
+        self._cand = candidates(self._requests, shares, self._learner_mask)
+        if short(alloc, cand):  # the same on every rank: all run the ordinary delivery
             out = self._deliver(alloc, r, stats, t1)
         else:
             self.fused_rounds += 1
@@ -278,7 +280,8 @@ class RoundRunner:
                 at += k
             own = int(alloc[me, me])
             if own:
-                self._gather(slots[n_cand : n_cand + own], out[at:])
+                size = int(self.shard.size)
+                self._gather(self.sampler.draw(own, size, r, stream=1), out[at:])
             t2 = time.perf_counter()
             stats.mark("sample", t1, t2)
             stats.mark("deliver", t2, t2)  # the rows arrived with the headers

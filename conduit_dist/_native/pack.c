@@ -674,6 +674,46 @@ static PyObject* read_trailer(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* mass_alloc(counts, world, cum, requests, seed, round, key): like uniform_alloc over float64
+ * cumulative masses cum[world]: each of learner l's requests[l] draws is u uniform in
+ * [0, cum[world-1]) from the stream (seed, round, key + l), counted for the first shard whose
+ * cumulative mass exceeds u and whose own mass is positive. */
+static PyObject* mass_alloc(PyObject* self, PyObject* args) {
+    unsigned long long counts, cum_p, req_p, seed, round, key;
+    long long world;
+    if (!PyArg_ParseTuple(args, "KLKKKKK", &counts, &world, &cum_p, &req_p, &seed, &round, &key))
+        return NULL;
+    if (world < 1) {
+        PyErr_Format(PyExc_ValueError, "mass_alloc: expected world >= 1, got %lld", world);
+        return NULL;
+    }
+    int64_t* c = (int64_t*)(uintptr_t)counts;
+    const double* cum = (const double*)(uintptr_t)cum_p;
+    const int64_t* req = (const int64_t*)(uintptr_t)req_p;
+    double total = cum[world - 1];
+    memset(c, 0, (size_t)(world * world) * sizeof(int64_t));
+    if (!(total > 0)) Py_RETURN_NONE;
+    for (long long l = 0; l < world; l++) {
+        if (req[l] <= 0) continue;
+        uint64_t h = 0x9E3779B97F4A7C15ULL;
+        h = splitmix_step(splitmix_step(splitmix_step(h, seed), round), key + (uint64_t)l);
+        int64_t* row = c + l * world;
+        for (int64_t i = 0; i < req[l]; i++) {
+            h += 0x9E3779B97F4A7C15ULL;
+            double u = (double)(splitmix_step(h, 0) >> 11) * 0x1.0p-53 * total;
+            long long lo = 0, hi = world - 1; /* first shard whose cumulative mass exceeds u */
+            while (lo < hi) {
+                long long mid = (lo + hi) / 2;
+                if (cum[mid] > u) hi = mid; else lo = mid + 1;
+            }
+            /* u rounded up to the total: the last shard of positive mass takes it */
+            while (lo > 0 && cum[lo] == cum[lo - 1]) lo--;
+            row[lo]++;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"tree_set", tree_set, METH_VARARGS,
      "tree_set(sum, min, offs, H, idx, val, n): set n leaves of float64 8-ary sum/min trees "
@@ -695,6 +735,9 @@ static PyMethodDef methods[] = {
     {"read_trailer", read_trailer, METH_VARARGS,
      "read_trailer(rows, row_bytes, n, col, min_mass, beta, index, weight): addresses and "
      "importance weights of delivered rows."},
+    {"mass_alloc", mass_alloc, METH_VARARGS,
+     "mass_alloc(counts, world, cum, requests, seed, round, key): int64 [world, world] counts "
+     "of each learner's requests[l] draws over float64 cumulative masses cum."},
     {"uniform_alloc", uniform_alloc, METH_VARARGS,
      "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
      "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},

@@ -28,6 +28,7 @@ import torch
 from conduit_dist.spec import _native
 
 _MASK = (1 << 63) - 1
+OWN_KEY = 1 << 39  # draw(stream=1) streams: (seed, round, OWN_KEY + rank)
 
 
 def mix(*keys: int) -> int:
@@ -110,6 +111,13 @@ class Sampler(ABC):
         """Attach to a plane (called once, when the plane is built)."""
         self.ctx = ctx
 
+    def shares(self, sizes: np.ndarray, meta: np.ndarray) -> np.ndarray:
+        """``[world]`` each shard's probability of a draw in the round just allocated (sizes
+        proportional by default; all 0 on an empty store): sizes the next one-exchange round's
+        candidates."""
+        total = sizes.sum()
+        return sizes / total if total else np.zeros(sizes.shape[0])
+
     def attach(self, shard, trailer: int) -> None:  # noqa: B027 (default hook)
         """Called once the plane's shard is built; ``trailer``: byte offset of the trailer in a
         row (when ``trailer_bytes``)."""
@@ -153,14 +161,16 @@ class Sampler(ABC):
     def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """``float [learner, shard]``: the mean of :meth:`allocate` over rounds."""
 
-    def draw(self, count: int, size: int, round: int) -> torch.Tensor:
+    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
         """``count`` shard-local slots from ``[0, size)`` (default: uniform, with replacement).
 
-        The stream is keyed by ``(seed, round, rank)``; the native draw (a splitmix64 stream)
-        costs ~1 us where ``torch.randint`` with a reseeded generator cost ~9 us per round here.
+        The stream is keyed by ``(seed, round, rank)`` (``stream=1``: a second stream of the
+        round, ``(seed, round, OWN_KEY + rank)``, for draws made after the first's); the native
+        draw (a splitmix64 stream) costs ~1 us where ``torch.randint`` with a reseeded generator
+        cost ~9 us per round here.
         The returned tensor is valid until the next draw.
         """
-        return self.uniform(count, size, round, self.ctx.rank)
+        return self.uniform(count, size, round, self.ctx.rank + stream * OWN_KEY)
 
     def uniform(
         self, count: int, size: int, round: int, key: int, scratch: str = "_slots"

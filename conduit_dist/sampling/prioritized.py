@@ -4,7 +4,8 @@ Every shard keeps a sum tree (and a min tree) over its slots, keyed by ``generat
 so an item's priority follows it whichever tier holds it. An item ``i`` has mass
 ``m_i = (p_i + eps) ** alpha``; a learner's batch of ``b`` items is split over shards by a
 multinomial with probabilities ``M_s / M`` (each shard's total mass travels in the round's meta
-exchange, so every rank computes the same split with no further exchange), and each shard draws
+exchange; the split's draws come from a stream keyed by ``(seed, round, learner)``, so every
+rank computes the same split with no further exchange), and each shard draws
 its share i.i.d. in proportion to ``m_i`` from its tree: item ``i`` is drawn with probability
 ``m_i / M`` whichever shard holds it, i.i.d. across the batch.
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.sampling.base import Sampler, mix
+from conduit_dist.sampling.base import OWN_KEY, Sampler, splitmix_uniform
 from conduit_dist.sampling.sumtree import SumTree
 from conduit_dist.spec import _native
 
@@ -162,13 +163,15 @@ class Prioritized(Sampler):
         self._apply()
         return (_bits(self.tree.total), _bits(self.tree.smallest), _bits(self.max_priority))
 
-    def draw(self, count: int, size: int, round: int) -> torch.Tensor:
-        """``count`` gather indices drawn in proportion to mass (valid until the next draw)."""
+    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
+        """``count`` gather indices drawn in proportion to mass (valid until the next draw;
+        ``stream`` as in ``Sampler.draw``)."""
         if self._draw.shape[0] < count:
             self._draw = torch.empty(max(count, 2 * self._draw.shape[0]), dtype=torch.int64)
             self._mass = torch.empty(self._draw.shape[0], dtype=torch.float64)
         leaf = self._draw[:count]
-        self.tree.sample(count, self.ctx.seed, round, self.ctx.rank, leaf, self._mass)
+        key = self.ctx.rank + stream * OWN_KEY
+        self.tree.sample(count, self.ctx.seed, round, key, leaf, self._mass)
         if self.shard.addresses_are_slots:
             return leaf
         return self.shard.index_of(self._gen[leaf])
@@ -208,12 +211,30 @@ class Prioritized(Sampler):
         if world == 1:
             counts[0, 0] = requests[0]
             return counts
-        p = masses / total
-        for learner in np.nonzero(requests)[0]:
-            key = mix(self.ctx.seed, round, _KEY + int(learner))
-            rng = np.random.Generator(np.random.PCG64(key))
-            counts[learner] = rng.multinomial(int(requests[learner]), p)
+        cum = np.cumsum(masses)
+        if _native is not None:  # every learner in one call
+            req = np.ascontiguousarray(requests, dtype=np.int64)
+            _native.mass_alloc(
+                counts.ctypes.data, world, cum.ctypes.data, req.ctypes.data, self.ctx.seed,
+                round, _KEY,
+            )  # fmt: skip
+            return counts
+        for learner in np.nonzero(requests)[0]:  # the same stream without the extension
+            n, key = int(requests[learner]), _KEY + int(learner)
+            z = np.array(splitmix_uniform(n, 1 << 53, self.ctx.seed, round, key), dtype=np.float64)
+            u = z * 2.0**-53 * cum[-1]
+            shard = np.minimum(np.searchsorted(cum, u, side="right"), world - 1)
+            for i in np.nonzero(masses[shard] == 0)[0]:  # u rounded up to the total
+                while shard[i] > 0 and cum[shard[i]] == cum[shard[i] - 1]:
+                    shard[i] -= 1
+            counts[learner] = np.bincount(shard, minlength=world)
         return counts
+
+    def shares(self, sizes: np.ndarray, meta: np.ndarray) -> np.ndarray:
+        """Each shard's mass over the total (from the round's meta)."""
+        masses = np.ascontiguousarray(meta[:, 0]).view(np.float64)
+        total = masses.sum()
+        return masses / total if total > 0 else np.zeros(sizes.shape[0])
 
     def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Size-proportional (masses are not known ahead of a round)."""

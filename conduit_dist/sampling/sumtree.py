@@ -44,18 +44,19 @@ class SumTree:
         total = offs[-1] + sizes[-1]
         self.sum = torch.zeros(total, dtype=torch.float64)
         self.min = torch.full((total,), math.inf, dtype=torch.float64)
+        self._sum_np, self._min_np = self.sum.numpy(), self.min.numpy()  # cheap scalar reads
         self._gen = torch.Generator()
         self._fan = torch.arange(FAN)
 
     @property
     def total(self) -> float:
         """Sum of every leaf."""
-        return float(self.sum[self._offs[self.H]])
+        return float(self._sum_np[self._offs[self.H]])
 
     @property
     def smallest(self) -> float:
         """The smallest positive leaf (``inf`` when every leaf is 0)."""
-        return float(self.min[self._offs[self.H]])
+        return float(self._min_np[self._offs[self.H]])
 
     def leaves(self) -> torch.Tensor:
         """The leaf masses (a view: ``[capacity]`` float64)."""
