@@ -21,7 +21,7 @@ from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError, EmptyStoreError, PhaseError, RoundError, SpecError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
-from conduit_dist.sampling import Prioritized, Sampler, Uniform
+from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform
 from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.spec import ExperienceSpec, FieldSpec
 from conduit_dist.tiers import Tiers
@@ -42,6 +42,7 @@ __all__ = [
     "RoundRobin",
     "RoundStats",
     "Sampler",
+    "Sequence",
     "SpecError",
     "Stratified",
     "Tiers",

@@ -176,7 +176,7 @@ def _check_sampler(sampler: Sampler, runner: RoundRunner, placement, device) -> 
     Raises:
         ConfigError: naming what is missing.
     """
-    needs = sampler.trailer_bytes or sampler.routes_updates
+    needs = sampler.trailer_bytes or sampler.routes_updates or sampler.windowed
     if needs and runner.world > 1 and not runner.fusable:
         raise ConfigError(
             f"sampler: {sampler.name!r} runs on one-exchange rounds, which need a placement "
@@ -225,8 +225,8 @@ def assemble(
         undo.callback(ex.close)
         learners = _learners(learner_ranks, ex.world)
         # rows carry the sampler's trailer (e.g. a prioritized item's address and mass)
-        wire = spec.with_trailer(sampler.trailer_bytes) if sampler.trailer_bytes else spec
-        shard = storage.build(capacity, wire.record_bytes, device)
+        stored, wire_bytes = sampler.layout(spec)
+        shard = storage.build(capacity, stored.record_bytes, device)
         undo.callback(shard.close)
         topo = discover(ex)
         model, calibration_s = _bandwidth(bandwidth, ex, topo, bandwidth_cache)
@@ -234,16 +234,16 @@ def assemble(
         is_learner = np.zeros(ex.world, dtype=bool)
         is_learner[list(learners)] = True
         sampler.bind(SamplerContext(int(seed), ex.rank, ex.world, links))
-        sampler.attach(shard, wire.trailer or 0)
+        sampler.attach(shard, stored)
         placement.bind(
-            PlacementContext(ex.world, links, is_learner, wire.record_bytes, model, sampler)
+            PlacementContext(ex.world, links, is_learner, stored.record_bytes, model, sampler)
         )
         undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
         undo.callback(setattr, placement, "ctx", None)
         transport = Transport(ex, topo, model, strategy)
         runner = RoundRunner(
-            wire, shard, ex, sampler, placement, learners[0], device, transport,
-            tuple(learners), reduce_numel,
+            stored, shard, ex, sampler, placement, learners[0], device, transport,
+            tuple(learners), reduce_numel, wire_bytes,
         )  # fmt: skip
         _check_sampler(sampler, runner, placement, device)
         _check_reduce(reduce_numel, runner, schedule, sampler, placement, device)
@@ -263,7 +263,7 @@ def assemble(
         timeline = Timeline(ex.rank, enabled=trace)
         limit = capacity * ex.world
         stager = Stager(
-            wire, shard, ex.world, limit, sched, max_lag, timeline, device, local=runner.fusable
+            stored, shard, ex.world, limit, sched, max_lag, timeline, device, local=runner.fusable
         )
         clock = RoundClock(stager, weights, sched, timeline, device)
         control = OverlapController(

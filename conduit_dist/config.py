@@ -143,6 +143,8 @@ class AlgoConfig:
         double_dqn: use the online network to pick the bootstrap action.
         max_grad_norm: gradient clipping norm.
         publish_every: learner steps between weight publications (disaggregated mode).
+        n_step: n-step returns computed by the data plane at sampling over each env's
+            transitions (never across an episode end; ``cd.Sequence``); 1: one-step targets.
     """
 
     name: str = "dqn"
@@ -158,6 +160,7 @@ class AlgoConfig:
     eps_decay_steps: int = 20_000
     learning_starts: int = 2_000
     updates_per_iter: int = 1
+    n_step: int = 1
     double_dqn: bool = True
     max_grad_norm: float = 10.0
     publish_every: int = 4
@@ -238,6 +241,7 @@ def validate(cfg: TrainConfig) -> None:
         ("total_env_steps", cfg.total_env_steps >= 1, ">= 1", cfg.total_env_steps),
         ("logger.log_every", cfg.logger.log_every >= 1, ">= 1", cfg.logger.log_every),
         ("algo.tau", 0 < cfg.algo.tau <= 1, "in (0, 1]", cfg.algo.tau),
+        ("algo.n_step", cfg.algo.n_step >= 1, ">= 1", cfg.algo.n_step),
         ("plane.prioritized.beta_end", 0 <= pr.beta_end <= 1, "in [0, 1]", pr.beta_end),
     ]
     for name, ok, expected, got in checks:  # alpha, beta, eps: checked by cd.Prioritized

@@ -43,6 +43,8 @@ class RoundRunner:
         transport: runs each exchange with the strategy the bandwidth model chooses.
         learners: the learner ranks (fused rounds carry learners' ``reduce`` payloads).
         reduce_numel: float32 elements of a fetch's ``reduce`` payload (0: none).
+        wire_bytes: bytes of a delivered row (``None``: a stored record; samplers that
+            deliver windows or trailers widen it, see ``Sampler.layout``).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class RoundRunner:
         transport: Transport,
         learners: tuple[int, ...] = (),
         reduce_numel: int = 0,
+        wire_bytes: int | None = None,
     ) -> None:
         self.spec, self.shard, self.exchange = spec, shard, exchange
         self.sampler, self.placement, self.transport = sampler, placement, transport
@@ -67,9 +70,10 @@ class RoundRunner:
         self.sizes = np.zeros(self.world, dtype=np.int64)  # every shard's size, on every rank
         self.published = self.sizes.copy()  # sizes as of the latest completed round
         self.ingested = 0  # items ingested over all ranks
-        self._send = RecordBuffer(spec.record_bytes, device)
-        self._recv = RecordBuffer(spec.record_bytes, device)
-        self.outputs = OutputPool(spec.record_bytes, device, spec.unpack)
+        self.wire_bytes = wb = spec.record_bytes if wire_bytes is None else int(wire_bytes)
+        self._send = RecordBuffer(wb, device)  # delivery
+        self._recv = RecordBuffer(spec.record_bytes, device)  # ingestion
+        self.outputs = OutputPool(wb, device, spec.unpack)
         self._dev_stage = RecordBuffer(spec.record_bytes, device)  # H2D copy of staged records
         self._meta_local = torch.zeros(_META + sampler.meta_width, dtype=torch.int64)
         # one-exchange rounds (see _fused): items stay where they were put and draws are i.i.d.,
@@ -86,17 +90,22 @@ class RoundRunner:
         # header: the meta values, the sampler's, this shard's size, whether a payload came
         head_len = _META + sampler.meta_width + 2
         self._fused_layout = FusedLayout(
-            spec.record_bytes, self.rank, learner_mask, head_len, self.reduce_numel, device
+            wb, self.rank, learner_mask, head_len, self.reduce_numel, device
         )
         self.fused_rounds = 0  # rounds that ran as one exchange (and delivered from it)
         # candidate rows [shard, learner] of the next fused round (sized from this one's)
         self._cand = np.zeros((self.world, self.world), dtype=np.int64)
         self._learner_mask = learner_mask
         self._tags = sampler.trailer_bytes > 0
+        self._windowed = sampler.windowed
         self._alloc: np.ndarray | None = None  # last round's allocation (update regions' sizes)
 
     def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the records at ``slots`` into ``out``; the sampler writes their trailers."""
+        """Copy the records at ``slots`` into ``out``; the sampler writes their trailers (or
+        composes the rows: windows)."""
+        if self._windowed:
+            self.sampler.gather_windows(slots, out)
+            return
         self.shard.gather(slots, out)
         if self._tags:
             self.sampler.tag(slots, out)
@@ -190,7 +199,7 @@ class RoundRunner:
             n_in,
             n_out,
             n_in * rb,
-            n_out * rb,
+            n_out * self.wire_bytes,
         )
         return out
 
@@ -285,7 +294,7 @@ class RoundRunner:
             t2 = time.perf_counter()
             stats.mark("sample", t1, t2)
             stats.mark("deliver", t2, t2)  # the rows arrived with the headers
-            stats.items_out, stats.bytes_out = out.shape[0], out.shape[0] * rb
+            stats.items_out, stats.bytes_out = out.shape[0], out.shape[0] * self.wire_bytes
         t3 = time.perf_counter()
         weights.exchange(self.exchange, meta, self.weights_src, r, t.weights)
         stats.mark("weights", t3, time.perf_counter())
@@ -386,7 +395,7 @@ class RoundRunner:
         if rows.any():  # the same on every rank: all run the exchange or none does
             stats.moves.append(self.transport.move(out[:remote], send, rows, r, "deliver"))
         stats.mark("deliver", t2, time.perf_counter())
-        stats.items_out, stats.bytes_out = n_recv, n_recv * self.spec.record_bytes
+        stats.items_out, stats.bytes_out = n_recv, n_recv * self.wire_bytes
         return out
 
     def state_dict(self) -> dict[str, object]:

@@ -149,9 +149,11 @@ class DataPlane:
         """
         self._check_open()
         records = self._p.control.fetch(batch_size, more, reduce)
+        if self.sampler.windowed:  # sequences, n-step: composed rows (a copy)
+            return self.sampler.unpack(records)
         out = self._p.runner.outputs.unpack(records)
         if self.sampler.trailer_bytes:  # e.g. prioritized replay's _index and _weight
-            out = {**out, **self.sampler.entries(records, self._p.runner.spec.trailer)}
+            out = {**out, **self.sampler.entries(records)}
         return out
 
     def update_priorities(self, index: torch.Tensor, priority: torch.Tensor) -> None:

@@ -99,7 +99,9 @@ class DQN:
         With prioritized replay's ``"_weight"`` in the batch, each item's loss is weighted by
         it; :attr:`last_td` holds the batch's ``|TD error|`` (the new priorities).
         """
-        obs, next_obs = batch["obs"], batch["next_obs"]
+        obs = batch["obs"]
+        n_step = "_return" in batch  # n-step windows: bootstrap from the window's last item
+        next_obs = batch["_last_next_obs"] if n_step else batch["next_obs"]
         q = self.learner(obs).gather(1, batch["action"].view(-1, 1)).squeeze(1)
         with torch.no_grad():
             if self.cfg.double_dqn:
@@ -107,8 +109,11 @@ class DQN:
                 nq = self.target(next_obs).gather(1, a).squeeze(1)
             else:
                 nq = self.target(next_obs).max(dim=1).values
-            notdone = (~batch["done"]).to(q.dtype)
-            target = batch["reward"] + self.cfg.gamma * notdone * nq
+            if n_step:  # _discount: gamma ** m, 0 when the window ended the episode
+                target = batch["_return"] + batch["_discount"] * nq
+            else:
+                notdone = (~batch["done"]).to(q.dtype)
+                target = batch["reward"] + self.cfg.gamma * notdone * nq
         if "_weight" not in batch:
             return F.smooth_l1_loss(q, target)
         self.last_td = (q - target).detach().abs()

@@ -22,12 +22,15 @@ class VectorEnv:
         env_id: gymnasium id (e.g. ``CartPole-v1``).
         num_envs: copies.
         seed: base seed; env ``i`` is seeded ``seed + i``.
+        streams: also return ``env`` (int64, each copy's index: its stream) and ``truncated``
+            (bool), so the data plane can link consecutive transitions (n-step, slices).
 
     Raises:
         ConfigError: if the id is unknown or its spaces are not a flat Box and a Discrete.
     """
 
-    def __init__(self, env_id: str, num_envs: int, seed: int) -> None:
+    def __init__(self, env_id: str, num_envs: int, seed: int, streams: bool = False) -> None:
+        self.streams = streams
         try:
             fns = [lambda: gym.make(env_id) for _ in range(num_envs)]
             self.env = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
@@ -62,6 +65,9 @@ class VectorEnv:
             "next_obs": torch.as_tensor(next_obs, dtype=torch.float32),
             "done": torch.as_tensor(term, dtype=torch.bool),  # truncation still bootstraps
         }
+        if self.streams:
+            batch["env"] = torch.arange(self.num_envs)
+            batch["truncated"] = torch.as_tensor(trunc, dtype=torch.bool)
         self._ret += rew
         for i in np.nonzero(term | trunc)[0]:
             self.returns.append(float(self._ret[i]))

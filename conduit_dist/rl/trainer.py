@@ -21,7 +21,7 @@ from conduit_dist.rl.breakdown import PARTS, Breakdown
 from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
-from conduit_dist.sampling import Prioritized
+from conduit_dist.sampling import Prioritized, Sequence
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.tiers import Tiers
 
@@ -102,7 +102,9 @@ class Trainer:
         obs_dim, n_actions = probe.obs_dim, probe.n_actions
         probe.close()
         self.env = (
-            VectorEnv(cfg.env.id, cfg.env.num_envs, cfg.seed + 1000 * self.rank)
+            VectorEnv(
+                cfg.env.id, cfg.env.num_envs, cfg.seed + 1000 * self.rank, cfg.algo.n_step > 1
+            )
             if self.is_actor
             else None
         )
@@ -150,17 +152,36 @@ class Trainer:
         placement = self.cfg.plane.placement
         if placement != "auto":
             return placement
-        if self.cfg.mode == "colocated" or self.cfg.plane.sampler == "prioritized":
-            return "local"  # prioritized replay runs on one-exchange rounds
+        if (
+            self.cfg.mode == "colocated"
+            or self.cfg.plane.sampler == "prioritized"
+            or self.cfg.algo.n_step > 1
+        ):
+            return "local"  # prioritized replay and n-step windows run on one-exchange rounds
         return "round_robin"
 
     def _sampler(self):
-        """``plane.sampler`` as a name, or a ``Prioritized`` built from ``plane.prioritized``."""
-        pc = self.cfg.plane
+        """``plane.sampler`` as a name, or a ``Prioritized`` built from ``plane.prioritized``
+        (with ``algo.n_step > 1`` n-step windows over each env's stream; uniform sampling of
+        them is ``Prioritized`` with ``alpha = 0``)."""
+        pc, algo = self.cfg.plane, self.cfg.algo
+        seq = None
+        if algo.n_step > 1:
+            seq = Sequence(
+                n_step=algo.n_step, gamma=algo.gamma, done="done", truncated="truncated",
+                stream="env",
+            )  # fmt: skip
+            if pc.sampler == "uniform":
+                return Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq)
         if pc.sampler != "prioritized":
+            if seq is not None:
+                raise ConfigError(
+                    f"algo.n_step: n-step windows need plane.sampler uniform or prioritized, "
+                    f"got {pc.sampler!r}"
+                )
             return pc.sampler
         pr = pc.prioritized
-        return Prioritized(alpha=pr.alpha, beta=pr.beta, eps=pr.eps)
+        return Prioritized(alpha=pr.alpha, beta=pr.beta, eps=pr.eps, sequence=seq)
 
     def _anneal_beta(self) -> None:
         """Move ``beta`` linearly from ``plane.prioritized.beta`` to ``beta_end``."""
@@ -208,11 +229,15 @@ class Trainer:
             "next_obs": torch.zeros(1, obs_dim),
             "done": torch.zeros(1, dtype=torch.bool),
         }
+        if self.cfg.algo.n_step > 1:  # streams: the plane links each env's transitions
+            example["env"] = torch.zeros(1, dtype=torch.int64)
+            example["truncated"] = torch.zeros(1, dtype=torch.bool)
         pc = self.cfg.plane
         if pc.kind == "simple":
-            if pc.sampler != "uniform":
+            if pc.sampler != "uniform" or self.cfg.algo.n_step > 1:
                 raise ConfigError(
-                    f"plane.sampler: plane.kind=simple samples uniformly only, got {pc.sampler!r}"
+                    "plane.kind: 'simple' samples single transitions uniformly; got "
+                    f"plane.sampler={pc.sampler!r}, algo.n_step={self.cfg.algo.n_step}"
                 )
             return SimpleBuffer(example, pc.capacity_per_rank, self.cfg.seed)
         declared = BandwidthModel.declared(pc.latency_us * 1e-6, dict(pc.gbps))

@@ -2,6 +2,7 @@
 
 from conduit_dist.sampling.base import Sampler, SamplerContext
 from conduit_dist.sampling.prioritized import Prioritized
+from conduit_dist.sampling.sequences import Sequence
 from conduit_dist.sampling.uniform import Uniform
 
-__all__ = ["Prioritized", "Sampler", "SamplerContext", "Uniform"]
+__all__ = ["Prioritized", "Sampler", "SamplerContext", "Sequence", "Uniform"]

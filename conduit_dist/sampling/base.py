@@ -118,15 +118,31 @@ class Sampler(ABC):
         total = sizes.sum()
         return sizes / total if total else np.zeros(sizes.shape[0])
 
-    def attach(self, shard, trailer: int) -> None:  # noqa: B027 (default hook)
-        """Called once the plane's shard is built; ``trailer``: byte offset of the trailer in a
-        row (when ``trailer_bytes``)."""
+    windowed: bool = False  # delivered rows are composed by gather_windows (several items)
+
+    def layout(self, spec) -> tuple[object, int]:
+        """``(stored spec, delivered row bytes)``: by default rows are delivered as stored;
+        ``trailer_bytes`` widen both (``spec.with_trailer``)."""
+        if self.trailer_bytes:
+            spec = spec.with_trailer(self.trailer_bytes)
+        return spec, spec.record_bytes
+
+    def attach(self, shard, spec) -> None:  # noqa: B027 (default hook)
+        """Called once the plane's shard is built, with the stored records' spec."""
+
+    def gather_windows(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Compose delivered rows for draws ``index`` into ``out`` (``windowed`` samplers)."""
+        raise NotImplementedError
+
+    def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A learner's delivered rows as fields and entries (``windowed`` samplers)."""
+        raise NotImplementedError
 
     def tag(self, index: torch.Tensor, out: torch.Tensor) -> None:  # noqa: B027
         """Write the trailers of rows just gathered from ``index`` (when ``trailer_bytes``)."""
 
-    def entries(self, rows: torch.Tensor, at: int) -> dict[str, torch.Tensor]:
-        """What a learner returns beside the fields, from its rows' trailers at byte ``at``."""
+    def entries(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a learner returns beside the fields, from its rows' trailers."""
         return {}
 
     def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:

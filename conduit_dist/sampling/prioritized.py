@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.sampling.base import OWN_KEY, Sampler, splitmix_uniform
+from conduit_dist.sampling.sequences import Episodes, Sequence
 from conduit_dist.sampling.sumtree import SumTree
 from conduit_dist.spec import _native
 
@@ -69,9 +69,21 @@ class Prioritized(Sampler):
     routes_updates = True
 
     def __init__(
-        self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, initial_priority=1.0
+        self,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-6,
+        initial_priority: float = 1.0,
+        sequence: Sequence | None = None,
     ) -> None:
         super().__init__()
+        if sequence is not None and not isinstance(sequence, Sequence):
+            raise ConfigError(
+                f"sampler.sequence: expected a conduit_dist.Sequence, got {type(sequence).__name__}"
+            )
+        self.sequence = sequence if sequence is not None and sequence.window > 1 else None
+        self.windowed = self.sequence is not None
+        self.episodes: Episodes | None = None
         for field, value, ok, want in (
             ("alpha", alpha, alpha >= 0, ">= 0"),
             ("beta", beta, 0 <= beta <= 1, "in [0, 1]"),
@@ -90,12 +102,27 @@ class Prioritized(Sampler):
         self._received: list[torch.Tensor] = []  # [k, 2] rows for this shard
         self.applied = self.dropped = 0
 
-    def attach(self, shard, trailer: int) -> None:
-        """Track ``shard``'s items; rows carry their trailer at byte ``trailer``."""
-        self.shard, self._col = shard, trailer // 8
+    def layout(self, spec) -> tuple[object, int]:
+        """Items: stored with a 16-byte trailer, delivered as stored. Windows: stored as put,
+        delivered as ``Sequence.wire_bytes`` rows."""
+        if self.sequence is None:
+            return super().layout(spec)
+        return spec, self.sequence.wire_bytes(spec.record_bytes)
+
+    def attach(self, shard, spec) -> None:
+        """Track ``shard``'s items (rows of ``spec``)."""
+        self.shard = shard
+        seq = self.sequence
+        if seq is None:
+            self._col = spec.trailer // 8  # the trailer after the fields, in storage
+        else:
+            rb = spec.record_bytes
+            self._col = (2 * rb if seq.n_step > 1 else seq.window * rb) // 8
         cap = shard.capacity
         self.tree = SumTree(cap)
         self._gen = torch.full((cap,), -1, dtype=torch.int64)  # generation in each tree leaf
+        if seq is not None:
+            self.episodes = Episodes(seq, spec, shard, self._gen)
         self._lo = self._hi = 0  # live generations the tree holds: [lo, hi)
         self._draw = torch.empty(256, dtype=torch.int64)
         self._mass = torch.empty(256, dtype=torch.float64)
@@ -121,8 +148,13 @@ class Prioritized(Sampler):
             gens = torch.arange(new_lo, written)
             leaf = gens % cap
             top = self.mass(torch.tensor([self.max_priority]))
-            self.tree.set(leaf, top.expand(leaf.numel()))
             self._gen[leaf] = gens
+            if self.episodes is None:  # every item is a start
+                self.tree.set(leaf, top.expand(leaf.numel()))
+            else:  # a start once its window is in
+                self.tree.set(leaf, torch.zeros(leaf.numel(), dtype=torch.float64))
+                starts = self.episodes.ingest(gens)
+                self.tree.set(starts % cap, top.expand(starts.numel()))
         self._lo, self._hi = oldest, written
 
     def _apply(self) -> None:
@@ -156,7 +188,7 @@ class Prioritized(Sampler):
             self.tree.set(leaf[live], self.mass(prio[live]))
             self.max_priority = max(self.max_priority, float(prio[live].max()) + self.eps)
 
-    def local_meta(self, shard: object) -> Sequence[int]:
+    def local_meta(self, shard: object) -> tuple[int, int, int]:
         """After this round's items are in: sync the tree, apply received updates, and report
         the shard's total mass, smallest mass and largest priority (as float64 bits)."""
         self._sync()
@@ -245,8 +277,20 @@ class Prioritized(Sampler):
 
     # ------------------------------------------------------------------ the learner's side
 
-    def entries(self, rows: torch.Tensor, at: int) -> dict[str, torch.Tensor]:
-        """``_index`` and ``_weight`` of delivered rows from their trailers at byte ``at``."""
+    def gather_windows(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Delivered rows of drawn starts: their windows, n-step values, address and mass."""
+        sh = self.shard
+        leaf = index if sh.addresses_are_slots else sh.generations(index) % sh.capacity
+        self.episodes.compose(self._gen[leaf], out)
+        self.tag(index, out)
+
+    def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Windows' fields (``[B, T, ...]`` or n-step entries) and ``_index``/``_weight``."""
+        return {**self.episodes.unpack(records), **self.entries(records)}
+
+    def entries(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``_index`` and ``_weight`` of delivered rows from their trailers."""
+        at = self._col * 8
         n = rows.shape[0]
         index = torch.empty(n, dtype=torch.int64)
         weight = torch.empty(n, dtype=torch.float32)
@@ -353,6 +397,7 @@ class Prioritized(Sampler):
             "generations": self._gen.clone(),
             "live": torch.tensor([self._lo, self._hi]),
             "max_priority": self.max_priority,
+            **({"episodes": self.episodes.state_dict()} if self.episodes is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -367,3 +412,5 @@ class Prioritized(Sampler):
         self._gen.copy_(state["generations"])
         self._lo, self._hi = (int(v) for v in state["live"])
         self.max_priority = float(state["max_priority"])
+        if self.episodes is not None:
+            self.episodes.load_state_dict(state["episodes"])

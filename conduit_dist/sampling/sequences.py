@@ -1,0 +1,286 @@
+"""Sequences and n-step returns drawn from items stored once: windows that never cross an episode.
+
+A *stream* is what one producer puts in order (one environment of a rank's vector env, named by
+an int field of the spec, or the rank itself). Each shard links every item to the previous item
+of its stream as it arrives (``prev``/``next`` generations; O(window) vectorised work per
+ingested batch, nothing per stored item), breaking the link after an item that ends an episode
+(``done``, or ``truncated`` when the spec has it). An item becomes a *start* (given the largest
+priority, so it can be drawn) once its window is known: the ``length`` (+ ``burn_in``) items
+from it are in, none but the last ending an episode; for n-step targets also when an episode
+ends sooner (the window stops there). Drawing a start reads its window by following ``next``:
+the cost of a draw is the window's, flat in the store's size. Everything is keyed by generation,
+so windows are the same across the ring's wrap and the shard's tiers, and an evicted item's
+start leaves the store with it.
+
+Delivered rows (built on the shard, in the round):
+
+- slices: ``length + burn_in`` records back to back, returned as ``[B, T, *shape]`` per field
+  (the first ``burn_in`` steps are the burn-in);
+- n-step: the start item's fields, the last item of its window as ``"_last_<field>"``, and
+  ``"_return"`` (``sum_k gamma^k r_k`` over the window), ``"_discount"`` (``gamma^m`` for a
+  window of ``m`` items, 0 when its last item is terminal: ``done``) as float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conduit_dist.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """Windows a sampler draws instead of single items.
+
+    Args:
+        length: items per slice (``T``); 1 with ``n_step > 1``.
+        burn_in: items before each slice, delivered with it (slices only).
+        n_step: n-step returns over windows of up to ``n_step`` items (1: none).
+        gamma: the discount of n-step returns.
+        done: bool field marking a terminal item (ends the episode; no bootstrap).
+        truncated: bool field marking a truncated episode end (bootstraps); ``None``: none.
+        stream: int field naming the producer's stream within a rank (e.g. the env index);
+            ``None``: every rank is one stream.
+        reward: float32 field summed by n-step returns.
+
+    Raises:
+        ConfigError: on a bad length, burn-in, n_step or gamma, or slices with n-step.
+    """
+
+    length: int = 1
+    burn_in: int = 0
+    n_step: int = 1
+    gamma: float = 0.99
+    done: str = "done"
+    truncated: str | None = None
+    stream: str | None = None
+    reward: str = "reward"
+
+    def __post_init__(self) -> None:
+        for field, value in (("length", self.length), ("n_step", self.n_step)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"sequence.{field}: expected an int >= 1, got {value!r}")
+        if not isinstance(self.burn_in, int) or self.burn_in < 0:
+            raise ConfigError(f"sequence.burn_in: expected an int >= 0, got {self.burn_in!r}")
+        if not (isinstance(self.gamma, (int, float)) and 0 <= self.gamma <= 1):
+            raise ConfigError(f"sequence.gamma: expected a number in [0, 1], got {self.gamma!r}")
+        if self.n_step > 1 and (self.length > 1 or self.burn_in):
+            raise ConfigError(
+                f"sequence: n_step={self.n_step} draws single items with n-step returns; got "
+                f"length={self.length}, burn_in={self.burn_in} too (slices take n_step=1)"
+            )
+
+    @property
+    def window(self) -> int:
+        """Items read per draw."""
+        return self.n_step if self.n_step > 1 else self.length + self.burn_in
+
+    def wire_bytes(self, record_bytes: int) -> int:
+        """Bytes of one delivered row (records, then the 16- or 24-byte trailer)."""
+        if self.n_step > 1:
+            return 2 * record_bytes + 24
+        return self.window * record_bytes + 16
+
+    def check(self, spec) -> None:
+        """Check the named fields against the spec.
+
+        Raises:
+            ConfigError: naming the field, the expected and the received dtype.
+        """
+        want = [(self.done, (torch.bool,), "done")]
+        if self.truncated is not None:
+            want.append((self.truncated, (torch.bool,), "truncated"))
+        if self.stream is not None:
+            ints = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+            want.append((self.stream, ints, "stream"))
+        if self.n_step > 1:
+            want.append((self.reward, (torch.float32,), "reward"))
+        for name, dtypes, what in want:
+            f = spec.fields.get(name)
+            if f is None or f.dtype not in dtypes or f.shape != ():
+                got = "no such field" if f is None else f"{f.dtype} {list(f.shape)}"
+                raise ConfigError(
+                    f"sequence.{what}: expected a scalar {'/'.join(map(str, dtypes))} field "
+                    f"{name!r} in the spec, got {got}"
+                )
+
+
+class Episodes:
+    """One shard's stream links, episode ends and window reads (see the module docstring).
+
+    Args:
+        seq: the windows.
+        spec: the stored records' layout.
+        shard: the shard (its ``index_of`` and ``gather``).
+        gen: the sampler's ``[capacity]`` generation of each leaf (shared, read only here).
+    """
+
+    def __init__(self, seq: Sequence, spec, shard, gen: torch.Tensor) -> None:
+        seq.check(spec)
+        self.seq, self.spec, self.shard, self.gen = seq, spec, shard, gen
+        cap = shard.capacity
+        self.prev = torch.full((cap,), -1, dtype=torch.int64)
+        self.next = torch.full((cap,), -1, dtype=torch.int64)
+        self.end = torch.zeros(cap, dtype=torch.bool)  # ends an episode (done or truncated)
+        self.term = torch.zeros(cap, dtype=torch.bool)  # terminal (done)
+        self.last: dict[int, int] = {}  # stream -> generation of its newest item
+        self.rb = spec.record_bytes
+        self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
+
+    def _column(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        return self.spec.unpack(rows)[name]
+
+    def _live(self, g: torch.Tensor) -> torch.Tensor:
+        cap = self.shard.capacity
+        return (g >= 0) & (self.gen[g.clamp(min=0) % cap] == g)
+
+    def _gather(self, gens: torch.Tensor) -> torch.Tensor:
+        """The stored records of live generations, in order (``[n, record_bytes]``)."""
+        n = gens.numel()
+        if self._rows.shape[0] < n:
+            self._rows = torch.empty((max(n, 2 * self._rows.shape[0]), self.rb), dtype=torch.uint8)
+        rows = self._rows[:n]
+        sh = self.shard
+        idx = gens % sh.capacity if sh.addresses_are_slots else sh.index_of(gens)
+        sh.gather(idx, rows)
+        return rows
+
+    def ingest(self, gens: torch.Tensor) -> torch.Tensor:
+        """Link new items (generations ``gens``, in order, already in ``gen``); returns the
+        generations that became starts."""
+        cap, seq = self.shard.capacity, self.seq
+        leaf = gens % cap
+        rows = self._gather(gens)
+        done = self._column(rows, seq.done).clone()
+        end = done | self._column(rows, seq.truncated) if seq.truncated else done
+        self.end[leaf], self.term[leaf] = end, done
+        self.next[leaf] = -1
+        if seq.stream is None:
+            streams = torch.zeros(gens.numel(), dtype=torch.int64)
+        else:
+            streams = self._column(rows, seq.stream).to(torch.int64)
+        order = torch.argsort(streams, stable=True)
+        s_sorted, g_sorted = streams[order], gens[order]
+        prev_sorted = torch.roll(g_sorted, 1)
+        first = torch.ones_like(s_sorted, dtype=torch.bool)
+        first[1:] = s_sorted[1:] != s_sorted[:-1]
+        firsts = first.nonzero().squeeze(1).tolist()
+        ends = [*firsts[1:], s_sorted.numel()]
+        for at, stop in zip(firsts, ends):  # per stream (a few per batch), not per item
+            s = int(s_sorted[at])
+            prev_sorted[at] = self.last.get(s, -1)
+            self.last[s] = int(g_sorted[stop - 1])
+        prev = torch.empty_like(gens)
+        prev[order] = prev_sorted
+        # no link across an episode end, nor to an item gone from the store
+        ok = self._live(prev)
+        ok &= ~self.end[prev.clamp(min=0) % cap]
+        prev = torch.where(ok, prev, -1)
+        self.prev[leaf] = prev
+        linked = prev[ok]
+        self.next[linked % cap] = gens[ok]
+        return self._starts(gens, end)
+
+    def _back(self, g: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(item, ok)``: the item ``steps`` links before each of ``g``; ``ok`` where it exists."""
+        cap = self.shard.capacity
+        ok = torch.ones_like(g, dtype=torch.bool)
+        cur = g
+        for _ in range(steps):
+            p = self.prev[cur % cap]
+            ok &= p >= 0
+            cur = torch.where(ok, p, cur)
+        return cur, ok
+
+    def _starts(self, gens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """Starts whose window the new items complete."""
+        L = self.seq.window
+        start, ok = self._back(gens, L - 1)
+        found = [start[ok]]
+        if self.seq.n_step > 1 and bool(end.any()):  # windows an episode end cuts short
+            cur = gens[end]
+            alive = torch.ones_like(cur, dtype=torch.bool)
+            cap = self.shard.capacity
+            for _ in range(L - 1):
+                found.append(cur[alive])
+                p = self.prev[cur % cap]
+                alive &= p >= 0
+                cur = torch.where(alive, p, cur)
+        starts = torch.cat(found) if len(found) > 1 else found[0]
+        return starts[self._live(starts)]
+
+    def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gens [k, L], m [k])``: each start's window (repeating its last item past its
+        end) and its length."""
+        cap, L = self.shard.capacity, self.seq.window
+        out = torch.empty((starts.numel(), L), dtype=torch.int64)
+        out[:, 0] = starts
+        m = torch.ones(starts.numel(), dtype=torch.int64)
+        alive = torch.ones(starts.numel(), dtype=torch.bool)
+        for j in range(1, L):
+            cur = out[:, j - 1]
+            nxt = self.next[cur % cap]
+            alive &= (nxt >= 0) & ~self.end[cur % cap]
+            out[:, j] = torch.where(alive, nxt, cur)
+            m += alive
+        return out, m
+
+    def compose(self, starts: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the delivered rows of ``starts`` into ``out`` (``[k, wire_bytes]``) but the
+        address and mass (the sampler's tag)."""
+        k, L, rb, seq = starts.numel(), self.seq.window, self.rb, self.seq
+        if k == 0:
+            return
+        gens, m = self.windows(starts)
+        rows = self._gather(gens.reshape(-1)).view(k, L, rb)
+        if seq.n_step == 1:
+            out[:, : L * rb].copy_(rows.reshape(k, L * rb))
+            return
+        last = m - 1
+        out[:, :rb].copy_(rows[:, 0])
+        out[:, rb : 2 * rb].copy_(rows[torch.arange(k), last])
+        rewards = self._column(rows.reshape(k * L, rb), seq.reward).view(k, L)
+        steps = torch.arange(L)
+        scale = torch.pow(torch.tensor(seq.gamma, dtype=torch.float64), steps)
+        inside = steps[None, :] < m[:, None]
+        ret = (rewards.double() * scale * inside).sum(dim=1)
+        disc = torch.pow(torch.tensor(seq.gamma, dtype=torch.float64), m.double())
+        disc = torch.where(self.term[gens[torch.arange(k), last] % self.shard.capacity], 0, disc)
+        vals = out[:, 2 * rb + 16 : 2 * rb + 24].view(torch.float32)
+        vals[:, 0] = ret.float()
+        vals[:, 1] = disc.float()
+
+    def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A learner's delivered rows as fields (a copy; see the module docstring)."""
+        n, L, rb, seq = records.shape[0], self.seq.window, self.rb, self.seq
+        if seq.n_step == 1:
+            flat = records[:, : L * rb].reshape(n * L, rb)
+            fields = self.spec.unpack(flat)
+            return {k: v.reshape(n, L, *v.shape[1:]) for k, v in fields.items()}
+        first = self.spec.unpack(records[:, :rb].contiguous())
+        last = self.spec.unpack(records[:, rb : 2 * rb].contiguous())
+        vals = records[:, 2 * rb + 16 : 2 * rb + 24].contiguous().view(torch.float32)
+        out = {k: v.clone() for k, v in first.items()}
+        out.update({f"_last_{k}": v.clone() for k, v in last.items()})
+        out["_return"], out["_discount"] = vals[:, 0].clone(), vals[:, 1].clone()
+        return out
+
+    def state_dict(self) -> dict[str, object]:
+        """Links, episode ends and each stream's newest item."""
+        keys = sorted(self.last)
+        return {
+            "prev": self.prev.clone(),
+            "next": self.next.clone(),
+            "end": self.end.clone(),
+            "term": self.term.clone(),
+            "streams": torch.tensor(keys, dtype=torch.int64),
+            "stream_last": torch.tensor([self.last[k] for k in keys], dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict` (same capacity)."""
+        for name in ("prev", "next", "end", "term"):
+            getattr(self, name).copy_(state[name])
+        self.last = dict(zip(state["streams"].tolist(), state["stream_last"].tolist()))
