@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from dist_utils import run_ranks
 
 import conduit_dist as cd
 from conduit_dist.errors import ConfigError, SpecError
-from tests.dist_utils import run_ranks
 
 SPEC = {"id": ((), torch.int64), "obs": ((3,), torch.float32)}
 ALPHA, BETA, EPS = 0.7, 0.6, 0.01

@@ -89,6 +89,12 @@ class OverlapController:
         t_wait = now()
         records, stats, prefetched, lag = self._fetch_round(batch_size, more, reduce)
         rows = records.shape[0]
+        if rows == 0 and stats.stored:
+            raise EmptyStoreError(
+                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: nothing can be "
+                f"drawn yet ({stats.stored} items stored over all shards, none a start: a "
+                "sampler's windows are not complete yet, or every priority is 0)"
+            )
         if rows == 0:
             raise EmptyStoreError(
                 f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: the store is "

@@ -1,0 +1,167 @@
+"""Slices and n-step windows on real gloo ranks: never across an episode end, the ring's wrap, a
+tier boundary or a shard; n-step values against a single-process reference of the same items."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+import conduit_dist as cd
+from conduit_dist.errors import ConfigError
+
+FIELDS = {
+    "id": ((), torch.int64),
+    "env": ((), torch.int64),
+    "reward": ((), torch.float32),
+    "done": ((), torch.bool),
+    "truncated": ((), torch.bool),
+}
+ENVS, STEPS, GAMMA = 2, 90, 0.9
+
+
+def _ends(rank: int, env: int, t: int) -> tuple[bool, bool]:
+    """(done, truncated) of step t of a stream: episodes of uneven lengths (~9 steps)."""
+    u = random.Random(rank * 1_000_003 + env * 7919 + t).random()
+    return u < 0.07, 0.07 <= u < 0.11
+
+
+def _item(rank: int, env: int, t: int) -> int:
+    return rank * 1_000_000 + env * 10_000 + t
+
+
+def _step(rank: int, t: int) -> dict[str, torch.Tensor]:
+    ends = [_ends(rank, e, t) for e in range(ENVS)]
+    ids = torch.tensor([_item(rank, e, t) for e in range(ENVS)])
+    return {
+        "id": ids,
+        "env": torch.arange(ENVS),
+        "reward": (ids % 1000).float() / 10,
+        "done": torch.tensor([d for d, _ in ends]),
+        "truncated": torch.tensor([tr for _, tr in ends]),
+    }
+
+
+def _decode(i: int) -> tuple[int, int, int]:
+    return i // 1_000_000, (i // 10_000) % 100, i % 10_000
+
+
+def _reference(i: int, n: int) -> tuple[int, float, float]:
+    """(last item, return, discount) of an n-step window from item i, from the generator."""
+    rank, env, t = _decode(i)
+    ret, m, last = 0.0, 0, i
+    for k in range(n):
+        j = _item(rank, env, t + k)
+        ret += GAMMA**k * (j % 1000) / 10
+        m, last = k + 1, j
+        done, trunc = _ends(rank, env, t + k)
+        if done or trunc:
+            return last, ret, 0.0 if done else GAMMA**m
+    return last, ret, GAMMA**m
+
+
+def _plane(seq: cd.Sequence, capacity: int, storage=None) -> cd.DataPlane:
+    return cd.DataPlane(
+        cd.ExperienceSpec(FIELDS), capacity, seed=5, storage=storage, placement="local",
+        schedule="sync", sampler=cd.Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq),
+    )  # fmt: skip
+
+
+def _slices(rank: int, world: int) -> list[str]:
+    seq = cd.Sequence(length=4, burn_in=1, stream="env", truncated="truncated")
+    storage = cd.Tiers([("host", 30), ("host", 40)], gbps={"host": (1.0, 1.0)})
+    plane = _plane(seq, 70, storage)  # 180 items per shard: the ring wraps, tiers demote
+    bad = []
+    for t in range(STEPS):
+        plane.put(_step(rank, t))
+        if t < 20:
+            plane.flush()
+            continue
+        b = plane.fetch(16)
+        ids, ends = b["id"], b["done"] | b["truncated"]
+        assert ids.shape == (16, 5)
+        for row, end in zip(ids.tolist(), ends.tolist()):
+            where = [_decode(i) for i in row]
+            same = len({(r, e) for r, e, _ in where}) == 1
+            steps = [s for _, _, s in where]
+            if not same or steps != list(range(steps[0], steps[0] + 5)) or any(end[:-1]):
+                bad.append(str(row))
+        assert torch.equal(b["_index"] >> 48, ids[:, 0] // 1_000_000)  # the owner's rank
+    plane.close()
+    return bad
+
+
+def test_slices_never_cross_an_episode_end_wrap_tier_or_shard():
+    res = run_ranks(_slices, 3, timeout_s=240)
+    assert all(not bad for bad in res.values()), res
+
+
+def _nstep(rank: int, world: int) -> list[str]:
+    seq = cd.Sequence(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
+    plane = _plane(seq, 64)
+    bad = []
+    for t in range(STEPS):
+        plane.put(_step(rank, t))
+        if t < 6:
+            plane.flush()
+            continue
+        b = plane.fetch(32)
+        for i, last, ret, disc in zip(
+            b["id"].tolist(), b["_last_id"].tolist(), b["_return"].tolist(),
+            b["_discount"].tolist(),
+        ):  # fmt: skip
+            want = _reference(i, 3)
+            if (
+                last != want[0]
+                or not math.isclose(ret, want[1], rel_tol=1e-5)
+                or not (math.isclose(disc, want[2], rel_tol=1e-6, abs_tol=1e-7))
+            ):
+                bad.append(f"{i}: got {(last, ret, disc)}, expected {want}")
+    plane.close()
+    return bad
+
+
+def test_nstep_values_match_a_single_process_reference():
+    res = run_ranks(_nstep, 2, timeout_s=180)
+    assert all(not bad for bad in res.values()), {r: b[:5] for r, b in res.items()}
+
+
+def test_slices_are_uniform_over_valid_starts():
+    """One rank: every valid start (a full window inside one episode) is drawn equally often."""
+    seq = cd.Sequence(length=3, stream="env", truncated="truncated")
+    plane = _plane(seq, 400)
+    for t in range(60):
+        plane.put(_step(0, t))
+    counts: dict[int, int] = {}
+    for _ in range(40):
+        for i in plane.fetch(500)["id"][:, 0].tolist():
+            counts[i] = counts.get(i, 0) + 1
+    valid = [
+        _item(0, e, t)
+        for e in range(ENVS)
+        for t in range(58)
+        if not any(any(_ends(0, e, t + k)) for k in range(2))
+    ]
+    assert set(counts) == set(valid)
+    n = sum(counts.values())
+    exp = n / len(valid)
+    chi2 = sum((counts[i] - exp) ** 2 / exp for i in valid)
+    df = len(valid) - 1
+    assert chi2 < df + 5 * math.sqrt(2 * df), (chi2, df)
+    plane.close()
+
+
+def test_sequence_errors_name_the_field():
+    spec = cd.ExperienceSpec(FIELDS)
+    with pytest.raises(ConfigError, match="sequence.stream"):
+        cd.DataPlane(spec, 8, sampler=cd.Prioritized(sequence=cd.Sequence(length=2, stream="x")))
+    with pytest.raises(ConfigError, match="n_step=3 draws single items"):
+        cd.Sequence(length=4, n_step=3)
+    with pytest.raises(ConfigError, match="sequence.gamma"):
+        cd.Sequence(n_step=2, gamma=1.5)
+    with pytest.raises(ConfigError, match="sequence.done"):
+        other = cd.ExperienceSpec({"x": ((), torch.float32)})
+        cd.DataPlane(other, 8, sampler=cd.Prioritized(sequence=cd.Sequence(length=2)))
