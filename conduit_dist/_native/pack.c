@@ -714,6 +714,72 @@ static PyObject* mass_alloc(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* seq_windows(next, end, cap, starts, k, L, out, m): for each of k start generations, its
+ * window of up to L generations following next[g % cap] (int64, -1: none) and stopping after an
+ * item with end[g % cap] (uint8) set; out[k, L] repeats the last item past the window's end and
+ * m[k] receives each window's length. */
+static PyObject* seq_windows(PyObject* self, PyObject* args) {
+    unsigned long long next_p, end_p, starts_p, out_p, m_p;
+    long long cap, k, L;
+    if (!PyArg_ParseTuple(args, "KKLKLLKK", &next_p, &end_p, &cap, &starts_p, &k, &L, &out_p, &m_p))
+        return NULL;
+    if (cap < 1 || L < 1 || k < 0) {
+        PyErr_Format(PyExc_ValueError, "seq_windows: expected cap >= 1, L >= 1, k >= 0, got "
+                     "cap=%lld, L=%lld, k=%lld", cap, L, k);
+        return NULL;
+    }
+    const int64_t* nxt = (const int64_t*)(uintptr_t)next_p;
+    const uint8_t* end = (const uint8_t*)(uintptr_t)end_p;
+    const int64_t* starts = (const int64_t*)(uintptr_t)starts_p;
+    int64_t* out = (int64_t*)(uintptr_t)out_p;
+    int64_t* m = (int64_t*)(uintptr_t)m_p;
+    for (long long i = 0; i < k; i++) {
+        int64_t g = starts[i], len = 1;
+        int alive = 1;
+        out[i * L] = g;
+        for (long long j = 1; j < L; j++) {
+            if (alive) {
+                int64_t n = nxt[g % cap];
+                if (n < 0 || end[g % cap]) alive = 0;
+                else { g = n; len++; }
+            }
+            out[i * L + j] = g;
+        }
+        m[i] = len;
+    }
+    Py_RETURN_NONE;
+}
+
+/* seq_back(prev, cap, g, n, steps, out, ok): for each of n generations, the item steps links
+ * back through prev[g % cap] (int64, -1: none) into out, and ok[i] (uint8) = whether it exists
+ * (out is then the last item reached). */
+static PyObject* seq_back(PyObject* self, PyObject* args) {
+    unsigned long long prev_p, g_p, out_p, ok_p;
+    long long cap, n, steps;
+    if (!PyArg_ParseTuple(args, "KLKLLKK", &prev_p, &cap, &g_p, &n, &steps, &out_p, &ok_p))
+        return NULL;
+    if (cap < 1 || n < 0 || steps < 0) {
+        PyErr_Format(PyExc_ValueError, "seq_back: expected cap >= 1, n >= 0, steps >= 0");
+        return NULL;
+    }
+    const int64_t* prev = (const int64_t*)(uintptr_t)prev_p;
+    const int64_t* gs = (const int64_t*)(uintptr_t)g_p;
+    int64_t* out = (int64_t*)(uintptr_t)out_p;
+    uint8_t* ok = (uint8_t*)(uintptr_t)ok_p;
+    for (long long i = 0; i < n; i++) {
+        int64_t g = gs[i];
+        uint8_t good = 1;
+        for (long long s = 0; s < steps; s++) {
+            int64_t p = prev[g % cap];
+            if (p < 0) { good = 0; break; }
+            g = p;
+        }
+        out[i] = g;
+        ok[i] = good;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"tree_set", tree_set, METH_VARARGS,
      "tree_set(sum, min, offs, H, idx, val, n): set n leaves of float64 8-ary sum/min trees "
@@ -738,6 +804,10 @@ static PyMethodDef methods[] = {
     {"mass_alloc", mass_alloc, METH_VARARGS,
      "mass_alloc(counts, world, cum, requests, seed, round, key): int64 [world, world] counts "
      "of each learner's requests[l] draws over float64 cumulative masses cum."},
+    {"seq_windows", seq_windows, METH_VARARGS,
+     "seq_windows(next, end, cap, starts, k, L, out, m): each start's window of up to L items."},
+    {"seq_back", seq_back, METH_VARARGS,
+     "seq_back(prev, cap, g, n, steps, out, ok): the item steps links back from each of g."},
     {"uniform_alloc", uniform_alloc, METH_VARARGS,
      "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
      "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.spec import _native
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,15 @@ class Episodes:
     def _back(self, g: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(item, ok)``: the item ``steps`` links before each of ``g``; ``ok`` where it exists."""
         cap = self.shard.capacity
+        if _native is not None:
+            g = g.contiguous()
+            cur = torch.empty_like(g)
+            ok = torch.empty(g.numel(), dtype=torch.bool)
+            _native.seq_back(
+                self.prev.data_ptr(), cap, g.data_ptr(), g.numel(), steps, cur.data_ptr(),
+                ok.data_ptr(),
+            )  # fmt: skip
+            return cur, ok
         ok = torch.ones_like(g, dtype=torch.bool)
         cur = g
         for _ in range(steps):
@@ -216,6 +226,14 @@ class Episodes:
         end) and its length."""
         cap, L = self.shard.capacity, self.seq.window
         out = torch.empty((starts.numel(), L), dtype=torch.int64)
+        if _native is not None:
+            starts = starts.contiguous()
+            m = torch.empty(starts.numel(), dtype=torch.int64)
+            _native.seq_windows(
+                self.next.data_ptr(), self.end.data_ptr(), cap, starts.data_ptr(),
+                starts.numel(), L, out.data_ptr(), m.data_ptr(),
+            )  # fmt: skip
+            return out, m
         out[:, 0] = starts
         m = torch.ones(starts.numel(), dtype=torch.int64)
         alive = torch.ones(starts.numel(), dtype=torch.bool)
