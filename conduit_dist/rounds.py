@@ -412,6 +412,8 @@ class RoundRunner:
         self.sizes = state["sizes"].numpy().astype(np.int64).copy()
         self.published = self.sizes.copy()
         self.ingested = int(state["ingested"])
+        self._cand[:] = 0  # the next one-exchange round sizes nothing from before the restore
+        self._alloc = None
         self.sampler.load_state_dict(state["sampler"])
         self.placement.load_state_dict(state["placement"])
 

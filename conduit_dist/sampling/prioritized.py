@@ -390,8 +390,19 @@ class Prioritized(Sampler):
         return {"priority_updates_applied": self.applied, "priority_updates_dropped": self.dropped}
 
     def state_dict(self) -> dict[str, object]:
-        """The trees' leaves, their generations and the largest priority (sums are derived)."""
+        """The trees' leaves, their generations, the largest priority (sums are derived) and
+        the updates not applied yet (queued for other shards or received for this one)."""
+        with self._lock:
+            queued = [
+                torch.cat([torch.full((r.shape[0], 1), owner), r], dim=1)
+                for owner, rows in self._pending.items()
+                for r in rows
+            ]
+            received = [r for r in self._received]
+        empty = torch.zeros((0, 3), dtype=torch.int64)
         return {
+            "queued": torch.cat(queued) if queued else empty,
+            "received": torch.cat(received) if received else empty[:, :2],
             "name": self.name,
             "leaves": self.tree.leaves().clone(),
             "generations": self._gen.clone(),
@@ -412,5 +423,11 @@ class Prioritized(Sampler):
         self._gen.copy_(state["generations"])
         self._lo, self._hi = (int(v) for v in state["live"])
         self.max_priority = float(state["max_priority"])
+        queued = state["queued"]
+        with self._lock:
+            self._pending = {}
+            for owner in torch.unique(queued[:, 0]).tolist():
+                self._pending[owner] = [queued[queued[:, 0] == owner, 1:].clone()]
+            self._received = [state["received"].clone()] if state["received"].numel() else []
         if self.episodes is not None:
             self.episodes.load_state_dict(state["episodes"])
