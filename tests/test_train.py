@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -127,3 +128,22 @@ def test_tiers_sampling_and_placement_from_the_command_line(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert not list(disk.iterdir())  # disk tier files removed on close
+
+
+def test_prioritized_nstep_from_the_command_line(tmp_path):
+    """plane.sampler=prioritized algo.n_step=3: the learners' priority updates reach the shards
+    (rank 0's shard applied some) and the job finishes."""
+    summary = tmp_path / "summary.json"
+    res = _torchrun(
+        tmp_path,
+        "experiment=smoke",
+        "logger=none",
+        "total_env_steps=1600",
+        "algo.learning_starts=200",
+        "plane.sampler=prioritized",
+        "algo.n_step=3",
+        f"logger.summary_path={summary}",
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    stats = json.loads(summary.read_text())["sampler"]
+    assert stats["priority_updates_applied"] > 0, stats

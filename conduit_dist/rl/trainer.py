@@ -297,6 +297,9 @@ class Trainer:
         summary["schedule"] = getattr(self.plane, "chosen_schedule", "none")
         summary["grad_sync"] = self.grad_sync
         summary["breakdown_iterations"] = self.breakdown.iterations
+        if isinstance(self.plane, DataPlane):  # e.g. priority updates applied on this shard
+            stats = self.plane.store_stats()
+            summary["sampler"] = {k: v for k, v in stats.items() if k.startswith("priority")}
         return summary
 
     def _iteration(self, window: _Window) -> None:
