@@ -378,27 +378,49 @@ static PyObject* uniform_slots(PyObject* self, PyObject* args) {
  * requests[l] > 0, draw requests[l] items uniform over [0, ends[world-1]) from the stream
  * (seed, round, key + l) and count each in the shard whose cumulative-size interval holds it:
  * counts[l * world + s] (int64, zeroed here). ends are the shards' cumulative sizes. */
-static PyObject* uniform_alloc(PyObject* self, PyObject* args) {
-    unsigned long long counts, ends_p, req_p, seed, round, key;
+/* (The comment above is uniform_alloc's.) The arguments both allocations share (counts, world,
+ * cumulative, requests, seed, round, key), checked, with counts zeroed. */
+typedef struct {
+    int64_t* c;
     long long world;
-    if (!PyArg_ParseTuple(args, "KLKKKKK", &counts, &world, &ends_p, &req_p, &seed, &round, &key))
-        return NULL;
-    if (world < 1) {
-        PyErr_Format(PyExc_ValueError, "uniform_alloc: expected world >= 1, got %lld", world);
-        return NULL;
+    const void* cum;
+    const int64_t* req;
+    uint64_t seed, round, key;
+} AllocArgs;
+
+static int alloc_args(PyObject* args, const char* fn, AllocArgs* a) {
+    unsigned long long counts, cum_p, req_p;
+    if (!PyArg_ParseTuple(args, "KLKKKKK", &counts, &a->world, &cum_p, &req_p, &a->seed, &a->round,
+                          &a->key))
+        return -1;
+    if (a->world < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: expected world >= 1, got %lld", fn, a->world);
+        return -1;
     }
-    int64_t* c = (int64_t*)(uintptr_t)counts;
-    const int64_t* ends = (const int64_t*)(uintptr_t)ends_p;
-    const int64_t* req = (const int64_t*)(uintptr_t)req_p;
+    a->c = (int64_t*)(uintptr_t)counts;
+    a->cum = (const void*)(uintptr_t)cum_p;
+    a->req = (const int64_t*)(uintptr_t)req_p;
+    memset(a->c, 0, (size_t)(a->world * a->world) * sizeof(int64_t));
+    return 0;
+}
+
+static inline uint64_t alloc_stream(const AllocArgs* a, long long l) {
+    uint64_t h = 0x9E3779B97F4A7C15ULL;
+    return splitmix_step(splitmix_step(splitmix_step(h, a->seed), a->round), a->key + (uint64_t)l);
+}
+
+static PyObject* uniform_alloc(PyObject* self, PyObject* args) {
+    AllocArgs a;
+    if (alloc_args(args, "uniform_alloc", &a)) return NULL;
+    const int64_t* ends = (const int64_t*)a.cum;
+    long long world = a.world;
     int64_t total = ends[world - 1];
-    memset(c, 0, (size_t)(world * world) * sizeof(int64_t));
     if (total < 1) Py_RETURN_NONE;
     for (long long l = 0; l < world; l++) {
-        if (req[l] <= 0) continue;
-        uint64_t h = 0x9E3779B97F4A7C15ULL;
-        h = splitmix_step(splitmix_step(splitmix_step(h, seed), round), key + (uint64_t)l);
-        int64_t* row = c + l * world;
-        for (int64_t i = 0; i < req[l]; i++) {
+        if (a.req[l] <= 0) continue;
+        uint64_t h = alloc_stream(&a, l);
+        int64_t* row = a.c + l * world;
+        for (int64_t i = 0; i < a.req[l]; i++) {
             h += 0x9E3779B97F4A7C15ULL;
             uint64_t z = splitmix_step(h, 0);
             int64_t item = (int64_t)(((unsigned __int128)z * (uint64_t)total) >> 64);
@@ -679,26 +701,17 @@ static PyObject* read_trailer(PyObject* self, PyObject* args) {
  * [0, cum[world-1]) from the stream (seed, round, key + l), counted for the first shard whose
  * cumulative mass exceeds u and whose own mass is positive. */
 static PyObject* mass_alloc(PyObject* self, PyObject* args) {
-    unsigned long long counts, cum_p, req_p, seed, round, key;
-    long long world;
-    if (!PyArg_ParseTuple(args, "KLKKKKK", &counts, &world, &cum_p, &req_p, &seed, &round, &key))
-        return NULL;
-    if (world < 1) {
-        PyErr_Format(PyExc_ValueError, "mass_alloc: expected world >= 1, got %lld", world);
-        return NULL;
-    }
-    int64_t* c = (int64_t*)(uintptr_t)counts;
-    const double* cum = (const double*)(uintptr_t)cum_p;
-    const int64_t* req = (const int64_t*)(uintptr_t)req_p;
+    AllocArgs a;
+    if (alloc_args(args, "mass_alloc", &a)) return NULL;
+    const double* cum = (const double*)a.cum;
+    long long world = a.world;
     double total = cum[world - 1];
-    memset(c, 0, (size_t)(world * world) * sizeof(int64_t));
     if (!(total > 0)) Py_RETURN_NONE;
     for (long long l = 0; l < world; l++) {
-        if (req[l] <= 0) continue;
-        uint64_t h = 0x9E3779B97F4A7C15ULL;
-        h = splitmix_step(splitmix_step(splitmix_step(h, seed), round), key + (uint64_t)l);
-        int64_t* row = c + l * world;
-        for (int64_t i = 0; i < req[l]; i++) {
+        if (a.req[l] <= 0) continue;
+        uint64_t h = alloc_stream(&a, l);
+        int64_t* row = a.c + l * world;
+        for (int64_t i = 0; i < a.req[l]; i++) {
             h += 0x9E3779B97F4A7C15ULL;
             double u = (double)(splitmix_step(h, 0) >> 11) * 0x1.0p-53 * total;
             long long lo = 0, hi = world - 1; /* first shard whose cumulative mass exceeds u */
