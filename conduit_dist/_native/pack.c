@@ -727,14 +727,14 @@ static PyObject* mass_alloc(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-/* seq_windows(next, end, cap, starts, k, L, out, m): for each of k start generations, its
- * window of up to L generations following next[g % cap] (int64, -1: none) and stopping after an
- * item with end[g % cap] (uint8) set; out[k, L] repeats the last item past the window's end and
- * m[k] receives each window's length. */
+/* seq_windows(next, cap, starts, k, L, out, m): for each of k start generations, its window of
+ * up to L generations following next[g % cap] (int64, -1: none, which an item that ends an
+ * episode always has); out[k, L] repeats the last item past the window's end and m[k] receives
+ * each window's length. */
 static PyObject* seq_windows(PyObject* self, PyObject* args) {
-    unsigned long long next_p, end_p, starts_p, out_p, m_p;
+    unsigned long long next_p, starts_p, out_p, m_p;
     long long cap, k, L;
-    if (!PyArg_ParseTuple(args, "KKLKLLKK", &next_p, &end_p, &cap, &starts_p, &k, &L, &out_p, &m_p))
+    if (!PyArg_ParseTuple(args, "KLKLLKK", &next_p, &cap, &starts_p, &k, &L, &out_p, &m_p))
         return NULL;
     if (cap < 1 || L < 1 || k < 0) {
         PyErr_Format(PyExc_ValueError, "seq_windows: expected cap >= 1, L >= 1, k >= 0, got "
@@ -742,23 +742,38 @@ static PyObject* seq_windows(PyObject* self, PyObject* args) {
         return NULL;
     }
     const int64_t* nxt = (const int64_t*)(uintptr_t)next_p;
-    const uint8_t* end = (const uint8_t*)(uintptr_t)end_p;
     const int64_t* starts = (const int64_t*)(uintptr_t)starts_p;
     int64_t* out = (int64_t*)(uintptr_t)out_p;
     int64_t* m = (int64_t*)(uintptr_t)m_p;
-    for (long long i = 0; i < k; i++) {
-        int64_t g = starts[i], len = 1;
-        int alive = 1;
-        out[i * L] = g;
-        for (long long j = 1; j < L; j++) {
-            if (alive) {
-                int64_t n = nxt[g % cap];
-                if (n < 0 || end[g % cap]) alive = 0;
-                else { g = n; len++; }
-            }
-            out[i * L + j] = g;
+    /* windows advance in groups, step by step, each prefetching its next link: the misses of
+     * a group overlap instead of following one chain at a time */
+    enum { WGROUP = 16 };
+    int64_t g[WGROUP], len[WGROUP];
+    int alive[WGROUP];
+    for (long long at = 0; at < k; at += WGROUP) {
+        int g_n = k - at < WGROUP ? (int)(k - at) : WGROUP;
+        for (int w = 0; w < g_n; w++) {
+            g[w] = starts[at + w];
+            len[w] = 1;
+            alive[w] = 1;
+            out[(at + w) * L] = g[w];
+            __builtin_prefetch(&nxt[g[w] % cap]);
         }
-        m[i] = len;
+        for (long long j = 1; j < L; j++) {
+            for (int w = 0; w < g_n; w++) {
+                if (alive[w]) {
+                    int64_t n = nxt[g[w] % cap]; /* -1 after an episode's end: never linked */
+                    if (n < 0) alive[w] = 0;
+                    else {
+                        g[w] = n;
+                        len[w]++;
+                        __builtin_prefetch(&nxt[n % cap]);
+                    }
+                }
+                out[(at + w) * L + j] = g[w];
+            }
+        }
+        for (int w = 0; w < g_n; w++) m[at + w] = len[w];
     }
     Py_RETURN_NONE;
 }
@@ -818,7 +833,7 @@ static PyMethodDef methods[] = {
      "mass_alloc(counts, world, cum, requests, seed, round, key): int64 [world, world] counts "
      "of each learner's requests[l] draws over float64 cumulative masses cum."},
     {"seq_windows", seq_windows, METH_VARARGS,
-     "seq_windows(next, end, cap, starts, k, L, out, m): each start's window of up to L items."},
+     "seq_windows(next, cap, starts, k, L, out, m): each start's window of up to L items."},
     {"seq_back", seq_back, METH_VARARGS,
      "seq_back(prev, cap, g, n, steps, out, ok): the item steps links back from each of g."},
     {"uniform_alloc", uniform_alloc, METH_VARARGS,

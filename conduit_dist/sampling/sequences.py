@@ -230,8 +230,8 @@ class Episodes:
             starts = starts.contiguous()
             m = torch.empty(starts.numel(), dtype=torch.int64)
             _native.seq_windows(
-                self.next.data_ptr(), self.end.data_ptr(), cap, starts.data_ptr(),
-                starts.numel(), L, out.data_ptr(), m.data_ptr(),
+                self.next.data_ptr(), cap, starts.data_ptr(), starts.numel(), L,
+                out.data_ptr(), m.data_ptr(),
             )  # fmt: skip
             return out, m
         out[:, 0] = starts
