@@ -27,7 +27,6 @@ meta exchange; a shard's own updates count at once, others' one round later).
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import torch
@@ -36,11 +35,10 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.sampling.base import OWN_KEY, Sampler, splitmix_uniform
 from conduit_dist.sampling.sequences import Episodes, Sequence
 from conduit_dist.sampling.sumtree import SumTree
+from conduit_dist.sampling.updates import RANK_SHIFT, UpdateQueue
 from conduit_dist.spec import _native
 
 _KEY = 1 << 41  # allocation streams: (seed, round, _KEY + learner)
-RANK_SHIFT = 48  # _index = rank << 48 | generation
-_GEN_MASK = (1 << RANK_SHIFT) - 1
 
 
 def _bits(x: float) -> int:
@@ -97,10 +95,13 @@ class Prioritized(Sampler):
         self.global_min = math.inf  # smallest mass over the global store, latest round
         self.tree: SumTree | None = None
         self.shard = None
-        self._lock = threading.Lock()  # pending updates: queued by the caller, sent by rounds
-        self._pending: dict[int, list[torch.Tensor]] = {}  # owner -> [k, 2] int64 rows
-        self._received: list[torch.Tensor] = []  # [k, 2] rows for this shard
+        self.updates: UpdateQueue | None = None  # built at bind (it needs the world)
         self.applied = self.dropped = 0
+
+    def bind(self, ctx) -> None:
+        """Attach to a plane (and make the update queue for its world)."""
+        super().bind(ctx)
+        self.updates = UpdateQueue(ctx.rank, ctx.world)
 
     def layout(self, spec) -> tuple[object, int]:
         """Items: stored with a 16-byte trailer, delivered as stored. Windows: stored as put,
@@ -159,13 +160,9 @@ class Prioritized(Sampler):
 
     def _apply(self) -> None:
         """Apply the updates received for this shard (stale generations are dropped)."""
-        with self._lock:
-            rows, self._received = self._received, []
-            own = self._pending.pop(self.ctx.rank, [])
-        rows = rows + own
-        if not rows:
+        upd = self.updates.take_own()
+        if upd is None:
             return
-        upd = torch.cat(rows) if len(rows) > 1 else rows[0]
         if _native is not None:  # one C loop: check, mass, leaf and ancestors per update
             upd = upd.contiguous()
             t = self.tree
@@ -307,83 +304,20 @@ class Prioritized(Sampler):
         return {"_index": index, "_weight": weight}
 
     def queue_updates(self, index: torch.Tensor, priority: torch.Tensor) -> None:
-        """Check and queue updates (contiguous CPU int64 ``[k]`` addresses and float64 ``[k]``
-        priorities), grouped by the shard that owns each item.
-
-        Raises:
-            ConfigError: on a NaN, infinite or negative priority, or an address of no rank
-                (nothing is queued then).
-        """
-        world, n = self.ctx.world, index.numel()
-        rows = torch.empty((n, 2), dtype=torch.int64)
-        counts = np.zeros(world, dtype=np.int64)
-        if _native is not None:
-            bad = _native.queue_updates(
-                index.data_ptr(), priority.data_ptr(), n, world, RANK_SHIFT, rows.data_ptr(),
-                counts.ctypes.data,
-            )  # fmt: skip
-        else:
-            bad = self._queue_rows(index, priority, rows, counts)
-        if bad >= 0:
-            pos = bad // 2
-            if bad % 2 == 0:
-                raise ConfigError(
-                    "update_priorities priority: expected finite values >= 0, got "
-                    f"{float(priority[pos])} at position {pos}"
-                )
-            rank = int(index[pos]) >> RANK_SHIFT if int(index[pos]) >= 0 else -1
-            raise ConfigError(
-                "update_priorities index: expected '_index' entries of fetched batches (ranks "
-                f"0..{world - 1}), got rank {rank} at position {pos}"
-            )
-        with self._lock:
-            at = 0
-            for owner, k in enumerate(counts.tolist()):
-                if k:
-                    self._pending.setdefault(owner, []).append(rows[at : at + k])
-                    at += k
-
-    @staticmethod
-    def _queue_rows(index, priority, rows, counts) -> int:
-        """``queue_updates`` without the extension: the same checks and grouping in torch."""
-        bad = ~torch.isfinite(priority) | (priority < 0)
-        rank = torch.where(index >= 0, index >> RANK_SHIFT, -1)
-        wrong = (rank < 0) | (rank >= counts.shape[0])
-        if bool(bad.any()) or bool(wrong.any()):
-            first_bad = int(bad.nonzero()[0]) if bool(bad.any()) else index.numel()
-            first_wrong = int(wrong.nonzero()[0]) if bool(wrong.any()) else index.numel()
-            return 2 * first_bad if first_bad <= first_wrong else 2 * first_wrong + 1
-        order = torch.argsort(rank, stable=True)
-        rows[:, 0] = (index & _GEN_MASK)[order]
-        rows[:, 1] = priority.view(torch.int64)[order]
-        counts[:] = torch.bincount(rank, minlength=counts.shape[0]).numpy()
-        return -1
+        """Check and queue updates (see ``UpdateQueue.queue``; ``ConfigError`` on bad values)."""
+        self.updates.queue(index, priority)
 
     def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Up to ``budgets[peer]`` queued updates per peer (``[k, 2]`` int64), oldest first; the
-        rest stay queued."""
-        out = {}
-        with self._lock:
-            for peer, budget in budgets.items():
-                queued = self._pending.get(peer)
-                if not queued or budget <= 0:
-                    continue
-                rows = torch.cat(queued) if len(queued) > 1 else queued[0]
-                out[peer] = rows[:budget]
-                rest = rows[budget:]
-                self._pending[peer] = [rest] if rest.numel() else []
-        return out
-
-    def pending(self) -> int:
-        """Updates queued for other shards and not yet sent."""
-        with self._lock:
-            return sum(int(r.shape[0]) for q in self._pending.values() for r in q)
+        """Up to ``budgets[peer]`` queued updates per peer, oldest first."""
+        return self.updates.outgoing(budgets)
 
     def incoming(self, rows: torch.Tensor) -> None:
         """Updates another learner sent this shard (applied at the next round's start)."""
-        if rows.numel():
-            with self._lock:
-                self._received.append(rows.clone())
+        self.updates.incoming(rows)
+
+    def pending(self) -> int:
+        """Updates queued here and not yet sent or applied."""
+        return self.updates.pending()
 
     def stats(self) -> dict[str, int]:
         """Updates applied and dropped (stale: the slot holds another item now) on this shard."""
@@ -392,17 +326,8 @@ class Prioritized(Sampler):
     def state_dict(self) -> dict[str, object]:
         """The trees' leaves, their generations, the largest priority (sums are derived) and
         the updates not applied yet (queued for other shards or received for this one)."""
-        with self._lock:
-            queued = [
-                torch.cat([torch.full((r.shape[0], 1), owner), r], dim=1)
-                for owner, rows in self._pending.items()
-                for r in rows
-            ]
-            received = [r for r in self._received]
-        empty = torch.zeros((0, 3), dtype=torch.int64)
         return {
-            "queued": torch.cat(queued) if queued else empty,
-            "received": torch.cat(received) if received else empty[:, :2],
+            **self.updates.state_dict(),
             "name": self.name,
             "leaves": self.tree.leaves().clone(),
             "generations": self._gen.clone(),
@@ -423,11 +348,6 @@ class Prioritized(Sampler):
         self._gen.copy_(state["generations"])
         self._lo, self._hi = (int(v) for v in state["live"])
         self.max_priority = float(state["max_priority"])
-        queued = state["queued"]
-        with self._lock:
-            self._pending = {}
-            for owner in torch.unique(queued[:, 0]).tolist():
-                self._pending[owner] = [queued[queued[:, 0] == owner, 1:].clone()]
-            self._received = [state["received"].clone()] if state["received"].numel() else []
+        self.updates.load_state_dict(state)
         if self.episodes is not None:
             self.episodes.load_state_dict(state["episodes"])
