@@ -170,14 +170,31 @@ def _check_reduce(
         )
 
 
+def _host_sampler(sampler: Sampler) -> bool:
+    """Whether ``sampler`` tags rows, routes updates or composes windows (host-side work)."""
+    return bool(sampler.trailer_bytes or sampler.routes_updates or sampler.windowed)
+
+
+def _check_sampler_device(sampler: Sampler, device: torch.device) -> None:
+    """Samplers doing host-side work deliver on the host.
+
+    Raises:
+        ConfigError: naming the sampler and the device.
+    """
+    if _host_sampler(sampler) and device.type != "cpu":
+        raise ConfigError(
+            f"sampler: {sampler.name!r} keeps its trees and windows on the host and delivers on "
+            f"device 'cpu'; got device={device.type!r}"
+        )
+
+
 def _check_sampler(sampler: Sampler, runner: RoundRunner, placement, device) -> None:
     """Samplers that tag rows or route updates run on one-exchange rounds (or one rank).
 
     Raises:
         ConfigError: naming what is missing.
     """
-    needs = sampler.trailer_bytes or sampler.routes_updates or sampler.windowed
-    if needs and runner.world > 1 and not runner.fusable:
+    if _host_sampler(sampler) and runner.world > 1 and not runner.fusable:
         raise ConfigError(
             f"sampler: {sampler.name!r} runs on one-exchange rounds, which need a placement "
             "that keeps items local ('local') and device 'cpu'; got "
@@ -217,6 +234,7 @@ def assemble(
     sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
     placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
     device = torch.device(device)
+    _check_sampler_device(sampler, device)
     storage = storage if storage is not None else Tiers()
     if not isinstance(storage, Tiers):
         raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")

@@ -234,7 +234,8 @@ class RoundRunner:
         head[-2:] = (size, t.reduce is not None)
         cand = self._cand  # sized from the last round's requests and shares
         n_cand = int(cand[self.rank].sum())  # the own-shard share is drawn once known (finish)
-        slots = self.sampler.draw(n_cand, size, r) if size and n_cand else None
+        drawable = size and n_cand and self.sampler.drawable()  # else nothing reads them
+        slots = self.sampler.draw(n_cand, size, r) if drawable else None
         routes = self.sampler.routes_updates
         budgets = lay.set_updates(self._alloc if routes else None)
         updates = self.sampler.outgoing(budgets) if budgets else None
@@ -399,8 +400,13 @@ class RoundRunner:
         return out
 
     def state_dict(self) -> dict[str, object]:
-        """Sizes of every shard, items ingested, the sampler's and the placement's state."""
+        """Sizes of every shard, items ingested, the sampler's and the placement's state, and
+        what the next one-exchange round sizes its candidates and update rows from."""
+        alloc = self._alloc if self._alloc is not None else np.zeros((0, 0), dtype=np.int64)
         return {
+            "cand": torch.from_numpy(self._cand.copy()),
+            "alloc": torch.from_numpy(alloc.copy()),
+            "requests": torch.from_numpy(self._requests.copy()),
             "sizes": torch.from_numpy(self.sizes.copy()),
             "ingested": self.ingested,
             "sampler": self.sampler.state_dict(),
@@ -412,8 +418,10 @@ class RoundRunner:
         self.sizes = state["sizes"].numpy().astype(np.int64).copy()
         self.published = self.sizes.copy()
         self.ingested = int(state["ingested"])
-        self._cand[:] = 0  # the next one-exchange round sizes nothing from before the restore
-        self._alloc = None
+        self._cand = state["cand"].numpy().astype(np.int64).copy()
+        alloc = state["alloc"].numpy().astype(np.int64)
+        self._alloc = alloc.copy() if alloc.size else None
+        self._requests = state["requests"].numpy().astype(np.int64).copy()
         self.sampler.load_state_dict(state["sampler"])
         self.placement.load_state_dict(state["placement"])
 

@@ -29,10 +29,10 @@ def _items(rank: int, n: int) -> dict[str, torch.Tensor]:
 
 
 def _uneven(rank: int, world: int, rounds: int, batch: int) -> dict[str, object]:
+    sampler = cd.Prioritized(ALPHA, BETA, EPS, initial_priority=50.0)  # above every update
     plane = cd.DataPlane(
-        cd.ExperienceSpec(SPEC), 64, seed=3, sampler=cd.Prioritized(ALPHA, BETA, EPS),
-        placement="local", schedule="sync",
-    )  # fmt: skip
+        cd.ExperienceSpec(SPEC), 64, seed=3, sampler=sampler, placement="local", schedule="sync"
+    )
     plane.put(_items(rank, 5 + 9 * rank))  # 5, 14, 23 items: uneven shards
     for _ in range(6):  # every item is drawn and given its priority
         b = plane.fetch(batch)
@@ -49,8 +49,9 @@ def _uneven(rank: int, world: int, rounds: int, batch: int) -> dict[str, object]
         for i in b["id"].tolist():
             counts[i] = counts.get(i, 0) + 1
     stats = plane.store_stats()
+    fused = plane._p.runner.fused_rounds
     plane.close()
-    return {"counts": counts, "weights_ok": weights_ok, "stats": stats}
+    return {"counts": counts, "weights_ok": weights_ok, "stats": stats, "fused": fused}
 
 
 def test_prioritized_is_exact_over_uneven_shards():
@@ -64,6 +65,7 @@ def test_prioritized_is_exact_over_uneven_shards():
     for rank, got in res.items():
         assert got["weights_ok"], rank
         assert got["stats"]["priority_updates_applied"] > 0
+        assert got["fused"] > rounds // 2, got["fused"]  # delivered from the one exchange
         n = rounds * batch
         chi2 = sum(
             (got["counts"].get(int(i), 0) - n * float(q)) ** 2 / (n * float(q))
@@ -214,3 +216,41 @@ def test_state_round_trip_keeps_priorities_windows_and_queued_updates(tmp_path):
     assert a.store_stats()["priority_updates_applied"] > 0
     a.close()
     c.close()
+
+
+def _zero_mass(rank: int, world: int) -> list[int]:
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(SPEC), 16, seed=1, sampler=cd.Prioritized(1.0, 0.5, 0.0),
+        placement="local", schedule="sync",
+    )  # fmt: skip
+    plane.put(_items(rank, 4))
+    drawn = []
+    for _ in range(6):
+        b = plane.fetch(8)
+        owner = b["_index"] >> 48
+        drawn.append(int((owner == 0).sum()))
+        plane.update_priorities(b["_index"], torch.where(owner == 0, 0.0, 1.0).double())
+    plane.close()
+    return drawn
+
+
+def test_a_shard_whose_mass_falls_to_zero_is_drawn_from_no_more():
+    """Every priority on rank 0's shard set to 0 (eps=0): its mass is 0, the rounds go on (it
+    owed candidates from the round before: found by review, it used to fail drawing them), and
+    no item of it is delivered again."""
+    res = run_ranks(_zero_mass, 2, timeout_s=120)
+    for drawn in res.values():
+        assert drawn[-3:] == [0, 0, 0], drawn
+
+
+def test_prioritized_refuses_cuda_delivery_and_overflowing_masses():
+    with pytest.raises(ConfigError, match="device 'cpu'"):
+        cd.DataPlane(cd.ExperienceSpec(SPEC), 8, sampler=cd.Prioritized(), device="cuda")
+    plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 8, sampler=cd.Prioritized(alpha=2.0))
+    plane.put(_items(0, 2))
+    b = plane.fetch(2)
+    with pytest.raises(ConfigError, match="must be finite"):
+        plane.update_priorities(b["_index"], torch.tensor([1e200, 1.0], dtype=torch.float64))
+    plane.close()
+    with pytest.raises(ConfigError, match="pass sequence=None"):
+        cd.Prioritized(sequence=cd.Sequence(length=1))

@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -517,8 +518,10 @@ static PyObject* tree_sample(PyObject* self, PyObject* args) {
     const int64_t* offs = (const int64_t*)(uintptr_t)offs_p;
     double total = s[offs[H]];
     if (n < 0 || !(total > 0)) {
-        PyErr_Format(PyExc_ValueError, "tree_sample: expected n >= 0 and a positive total, got "
-                     "n=%lld, total=%g", n, total);
+        char msg[160];
+        snprintf(msg, sizeof msg, "tree_sample: expected n >= 0 and a positive total, got n=%lld, "
+                 "total=%g", n, total);
+        PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
     int64_t* out = (int64_t*)(uintptr_t)out_p;
@@ -566,7 +569,7 @@ static PyObject* tree_sample(PyObject* self, PyObject* args) {
  * pairs (generation, float64 priority bits) in upd: an update whose leaf (generation % cap)
  * holds another generation, or one older than lo, is stale and skipped; a live one sets the leaf
  * to (priority + eps) ** alpha and recomputes its ancestors. Returns (applied, largest priority
- * + eps applied, or -1.0). */
+ * applied, or -1.0). */
 static PyObject* tree_update(PyObject* self, PyObject* args) {
     unsigned long long sum_p, min_p, offs_p, gen_p, upd_p;
     long long H, cap, lo, n;
@@ -596,7 +599,7 @@ static PyObject* tree_update(PyObject* self, PyObject* args) {
         int64_t leaf = g % cap;
         if (gen[leaf] != g) continue;
         applied++;
-        if (p + eps > top) top = p + eps;
+        if (p > top) top = p;
         double v = alpha == 0.0 ? 1.0 : pow(p + eps, alpha);
         s[leaf] = v;
         m[leaf] = v > 0 ? v : INFINITY;
@@ -778,19 +781,23 @@ static PyObject* seq_windows(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-/* seq_back(prev, cap, g, n, steps, out, ok): for each of n generations, the item steps links
- * back through prev[g % cap] (int64, -1: none) into out, and ok[i] (uint8) = whether it exists
- * (out is then the last item reached). */
+/* seq_back(prev, gen, cap, g, n, steps, out, ok): for each of n generations, the item steps
+ * links back through prev[g % cap] (int64, -1: none) into out, and ok[i] (uint8) = whether it
+ * exists: every item on the way must still be live (gen[p % cap] == p; a slot reused by a newer
+ * item holds that item's links). out is then the last item reached. */
 static PyObject* seq_back(PyObject* self, PyObject* args) {
-    unsigned long long prev_p, g_p, out_p, ok_p;
+    unsigned long long prev_p, gen_p, g_p, out_p, ok_p;
     long long cap, n, steps;
-    if (!PyArg_ParseTuple(args, "KLKLLKK", &prev_p, &cap, &g_p, &n, &steps, &out_p, &ok_p))
+    if (!PyArg_ParseTuple(args, "KKLKLLKK", &prev_p, &gen_p, &cap, &g_p, &n, &steps, &out_p,
+                          &ok_p))
         return NULL;
     if (cap < 1 || n < 0 || steps < 0) {
-        PyErr_Format(PyExc_ValueError, "seq_back: expected cap >= 1, n >= 0, steps >= 0");
+        PyErr_Format(PyExc_ValueError, "seq_back: expected cap >= 1, n >= 0, steps >= 0, got "
+                     "cap=%lld, n=%lld, steps=%lld", cap, n, steps);
         return NULL;
     }
     const int64_t* prev = (const int64_t*)(uintptr_t)prev_p;
+    const int64_t* gen = (const int64_t*)(uintptr_t)gen_p;
     const int64_t* gs = (const int64_t*)(uintptr_t)g_p;
     int64_t* out = (int64_t*)(uintptr_t)out_p;
     uint8_t* ok = (uint8_t*)(uintptr_t)ok_p;
@@ -799,7 +806,7 @@ static PyObject* seq_back(PyObject* self, PyObject* args) {
         uint8_t good = 1;
         for (long long s = 0; s < steps; s++) {
             int64_t p = prev[g % cap];
-            if (p < 0) { good = 0; break; }
+            if (p < 0 || gen[p % cap] != p) { good = 0; break; }
             g = p;
         }
         out[i] = g;
@@ -819,7 +826,7 @@ static PyMethodDef methods[] = {
     {"tree_update", tree_update, METH_VARARGS,
      "tree_update(sum, min, offs, H, gen, cap, lo, upd, n, alpha, eps): apply live priority "
      "updates; "
-     "returns (applied, largest priority + eps or -1)."},
+     "returns (applied, largest priority or -1)."},
     {"tag_rows", tag_rows, METH_VARARGS,
      "tag_rows(out, row_bytes, n, col, idx, gen, leaves, rank_bits): write each row's address "
      "and mass into its trailer."},
@@ -835,7 +842,8 @@ static PyMethodDef methods[] = {
     {"seq_windows", seq_windows, METH_VARARGS,
      "seq_windows(next, cap, starts, k, L, out, m): each start's window of up to L items."},
     {"seq_back", seq_back, METH_VARARGS,
-     "seq_back(prev, cap, g, n, steps, out, ok): the item steps links back from each of g."},
+     "seq_back(prev, gen, cap, g, n, steps, out, ok): the item steps live links back from each "
+     "of g."},
     {"uniform_alloc", uniform_alloc, METH_VARARGS,
      "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
      "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},

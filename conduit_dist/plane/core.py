@@ -180,7 +180,7 @@ class DataPlane:
         if not self.sampler.routes_updates:
             raise ConfigError(
                 f"update_priorities: the {self.sampler.name!r} sampler takes no priority "
-                "updates; build the plane with sampler=cd.Prioritized(...)"
+                "updates; build the plane with sampler=cd.Prioritized(alpha > 0)"
             )
         index, priority = _check_updates(index, priority)
         self.sampler.queue_updates(index, priority)

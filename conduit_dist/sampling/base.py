@@ -111,6 +111,10 @@ class Sampler(ABC):
         """Attach to a plane (called once, when the plane is built)."""
         self.ctx = ctx
 
+    def drawable(self) -> bool:
+        """Whether this shard can draw now (a non-empty shard always can by default)."""
+        return True
+
     def shares(self, sizes: np.ndarray, meta: np.ndarray) -> np.ndarray:
         """``[world]`` each shard's probability of a draw in the round just allocated (sizes
         proportional by default; all 0 on an empty store): sizes the next one-exchange round's

@@ -79,8 +79,13 @@ class Prioritized(Sampler):
             raise ConfigError(
                 f"sampler.sequence: expected a conduit_dist.Sequence, got {type(sequence).__name__}"
             )
-        self.sequence = sequence if sequence is not None and sequence.window > 1 else None
-        self.windowed = self.sequence is not None
+        if sequence is not None and sequence.window == 1:
+            raise ConfigError(
+                "sampler.sequence: length=1 with n_step=1 draws single items; pass sequence=None"
+            )
+        self.sequence = sequence
+        self.windowed = sequence is not None
+        self.routes_updates = alpha > 0  # with alpha = 0 every mass is 1: nothing to update
         self.episodes: Episodes | None = None
         for field, value, ok, want in (
             ("alpha", alpha, alpha >= 0, ">= 0"),
@@ -183,7 +188,7 @@ class Prioritized(Sampler):
         self.applied += n_live
         if n_live:
             self.tree.set(leaf[live], self.mass(prio[live]))
-            self.max_priority = max(self.max_priority, float(prio[live].max()) + self.eps)
+            self.max_priority = max(self.max_priority, float(prio[live].max()))
 
     def local_meta(self, shard: object) -> tuple[int, int, int]:
         """After this round's items are in: sync the tree, apply received updates, and report
@@ -191,6 +196,10 @@ class Prioritized(Sampler):
         self._sync()
         self._apply()
         return (_bits(self.tree.total), _bits(self.tree.smallest), _bits(self.max_priority))
+
+    def drawable(self) -> bool:
+        """Only with a positive mass (a shard of zero mass is allocated nothing)."""
+        return self.tree.total > 0
 
     def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
         """``count`` gather indices drawn in proportion to mass (valid until the next draw;
@@ -304,7 +313,15 @@ class Prioritized(Sampler):
         return {"_index": index, "_weight": weight}
 
     def queue_updates(self, index: torch.Tensor, priority: torch.Tensor) -> None:
-        """Check and queue updates (see ``UpdateQueue.queue``; ``ConfigError`` on bad values)."""
+        """Check and queue updates (see ``UpdateQueue.queue``; ``ConfigError`` on bad values,
+        including priorities whose mass ``(p + eps) ** alpha`` overflows)."""
+        if self.alpha > 1 and index.numel():
+            big = float(priority.max())
+            if big + self.eps > 0 and math.log(big + self.eps) * self.alpha >= 709.0:
+                raise ConfigError(
+                    f"update_priorities priority: (p + eps) ** alpha must be finite; got p={big} "
+                    f"with alpha={self.alpha}"
+                )
         self.updates.queue(index, priority)
 
     def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
@@ -337,13 +354,26 @@ class Prioritized(Sampler):
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore leaves saved by :meth:`state_dict` (same capacity) and rebuild the sums."""
+        """Restore leaves saved by :meth:`state_dict` (same capacity) and rebuild the sums.
+
+        Raises:
+            ConfigError: on another sampler's state, or leaves / generations of another shape.
+        """
         super().load_state_dict(state)
-        leaves = state["leaves"]
-        if leaves.shape != (self.shard.capacity,):
+        cap = self.shard.capacity
+        for field in ("leaves", "generations"):
+            if tuple(state[field].shape) != (cap,):
+                raise ConfigError(
+                    f"sampler {field}: expected [{cap}] (capacity_per_rank), got "
+                    f"{list(state[field].shape)}"
+                )
+        if (self.episodes is None) != ("episodes" not in state):
             raise ConfigError(
-                f"sampler leaves: expected [{self.shard.capacity}], got {list(leaves.shape)}"
+                f"sampler sequence: the checkpoint {'has' if 'episodes' in state else 'has no'} "
+                f"stream links, the plane {'has a' if self.episodes is not None else 'has no'} "
+                "sequence"
             )
+        leaves = state["leaves"]
         self.tree.load(leaves)
         self._gen.copy_(state["generations"])
         self._lo, self._hi = (int(v) for v in state["live"])

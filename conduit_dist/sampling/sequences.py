@@ -192,15 +192,15 @@ class Episodes:
             cur = torch.empty_like(g)
             ok = torch.empty(g.numel(), dtype=torch.bool)
             _native.seq_back(
-                self.prev.data_ptr(), cap, g.data_ptr(), g.numel(), steps, cur.data_ptr(),
-                ok.data_ptr(),
+                self.prev.data_ptr(), self.gen.data_ptr(), cap, g.data_ptr(), g.numel(), steps,
+                cur.data_ptr(), ok.data_ptr(),
             )  # fmt: skip
             return cur, ok
         ok = torch.ones_like(g, dtype=torch.bool)
         cur = g
         for _ in range(steps):
             p = self.prev[cur % cap]
-            ok &= p >= 0
+            ok &= self._live(p)  # a reused slot holds a newer item's links
             cur = torch.where(ok, p, cur)
         return cur, ok
 
@@ -211,13 +211,9 @@ class Episodes:
         found = [start[ok]]
         if self.seq.n_step > 1 and bool(end.any()):  # windows an episode end cuts short
             cur = gens[end]
-            alive = torch.ones_like(cur, dtype=torch.bool)
-            cap = self.shard.capacity
-            for _ in range(L - 1):
-                found.append(cur[alive])
-                p = self.prev[cur % cap]
-                alive &= p >= 0
-                cur = torch.where(alive, p, cur)
+            for back in range(L - 1):  # the ends themselves, then 1 .. L-2 links back
+                item, ok = self._back(cur, back)
+                found.append(item[ok])
         starts = torch.cat(found) if len(found) > 1 else found[0]
         return starts[self._live(starts)]
 
