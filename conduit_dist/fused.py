@@ -35,6 +35,8 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.staging import RecordBuffer
 from conduit_dist.tickets import RoundStats, RoundTicket
 
+META = 4  # every round's meta values: staged items, fetch size, weights version, weights bytes
+
 
 class FusedLayout:
     """Buffers and splits of fused rounds on one rank.

@@ -17,7 +17,9 @@ import torch
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.transport import Transport
-from conduit_dist.fused import Flight, FusedLayout, candidates, check_payload, short
+from conduit_dist.fused import META as _META
+from conduit_dist.fused import check_payload
+from conduit_dist.fused_round import FusedRound
 from conduit_dist.placement.base import Placement
 from conduit_dist.sampling.base import Sampler
 from conduit_dist.spec import ExperienceSpec
@@ -25,8 +27,6 @@ from conduit_dist.staging import OutputPool, RecordBuffer
 from conduit_dist.tickets import RoundStats, RoundTicket
 from conduit_dist.tiers import Shard
 from conduit_dist.weights import WeightsState
-
-_META = 4  # staged items, fetch size, weights version, weights bytes; then the sampler's values
 
 
 class RoundRunner:
@@ -84,21 +84,17 @@ class RoundRunner:
             and placement.keeps_local
             and self.device.type == "cpu"  # headers are parsed on the host: no device syncs
         )
-        learner_mask = np.zeros(self.world, dtype=bool)
-        learner_mask[list(learners)] = True
         self.reduce_numel = int(reduce_numel)
+        # the one-exchange round (fused_round.py): layout, candidate and update sizing; its
         # header: the meta values, the sampler's, this shard's size, whether a payload came
-        head_len = _META + sampler.meta_width + 2
-        self._fused_layout = FusedLayout(
-            wb, self.rank, learner_mask, head_len, self.reduce_numel, device
-        )
-        self.fused_rounds = 0  # rounds that ran as one exchange (and delivered from it)
-        # candidate rows [shard, learner] of the next fused round (sized from this one's)
-        self._cand = np.zeros((self.world, self.world), dtype=np.int64)
-        self._learner_mask = learner_mask
+        self.fused = FusedRound(self, learners, _META + sampler.meta_width + 2)
         self._tags = sampler.trailer_bytes > 0
         self._windowed = sampler.windowed
-        self._alloc: np.ndarray | None = None  # last round's allocation (update regions' sizes)
+
+    @property
+    def fused_rounds(self) -> int:
+        """Rounds that ran as one exchange (and delivered from it)."""
+        return self.fused.rounds
 
     def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the records at ``slots`` into ``out``; the sampler writes their trailers (or
@@ -118,13 +114,13 @@ class RoundRunner:
         else may touch the plane's shard or sampler in between (puts are staged meanwhile)."""
         cpu0 = time.thread_time()
         stats = RoundStats(round=t.round)
-        flight = self._fused_start(t, stats)
+        flight = self.fused.start(t, stats)
         flight.early = True  # the caller works before the finish: its time is not the round's
         spent = time.thread_time() - cpu0
 
         def finish() -> tuple[torch.Tensor, RoundStats]:
             cpu1 = time.thread_time()
-            out = self._fused_finish(flight, weights)
+            out = self.fused.finish(flight, weights)
             return out, self._after(stats, cpu1 - spent)
 
         return finish
@@ -138,7 +134,7 @@ class RoundRunner:
             self.shard.settle()
             out = self._local(t, stats)
         elif self.fusable:
-            out = self._fused_finish(self._fused_start(t, stats), weights)
+            out = self.fused.finish(self.fused.start(t, stats), weights)
         else:
             t0 = time.perf_counter()
             meta = self._meta(t)
@@ -201,105 +197,6 @@ class RoundRunner:
             n_in * rb,
             n_out * self.wire_bytes,
         )
-        return out
-
-    def _fused_start(self, t: RoundTicket, stats: RoundStats) -> Flight:
-        """A round in one ``all_to_all_single`` (``fusable`` planes; layout in ``fused.py``), up
-        to its exchange, launched and left in flight (:meth:`_fused_finish` completes it).
-
-        Every rank ingests its staged items into its own shard, then sends each peer its header
-        and, when the peer is a learner, candidate rows drawn i.i.d. from this shard: that
-        learner's last request times this shard's last share of the draws, plus a margin
-        (``fused.candidates``; known to every rank). After the exchange every rank holds every
-        header, so the allocation is the same everywhere; a learner takes the first ``k``
-        candidates of each shard's block (a prefix of i.i.d. draws is i.i.d.: the batch has the
-        distribution the three-exchange round draws) and draws its own shard's share then. When
-        some learner's share from a shard exceeds what that shard sent (its fetch grew, the
-        first fetch, a jump in a share), every rank knows it from the headers and the round
-        finishes with the ordinary delivery exchange.
-        """
-        r, lay = t.round, self._fused_layout
-        t0 = time.perf_counter()
-        self.exchange.arrive(r)
-        t.pack_deferred(self.spec)
-        self.shard.settle()
-        if t.direct:  # written into the slots by put
-            self.shard.commit(t.direct)
-        if t.count:
-            self.shard.append(self._staged_rows(t))
-        size = int(self.shard.size)
-        head = lay.head.numpy()
-        head[:_META] = (t.count + t.direct, t.request, t.weights.version, t.weights.nbytes)
-        head[_META:-2] = self.sampler.local_meta(self.shard)
-        head[-2:] = (size, t.reduce is not None)
-        cand = self._cand  # sized from the last round's requests and shares
-        n_cand = int(cand[self.rank].sum())  # the own-shard share is drawn once known (finish)
-        drawable = size and n_cand and self.sampler.drawable()  # else nothing reads them
-        slots = self.sampler.draw(n_cand, size, r) if drawable else None
-        routes = self.sampler.routes_updates
-        budgets = lay.set_updates(self._alloc if routes else None)
-        updates = self.sampler.outgoing(budgets) if budgets else None
-        send, in_splits = lay.pack(cand, t.reduce, self._gather, slots, updates)
-        recv, out_splits = lay.recv_rows(cand)
-        work = self.exchange.all_to_all_async(
-            recv, send, out_splits, in_splits, r, "all_to_all(round)"
-        )
-        return Flight(t, stats, t0, cand, n_cand, slots, recv, work, time.perf_counter())
-
-    def _fused_finish(self, f: Flight, weights: WeightsState) -> torch.Tensor:
-        """Wait for a fused round's exchange and finish the round: headers, payload average,
-        allocation, this learner's batch, weights."""
-        me, lay, t, stats, cand = self.rank, self._fused_layout, f.ticket, f.stats, f.cand
-        r, t0 = t.round, f.t0
-        t_wait = time.perf_counter()
-        f.work.wait()
-        meta, payloads, blocks, updates = lay.unpack(f.recv, cand)
-        for rows in updates:
-            self.sampler.incoming(rows)
-        if t.reduce is not None:
-            lay.average(t.reduce, payloads)
-        self._requests, self.sizes, self._inflow = (
-            meta[:, 1].copy(),
-            meta[:, -2].copy(),
-            meta[:, 0].copy(),
-        )
-        self.ingested += sum(self._inflow.tolist())  # small: Python beats numpy's call cost
-        t1 = time.perf_counter()
-        if f.early:
-            stats.mark("ingest", t_wait, t1)  # the span the fetch waited; ms: set-up + wait
-            stats.ingest_ms = (f.launched - t0 + t1 - t_wait) * 1e3
-        else:
-            stats.mark("ingest", t0, t1)
-        rb, n_in = self.spec.record_bytes, t.count + t.direct
-        stats.items_in, stats.bytes_in = n_in, n_in * rb
-        sampler_meta = meta[:, _META:-2]
-        alloc = self.sampler.allocate(self._requests, self.sizes, r, sampler_meta)
-        self._alloc = alloc
-        shares = self.sampler.shares(self.sizes, sampler_meta)
-        self._cand = candidates(self._requests, shares, self._learner_mask)
-        if short(alloc, cand):  # the same on every rank: all run the ordinary delivery
-            out = self._deliver(alloc, r, stats, t1)
-        else:
-            self.fused_rounds += 1
-            out = self.outputs.acquire(int(alloc[me].sum()))
-            at = 0
-            for p in lay.peers:
-                k = int(alloc[me, p])
-                if k:
-                    out[at : at + k].copy_(blocks[p][:k])
-                at += k
-            own = int(alloc[me, me])
-            if own:
-                size = int(self.shard.size)
-                self._gather(self.sampler.draw(own, size, r, stream=1), out[at:])
-            t2 = time.perf_counter()
-            stats.mark("sample", t1, t2)
-            stats.mark("deliver", t2, t2)  # the rows arrived with the headers
-            stats.items_out, stats.bytes_out = out.shape[0], out.shape[0] * self.wire_bytes
-        t3 = time.perf_counter()
-        weights.exchange(self.exchange, meta, self.weights_src, r, t.weights)
-        stats.mark("weights", t3, time.perf_counter())
-        self.sampler.feedback(r)
         return out
 
     def check_payload(self, t: torch.Tensor) -> None:
@@ -402,10 +299,8 @@ class RoundRunner:
     def state_dict(self) -> dict[str, object]:
         """Sizes of every shard, items ingested, the sampler's and the placement's state, and
         what the next one-exchange round sizes its candidates and update rows from."""
-        alloc = self._alloc if self._alloc is not None else np.zeros((0, 0), dtype=np.int64)
         return {
-            "cand": torch.from_numpy(self._cand.copy()),
-            "alloc": torch.from_numpy(alloc.copy()),
+            **self.fused.state_dict(),
             "requests": torch.from_numpy(self._requests.copy()),
             "sizes": torch.from_numpy(self.sizes.copy()),
             "ingested": self.ingested,
@@ -418,9 +313,7 @@ class RoundRunner:
         self.sizes = state["sizes"].numpy().astype(np.int64).copy()
         self.published = self.sizes.copy()
         self.ingested = int(state["ingested"])
-        self._cand = state["cand"].numpy().astype(np.int64).copy()
-        alloc = state["alloc"].numpy().astype(np.int64)
-        self._alloc = alloc.copy() if alloc.size else None
+        self.fused.load_state_dict(state)
         self._requests = state["requests"].numpy().astype(np.int64).copy()
         self.sampler.load_state_dict(state["sampler"])
         self.placement.load_state_dict(state["placement"])

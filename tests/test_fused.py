@@ -256,7 +256,7 @@ def _small_records(rank, world):
     for r in range(5):
         plane.put({"x": torch.arange(4, dtype=torch.float32) + 100 * rank + 10 * r})
         vals.append(plane.fetch(6)["x"].clone())
-    fused, h = plane._p.runner.fused_rounds, plane._p.runner._fused_layout.h
+    fused, h = plane._p.runner.fused_rounds, plane._p.runner.fused.layout.h
     plane.close()
     return torch.cat(vals).tolist(), fused, h
 
