@@ -26,6 +26,7 @@ exchanging them first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -270,6 +271,20 @@ def candidates(requests: np.ndarray, shares: np.ndarray, learners: np.ndarray) -
         shares: ``[world]`` each shard's probability of a draw this round (sums to 1, or all 0).
         learners: ``bool [world]``.
     """
+    world = requests.shape[0]
+    if world <= 8:  # a few values: Python beats numpy's per-call cost (~2 us against ~19)
+        req_l, p_l, learn = requests.tolist(), shares.tolist(), learners.tolist()
+        out = np.zeros((world, world), dtype=np.int64)
+        for s, p_s in enumerate(p_l):
+            if p_s <= 0:
+                continue
+            for lr, (r, is_l) in enumerate(zip(req_l, learn)):
+                if lr == s or not is_l or r <= 0:
+                    continue
+                mean = r * p_s
+                want = math.ceil(mean + 6.0 * math.sqrt(mean * (1.0 - p_s)) + 0.01 * r + 4.0)
+                out[s, lr] = min(want, r)
+        return out
     req = np.where(learners, requests, 0).astype(np.float64)[None, :]
     p = shares.astype(np.float64)[:, None]
     mean = req * p
