@@ -22,6 +22,7 @@ from conduit_dist.errors import ConfigError, EmptyStoreError, PhaseError, RoundE
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform
+from conduit_dist.sampling.queue import Queue
 from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.spec import ExperienceSpec, FieldSpec
 from conduit_dist.tiers import Tiers
@@ -38,6 +39,7 @@ __all__ = [
     "PhaseError",
     "Placement",
     "Prioritized",
+    "Queue",
     "RoundError",
     "RoundRobin",
     "RoundStats",

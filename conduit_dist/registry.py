@@ -16,12 +16,14 @@ from conduit_dist.collectives.strategies import NAMES as STRATEGY_NAMES
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.sampling import Prioritized, Sampler, SamplerContext, Uniform
+from conduit_dist.sampling.queue import Queue
 from conduit_dist.sampling.stratified import Stratified
 
 SAMPLERS: dict[str, Callable[[], Sampler]] = {
     "uniform": Uniform,
     "stratified": Stratified,
     "prioritized": Prioritized,
+    "queue": Queue,
 }
 PLACEMENTS: dict[str, Callable[[], Placement]] = {
     "round_robin": RoundRobin,

@@ -144,6 +144,10 @@ class RoundRunner:
             stats.mark("ingest", t0, t1)
             counts = self.sampler.allocate(meta[:, 1], self.sizes, t.round, meta[:, _META:])
             out = self._deliver(counts, t.round, stats, t1)
+            if self.sampler.takes:  # delivered items leave the store, on every rank alike
+                taken = counts.sum(axis=0)
+                self.shard.take_oldest(int(taken[self.rank]))
+                self.sizes = self.sizes - taken
             t3 = time.perf_counter()
             weights.exchange(self.exchange, meta, self.weights_src, t.round, t.weights)
             stats.mark("weights", t3, time.perf_counter())
@@ -188,6 +192,9 @@ class RoundRunner:
         out = self.outputs.acquire(n_out)
         if n_out:
             self._gather(self.sampler.draw(n_out, size, t.round), out)
+            if self.sampler.takes:
+                self.shard.take_oldest(n_out)
+                self.sizes[0] = self.shard.size
         self.sampler.feedback(t.round)
         stats.mark("sample", t1, time.perf_counter())
         rb = self.spec.record_bytes

@@ -123,6 +123,8 @@ class Sampler(ABC):
         return sizes / total if total else np.zeros(sizes.shape[0])
 
     windowed: bool = False  # delivered rows are composed by gather_windows (several items)
+    # delivered items leave the store (queues): the round takes each shard's draws out of it
+    takes: bool = False
 
     def layout(self, spec) -> tuple[object, int]:
         """``(stored spec, delivered row bytes)``: by default rows are delivered as stored;

@@ -24,6 +24,7 @@ class Shard:
         self.write_pos = 0
         self.size = 0
         self.written = 0  # items ever written (the next item's generation)
+        self.taken = 0  # items a queue took out
 
     addresses_are_slots = True  # a gather index is the slot ``generation % capacity``
 
@@ -39,6 +40,13 @@ class Shard:
     def generations(self, index: torch.Tensor) -> torch.Tensor:
         """Generations of the live items at gather indices (inverse of :meth:`index_of`)."""
         return self.oldest + (index - self.oldest) % self.capacity
+
+    def take_oldest(self, n: int) -> None:
+        """Remove the ``n`` oldest items (a queue delivered them)."""
+        if not 0 <= n <= self.size:
+            raise ValueError(f"take_oldest: expected 0..{self.size} items, got {n}")
+        self.size -= n
+        self.taken += n
 
     def receive_region(self, n: int) -> torch.Tensor | None:
         """Slots the next ``n`` items would occupy, as one contiguous view, if they do not wrap.
@@ -105,7 +113,8 @@ class Shard:
         return {
             "tiers": tiers,
             "demotions": 0,
-            "evictions": max(0, self.written - self.size),
+            "evictions": max(0, self.written - self.size - self.taken),
+            "taken": self.taken,
             "demotion_wait_ms": 0.0,
         }
 
@@ -146,6 +155,7 @@ class Shard:
             "write_pos": self.write_pos,
             "size": self.size,
             "written": self.written,
+            "taken": self.taken,
             "tier": self.tier.state_dict(),
         }
 
@@ -159,3 +169,4 @@ class Shard:
             int(state["size"]),
             int(state["written"]),
         )
+        self.taken = int(state.get("taken", 0))

@@ -66,6 +66,7 @@ class TieredShard:
         self.written = 0
         self.demotions = 0
         self.evictions = 0
+        self.taken = 0  # items a queue took out
         self.demotes_ahead = background and len(tiers) > 1
         self.ahead_limit = self.rings[0].cap  # room made ahead: at most all of tier 0
         self.demotion_wait_ms = 0.0
@@ -186,6 +187,19 @@ class TieredShard:
             self.rings[0].size += n
             self.written += n
 
+    def take_oldest(self, n: int) -> None:
+        """Remove the ``n`` oldest items (a queue delivered them), from the last tier up."""
+        self.settle()
+        if not 0 <= n <= self.size:
+            raise ValueError(f"take_oldest: expected 0..{self.size} items, got {n}")
+        with self._lock:
+            for ring in reversed(self.rings):
+                k = min(n, ring.size)
+                ring.start = (ring.start + k) % ring.cap
+                ring.size -= k
+                self.taken += k
+                n -= k
+
     direct_views = None  # writing ahead of a round across tiers would need a demotion
 
     # ------------------------------------------------------------------ reads
@@ -275,6 +289,7 @@ class TieredShard:
             "tiers": tiers,
             "demotions": self.demotions,
             "evictions": self.evictions,
+            "taken": self.taken,
             "demotion_wait_ms": self.demotion_wait_ms,
         }
 
@@ -288,6 +303,7 @@ class TieredShard:
             "written": self.written,
             "demotions": self.demotions,
             "evictions": self.evictions,
+            "taken": self.taken,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -302,6 +318,7 @@ class TieredShard:
             ring.start, ring.size = int(saved["start"]), int(saved["size"])
         self.written = int(state["written"])
         self.demotions, self.evictions = int(state["demotions"]), int(state["evictions"])
+        self.taken = int(state.get("taken", 0))
 
     def close(self) -> None:
         """Finish any demotion, stop the worker, close every tier (disk files are removed)."""

@@ -1,0 +1,62 @@
+"""A FIFO queue over the global store: every item delivered to exactly one learner, once.
+
+``allocate`` partitions the shards' items among the learners that fetch, in rank order, all or
+nothing: a learner gets its whole request (its own shard's oldest items first, then the other
+shards' in rank order) or, when fewer untaken items remain than it asks, nothing (its fetch then
+raises, and nothing is taken for it). Each shard gives its oldest items, split among the
+learners in rank order, so every learner receives each producer's items in the order they were
+put; the round then takes them out of the store (``Sampler.takes``): sizes drop on every rank
+alike, with no further exchange. Items the ring overwrites before anyone took them are
+evictions (``store_stats()``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conduit_dist.sampling.base import Sampler
+
+
+class Queue(Sampler):
+    """First in, first out over every shard; each item to one learner, exactly once."""
+
+    name = "queue"
+    takes = True
+
+    def allocate(
+        self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
+    ) -> np.ndarray:
+        """All-or-nothing per learner, in rank order; own shard first."""
+        world = sizes.shape[0]
+        left = sizes.astype(np.int64).tolist()
+        counts = np.zeros((world, world), dtype=np.int64)
+        for learner, want in enumerate(requests.tolist()):
+            if want <= 0 or sum(left) < want:
+                continue
+            order = [learner, *(s for s in range(world) if s != learner)]
+            for s in order:
+                k = min(want, left[s])
+                counts[learner, s] = k
+                left[s] -= k
+                want -= k
+                if not want:
+                    break
+        return counts
+
+    def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Size-proportional (what a queue drains depends on what is left)."""
+        total = sizes.sum()
+        if total == 0:
+            return np.zeros((sizes.shape[0], sizes.shape[0]))
+        return requests[:, None] * (sizes[None, :] / total)
+
+    def attach(self, shard, spec) -> None:
+        """Read the shard's oldest items."""
+        self.shard = shard
+
+    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
+        """The ``count`` oldest items (oldest first)."""
+        sh = self.shard
+        gens = torch.arange(sh.oldest, sh.oldest + count, dtype=torch.int64)
+        return gens % sh.capacity if sh.addresses_are_slots else sh.index_of(gens)
