@@ -63,6 +63,15 @@ def splitmix_uniform(count: int, size: int, seed: int, round: int, key: int) -> 
     return out
 
 
+def proportional(requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``float [learner, shard]``: each request split in proportion to the shards' sizes (the
+    mean allocation of uniform sampling; all 0 on an empty store)."""
+    total = sizes.sum()
+    if total == 0:
+        return np.zeros((sizes.shape[0], sizes.shape[0]))
+    return requests[:, None] * (sizes[None, :] / total)
+
+
 def seeded(gen: torch.Generator, *keys: int) -> torch.Generator:
     """Reseed ``gen`` from ``keys`` and return it."""
     gen.manual_seed(mix(*keys))

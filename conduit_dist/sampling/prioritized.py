@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.sampling.base import OWN_KEY, Sampler, splitmix_uniform
+from conduit_dist.sampling.base import OWN_KEY, Sampler, proportional, splitmix_uniform
 from conduit_dist.sampling.sequences import Episodes, Sequence
 from conduit_dist.sampling.sumtree import SumTree
 from conduit_dist.sampling.updates import RANK_SHIFT, UpdateQueue
@@ -276,10 +276,7 @@ class Prioritized(Sampler):
 
     def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Size-proportional (masses are not known ahead of a round)."""
-        total = sizes.sum()
-        if total == 0:
-            return np.zeros((sizes.shape[0], sizes.shape[0]))
-        return requests[:, None] * (sizes[None, :] / total)
+        return proportional(requests, sizes)
 
     # ------------------------------------------------------------------ the learner's side
 

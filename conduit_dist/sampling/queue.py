@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conduit_dist.sampling.base import Sampler
+from conduit_dist.sampling.base import Sampler, proportional
 
 
 class Queue(Sampler):
@@ -46,10 +46,7 @@ class Queue(Sampler):
 
     def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Size-proportional (what a queue drains depends on what is left)."""
-        total = sizes.sum()
-        if total == 0:
-            return np.zeros((sizes.shape[0], sizes.shape[0]))
-        return requests[:, None] * (sizes[None, :] / total)
+        return proportional(requests, sizes)
 
     def attach(self, shard, spec) -> None:
         """Read the shard's oldest items."""

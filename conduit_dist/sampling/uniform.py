@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conduit_dist.sampling.base import Sampler, splitmix_uniform
+from conduit_dist.sampling.base import Sampler, proportional, splitmix_uniform
 from conduit_dist.spec import _native
 
 _KEY = 1 << 40  # allocation streams: (seed, round, _KEY + learner), apart from the draw streams
@@ -52,7 +52,4 @@ class Uniform(Sampler):
 
     def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """``requests[l] * n_s / N``."""
-        total = sizes.sum()
-        if total == 0:
-            return np.zeros((sizes.shape[0], sizes.shape[0]))
-        return requests[:, None] * (sizes[None, :] / total)
+        return proportional(requests, sizes)
