@@ -12,18 +12,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
 from conduit_dist.metrics import Logger, aggregate
 from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.rl import setup
 from conduit_dist.rl.breakdown import PARTS, Breakdown
-from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
-from conduit_dist.sampling import Prioritized, Sequence
-from conduit_dist.spec import ExperienceSpec
-from conduit_dist.tiers import Tiers
 
 log = logging.getLogger("conduit_dist")
 
@@ -86,7 +82,7 @@ class Trainer:
         self.cfg, self.logger = cfg, logger
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        learners = self._learner_ranks()
+        learners = setup.learner_ranks(cfg, self.world)
         self.is_learner = self.rank in learners
         if cfg.algo.batch_size % len(learners):
             raise ConfigError(
@@ -108,7 +104,7 @@ class Trainer:
             if self.is_actor
             else None
         )
-        self.grad_sync = self._grad_sync(learners)
+        self.grad_sync = setup.grad_sync(cfg, learners)
         ddp = self._ddp_group(learners) if self.grad_sync != "round" else None
         self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp, flat_grads=self.grad_sync == "round")
         self._grads_pending = False  # grad_sync=round: gradients waiting for the next fetch
@@ -121,7 +117,13 @@ class Trainer:
         )
         if self.rank == 0:
             log.info("learners average gradients with grad_sync=%s", self.grad_sync)
-        self.plane = self._make_plane(obs_dim, learners)
+        self.plane = setup.make_plane(
+            cfg,
+            obs_dim,
+            learners,
+            self.grad_sync,
+            self.agent.flat.numel() if self.agent.flat is not None else 0,
+        )
         self.prioritized = self.cfg.plane.sampler == "prioritized" and self.is_learner
         if isinstance(self.plane, DataPlane) and self.is_learner:
             self.plane.attach(self.agent.learner)
@@ -130,88 +132,11 @@ class Trainer:
         self.env_steps = 0
         self.policy_version = 0
 
-    def _learner_ranks(self) -> list[int]:
-        if self.cfg.mode == "colocated":
-            return list(range(self.world))
-        learners = sorted(set(self.cfg.learner_ranks))
-        if self.world < 2 or not learners or len(learners) >= self.world:
-            raise ConfigError(
-                f"learner_ranks: disaggregated mode needs learners and at least one actor among "
-                f"{self.world} ranks, got {list(self.cfg.learner_ranks)}"
-            )
-        if any(not 0 <= r < self.world for r in learners):
-            raise ConfigError(
-                f"learner_ranks: expected ranks in 0..{self.world - 1}, got {learners}"
-            )
-        return learners
-
-    def _placement(self) -> str:
-        """``auto``: ``local`` colocated or with prioritized replay; else ``round_robin``
-        disaggregated (``local`` would leave the learners' shards empty: the store would hold
-        only the actors' capacity)."""
-        placement = self.cfg.plane.placement
-        if placement != "auto":
-            return placement
-        if (
-            self.cfg.mode == "colocated"
-            or self.cfg.plane.sampler == "prioritized"
-            or self.cfg.algo.n_step > 1
-        ):
-            return "local"  # prioritized replay and n-step windows run on one-exchange rounds
-        return "round_robin"
-
-    def _sampler(self):
-        """``plane.sampler`` as a name, or a ``Prioritized`` built from ``plane.prioritized``
-        (with ``algo.n_step > 1`` n-step windows over each env's stream; uniform sampling of
-        them is ``Prioritized`` with ``alpha = 0``)."""
-        pc, algo = self.cfg.plane, self.cfg.algo
-        seq = None
-        if algo.n_step > 1:
-            seq = Sequence(
-                n_step=algo.n_step, gamma=algo.gamma, done="done", truncated="truncated",
-                stream="env",
-            )  # fmt: skip
-            if pc.sampler == "uniform":
-                return Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq)
-        if pc.sampler != "prioritized":
-            if seq is not None:
-                raise ConfigError(
-                    f"algo.n_step: n-step windows need plane.sampler uniform or prioritized, "
-                    f"got {pc.sampler!r}"
-                )
-            return pc.sampler
-        pr = pc.prioritized
-        return Prioritized(alpha=pr.alpha, beta=pr.beta, eps=pr.eps, sequence=seq)
-
     def _anneal_beta(self) -> None:
         """Move ``beta`` linearly from ``plane.prioritized.beta`` to ``beta_end``."""
         pr = self.cfg.plane.prioritized
         frac = min(1.0, self.env_steps / self.cfg.total_env_steps)
         self.plane.sampler.beta = pr.beta + (pr.beta_end - pr.beta) * frac
-
-    def _grad_sync(self, learners: list[int]) -> str:
-        """``algo.grad_sync`` resolved (``none`` with a single learner)."""
-        cfg, pc = self.cfg, self.cfg.plane
-        if len(learners) < 2:
-            return "none"
-        fusable = (
-            pc.kind == "conduit"
-            and self._placement() == "local"
-            and pc.sampler in ("uniform", "prioritized")
-            and cfg.device == "cpu"
-            and pc.schedule in ("sync", "auto")
-        )
-        if cfg.algo.grad_sync == "auto":
-            return "round" if fusable else "all_to_all"
-        if cfg.algo.grad_sync == "round" and not fusable:
-            raise ConfigError(
-                "algo.grad_sync: 'round' needs plane.kind=conduit, plane.placement local (or "
-                "auto), plane.sampler uniform or prioritized, device=cpu and plane.schedule sync "
-                f"(or auto); got kind={pc.kind!r}, placement={pc.placement!r}, "
-                f"sampler={pc.sampler!r}, "
-                f"device={cfg.device!r}, schedule={pc.schedule!r}"
-            )
-        return cfg.algo.grad_sync
 
     def _ddp_group(self, learners: list[int]):
         if len(learners) < 2:
@@ -220,51 +145,6 @@ class Trainer:
             return dist.group.WORLD
         group = dist.new_group(learners)  # collective: every rank calls it
         return group if self.is_learner else None
-
-    def _make_plane(self, obs_dim: int, learners: list[int]):
-        example = {
-            "obs": torch.zeros(1, obs_dim),
-            "action": torch.zeros(1, dtype=torch.int64),
-            "reward": torch.zeros(1),
-            "next_obs": torch.zeros(1, obs_dim),
-            "done": torch.zeros(1, dtype=torch.bool),
-        }
-        if self.cfg.algo.n_step > 1:  # streams: the plane links each env's transitions
-            example["env"] = torch.zeros(1, dtype=torch.int64)
-            example["truncated"] = torch.zeros(1, dtype=torch.bool)
-        pc = self.cfg.plane
-        if pc.kind == "simple":
-            if pc.sampler != "uniform" or self.cfg.algo.n_step > 1:
-                raise ConfigError(
-                    "plane.kind: 'simple' samples single transitions uniformly; got "
-                    f"plane.sampler={pc.sampler!r}, algo.n_step={self.cfg.algo.n_step}"
-                )
-            return SimpleBuffer(example, pc.capacity_per_rank, self.cfg.seed)
-        declared = BandwidthModel.declared(pc.latency_us * 1e-6, dict(pc.gbps))
-        storage = Tiers(
-            [(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
-            disk_dir=pc.disk_dir,
-            gbps={k: list(v) for k, v in pc.tier_gbps.items()} if pc.tier_gbps else None,
-            background=pc.demote_in_background,
-        )
-        return DataPlane(
-            ExperienceSpec.from_batch(example),
-            pc.capacity_per_rank,
-            seed=self.cfg.seed,
-            sampler=self._sampler(),
-            placement=self._placement(),
-            storage=storage,
-            learner_ranks=learners,
-            device=self.cfg.device,
-            schedule="sync" if self.grad_sync == "round" else pc.schedule,
-            max_lag=pc.max_lag,
-            timeout_s=pc.timeout_s,
-            strategy=pc.strategy,
-            bandwidth="calibrate" if pc.calibrate else declared,
-            bandwidth_cache=pc.bandwidth_cache,
-            trace=pc.trace_dir is not None,
-            reduce_numel=self.agent.flat.numel() if self.grad_sync == "round" else 0,
-        )
 
     # ------------------------------------------------------------------ loop
 
