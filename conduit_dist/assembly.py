@@ -188,7 +188,7 @@ def _check_sampler_device(sampler: Sampler, device: torch.device) -> None:
         )
 
 
-def _check_sampler(sampler: Sampler, runner: RoundRunner, placement, device) -> None:
+def _check_sampler(sampler: Sampler, runner: RoundRunner, placement) -> None:
     """Samplers that tag rows or route updates run on one-exchange rounds (or one rank).
 
     Raises:
@@ -197,8 +197,7 @@ def _check_sampler(sampler: Sampler, runner: RoundRunner, placement, device) -> 
     if _host_sampler(sampler) and runner.world > 1 and not runner.fusable:
         raise ConfigError(
             f"sampler: {sampler.name!r} runs on one-exchange rounds, which need a placement "
-            "that keeps items local ('local') and device 'cpu'; got "
-            f"placement={placement.name!r}, device={device.type!r}"
+            f"that keeps items local ('local'); got placement={placement.name!r}"
         )
 
 
@@ -263,7 +262,7 @@ def assemble(
             stored, shard, ex, sampler, placement, learners[0], device, transport,
             tuple(learners), reduce_numel, wire_bytes,
         )  # fmt: skip
-        _check_sampler(sampler, runner, placement, device)
+        _check_sampler(sampler, runner, placement)
         _check_reduce(reduce_numel, runner, schedule, sampler, placement, device)
         # one CPU rank has no collective to wait for: a background round would only add a
         # thread handoff, so rounds run inline there (the lag rules are those of sync: none)

@@ -84,7 +84,7 @@ class PlaneConfig:
     placement: str = "auto"
     early_start: bool = False
     sampler: str = "uniform"
-    prioritized: PrioritizedConfig = field(default_factory=lambda: PrioritizedConfig())
+    prioritized: PrioritizedConfig = field(default_factory=PrioritizedConfig)
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None
     demote_in_background: bool = True

@@ -241,8 +241,6 @@ class Flight:
     stats: RoundStats
     t0: float
     cand: np.ndarray  # [shard, learner] candidate rows of this round
-    n_cand: int
-    slots: torch.Tensor | None
     recv: torch.Tensor
     work: object  # the exchange's pending all-to-all (``.wait()``)
     launched: float = 0.0  # perf_counter when the exchange was launched

@@ -81,7 +81,7 @@ class FusedRound:
         work = run.exchange.all_to_all_async(
             recv, send, out_splits, in_splits, r, "all_to_all(round)"
         )
-        return Flight(t, stats, t0, cand, n_cand, slots, recv, work, time.perf_counter())
+        return Flight(t, stats, t0, cand, recv, work, time.perf_counter())
 
     def finish(self, f: Flight, weights: WeightsState) -> torch.Tensor:
         """Wait for a fused round's exchange and finish the round: headers, payload average,

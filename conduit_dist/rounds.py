@@ -144,15 +144,19 @@ class RoundRunner:
             stats.mark("ingest", t0, t1)
             counts = self.sampler.allocate(meta[:, 1], self.sizes, t.round, meta[:, _META:])
             out = self._deliver(counts, t.round, stats, t1)
-            if self.sampler.takes:  # delivered items leave the store, on every rank alike
-                taken = counts.sum(axis=0)
-                self.shard.take_oldest(int(taken[self.rank]))
-                self.sizes = self.sizes - taken
+            self._take(counts)
             t3 = time.perf_counter()
             weights.exchange(self.exchange, meta, self.weights_src, t.round, t.weights)
             stats.mark("weights", t3, time.perf_counter())
             self.sampler.feedback(t.round)
         return out, self._after(stats, cpu0)
+
+    def _take(self, counts: np.ndarray) -> None:
+        """A queue's delivered items leave the store, on every rank alike (``Sampler.takes``)."""
+        if self.sampler.takes:
+            taken = counts.sum(axis=0)
+            self.shard.take_oldest(int(taken[self.rank]))
+            self.sizes = self.sizes - taken
 
     def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:
         """After every round: start demotion, publish the sizes, close the stats."""
@@ -192,9 +196,7 @@ class RoundRunner:
         out = self.outputs.acquire(n_out)
         if n_out:
             self._gather(self.sampler.draw(n_out, size, t.round), out)
-            if self.sampler.takes:
-                self.shard.take_oldest(n_out)
-                self.sizes[0] = self.shard.size
+            self._take(counts)
         self.sampler.feedback(t.round)
         stats.mark("sample", t1, time.perf_counter())
         rb = self.spec.record_bytes

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
@@ -38,6 +39,28 @@ def median_times(
         for key, fn in fns.items():
             samples[key].append(_block(fn, calls[key]))
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# what torchrun sets: stripped for a subprocess that must run as its own world of one
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def run_peer(bench: str, python: str, script: str, cfg: dict, hint: str) -> dict:
+    """Run a peer's timing script in its own interpreter (one torch thread, no torchrun
+    environment) and return the JSON of its last line.
+
+    Raises:
+        SystemExit: naming the bench, if the interpreter is missing (``hint``: how to make it)
+            or the script fails (with the end of its stderr).
+    """
+    if not os.path.exists(python):
+        raise SystemExit(f"bench {bench}: the peer's interpreter {python!r} does not exist; {hint}")
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run([python, script, json.dumps(cfg)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"bench {bench}: the peer failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def emit(name: str, results: list[dict], summary: dict, **extra: object) -> None:

@@ -32,12 +32,11 @@ import torch
 import torch.distributed as dist
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit, number
+from conduit_dist.bench.common import TORCHRUN_ENV, emit, number, run_peer
 from conduit_dist.bench.store import make_batch
 
 SHAPES = {"obs": [64], "next_obs": [64]}
 PEER = os.path.join(os.path.dirname(__file__), "per_peer.py")
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
 def _plane(capacity: int, a: argparse.Namespace) -> cd.DataPlane:
@@ -79,23 +78,14 @@ def _time_ours(plane: cd.DataPlane, b: int, a: argparse.Namespace) -> float:
 
 
 def _peer(a: argparse.Namespace) -> dict[str, float]:
-    if not os.path.exists(a.peer_python):
-        raise SystemExit(
-            f"bench per: the peer's interpreter {a.peer_python!r} does not exist; create it with "
-            "scripts/peer_env.sh (torch 2.14.1 + torchrl 0.14.1) or pass --peer-python"
-        )
     cfg = {
         "shapes": SHAPES, "capacity": a.capacity, "batches": a.batches, "alpha": a.alpha,
         "beta": a.beta, "eps": a.eps, "repeats": a.repeats, "min_time": a.min_time, "threads": 1,
     }  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
-    env["OMP_NUM_THREADS"] = "1"
-    out = subprocess.run(
-        [a.peer_python, PEER, json.dumps(cfg)], capture_output=True, text=True, env=env
+    hint = (
+        "create it with scripts/peer_env.sh (torch 2.14.1 + torchrl 0.14.1) or pass --peer-python"
     )
-    if out.returncode != 0:
-        raise SystemExit(f"bench per: the TorchRL peer failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_peer("per", a.peer_python, PEER, cfg, hint)
 
 
 def _single(a: argparse.Namespace) -> None:
@@ -142,7 +132,7 @@ def _sharded(a: argparse.Namespace) -> None:
     plane.close()
     single: dict[str, float] = {}
     if rank == 0:
-        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
         env["OMP_NUM_THREADS"] = "1"
         args = [sys.executable, "-m", "conduit_dist.bench", "per", "--json-only", "--no-peer"]
         args += ["--capacity", str(a.capacity), "--rounds", "1", "--repeats", str(a.repeats)]

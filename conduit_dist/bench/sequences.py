@@ -20,13 +20,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 
 import conduit_dist as cd
-from conduit_dist.bench.common import emit, number
+from conduit_dist.bench.common import emit, number, run_peer
 
 PEER = os.path.join(os.path.dirname(__file__), "sequences_peer.py")
 STREAMS = 8
@@ -88,22 +87,12 @@ def _ours(n: int, a: argparse.Namespace) -> float:
 
 
 def _peer(n: int, a: argparse.Namespace) -> float:
-    if not os.path.exists(a.peer_python):
-        raise SystemExit(
-            f"bench sequences: the peer's interpreter {a.peer_python!r} does not exist; create "
-            "it with scripts/peer_env.sh or pass --no-peer"
-        )
     cfg = {
         "sizes": [n], "slices": a.slices, "length": a.length, "episode": a.episode, "obs": 4,
         "repeats": a.repeats, "min_time": a.min_time, "threads": 1,
     }  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [a.peer_python, PEER, json.dumps(cfg)], capture_output=True, text=True, env=env
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"bench sequences: the TorchRL peer failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])[str(n)]
+    hint = "create it with scripts/peer_env.sh or pass --no-peer"
+    return run_peer("sequences", a.peer_python, PEER, cfg, hint)[str(n)]
 
 
 def main(argv: list[str] | None = None) -> None:

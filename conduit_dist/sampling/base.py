@@ -203,22 +203,16 @@ class Sampler(ABC):
         """
         return self.uniform(count, size, round, self.ctx.rank + stream * OWN_KEY)
 
-    def uniform(
-        self, count: int, size: int, round: int, key: int, scratch: str = "_slots"
-    ) -> torch.Tensor:
+    def uniform(self, count: int, size: int, round: int, key: int) -> torch.Tensor:
         """``count`` int64 values uniform in ``[0, size)`` from the stream ``(seed, round, key)``
-        (keys below ``world`` are the ranks' draw streams), in the reused buffer named
-        ``scratch``: valid until the next call with the same buffer (draws use ``_slots``, so
-        an allocation made after a draw must name another)."""
+        (keys below ``world`` are the ranks' draw streams), in a reused buffer: valid until the
+        next call."""
         if _native is None:
             gen = seeded(self._draw_gen, self.ctx.seed, round, key)
             return torch.randint(size, (count,), generator=gen, dtype=torch.int64)
-        buf = getattr(self, scratch, None)
-        if buf is None or buf.shape[0] < count:
-            size0 = 0 if buf is None else buf.shape[0]
-            buf = torch.empty(max(count, 2 * size0, 256), dtype=torch.int64)
-            setattr(self, scratch, buf)
-        out = buf[:count]
+        if self._slots.shape[0] < count:
+            self._slots = torch.empty(max(count, 2 * self._slots.shape[0]), dtype=torch.int64)
+        out = self._slots[:count]
         _native.uniform_slots(out.data_ptr(), count, size, self.ctx.seed, round, key)
         return out
 

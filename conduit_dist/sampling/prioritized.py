@@ -122,8 +122,7 @@ class Prioritized(Sampler):
         if seq is None:
             self._col = spec.trailer // 8  # the trailer after the fields, in storage
         else:
-            rb = spec.record_bytes
-            self._col = (2 * rb if seq.n_step > 1 else seq.window * rb) // 8
+            self._col = seq.trailer_at(spec.record_bytes) // 8
         cap = shard.capacity
         self.tree = SumTree(cap)
         self._gen = torch.full((cap,), -1, dtype=torch.int64)  # generation in each tree leaf
@@ -210,16 +209,13 @@ class Prioritized(Sampler):
         leaf = self._draw[:count]
         key = self.ctx.rank + stream * OWN_KEY
         self.tree.sample(count, self.ctx.seed, round, key, leaf, self._mass)
-        if self.shard.addresses_are_slots:
-            return leaf
-        return self.shard.index_of(self._gen[leaf])
+        return self.shard.index_of_leaf(leaf, self._gen)
 
     def tag(self, index: torch.Tensor, out: torch.Tensor) -> None:
         """Write each gathered row's address and mass into its trailer."""
         if index.numel() == 0:
             return
-        sh = self.shard
-        leaf = index if sh.addresses_are_slots else sh.generations(index) % sh.capacity
+        leaf = self.shard.leaf_of(index)
         if _native is not None and out.stride(0) == out.shape[1] and out.stride(1) == 1:
             leaf = leaf.contiguous()
             _native.tag_rows(
@@ -282,9 +278,7 @@ class Prioritized(Sampler):
 
     def gather_windows(self, index: torch.Tensor, out: torch.Tensor) -> None:
         """Delivered rows of drawn starts: their windows, n-step values, address and mass."""
-        sh = self.shard
-        leaf = index if sh.addresses_are_slots else sh.generations(index) % sh.capacity
-        self.episodes.compose(self._gen[leaf], out)
+        self.episodes.compose(self._gen[self.shard.leaf_of(index)], out)
         self.tag(index, out)
 
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:

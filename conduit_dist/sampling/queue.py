@@ -56,4 +56,4 @@ class Queue(Sampler):
         """The ``count`` oldest items (oldest first)."""
         sh = self.shard
         gens = torch.arange(sh.oldest, sh.oldest + count, dtype=torch.int64)
-        return gens % sh.capacity if sh.addresses_are_slots else sh.index_of(gens)
+        return sh.index_of(gens)

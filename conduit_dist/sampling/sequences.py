@@ -78,11 +78,15 @@ class Sequence:
         """Items read per draw."""
         return self.n_step if self.n_step > 1 else self.length + self.burn_in
 
+    def trailer_at(self, record_bytes: int) -> int:
+        """Byte offset of a delivered row's trailer: after the window's records (slices) or the
+        start and last records (n-step)."""
+        return (2 if self.n_step > 1 else self.window) * record_bytes
+
     def wire_bytes(self, record_bytes: int) -> int:
-        """Bytes of one delivered row (records, then the 16- or 24-byte trailer)."""
-        if self.n_step > 1:
-            return 2 * record_bytes + 24
-        return self.window * record_bytes + 16
+        """Bytes of one delivered row: the records, then the trailer (address and mass, and for
+        n-step the float32 return and discount)."""
+        return self.trailer_at(record_bytes) + (24 if self.n_step > 1 else 16)
 
     def check(self, spec) -> None:
         """Check the named fields against the spec.
@@ -130,9 +134,6 @@ class Episodes:
         self.rb = spec.record_bytes
         self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
 
-    def _column(self, rows: torch.Tensor, name: str) -> torch.Tensor:
-        return self.spec.unpack(rows)[name]
-
     def _live(self, g: torch.Tensor) -> torch.Tensor:
         cap = self.shard.capacity
         return (g >= 0) & (self.gen[g.clamp(min=0) % cap] == g)
@@ -143,9 +144,7 @@ class Episodes:
         if self._rows.shape[0] < n:
             self._rows = torch.empty((max(n, 2 * self._rows.shape[0]), self.rb), dtype=torch.uint8)
         rows = self._rows[:n]
-        sh = self.shard
-        idx = gens % sh.capacity if sh.addresses_are_slots else sh.index_of(gens)
-        sh.gather(idx, rows)
+        self.shard.gather(self.shard.index_of(gens), rows)
         return rows
 
     def ingest(self, gens: torch.Tensor) -> torch.Tensor:
@@ -154,14 +153,15 @@ class Episodes:
         cap, seq = self.shard.capacity, self.seq
         leaf = gens % cap
         rows = self._gather(gens)
-        done = self._column(rows, seq.done).clone()
-        end = done | self._column(rows, seq.truncated) if seq.truncated else done
+        cols = self.spec.unpack(rows)
+        done = cols[seq.done].clone()
+        end = done | cols[seq.truncated] if seq.truncated else done
         self.end[leaf], self.term[leaf] = end, done
         self.next[leaf] = -1
         if seq.stream is None:
             streams = torch.zeros(gens.numel(), dtype=torch.int64)
         else:
-            streams = self._column(rows, seq.stream).to(torch.int64)
+            streams = cols[seq.stream].to(torch.int64)
         order = torch.argsort(streams, stable=True)
         s_sorted, g_sorted = streams[order], gens[order]
         prev_sorted = torch.roll(g_sorted, 1)
@@ -255,14 +255,15 @@ class Episodes:
         last = m - 1
         out[:, :rb].copy_(rows[:, 0])
         out[:, rb : 2 * rb].copy_(rows[torch.arange(k), last])
-        rewards = self._column(rows.reshape(k * L, rb), seq.reward).view(k, L)
+        rewards = self.spec.unpack(rows.reshape(k * L, rb))[seq.reward].view(k, L)
         steps = torch.arange(L)
         scale = torch.pow(torch.tensor(seq.gamma, dtype=torch.float64), steps)
         inside = steps[None, :] < m[:, None]
         ret = (rewards.double() * scale * inside).sum(dim=1)
         disc = torch.pow(torch.tensor(seq.gamma, dtype=torch.float64), m.double())
         disc = torch.where(self.term[gens[torch.arange(k), last] % self.shard.capacity], 0, disc)
-        vals = out[:, 2 * rb + 16 : 2 * rb + 24].view(torch.float32)
+        at = seq.trailer_at(rb) + 16  # after the address and mass
+        vals = out[:, at : at + 8].view(torch.float32)
         vals[:, 0] = ret.float()
         vals[:, 1] = disc.float()
 
@@ -275,7 +276,8 @@ class Episodes:
             return {k: v.reshape(n, L, *v.shape[1:]) for k, v in fields.items()}
         first = self.spec.unpack(records[:, :rb].contiguous())
         last = self.spec.unpack(records[:, rb : 2 * rb].contiguous())
-        vals = records[:, 2 * rb + 16 : 2 * rb + 24].contiguous().view(torch.float32)
+        at = seq.trailer_at(rb) + 16
+        vals = records[:, at : at + 8].contiguous().view(torch.float32)
         out = {k: v.clone() for k, v in first.items()}
         out.update({f"_last_{k}": v.clone() for k, v in last.items()})
         out["_return"], out["_discount"] = vals[:, 0].clone(), vals[:, 1].clone()

@@ -88,10 +88,10 @@ class UpdateQueue:
         return out
 
     def incoming(self, rows: torch.Tensor) -> None:
-        """Updates another learner sent this shard."""
+        """Updates another learner sent this shard (rows the queue may keep: a copy)."""
         if rows.numel():
             with self._lock:
-                self._received.append(rows.clone())
+                self._received.append(rows)
 
     def take_own(self) -> torch.Tensor | None:
         """Everything for this shard (received and this rank's own), as ``[k, 2]`` rows."""

@@ -26,8 +26,6 @@ class Shard:
         self.written = 0  # items ever written (the next item's generation)
         self.taken = 0  # items a queue took out
 
-    addresses_are_slots = True  # a gather index is the slot ``generation % capacity``
-
     @property
     def oldest(self) -> int:
         """Generation of the oldest live item (live items: ``oldest .. written - 1``)."""
@@ -40,6 +38,15 @@ class Shard:
     def generations(self, index: torch.Tensor) -> torch.Tensor:
         """Generations of the live items at gather indices (inverse of :meth:`index_of`)."""
         return self.oldest + (index - self.oldest) % self.capacity
+
+    def leaf_of(self, index: torch.Tensor) -> torch.Tensor:
+        """``generation % capacity`` of the items at gather indices: the index itself here."""
+        return index
+
+    def index_of_leaf(self, leaf: torch.Tensor, generation: torch.Tensor) -> torch.Tensor:
+        """Gather indices of the items at leaves ``leaf`` (whose generations are
+        ``generation[leaf]``): the leaves themselves here."""
+        return leaf
 
     def take_oldest(self, n: int) -> None:
         """Remove the ``n`` oldest items (a queue delivered them)."""

@@ -204,8 +204,6 @@ class TieredShard:
 
     # ------------------------------------------------------------------ reads
 
-    addresses_are_slots = False  # gather indices are logical: they shift as items arrive
-
     @property
     def oldest(self) -> int:
         """Generation of the oldest live item (live items: ``oldest .. written - 1``, FIFO
@@ -240,6 +238,14 @@ class TieredShard:
         lo = logical[order]
         k = order[torch.searchsorted(lo, index, right=True) - 1]
         return self.oldest + index - logical[k] + ages[k]
+
+    def leaf_of(self, index: torch.Tensor) -> torch.Tensor:
+        """``generation % capacity`` of the items at logical indices."""
+        return self.generations(index) % self.capacity
+
+    def index_of_leaf(self, leaf: torch.Tensor, generation: torch.Tensor) -> torch.Tensor:
+        """Logical indices of the items at leaves ``leaf`` (generations ``generation[leaf]``)."""
+        return self.index_of(generation[leaf])
 
     def gather(self, logical: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the items at logical indices (newest tier first) into ``out``."""
