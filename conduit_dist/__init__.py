@@ -21,7 +21,7 @@ from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError, EmptyStoreError, PhaseError, RoundError, SpecError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
-from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform
+from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform, WithoutReplacement
 from conduit_dist.sampling.queue import Queue
 from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.spec import ExperienceSpec, FieldSpec
@@ -49,6 +49,7 @@ __all__ = [
     "Stratified",
     "Tiers",
     "Uniform",
+    "WithoutReplacement",
     "destroy_distributed",
     "get_rank",
     "get_world_size",

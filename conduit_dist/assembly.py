@@ -230,6 +230,7 @@ def assemble(
         ConfigError: on a bad argument (nothing is left behind).
     """
     check_args(spec, capacity, schedule, max_lag, timeout_s)
+    spec = spec.with_version()  # every item stores its producer's policy version
     sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
     placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
     device = torch.device(device)

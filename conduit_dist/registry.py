@@ -16,6 +16,7 @@ from conduit_dist.collectives.strategies import NAMES as STRATEGY_NAMES
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.sampling import Prioritized, Sampler, SamplerContext, Uniform
+from conduit_dist.sampling.epochs import WithoutReplacement
 from conduit_dist.sampling.queue import Queue
 from conduit_dist.sampling.stratified import Stratified
 
@@ -24,6 +25,7 @@ SAMPLERS: dict[str, Callable[[], Sampler]] = {
     "stratified": Stratified,
     "prioritized": Prioritized,
     "queue": Queue,
+    "without_replacement": WithoutReplacement,
 }
 PLACEMENTS: dict[str, Callable[[], Placement]] = {
     "round_robin": RoundRobin,

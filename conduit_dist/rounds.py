@@ -152,9 +152,10 @@ class RoundRunner:
         return out, self._after(stats, cpu0)
 
     def _take(self, counts: np.ndarray) -> None:
-        """A queue's delivered items leave the store, on every rank alike (``Sampler.takes``)."""
-        if self.sampler.takes:
-            taken = counts.sum(axis=0)
+        """Items a queue delivered, or a finished rollout's, leave the store on every rank
+        alike (``Sampler.taken``)."""
+        taken = self.sampler.taken(counts)
+        if taken is not None and taken.any():
             self.shard.take_oldest(int(taken[self.rank]))
             self.sizes = self.sizes - taken
 
@@ -184,6 +185,7 @@ class RoundRunner:
             self.shard.append(self._staged_rows(t))
         self.sizes[0] = self.shard.size
         self._inflow[0] = n_in
+        self.sampler.ingested(self._inflow)
         self.ingested += n_in
         t1 = time.perf_counter()
         stats.mark("ingest", t0, t1)
@@ -196,7 +198,7 @@ class RoundRunner:
         out = self.outputs.acquire(n_out)
         if n_out:
             self._gather(self.sampler.draw(n_out, size, t.round), out)
-            self._take(counts)
+        self._take(counts)
         self.sampler.feedback(t.round)
         stats.mark("sample", t1, time.perf_counter())
         rb = self.spec.record_bytes
@@ -267,6 +269,7 @@ class RoundRunner:
                     self.shard.append(out)
         self.sizes = np.minimum(self.sizes + inflow, self.shard.capacity)
         self._inflow = inflow
+        self.sampler.ingested(inflow)
         self.ingested += int(counts.sum())
         stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
 

@@ -9,6 +9,7 @@ received batch is viewed field by field with ``Tensor.view(dtype)`` on aligned c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -44,6 +45,9 @@ SUPPORTED = (
 )
 
 
+VERSION = "_version"  # the stored field every item carries: its producer's policy version
+
+
 def align(n: int) -> int:
     """``n`` rounded up to the record alignment (8 bytes)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -58,17 +62,19 @@ class FieldSpec:
         shape: per-item shape (without the leading batch dimension); ``()`` for scalars.
         dtype: element dtype.
         allow_nonfinite: accept NaN/inf in a floating field (rejected by default).
+        reserved: the plane's own ``"_version"`` field (user fields may not start with ``_``).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     allow_nonfinite: bool = False
+    reserved: bool = dataclasses.field(default=False, repr=False)  # the plane's own fields
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SpecError(f"field name must be a non-empty string, got {self.name!r}")
-        if self.name.startswith("_"):
+        if self.name.startswith("_") and not (self.reserved and self.name == VERSION):
             raise SpecError(
                 f"field {self.name!r}: names starting with '_' are reserved for what the plane "
                 "returns beside the fields (e.g. '_index', '_weight'); rename the field"
@@ -170,6 +176,11 @@ class ExperienceSpec:
         out.trailer = self.record_bytes
         out.record_bytes = self.record_bytes + align(nbytes)
         return out
+
+    def with_version(self) -> ExperienceSpec:
+        """This spec plus the reserved int64 field ``"_version"`` (the policy version of the
+        item's producer; the plane stores it with every item and returns it with every row)."""
+        return ExperienceSpec([*self.fields.values(), FieldSpec(VERSION, (), torch.int64, reserved=True)])
 
     @classmethod
     def from_batch(

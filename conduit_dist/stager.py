@@ -20,7 +20,7 @@ import torch
 from conduit_dist.errors import ConfigError
 from conduit_dist.sched.scheduler import Scheduler, now
 from conduit_dist.sched.timeline import Timeline
-from conduit_dist.spec import ExperienceSpec
+from conduit_dist.spec import VERSION, ExperienceSpec
 from conduit_dist.staging import DoubleBuffer, RecordBuffer
 
 
@@ -54,6 +54,9 @@ class Stager:
         local: bool = False,
     ) -> None:
         self.spec, self.shard, self.sched, self.timeline = spec, shard, sched, timeline
+        # what a producer puts: the stored fields but the "_version" the stager writes itself
+        self.user_spec = ExperienceSpec([f for f in spec.fields.values() if not f.reserved])
+        self.version = 0  # the policy version items are tagged with unless put says otherwise
         self.limit, self.max_lag = limit, max_lag
         writable = getattr(shard, "direct_views", None) is not None
         self.direct_ok = (world == 1 or local) and writable
@@ -77,12 +80,18 @@ class Stager:
             return self.device_buffers.current
         return self.buffers.current
 
-    def put(self, batch: Mapping[str, torch.Tensor], donate: bool = False) -> None:
-        """Validate ``batch`` and stage it (see :meth:`DataPlane.put`); a rejected batch leaves
-        staging and storage exactly as before."""
+    def put(
+        self, batch: Mapping[str, torch.Tensor], donate: bool = False, version: int | None = None
+    ) -> None:
+        """Validate ``batch`` and stage it (see :meth:`DataPlane.put`), every item tagged with
+        ``version`` (default: :attr:`version`); a rejected batch leaves staging and storage
+        exactly as before."""
         t0 = now()
-        n = self.spec.validate(batch)
+        n = self.user_spec.validate(batch)
+        v = self.version if version is None else check_version(version)
         self.check_lag("put")
+        first = next(iter(batch.values()))
+        batch = {**batch, VERSION: torch.full((n,), v, dtype=torch.int64, device=first.device)}
         if self.direct_ok and self.sched.pending is None and not self.buffers.current.count:
             self._put_direct(batch, n)
         else:
@@ -118,8 +127,10 @@ class Stager:
         self.direct += n
 
     @contextlib.contextmanager
-    def staged(self, n: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Writable staging rows for ``n`` items (see :meth:`DataPlane.staged`)."""
+    def staged(self, n: int, version: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Writable staging rows for ``n`` items (see :meth:`DataPlane.staged`), tagged with
+        ``version`` (default: :attr:`version`)."""
+        v = self.version if version is None else check_version(version)
         if not isinstance(n, int) or n < 1:
             raise ConfigError(f"staged: n must be an int >= 1, got {n!r}")
         if self.in_block:
@@ -131,7 +142,9 @@ class Stager:
         rows = stage.reserve(n)
         self.in_block = True
         try:
-            yield self.spec.unpack(rows)
+            views = self.spec.unpack(rows)
+            views.pop(VERSION).fill_(v)
+            yield views
             self.spec.check_records_finite(rows)
             stage.commit(n)
         finally:
@@ -187,3 +200,14 @@ class Stager:
                 f"limit of {self.limit} (the global store's capacity); run a round (fetch or "
                 "flush) first, or stage fewer items"
             )
+
+
+def check_version(version: object) -> int:
+    """A ``put``'s ``version`` as an int.
+
+    Raises:
+        ConfigError: unless a non-negative int.
+    """
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ConfigError(f"put version: expected an int >= 0, got {version!r}")
+    return version

@@ -92,6 +92,7 @@ class DataPlane:
         self.shard, self.sampler, self.placement = p.shard, p.sampler, p.placement
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
         self.timeline, self._p = p.timeline, p
+        self._publishes = 0  # publish_weights calls on this rank
 
     def __len__(self) -> int:
         """Items stored over all shards as of the latest completed round."""
@@ -105,7 +106,9 @@ class DataPlane:
     round = property(lambda self: self._p.clock.round, doc="Rounds prepared so far.")
     stats = property(lambda self: self._p.clock.stats, doc="The latest finished round's stats.")
 
-    def put(self, batch: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
+    def put(
+        self, batch: Mapping[str, torch.Tensor], *, donate: bool = False, version: int | None = None
+    ) -> None:
         """Validate a batch and stage it for the next round (beyond the global capacity, the
         oldest staged items are dropped, and counted as evictions).
 
@@ -113,6 +116,9 @@ class DataPlane:
             batch: ``name -> tensor [B, *shape]`` matching the spec (any device).
             donate: hand the tensors over instead of copying them now (the round packs them);
                 do not modify them until the next round has completed.
+            version: the policy version that produced the items, returned with them as
+                ``"_version"`` (default: the version ``pull_weights`` or ``publish_weights``
+                last returned on this rank, 0 before either).
 
         Raises:
             SpecError: on a field, dtype, shape or batch size that does not match, or NaN/inf;
@@ -120,14 +126,15 @@ class DataPlane:
             ConfigError: with ``max_lag=0``, when the next fetch's round is in flight already.
         """
         self._check_open()
-        self._p.stager.put(batch, donate)
+        self._p.stager.put(batch, donate, version)
 
-    def staged(self, n: int):
+    def staged(self, n: int, *, version: int | None = None):
         """``with plane.staged(n) as rows:`` writable, uninitialised views (``name -> [n, ...]``)
         into staging rows; see ``Stager.staged``. Leaving the block checks NaN/inf and stages
-        the items; an exception or a failed check stages nothing."""
+        the items, tagged with ``version`` as in :meth:`put`; an exception or a failed check
+        stages nothing."""
         self._check_open()
-        return self._p.stager.staged(n)
+        return self._p.stager.staged(n, version)
 
     def fetch(
         self, batch_size: int, *, more: bool = False, reduce: torch.Tensor | None = None
@@ -228,17 +235,42 @@ class DataPlane:
 
     def publish_weights(self, module: nn.Module) -> int:
         """Stage ``module``'s state for broadcast in the next round (first learner only; a no-op
-        elsewhere). Returns the version the weights will carry."""
+        elsewhere). Returns the version the weights will carry: on the first learner one more
+        than its last; on the other learners the number of their calls (learners publish in
+        step, as under DDP, so it is the version of the weights they hold). Items this rank
+        puts afterwards carry that version.
+
+        Raises:
+            ConfigError: on an actor (actors pull).
+        """
         self._check_open()
+        if not self.is_learner:
+            raise ConfigError(
+                f"publish_weights: rank {self.rank} is an actor; learners "
+                f"{list(self.learner_ranks)} publish, actors pull_weights"
+            )
+        self._publishes += 1
         if self.rank == self.learner_ranks[0]:
             self._p.weights.publish(_unwrap(module))
-        return self._p.weights.version
+        version = self._p.weights.version if self.rank == self.learner_ranks[0] else self._publishes
+        self._p.stager.version = version
+        return version
 
     def pull_weights(self, module: nn.Module) -> int:
-        """Load the latest weights received into ``module``; returns their version (0: none yet).
-        ``SpecError`` if its names, shapes or dtypes differ from the published ones."""
+        """Load the latest weights received into ``module``; returns their version (0: none yet),
+        which items this rank puts afterwards carry. ``SpecError`` if its names, shapes or
+        dtypes differ from the published ones."""
         self._check_open()
-        return self._p.weights.pull(_unwrap(module))
+        version = self._p.weights.pull(_unwrap(module))
+        if version:
+            self._p.stager.version = version
+        return version
+
+    @property
+    def policy_version(self) -> int:
+        """The newest policy version this rank knows: the latest it published (learners) or
+        received from the first learner's broadcasts."""
+        return max(self._p.stager.version, self._p.weights.version)
 
     def store_stats(self) -> dict[str, object]:
         """This rank's shard: items and bytes per tier, demotions, evictions (with the items

@@ -132,8 +132,24 @@ class Sampler(ABC):
         return sizes / total if total else np.zeros(sizes.shape[0])
 
     windowed: bool = False  # delivered rows are composed by gather_windows (several items)
-    # delivered items leave the store (queues): the round takes each shard's draws out of it
+    # all or nothing per learner, and items leave the store (queues, rollouts): see taken()
     takes: bool = False
+
+    def taken(self, counts: np.ndarray) -> np.ndarray | None:
+        """``int64 [world]`` oldest items each shard gives up after this round's delivery
+        (``counts``: the round's allocation; the same on every rank); ``None``: none."""
+        return None
+
+    def ingested(self, inflow: np.ndarray) -> None:  # noqa: B027 (default hook)
+        """``[world]`` items each shard took in this round (general and world-size-1 rounds;
+        the same on every rank)."""
+
+    def empty_reason(self, batch_size: int, stored: int) -> str:
+        """Why a learner got nothing while ``stored`` items are in the store."""
+        return (
+            f"nothing can be drawn yet ({stored} items stored over all shards, none a start: a "
+            "sampler's windows are not complete yet, or every priority is 0)"
+        )
 
     def layout(self, spec) -> tuple[object, int]:
         """``(stored spec, delivered row bytes)``: by default rows are delivered as stored;

@@ -44,6 +44,17 @@ class Queue(Sampler):
                     break
         return counts
 
+    def taken(self, counts: np.ndarray) -> np.ndarray:
+        """Every delivered item leaves its shard."""
+        return counts.sum(axis=0)
+
+    def empty_reason(self, batch_size: int, stored: int) -> str:
+        """Fewer untaken items than asked."""
+        return (
+            f"the queue holds {stored} untaken items over all shards after the learners before "
+            "this one took theirs, fewer than asked; nothing was taken for this fetch"
+        )
+
     def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Size-proportional (what a queue drains depends on what is left)."""
         return proportional(requests, sizes)

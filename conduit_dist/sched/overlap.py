@@ -89,23 +89,17 @@ class OverlapController:
         t_wait = now()
         records, stats, prefetched, lag = self._fetch_round(batch_size, more, reduce)
         rows = records.shape[0]
-        takes = self.sched.runner.sampler.takes
-        if rows == 0 and stats.stored and takes:
-            raise EmptyStoreError(
-                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: the queue "
-                f"holds {stats.stored} untaken items over all shards after the learners before "
-                "this one took theirs, fewer than asked; nothing was taken for this fetch"
-            )
-        if rows > batch_size and takes:
+        sampler = self.sched.runner.sampler
+        if rows > batch_size and sampler.takes:
             raise ConfigError(
-                f"fetch: batch_size {batch_size} is smaller than the {rows} items the queue "
-                "delivered to the round launched for it; keep the batch size fixed"
+                f"fetch: batch_size {batch_size} is smaller than the {rows} items the "
+                f"{sampler.name!r} sampler delivered to the round launched for it; keep the "
+                "batch size fixed"
             )
         if rows == 0 and stats.stored:
             raise EmptyStoreError(
-                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: nothing can be "
-                f"drawn yet ({stats.stored} items stored over all shards, none a start: a "
-                "sampler's windows are not complete yet, or every priority is 0)"
+                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: "
+                + sampler.empty_reason(batch_size, stats.stored)
             )
         if rows == 0:
             raise EmptyStoreError(

@@ -1,0 +1,217 @@
+"""Uniform sampling without replacement: epochs over a snapshot of the global store.
+
+A *pass* starts at the first round in which a learner fetches while none is running: it covers
+the items stored on every shard at that round (after its ingestion), numbered in shard-rank
+order, and is split into one contiguous block per learner that fetches in that round (a
+colocated learner over ``local`` placement with equal shards gets its own shard's items: no
+item crosses a link). Each learner's stream is ``epochs`` permutations of its block, drawn from
+``(seed, pass, epoch, learner)`` on every rank alike (``shuffle="local"``); ``shuffle="global"``
+permutes the whole pass each epoch and deals it out in blocks (an item may go to another learner
+each epoch: the measured cost is in ``bench ppo``). Every fetch takes the next ``batch_size``
+positions of its learner's stream, all or nothing, and never spans two epochs (an epoch's last
+positions, fewer than asked, are dropped and counted, as ``drop_last`` does); a learner whose
+stream is done gets nothing (its fetch raises ``EmptyStoreError``) until every learner's is,
+when the pass ends.
+
+``epochs=k``: the pass's items leave the store when it ends (a PPO rollout: each item to one
+learner, ``k`` times, then gone). ``epochs=None``: one epoch per pass and nothing is taken
+(replay without replacement); an item the ring overwrites before its turn is skipped and
+counted (``store_stats()["skipped"]``), never replaced by another.
+
+Every rank tracks every shard's oldest generation from the replicated sizes and inflows
+(``ingested``), so the allocation needs no exchange of its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.sampling.base import Sampler, mix, proportional
+
+SHUFFLES = ("local", "global")
+
+
+class WithoutReplacement(Sampler):
+    """Epochs over a snapshot of the global store, each item once per epoch.
+
+    Args:
+        epochs: passes over each snapshot before its items leave the store (``None``: one
+            epoch per snapshot, and items stay).
+        shuffle: ``local`` (each learner permutes its own block) or ``global`` (the whole
+            snapshot is permuted each epoch, then dealt out).
+
+    Raises:
+        ConfigError: on ``epochs`` below 1 or an unknown ``shuffle``.
+    """
+
+    name = "without_replacement"
+    takes = True  # all or nothing per learner, as a queue
+
+    def __init__(self, epochs: int | None = None, shuffle: str = "local") -> None:
+        super().__init__()
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)):
+            raise ConfigError(f"WithoutReplacement epochs: expected an int or None, got {epochs!r}")
+        if epochs is not None and epochs < 1:
+            raise ConfigError(f"WithoutReplacement epochs: expected >= 1 or None, got {epochs}")
+        if shuffle not in SHUFFLES:
+            raise ConfigError(
+                f"WithoutReplacement shuffle: expected one of {list(SHUFFLES)}, got {shuffle!r}"
+            )
+        self.epochs, self.shuffle = epochs, shuffle
+        self.passes = 0  # passes started
+        self.skipped = 0  # items of a pass the ring overwrote before their turn
+        self.dropped = 0  # an epoch's last positions, fewer than a fetch asked (drop_last)
+        self._end: np.ndarray | None = None  # [world] generations ingested per shard
+        self._pass: dict[str, np.ndarray] | None = None
+        self._mine = torch.empty(0, dtype=torch.int64)  # this shard's draws, learner order
+
+    def bind(self, ctx) -> None:
+        """Attach to a plane; every shard starts at generation 0."""
+        super().bind(ctx)
+        self._end = np.zeros(ctx.world, dtype=np.int64)
+
+    def attach(self, shard, spec) -> None:
+        """Read the shard's slots by generation."""
+        self.shard = shard
+
+    def ingested(self, inflow: np.ndarray) -> None:
+        """Items each shard took in this round (replicated)."""
+        self._end += inflow.astype(np.int64)
+
+    def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Size-proportional (the mean over passes)."""
+        return proportional(requests, sizes)
+
+    def _start(self, requests: np.ndarray, sizes: np.ndarray) -> None:
+        learners = np.flatnonzero(requests > 0)
+        n = sizes.astype(np.int64).copy()
+        total, k = int(n.sum()), len(learners)
+        bounds = np.array([total * i // k for i in range(k + 1)], dtype=np.int64)
+        epochs = self.epochs or 1
+        self._pass = {
+            "first": self._end - n,  # each shard's oldest generation at the start
+            "count": n,
+            "learners": learners,
+            "bounds": bounds,
+            "cursor": np.zeros(k, dtype=np.int64),
+            "length": (bounds[1:] - bounds[:-1]) * epochs,
+            "id": np.array([self.passes]),
+        }
+        self.passes += 1
+
+    def _stream(self, i: int, lo: int, hi: int) -> np.ndarray:
+        """Global positions ``lo..hi`` of learner ``i``'s stream (over its epochs)."""
+        p = self._pass
+        b0, b1 = int(p["bounds"][i]), int(p["bounds"][i + 1])
+        block, total = b1 - b0, int(p["count"].sum())
+        out = []
+        for epoch in range(lo // block, (hi - 1) // block + 1):
+            key = mix(self.ctx.seed, int(p["id"][0]), epoch, i if self.shuffle == "local" else -1)
+            rng = np.random.Generator(np.random.PCG64(key))
+            if self.shuffle == "local":
+                order = b0 + rng.permutation(block)
+            else:
+                order = rng.permutation(total)[b0:b1]
+            a, z = max(lo - epoch * block, 0), min(hi - epoch * block, block)
+            out.append(order[a:z])
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def allocate(
+        self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
+    ) -> np.ndarray:
+        """The next positions of every fetching learner's stream, all or nothing."""
+        world = sizes.shape[0]
+        counts = np.zeros((world, world), dtype=np.int64)
+        self._taken = None
+        if self._pass is None:
+            if not (requests > 0).any() or not sizes.any():
+                return counts
+            self._start(requests, sizes)
+        p = self._pass
+        oldest = self._end - sizes  # every shard's oldest generation now
+        offsets = np.concatenate([[0], np.cumsum(p["count"])])
+        mine: list[np.ndarray] = []
+        for learner in range(world):
+            want = int(requests[learner])
+            hit = np.flatnonzero(p["learners"] == learner)
+            if want <= 0 or not hit.size:
+                continue
+            i = int(hit[0])
+            cur, end = int(p["cursor"][i]), int(p["length"][i])
+            block = int(p["bounds"][i + 1] - p["bounds"][i])
+            e_end = min((cur // block + 1) * block, end) if block else end
+            dropped = 0
+            if e_end - cur < want and e_end < end:  # a batch never spans two epochs
+                dropped, cur = e_end - cur, e_end
+                e_end = min(cur + block, end)
+            gens, shards, skipped = [], [], 0
+            while want and cur < e_end:  # skip items the ring overwrote, never replace them
+                pos = self._stream(i, cur, min(cur + want, e_end))
+                shard = np.searchsorted(offsets, pos, side="right") - 1
+                gen = p["first"][shard] + (pos - offsets[shard])
+                live = gen >= oldest[shard]
+                cur += pos.size
+                skipped += int((~live).sum())
+                gens.append(gen[live])
+                shards.append(shard[live])
+                want -= int(live.sum())
+            if want:  # not enough left in this epoch of its stream: nothing taken for it
+                continue
+            self.dropped += dropped
+            p["cursor"][i] = cur
+            self.skipped += skipped
+            gen, shard = np.concatenate(gens), np.concatenate(shards)
+            counts[learner] = np.bincount(shard, minlength=world)
+            mine.append(gen[shard == self.ctx.rank])
+        self._mine = torch.from_numpy(np.concatenate(mine) if mine else np.zeros(0, np.int64))
+        if (p["cursor"] >= p["length"]).all():  # the pass is over
+            if self.epochs is not None:  # its live items (the oldest) leave the store
+                self._taken = np.maximum(p["first"] + p["count"] - oldest, 0)
+            self._pass = None
+        return counts
+
+    def taken(self, counts: np.ndarray) -> np.ndarray | None:
+        """``[world]`` items each shard gives up this round: a finished pass's (``epochs``)."""
+        return self._taken
+
+    def empty_reason(self, batch_size: int, stored: int) -> str:
+        """A learner's stream is done, or holds fewer than asked."""
+        return (
+            f"fewer than {batch_size} positions are left in this learner's stream of pass "
+            f"{self.passes - 1} ({self.epochs or 1} epoch(s) over its block; {stored} items "
+            "stored); a new pass starts once every learner's stream is done; nothing was taken "
+            "for this fetch"
+        )
+
+    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
+        """This shard's positions of the round, learner by learner, as slots."""
+        return self.shard.index_of(self._mine[:count])
+
+    def stats(self) -> dict[str, int]:
+        """Passes started, items skipped (overwritten before their turn) and dropped (an
+        epoch's last positions, fewer than a fetch asked for)."""
+        return {"passes": self.passes, "skipped": self.skipped, "dropped": self.dropped}
+
+    def state_dict(self) -> dict[str, object]:
+        """Generation counters and the running pass (tensors)."""
+        out: dict[str, object] = {
+            "name": self.name,
+            "end": torch.from_numpy(self._end.copy()),
+            "passes": self.passes,
+            "skipped": self.skipped,
+            "dropped": self.dropped,
+        }
+        if self._pass is not None:
+            out["pass"] = {k: torch.from_numpy(v.copy()) for k, v in self._pass.items()}
+        return out
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        self._end = state["end"].numpy().astype(np.int64).copy()
+        self.passes, self.skipped = int(state["passes"]), int(state["skipped"])
+        self.dropped = int(state["dropped"])
+        got = state.get("pass")
+        self._pass = None if got is None else {k: v.numpy().copy() for k, v in got.items()}
