@@ -1,6 +1,7 @@
-"""Main job: DQN through the conduit_dist data plane.
+"""Main job: DQN (or PPO, ``algo=ppo``) through the conduit_dist data plane.
 
 torchrun --standalone --nproc_per_node=2 train.py experiment=smoke
+torchrun --standalone --nproc_per_node=2 train.py experiment=cartpole_ppo
 python train.py                       # world size 1
 """
 
@@ -16,6 +17,7 @@ from conduit_dist.config import TrainConfig, register, validate
 from conduit_dist.launch import prepare_hydra_argv
 from conduit_dist.logging import log_rank_zero
 from conduit_dist.metrics import make_logger
+from conduit_dist.rl.ppo_trainer import PPOTrainer
 from conduit_dist.rl.trainer import Trainer, write_summary
 
 register()
@@ -38,7 +40,7 @@ def main(dcfg: DictConfig) -> None:
             OmegaConf.to_container(dcfg, resolve=True),
             run_dir,
         )
-        trainer = Trainer(cfg, logger)
+        trainer = (PPOTrainer if cfg.algo.name == "ppo" else Trainer)(cfg, logger)
         summary = trainer.run()
         log_rank_zero(
             "done: %s",

@@ -18,7 +18,14 @@ from conduit_dist.collectives import (
     is_rank_zero,
 )
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError, EmptyStoreError, PhaseError, RoundError, SpecError
+from conduit_dist.errors import (
+    ConfigError,
+    EmptyStoreError,
+    PhaseError,
+    RoundError,
+    SpecError,
+    StaleDataError,
+)
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform, WithoutReplacement
@@ -46,6 +53,7 @@ __all__ = [
     "Sampler",
     "Sequence",
     "SpecError",
+    "StaleDataError",
     "Stratified",
     "Tiers",
     "Uniform",

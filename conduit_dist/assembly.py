@@ -38,6 +38,7 @@ from conduit_dist.sched.scheduler import Scheduler
 from conduit_dist.spec import ExperienceSpec
 from conduit_dist.stager import Stager
 from conduit_dist.tiers import Tiers
+from conduit_dist.versions import check_max_age
 from conduit_dist.weights import WeightsState
 
 log = logging.getLogger("conduit_dist")
@@ -220,6 +221,7 @@ def assemble(
     bandwidth_cache: str | None,
     trace: bool,
     reduce_numel: int = 0,
+    max_policy_age: int | None = None,
 ) -> Parts:
     """Build every component of a plane (arguments as :class:`~conduit_dist.plane.DataPlane`).
 
@@ -230,11 +232,18 @@ def assemble(
         ConfigError: on a bad argument (nothing is left behind).
     """
     check_args(spec, capacity, schedule, max_lag, timeout_s)
+    max_policy_age = check_max_age("max_policy_age", max_policy_age)
     spec = spec.with_version()  # every item stores its producer's policy version
     sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
     placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
     device = torch.device(device)
     _check_sampler_device(sampler, device)
+    if max_policy_age is not None and (sampler.windowed or sampler.routes_updates):
+        raise ConfigError(
+            f"max_policy_age: the {sampler.name!r} sampler keeps per-item state (priorities, "
+            "episode links) that evicting stale items would break; use it with 'uniform', "
+            "'stratified', 'queue' or 'without_replacement'"
+        )
     storage = storage if storage is not None else Tiers()
     if not isinstance(storage, Tiers):
         raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")
@@ -261,7 +270,7 @@ def assemble(
         transport = Transport(ex, topo, model, strategy)
         runner = RoundRunner(
             stored, shard, ex, sampler, placement, learners[0], device, transport,
-            tuple(learners), reduce_numel, wire_bytes,
+            tuple(learners), reduce_numel, wire_bytes, max_policy_age,
         )  # fmt: skip
         _check_sampler(sampler, runner, placement)
         _check_reduce(reduce_numel, runner, schedule, sampler, placement, device)

@@ -114,6 +114,46 @@ class EnvConfig:
 
 
 @dataclass
+class PPOConfig:
+    """PPO-specific hyperparameters (``algo=ppo``; CleanRL's ``ppo.py`` defaults).
+
+    Attributes:
+        num_steps: env steps per env in one rollout (a rollout: ``num_steps`` x ``env.num_envs``
+            x acting ranks items).
+        epochs: passes over each rollout.
+        minibatches: minibatches per epoch (over all learners; each learner fetches
+            ``rollout / minibatches / learners`` items per minibatch).
+        gae_lambda: GAE lambda.
+        clip_coef: surrogate (and value) clipping.
+        ent_coef: entropy bonus.
+        vf_coef: value loss weight.
+        norm_adv: normalise advantages per minibatch.
+        clip_vloss: clip the value loss.
+        anneal_lr: anneal the learning rate linearly to 0 over ``total_env_steps``.
+        shuffle: ``local`` (each learner permutes its own part of the rollout every epoch) or
+            ``global`` (the whole rollout is permuted and dealt out every epoch).
+        max_policy_age: no learner gets an item older than this many policy versions
+            (``null``: no bound); 0 is strictly on-policy.
+        wait_s: how long a learner's first fetch of an iteration waits for the actors'
+            rollout (disaggregated: actors pull the new weights first).
+    """
+
+    num_steps: int = 128
+    epochs: int = 4
+    minibatches: int = 4
+    gae_lambda: float = 0.95
+    clip_coef: float = 0.2
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    norm_adv: bool = True
+    clip_vloss: bool = True
+    anneal_lr: bool = True
+    shuffle: str = "local"
+    max_policy_age: int | None = 0
+    wait_s: float = 60.0
+
+
+@dataclass
 class AlgoConfig:
     """DQN hyperparameters.
 
@@ -145,6 +185,8 @@ class AlgoConfig:
         publish_every: learner steps between weight publications (disaggregated mode).
         n_step: n-step returns computed by the data plane at sampling over each env's
             transitions (never across an episode end; ``cd.Sequence``); 1: one-step targets.
+        ppo: PPO's own settings (``algo=ppo``; there ``lr``, ``gamma``, ``hidden``,
+            ``max_grad_norm`` and ``grad_sync`` apply too).
     """
 
     name: str = "dqn"
@@ -164,6 +206,7 @@ class AlgoConfig:
     double_dqn: bool = True
     max_grad_norm: float = 10.0
     publish_every: int = 4
+    ppo: PPOConfig = field(default_factory=PPOConfig)
 
 
 @dataclass
@@ -231,6 +274,7 @@ def validate(cfg: TrainConfig) -> None:
         ("plane.max_lag", cfg.plane.max_lag, registry.MAX_LAGS),
         ("logger.kind", cfg.logger.kind, registry.LOGGERS),
         ("logger.mode", cfg.logger.mode, registry.LOGGER_MODES),
+        ("algo.ppo.shuffle", cfg.algo.ppo.shuffle, registry.SHUFFLES),
     ]
     for name, got, allowed in choices:
         registry.check_choice(name, got, allowed)
@@ -243,6 +287,9 @@ def validate(cfg: TrainConfig) -> None:
         ("algo.tau", 0 < cfg.algo.tau <= 1, "in (0, 1]", cfg.algo.tau),
         ("algo.n_step", cfg.algo.n_step >= 1, ">= 1", cfg.algo.n_step),
         ("plane.prioritized.beta_end", 0 <= pr.beta_end <= 1, "in [0, 1]", pr.beta_end),
+        ("algo.ppo.num_steps", cfg.algo.ppo.num_steps >= 1, ">= 1", cfg.algo.ppo.num_steps),
+        ("algo.ppo.epochs", cfg.algo.ppo.epochs >= 1, ">= 1", cfg.algo.ppo.epochs),
+        ("algo.ppo.minibatches", cfg.algo.ppo.minibatches >= 1, ">= 1", cfg.algo.ppo.minibatches),
     ]
     for name, ok, expected, got in checks:  # alpha, beta, eps: checked by cd.Prioritized
         if not ok:

@@ -44,3 +44,8 @@ class PhaseError(RoundError):
 
 class EmptyStoreError(RuntimeError):
     """``fetch`` found no stored item over all shards (the round itself completed)."""
+
+
+class StaleDataError(RuntimeError):
+    """``fetch`` would have returned items older than ``max_policy_age`` allows (the round
+    itself completed; the batch was not returned)."""

@@ -36,7 +36,9 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.staging import RecordBuffer
 from conduit_dist.tickets import RoundStats, RoundTicket
 
-META = 4  # every round's meta values: staged items, fetch size, weights version, weights bytes
+# every round's meta values: staged items, fetch size, weights version, weights bytes, items
+# evicted as stale at round start (versions.AgeBound)
+META = 5
 
 
 class FusedLayout:

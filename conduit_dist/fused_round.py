@@ -65,9 +65,10 @@ class FusedRound:
             shard.commit(t.direct)
         if t.count:
             shard.append(run._staged_rows(t))
+        stale = run.ages.evict(shard, t.newest)  # the header's size says it to every rank
         size = int(shard.size)
         head = lay.head.numpy()
-        head[:_META] = (t.count + t.direct, t.request, t.weights.version, t.weights.nbytes)
+        head[:_META] = (t.count + t.direct, t.request, t.weights.version, t.weights.nbytes, stale)
         head[_META:-2] = sampler.local_meta(shard)
         head[-2:] = (size, t.reduce is not None)
         cand = self.cand  # sized from the last round's requests and shares

@@ -40,7 +40,8 @@ BANDWIDTHS = ("declared", "calibrate")
 MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one round at most
 MODES = ("colocated", "disaggregated")
 PLANE_KINDS = ("conduit", "simple")
-ALGOS = ("dqn",)
+ALGOS = ("dqn", "ppo")
+SHUFFLES = ("local", "global")  # algo.ppo.shuffle (cd.WithoutReplacement)
 # how learners average gradients: in the data plane's round, or DDP with a GradSync bucket hook
 GRAD_SYNCS = ("auto", "round", "allreduce", "all_to_all")
 LOGGERS = ("wandb", "console", "none")

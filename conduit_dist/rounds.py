@@ -26,6 +26,7 @@ from conduit_dist.spec import ExperienceSpec
 from conduit_dist.staging import OutputPool, RecordBuffer
 from conduit_dist.tickets import RoundStats, RoundTicket
 from conduit_dist.tiers import Shard
+from conduit_dist.versions import AgeBound
 from conduit_dist.weights import WeightsState
 
 
@@ -45,6 +46,8 @@ class RoundRunner:
         reduce_numel: float32 elements of a fetch's ``reduce`` payload (0: none).
         wire_bytes: bytes of a delivered row (``None``: a stored record; samplers that
             deliver windows or trailers widen it, see ``Sampler.layout``).
+        max_age: ``max_policy_age`` (``None``: none): stale oldest items are evicted at round
+            start (``versions.AgeBound``).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class RoundRunner:
         learners: tuple[int, ...] = (),
         reduce_numel: int = 0,
         wire_bytes: int | None = None,
+        max_age: int | None = None,
     ) -> None:
         self.spec, self.shard, self.exchange = spec, shard, exchange
         self.sampler, self.placement, self.transport = sampler, placement, transport
@@ -89,6 +93,7 @@ class RoundRunner:
         # header: the meta values, the sampler's, this shard's size, whether a payload came
         self.fused = FusedRound(self, learners, _META + sampler.meta_width + 2)
         self._tags = sampler.trailer_bytes > 0
+        self.ages = AgeBound(spec, max_age)
         self._windowed = sampler.windowed
 
     @property
@@ -113,7 +118,7 @@ class RoundRunner:
         function that waits for it and finishes the round (``fusable`` planes only). Nothing
         else may touch the plane's shard or sampler in between (puts are staged meanwhile)."""
         cpu0 = time.thread_time()
-        stats = RoundStats(round=t.round)
+        stats = RoundStats(round=t.round, newest=t.newest)
         flight = self.fused.start(t, stats)
         flight.early = True  # the caller works before the finish: its time is not the round's
         spent = time.thread_time() - cpu0
@@ -128,7 +133,7 @@ class RoundRunner:
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
         cpu0 = time.thread_time()
-        stats = RoundStats(round=t.round)
+        stats = RoundStats(round=t.round, newest=t.newest)
         if self.world == 1:
             t.pack_deferred(self.spec)
             self.shard.settle()
@@ -139,6 +144,7 @@ class RoundRunner:
             t0 = time.perf_counter()
             meta = self._meta(t)
             self._requests = meta[:, 1]
+            self.sizes = self.sizes - meta[:, 4]  # items each shard evicted as stale
             self._ingest(t, meta[:, 0], t.round, stats)
             t1 = time.perf_counter()
             stats.mark("ingest", t0, t1)
@@ -183,6 +189,7 @@ class RoundRunner:
             self.shard.commit(t.direct)
         if t.count:
             self.shard.append(self._staged_rows(t))
+        self.ages.evict(self.shard, t.newest)
         self.sizes[0] = self.shard.size
         self._inflow[0] = n_in
         self.sampler.ingested(self._inflow)
@@ -219,7 +226,14 @@ class RoundRunner:
         """Exchange staged counts, requests and weight versions; local round set-up (packing
         donated batches, waiting for background demotion, the heartbeat) runs meanwhile."""
         local = self._meta_local.numpy()
-        local[:_META] = (t.count, t.request, t.weights.version, t.weights.nbytes)
+        stale = 0
+        if self.ages.max_age is not None:  # settled first: demotion must not be running
+            t.pack_deferred(self.spec)
+            self.shard.settle()
+            stale = self.ages.evict(self.shard, t.newest)
+            self.ages.drop_staged(t.staged, t.newest)  # ingested after the meta: fresh only
+            self.ages.drop_staged(t.device_staged, t.newest)
+        local[:_META] = (t.count, t.request, t.weights.version, t.weights.nbytes, stale)
         local[_META:] = self.sampler.local_meta(self.shard)
         pending = self.exchange.all_gather_start(self._meta_local, t.round)
         try:

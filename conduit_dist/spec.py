@@ -180,7 +180,8 @@ class ExperienceSpec:
     def with_version(self) -> ExperienceSpec:
         """This spec plus the reserved int64 field ``"_version"`` (the policy version of the
         item's producer; the plane stores it with every item and returns it with every row)."""
-        return ExperienceSpec([*self.fields.values(), FieldSpec(VERSION, (), torch.int64, reserved=True)])
+        version = FieldSpec(VERSION, (), torch.int64, reserved=True)
+        return ExperienceSpec([*self.fields.values(), version])
 
     @classmethod
     def from_batch(

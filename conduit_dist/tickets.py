@@ -23,6 +23,7 @@ class RoundStats:
 
     round: int = -1
     """The round's number."""
+    newest: int = 0  # the newest policy version the rank knew when the round was prepared
     ingest_ms: float = 0.0
     sample_ms: float = 0.0
     deliver_ms: float = 0.0
@@ -73,6 +74,7 @@ class RoundTicket:
     ready: object = None  # CUDA: event on the consumer's stream when the round was prepared
     consumer: object = None  # CUDA: the consumer's stream
     reduce: torch.Tensor | None = None  # float32 [reduce_numel]: averaged over learners in place
+    newest: int = 0  # the newest policy version this rank knew (max_policy_age's reference)
 
     @property
     def count(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -11,12 +12,13 @@ from torch import nn
 from conduit_dist import state
 from conduit_dist.assembly import assemble, release
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError
+from conduit_dist.errors import ConfigError, EmptyStoreError
 from conduit_dist.placement import Placement
 from conduit_dist.sampling import Sampler
 from conduit_dist.sched import FetchTiming, fetch_timing
-from conduit_dist.spec import ExperienceSpec
+from conduit_dist.spec import VERSION, ExperienceSpec
 from conduit_dist.tiers import Tiers
+from conduit_dist.versions import check_ages, check_max_age
 
 
 class DataPlane:
@@ -49,6 +51,11 @@ class DataPlane:
         bandwidth_cache: directory of calibration caches (``None``: no cache).
         trace: record a per-rank timeline for :meth:`export_trace`.
         reduce_numel: elements of :meth:`fetch`'s ``reduce`` (0: none; one-exchange, sync).
+        max_policy_age: no learner gets an item whose ``"_version"`` is older than the newest
+            policy version its rank knows minus this (``None``: no bound): shards evict their
+            stale oldest items at every round start (counted: ``store_stats()``), and a fetch
+            that would still return one raises ``StaleDataError`` (see ``versions.py``). Not
+            with samplers that keep per-item state (prioritized, sequences).
 
     Raises:
         ConfigError: on a bad argument, naming it (nothing is left behind: no group, no files).
@@ -74,6 +81,7 @@ class DataPlane:
         bandwidth_cache: str | None = "~/.cache/conduit_dist",
         trace: bool = False,
         reduce_numel: int = 0,
+        max_policy_age: int | None = None,
     ) -> None:
         self._closed = False
         p = assemble(
@@ -81,7 +89,9 @@ class DataPlane:
             learner_ranks=learner_ranks, device=device, schedule=schedule, max_lag=max_lag,
             auto_trial=auto_trial, timeout_s=timeout_s, strategy=strategy, bandwidth=bandwidth,
             bandwidth_cache=bandwidth_cache, trace=trace, reduce_numel=reduce_numel,
+            max_policy_age=max_policy_age,
         )  # fmt: skip
+        self.max_policy_age = max_policy_age
         self.spec, self.capacity_per_rank, self.device = spec, capacity_per_rank, p.runner.device
         self.rank, self.world, self.learner_ranks = (
             p.exchange.rank,
@@ -137,7 +147,13 @@ class DataPlane:
         return self._p.stager.staged(n, version)
 
     def fetch(
-        self, batch_size: int, *, more: bool = False, reduce: torch.Tensor | None = None
+        self,
+        batch_size: int,
+        *,
+        more: bool = False,
+        reduce: torch.Tensor | None = None,
+        max_policy_age: int | None = None,
+        wait_s: float = 0.0,
     ) -> dict[str, torch.Tensor]:
         """This learner's batch, drawn by the sampler from the global store.
 
@@ -145,22 +161,46 @@ class DataPlane:
             batch_size: items to return.
             more: another fetch follows before the next ``put`` (minibatches of one rollout).
             reduce: a CPU float32 ``[reduce_numel]`` tensor, replaced by its mean over learners.
+            max_policy_age: a bound for this fetch (``None``: the plane's), checked on every
+                row against the newest version this rank knew when the round was prepared; a
+                stricter one than the plane's is not enforced at the shards.
+            wait_s: while nothing can be delivered (``EmptyStoreError``), run further rounds for
+                up to this many seconds (the other ranks keep calling ``flush`` or ``fetch``:
+                e.g. a learner waiting for actors that are pulling its weights).
 
         Returns:
-            ``name -> [batch_size, *shape]`` views of one pooled buffer (rows grouped by shard).
+            ``name -> [batch_size, *shape]`` views of one pooled buffer (rows grouped by shard),
+            with ``"_version"`` (int64: the producer's policy version) beside the fields.
 
         Raises:
             ConfigError: on an actor, a bad ``batch_size``, or one above its launched round's.
             RoundError: if the round failed or timed out on some rank (names the rank).
-            EmptyStoreError: if nothing is stored yet (the round itself completed).
+            EmptyStoreError: if nothing can be delivered (after ``wait_s``; the rounds
+                themselves completed).
+            StaleDataError: if a row is older than the bound (the batch is not returned).
         """
         self._check_open()
-        records = self._p.control.fetch(batch_size, more, reduce)
+        bound = check_max_age("fetch max_policy_age", max_policy_age)
+        bound = self.max_policy_age if bound is None else bound
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                records = self._p.control.fetch(batch_size, more, reduce)
+                break
+            except EmptyStoreError as e:
+                if time.monotonic() >= deadline:
+                    if wait_s:
+                        raise EmptyStoreError(f"{e} (waited {wait_s:g} s)") from None
+                    raise
         if self.sampler.windowed:  # sequences, n-step: composed rows (a copy)
-            return self.sampler.unpack(records)
-        out = self._p.runner.outputs.unpack(records)
-        if self.sampler.trailer_bytes:  # e.g. prioritized replay's _index and _weight
-            out = {**out, **self.sampler.entries(records)}
+            out = self.sampler.unpack(records)
+        else:
+            out = self._p.runner.outputs.unpack(records)
+            if self.sampler.trailer_bytes:  # e.g. prioritized replay's _index and _weight
+                out = {**out, **self.sampler.entries(records)}
+        if bound is not None:
+            st = self.stats
+            check_ages(out[VERSION], st.newest, bound, self.rank, st.round)
         return out
 
     def update_priorities(self, index: torch.Tensor, priority: torch.Tensor) -> None:
@@ -275,7 +315,8 @@ class DataPlane:
     def store_stats(self) -> dict[str, object]:
         """This rank's shard: items and bytes per tier, demotions, evictions (with the items
         dropped at staging, also shown alone), without waiting for a running round."""
-        return {**self._p.store_stats(), **self.sampler.stats()}
+        stale = {"stale_evicted": self._p.runner.ages.evicted}
+        return {**self._p.store_stats(), **self.sampler.stats(), **stale}
 
     def export_trace(self, path: str) -> str:
         """Write this rank's timeline as Chrome trace JSON (Perfetto); returns the path.

@@ -103,6 +103,14 @@ def grad_sync(cfg: TrainConfig, learners: list[int]) -> str:
     return cfg.algo.grad_sync
 
 
+def bandwidth(cfg: TrainConfig) -> str | BandwidthModel:
+    """``calibrate`` (``plane.calibrate``), else the declared ``latency_us`` and ``gbps``."""
+    pc = cfg.plane
+    if pc.calibrate:
+        return "calibrate"
+    return BandwidthModel.declared(pc.latency_us * 1e-6, dict(pc.gbps))
+
+
 def make_plane(cfg: TrainConfig, obs_dim: int, learners: list[int], sync: str, reduce_numel: int):
     """The job's ``DataPlane`` (or the single-process ``SimpleBuffer`` baseline) for DQN
     transitions of ``obs_dim`` observations; ``sync``: the resolved ``grad_sync``, whose
@@ -130,7 +138,6 @@ def make_plane(cfg: TrainConfig, obs_dim: int, learners: list[int], sync: str, r
                 f"plane.sampler={pc.sampler!r}, algo.n_step={cfg.algo.n_step}"
             )
         return SimpleBuffer(example, pc.capacity_per_rank, cfg.seed)
-    declared = BandwidthModel.declared(pc.latency_us * 1e-6, dict(pc.gbps))
     storage = Tiers(
         [(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
         disk_dir=pc.disk_dir,
@@ -150,7 +157,7 @@ def make_plane(cfg: TrainConfig, obs_dim: int, learners: list[int], sync: str, r
         max_lag=pc.max_lag,
         timeout_s=pc.timeout_s,
         strategy=pc.strategy,
-        bandwidth="calibrate" if pc.calibrate else declared,
+        bandwidth=bandwidth(cfg),
         bandwidth_cache=pc.bandwidth_cache,
         trace=pc.trace_dir is not None,
         reduce_numel=reduce_numel if sync == "round" else 0,

@@ -115,6 +115,7 @@ class Sampler(ABC):
         self._alloc_gen = torch.Generator()
         self._draw_gen = torch.Generator()
         self._slots = torch.empty(256, dtype=torch.int64)  # reused by the native draw
+        self.shard = None  # set by attach
 
     def bind(self, ctx: SamplerContext) -> None:
         """Attach to a plane (called once, when the plane is built)."""
@@ -158,8 +159,9 @@ class Sampler(ABC):
             spec = spec.with_trailer(self.trailer_bytes)
         return spec, spec.record_bytes
 
-    def attach(self, shard, spec) -> None:  # noqa: B027 (default hook)
+    def attach(self, shard, spec) -> None:
         """Called once the plane's shard is built, with the stored records' spec."""
+        self.shard = shard
 
     def gather_windows(self, index: torch.Tensor, out: torch.Tensor) -> None:
         """Compose delivered rows for draws ``index`` into ``out`` (``windowed`` samplers)."""
@@ -217,7 +219,8 @@ class Sampler(ABC):
         cost ~9 us per round here.
         The returned tensor is valid until the next draw.
         """
-        return self.uniform(count, size, round, self.ctx.rank + stream * OWN_KEY)
+        out = self.uniform(count, size, round, self.ctx.rank + stream * OWN_KEY)
+        return out if self.shard is None else self.shard.live(out)
 
     def uniform(self, count: int, size: int, round: int, key: int) -> torch.Tensor:
         """``count`` int64 values uniform in ``[0, size)`` from the stream ``(seed, round, key)``

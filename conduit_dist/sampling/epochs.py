@@ -30,7 +30,7 @@ import torch
 from conduit_dist.errors import ConfigError
 from conduit_dist.sampling.base import Sampler, mix, proportional
 
-SHUFFLES = ("local", "global")
+SHUFFLES = ("local", "global")  # registry.SHUFFLES names the same
 
 
 class WithoutReplacement(Sampler):

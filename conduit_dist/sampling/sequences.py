@@ -279,7 +279,7 @@ class Episodes:
         at = seq.trailer_at(rb) + 16
         vals = records[:, at : at + 8].contiguous().view(torch.float32)
         out = {k: v.clone() for k, v in first.items()}
-        out.update({f"_last_{k}": v.clone() for k, v in last.items()})
+        out.update({f"_last_{k}": v.clone() for k, v in last.items() if k[0] != "_"})
         out["_return"], out["_discount"] = vals[:, 0].clone(), vals[:, 1].clone()
         return out
 

@@ -48,6 +48,7 @@ class RoundClock:
             self.round, request, staged, direct, self.weights.snapshot(), device_staged
         )
         ticket.reduce = reduce
+        ticket.newest = max(self.stager.version, self.weights.version)
         if self.cuda is not None:  # the round's stream starts after what the consumer enqueued
             ticket.consumer = torch.cuda.current_stream(self.cuda)
             ticket.ready = torch.cuda.Event()

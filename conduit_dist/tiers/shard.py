@@ -48,6 +48,14 @@ class Shard:
         ``generation[leaf]``): the leaves themselves here."""
         return leaf
 
+    def live(self, index: torch.Tensor) -> torch.Tensor:
+        """Gather indices of the live items at positions ``index`` in ``[0, size)`` (in place):
+        the positions themselves until items were taken out (the live slots are then a
+        window of the ring that need not start at slot 0)."""
+        if self.taken:
+            index.add_(self.oldest).remainder_(self.capacity)
+        return index
+
     def take_oldest(self, n: int) -> None:
         """Remove the ``n`` oldest items (a queue delivered them)."""
         if not 0 <= n <= self.size:

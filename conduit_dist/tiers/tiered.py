@@ -224,6 +224,11 @@ class TieredShard:
             torch.from_numpy(sizes[keep]),
         )
 
+    def live(self, index: torch.Tensor) -> torch.Tensor:
+        """Gather indices of the live items at positions ``index`` in ``[0, size)``: logical
+        indices already are."""
+        return index
+
     def index_of(self, generations: torch.Tensor) -> torch.Tensor:
         """Logical gather indices of live items by generation (valid until items arrive)."""
         age = generations - self.oldest

@@ -1,0 +1,207 @@
+"""PPO: an actor-critic MLP, rollouts with GAE on the actor side, the clipped-surrogate update.
+
+The actor computes advantages and returns over its own rollout (it holds the values it acted
+with, and a rollout never leaves its producer before it is complete), so a stored item is
+self-contained: ``obs``, ``action``, ``logp``, ``value``, ``adv``, ``ret``. GAE is cut at every
+episode end; a truncated episode (time limit) bootstraps from the value of its final
+observation, a terminated one from 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributions import Categorical
+
+from conduit_dist.config import AlgoConfig
+from conduit_dist.rl.grad_sync import GradSync
+
+
+def _layer(n_in: int, n_out: int, std: float) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out)
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _mlp(obs_dim: int, hidden: list[int], n_out: int, std: float) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    width = obs_dim
+    for h in hidden:
+        layers += [_layer(width, h, math.sqrt(2)), nn.Tanh()]
+        width = h
+    layers.append(_layer(width, n_out, std))
+    return nn.Sequential(*layers)
+
+
+class ActorCritic(nn.Module):
+    """Separate policy and value MLPs (tanh, orthogonal initialisation).
+
+    Args:
+        obs_dim: observation size.
+        n_actions: number of discrete actions.
+        hidden: hidden layer widths of each network.
+    """
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: list[int]) -> None:
+        super().__init__()
+        self.actor = _mlp(obs_dim, hidden, n_actions, 0.01)
+        self.critic = _mlp(obs_dim, hidden, 1, 1.0)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Action logits ``[B, n_actions]`` and values ``[B]``."""
+        return self.actor(obs), self.critic(obs).squeeze(-1)
+
+
+def gae(
+    reward: torch.Tensor,
+    value: torch.Tensor,
+    next_value: torch.Tensor,
+    term: torch.Tensor,
+    end: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimates and returns over a rollout ``[T, E]``.
+
+    Args:
+        reward: rewards.
+        value: values of the observations acted on.
+        next_value: values of the next observations (the final one at an episode's end).
+        term: the step terminated its episode (no bootstrap).
+        end: the step ended its episode (terminated or truncated): the estimate is cut there.
+        gamma: discount.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, both ``[T, E]``.
+    """
+    delta = reward + gamma * next_value * (~term).float() - value
+    adv = torch.zeros_like(reward)
+    carry = torch.zeros_like(reward[0])
+    for t in range(reward.shape[0] - 1, -1, -1):
+        carry = delta[t] + gamma * lam * (~end[t]).float() * carry
+        adv[t] = carry
+    return adv, adv + value
+
+
+class PPO:
+    """A PPO learner/actor around one :class:`ActorCritic` (DDP-wrapped for the update when
+    several learners average gradients).
+
+    Args:
+        cfg: hyperparameters (``cfg.ppo`` the PPO-specific ones).
+        obs_dim: observation size.
+        n_actions: number of actions.
+        ddp_group: average gradients over this group (``None``: a single learner).
+    """
+
+    def __init__(
+        self,
+        cfg: AlgoConfig,
+        obs_dim: int,
+        n_actions: int,
+        ddp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.cfg, self.p = cfg, cfg.ppo
+        self.net = ActorCritic(obs_dim, n_actions, list(cfg.hidden))
+        self.learner: nn.Module = self.net
+        self.grad_sync: GradSync | None = None
+        if ddp_group is not None:
+            self.learner = nn.parallel.DistributedDataParallel(self.net, process_group=ddp_group)
+            self.grad_sync = GradSync(ddp_group, cfg.grad_sync)
+            self.learner.register_comm_hook(self.grad_sync, GradSync.hook)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=cfg.lr, eps=1e-5)
+        self.steps = 0
+        self.last: dict[str, float] = {}  # the latest update's loss terms
+
+    def set_lr(self, frac_left: float) -> None:
+        """Anneal the learning rate linearly to 0 (``ppo.anneal_lr``)."""
+        if self.p.anneal_lr:
+            self.opt.param_groups[0]["lr"] = frac_left * self.cfg.lr
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """Sampled actions with their log-probabilities and the observations' values."""
+        logits, value = self.net(obs)
+        probs = torch.softmax(logits, dim=-1)
+        action = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        logp = torch.log(probs.gather(1, action[:, None]).squeeze(1).clamp_min(1e-12))
+        return {"action": action, "logp": logp, "value": value}
+
+    @torch.no_grad()
+    def finish_rollout(self, steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The rollout's items ``[T * E]`` with advantages and returns (GAE, actor side).
+
+        Args:
+            steps: per step, the env's transition batch joined with :meth:`act`'s output.
+        """
+        cat = {k: torch.stack([s[k] for s in steps]) for k in steps[0]}
+        t, e = cat["reward"].shape
+        _, next_value = self.net(cat["next_obs"].reshape(t * e, -1))
+        end = cat["done"] | cat["truncated"]
+        adv, ret = gae(
+            cat["reward"], cat["value"], next_value.view(t, e), cat["done"], end,
+            self.cfg.gamma, self.p.gae_lambda,
+        )  # fmt: skip
+        flat = {k: cat[k].reshape(t * e, *cat[k].shape[2:]) for k in ("obs", "action", "logp")}
+        flat.update(value=cat["value"].reshape(-1), adv=adv.reshape(-1), ret=ret.reshape(-1))
+        return flat
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Clipped surrogate + value loss (clipped) - entropy bonus on a minibatch."""
+        p = self.p
+        logits, value = self.learner(batch["obs"])
+        dist_ = Categorical(logits=logits)
+        logp = dist_.log_prob(batch["action"])
+        ratio = torch.exp(logp - batch["logp"])
+        adv = batch["adv"]
+        if p.norm_adv and adv.numel() > 1:
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - p.clip_coef, 1 + p.clip_coef)).mean()
+        ret, old_v = batch["ret"], batch["value"]
+        if p.clip_vloss:
+            clipped = old_v + (value - old_v).clamp(-p.clip_coef, p.clip_coef)
+            v_loss = 0.5 * torch.max((value - ret) ** 2, (clipped - ret) ** 2).mean()
+        else:
+            v_loss = 0.5 * ((value - ret) ** 2).mean()
+        entropy = dist_.entropy().mean()
+        with torch.no_grad():
+            clipfrac = ((ratio - 1).abs() > p.clip_coef).float().mean()
+        self.last = {
+            "pg": float(pg.detach()), "v": float(v_loss.detach()),
+            "entropy": float(entropy.detach()), "clipfrac": float(clipfrac),
+        }  # fmt: skip
+        return pg - p.ent_coef * entropy + p.vf_coef * v_loss
+
+    def step(self) -> None:
+        """Clip the gradients and apply the optimizer step."""
+        nn.utils.clip_grad_norm_(self.net.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, object]:
+        """Network, optimizer and step counter."""
+        return {"net": self.net.state_dict(), "opt": self.opt.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore from :meth:`state_dict`."""
+        self.net.load_state_dict(state["net"])
+        self.opt.load_state_dict(state["opt"])
+        self.steps = int(state["steps"])
+
+
+def rollout_spec_example(obs_dim: int) -> dict[str, torch.Tensor]:
+    """One item of a PPO rollout (the spec the plane stores)."""
+    return {
+        "obs": torch.zeros(1, obs_dim),
+        "action": torch.zeros(1, dtype=torch.int64),
+        "logp": torch.zeros(1),
+        "value": torch.zeros(1),
+        "adv": torch.zeros(1),
+        "ret": torch.zeros(1),
+    }

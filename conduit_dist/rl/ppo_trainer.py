@@ -1,0 +1,253 @@
+"""The PPO loop behind ``train.py algo=ppo``: rollouts through the data plane, colocated or
+disaggregated.
+
+Each iteration every acting rank collects ``num_steps`` steps of its ``env.num_envs`` envs with
+the newest weights, computes GAE over them (actor side) and ``put``s the rollout, tagged with
+its policy version. The plane's ``WithoutReplacement(epochs)`` sampler splits the global
+rollout into one block per learner; each learner runs ``epochs x minibatches`` updates, every
+minibatch a ``fetch(..., more=True)`` whose round runs behind the previous minibatch's backward
+(``max_lag=0``: nothing of the next rollout can enter), and then the rollout leaves the store.
+Learners average gradients with DDP and publish the weights after the update.
+
+Disaggregated, actors wait for the new version (``flush`` rounds until ``pull_weights``
+returns it), and the learner's first fetch of an iteration waits (``wait_s``) for their
+rollout, so every rollout is collected by the policy it trains (age 0, checked on every row by
+``max_policy_age``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from conduit_dist.config import TrainConfig
+from conduit_dist.errors import ConfigError
+from conduit_dist.metrics import Logger, aggregate
+from conduit_dist.plane import DataPlane
+from conduit_dist.rl import setup
+from conduit_dist.rl.env import VectorEnv
+from conduit_dist.rl.ppo import PPO, rollout_spec_example
+from conduit_dist.sampling import WithoutReplacement
+from conduit_dist.spec import ExperienceSpec
+
+log = logging.getLogger("conduit_dist")
+
+
+class PPOTrainer:
+    """Runs PPO with rollouts flowing through a :class:`DataPlane`.
+
+    Args:
+        cfg: the validated run config (``algo.name == "ppo"``).
+        logger: where rank 0 logs.
+
+    Raises:
+        ConfigError: when the rollout does not split into equal minibatches per learner, or on
+            ``plane.kind=simple`` (PPO runs on the data plane only).
+    """
+
+    def __init__(self, cfg: TrainConfig, logger: Logger) -> None:
+        self.cfg, self.logger, p = cfg, logger, cfg.algo.ppo
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        learners = setup.learner_ranks(cfg, self.world)
+        self.learners = learners
+        self.is_learner = self.rank in learners
+        self.is_actor = cfg.mode == "colocated" or not self.is_learner
+        self.n_actors = self.world if cfg.mode == "colocated" else self.world - len(learners)
+        if cfg.plane.kind != "conduit":
+            raise ConfigError(f"plane.kind: PPO runs on 'conduit' only, got {cfg.plane.kind!r}")
+        self.rollout = p.num_steps * cfg.env.num_envs * self.n_actors
+        per = self.rollout // p.minibatches
+        if self.rollout % (p.minibatches * len(learners)):
+            raise ConfigError(
+                f"algo.ppo.minibatches: the {self.rollout}-item rollout (num_steps x "
+                f"env.num_envs x {self.n_actors} acting ranks) must split into {p.minibatches} "
+                f"minibatches over {len(learners)} learners, got {per} per minibatch"
+            )
+        self.minibatch = per // len(learners)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank)
+        self.env = (
+            VectorEnv(cfg.env.id, cfg.env.num_envs, cfg.seed + 1000 * self.rank, streams=True)
+            if self.is_actor
+            else None
+        )
+        probe = self.env or VectorEnv(cfg.env.id, 1, cfg.seed)
+        obs_dim, n_actions = probe.obs_dim, probe.n_actions
+        if probe is not self.env:
+            probe.close()
+        ddp = None
+        if len(learners) > 1:  # collective: every rank calls new_group
+            ddp = dist.group.WORLD if len(learners) == self.world else dist.new_group(learners)
+        self.agent = PPO(cfg.algo, obs_dim, n_actions, ddp if self.is_learner else None)
+        pc = cfg.plane
+        self.plane = DataPlane(
+            ExperienceSpec.from_batch(rollout_spec_example(obs_dim)),
+            pc.capacity_per_rank,
+            seed=cfg.seed,
+            sampler=WithoutReplacement(epochs=p.epochs, shuffle=p.shuffle),
+            placement="local" if pc.placement == "auto" else pc.placement,
+            learner_ranks=learners,
+            device=cfg.device,
+            schedule=pc.schedule,
+            max_lag=pc.max_lag,
+            timeout_s=pc.timeout_s,
+            strategy=pc.strategy,
+            bandwidth=setup.bandwidth(cfg),
+            bandwidth_cache=pc.bandwidth_cache,
+            trace=pc.trace_dir is not None,
+            max_policy_age=p.max_policy_age,
+        )
+        if self.is_learner:
+            self.plane.attach(self.agent.learner)
+        self.env_steps = 0
+        self.version = 0
+        self.max_age = 0  # the oldest policy age of any item this learner was given
+
+    def run(self) -> dict[str, object]:
+        """Train for ``total_env_steps`` (or until ``target_return``); returns a summary."""
+        cfg = self.cfg
+        iters = math.ceil(cfg.total_env_steps / self.rollout)
+        start = time.perf_counter()
+        window = _Window()
+        summary: dict[str, object] = {"return_100": float("nan"), "reached_target": False}
+        if cfg.mode == "disaggregated" and self.is_learner:
+            self.version = self.plane.publish_weights(self.agent.net)  # the actors' first
+        it = 0
+        for it in range(1, iters + 1):
+            self.agent.set_lr(1.0 - (it - 1) / iters)
+            self._iteration(window, it)
+            if it % cfg.logger.log_every == 0 or it == iters:
+                summary = {"reached_target": False, **self._log(window)}
+                window = _Window()
+                target = cfg.target_return
+                if target is not None and summary["return_100"] >= target:
+                    summary["reached_target"] = True
+                    break
+        self._finish(it)
+        wall = time.perf_counter() - start
+        agg = aggregate({"max_age": float(self.max_age)})
+        summary.update(
+            env_steps=self.env_steps, wall_s=wall, iterations=it,
+            time_to_target_s=wall if summary["reached_target"] else None,
+            env_steps_per_s=self.env_steps / wall, max_policy_age_seen=agg["max_age_max"],
+            stale_evicted=self.plane.store_stats()["stale_evicted"],
+        )  # fmt: skip
+        return summary
+
+    def _iteration(self, window: _Window, it: int) -> None:
+        t0 = time.perf_counter()
+        if self.is_actor:
+            if self.cfg.mode == "disaggregated":  # rounds until the new weights arrive
+                while self.plane.pull_weights(self.agent.net) < it:
+                    self.plane.flush()
+                    self.plane.wait()
+            self.plane.put(self._collect())
+        self.env_steps += self.rollout
+        if self.is_learner:
+            self._learn(window)
+            self.version = self.plane.publish_weights(self.agent.net)
+        else:
+            self.plane.flush()
+        window.iteration_ms.append((time.perf_counter() - t0) * 1e3)
+        window.iterations += 1
+
+    @torch.no_grad()
+    def _collect(self) -> dict[str, torch.Tensor]:
+        steps = []
+        for _ in range(self.cfg.algo.ppo.num_steps):
+            out = self.agent.act(self.env.obs, self.gen)
+            steps.append({**self.env.step(out["action"]), **out})
+        return self.agent.finish_rollout(steps)
+
+    def _learn(self, window: _Window) -> None:
+        p = self.cfg.algo.ppo
+        n = p.epochs * p.minibatches
+        wait_s = p.wait_s if self.cfg.mode == "disaggregated" else 0.0
+        for k in range(n):
+            t0 = time.perf_counter()
+            batch = self.plane.fetch(self.minibatch, more=k < n - 1, wait_s=wait_s if k == 0 else 0)
+            window.exposed_ms.append((time.perf_counter() - t0) * 1e3)
+            ages = (self.plane.stats.newest - batch["_version"]).tolist()
+            window.ages += ages
+            self.max_age = max(self.max_age, *ages)
+            loss = self.agent.loss(batch)
+            loss.backward()
+            self.agent.step()
+            window.losses.append(self.agent.last)
+
+    def _finish(self, it: int) -> None:
+        """Disaggregated: a last round carries the final weights, so every actor's waiting loop
+        ends in the same round as the learners' (then every rank closes)."""
+        if self.cfg.mode != "disaggregated":
+            return
+        if self.is_learner:
+            self.plane.flush()
+            self.plane.wait()
+        else:
+            while self.plane.pull_weights(self.agent.net) < it + 1:
+                self.plane.flush()
+                self.plane.wait()
+
+    def _log(self, window: _Window) -> dict[str, float]:
+        """Aggregate the window over ranks (a collective) and log on rank 0."""
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        returns = list(self.env.returns) if self.env is not None else []
+        recent = returns[-math.ceil(100 / self.n_actors) :]
+        losses = window.losses
+        local = {
+            "ret_sum": sum(recent), "ret_n": len(recent),
+            "exposed_ms": _mean(window.exposed_ms), "iteration_ms": _mean(window.iteration_ms),
+            "age_max": max(window.ages, default=0),
+            **{k: _mean([d[k] for d in losses]) for k in ("pg", "v", "entropy", "clipfrac")},
+        }  # fmt: skip
+        agg = aggregate(local)
+        n = agg["ret_n_mean"] * self.world
+        ret100 = agg["ret_sum_mean"] * self.world / n if n else float("nan")
+        nl = len(self.learners) / self.world  # learner values, averaged over learners only
+        metrics = {
+            "rl/episode_return_100": ret100,
+            "rate/env_steps_per_s": self.rollout * window.iterations / elapsed,
+            "train/pg_loss": agg["pg_mean"] / nl,
+            "train/value_loss": agg["v_mean"] / nl,
+            "train/entropy": agg["entropy_mean"] / nl,
+            "train/clipfrac": agg["clipfrac_mean"] / nl,
+            "train/policy_version": float(self.version),
+            "train/lr": self.agent.opt.param_groups[0]["lr"],
+            "path/exposed_ms_mean": agg["exposed_ms_mean"] / nl,
+            "path/iteration_ms_mean": agg["iteration_ms_mean"],
+            "path/policy_age_max": agg["age_max_max"],
+        }
+        self.logger.log(metrics, self.env_steps)
+        if hasattr(self.logger, "log_histogram") and window.ages:
+            self.logger.log_histogram("path/policy_age_hist", window.ages, self.env_steps)
+            self.logger.log_histogram("path/exposed_ms_hist", window.exposed_ms, self.env_steps)
+        return {"return_100": ret100, **metrics}
+
+    def close(self) -> None:
+        """Export the trace (if configured), close the plane and the environments."""
+        if self.cfg.plane.trace_dir:
+            self.plane.export_trace(f"{self.cfg.plane.trace_dir}/trace_rank{self.rank}.json")
+        self.plane.close()
+        if self.env is not None:
+            self.env.close()
+
+
+class _Window:
+    """Per-iteration measurements between two logs."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.iterations = 0
+        self.exposed_ms: list[float] = []
+        self.iteration_ms: list[float] = []
+        self.ages: list[int] = []
+        self.losses: list[dict[str, float]] = []
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
