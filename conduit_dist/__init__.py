@@ -22,12 +22,14 @@ from conduit_dist.errors import (
     ConfigError,
     EmptyStoreError,
     PhaseError,
+    RateLimitError,
     RoundError,
     SpecError,
     StaleDataError,
 )
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.ratelimit import RateLimiter
 from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform, WithoutReplacement
 from conduit_dist.sampling.queue import Queue
 from conduit_dist.sampling.stratified import Stratified
@@ -47,6 +49,8 @@ __all__ = [
     "Placement",
     "Prioritized",
     "Queue",
+    "RateLimitError",
+    "RateLimiter",
     "RoundError",
     "RoundRobin",
     "RoundStats",

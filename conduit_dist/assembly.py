@@ -19,6 +19,7 @@ from conduit_dist.collectives.topology import Topology, discover
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement import Placement, PlacementContext
+from conduit_dist.ratelimit import RateLimiter
 from conduit_dist.registry import (
     BANDWIDTHS,
     MAX_LAGS,
@@ -222,6 +223,7 @@ def assemble(
     trace: bool,
     reduce_numel: int = 0,
     max_policy_age: int | None = None,
+    rate_limiter: RateLimiter | None = None,
 ) -> Parts:
     """Build every component of a plane (arguments as :class:`~conduit_dist.plane.DataPlane`).
 
@@ -233,6 +235,11 @@ def assemble(
     """
     check_args(spec, capacity, schedule, max_lag, timeout_s)
     max_policy_age = check_max_age("max_policy_age", max_policy_age)
+    if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
+        raise ConfigError(
+            f"rate_limiter: expected a conduit_dist.RateLimiter or None, got "
+            f"{type(rate_limiter).__name__}"
+        )
     spec = spec.with_version()  # every item stores its producer's policy version
     sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
     placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
@@ -272,6 +279,7 @@ def assemble(
             stored, shard, ex, sampler, placement, learners[0], device, transport,
             tuple(learners), reduce_numel, wire_bytes, max_policy_age,
         )  # fmt: skip
+        runner.limiter = rate_limiter
         _check_sampler(sampler, runner, placement)
         _check_reduce(reduce_numel, runner, schedule, sampler, placement, device)
         # one CPU rank has no collective to wait for: a background round would only add a

@@ -49,3 +49,8 @@ class EmptyStoreError(RuntimeError):
 class StaleDataError(RuntimeError):
     """``fetch`` would have returned items older than ``max_policy_age`` allows (the round
     itself completed; the batch was not returned)."""
+
+
+class RateLimitError(RuntimeError):
+    """A ``fetch`` or ``put`` waited longer than its rate limiter's ``timeout_s``; the message
+    names the limit that held it and the global counts."""

@@ -112,7 +112,8 @@ class FusedRound:
         rb, n_in = run.spec.record_bytes, t.count + t.direct
         stats.items_in, stats.bytes_in = n_in, n_in * rb
         sampler_meta = meta[:, _META:-2]
-        alloc = sampler.allocate(run._requests, run.sizes, r, sampler_meta)
+        alloc = sampler.allocate(run.admit(run._requests, stats), run.sizes, r, sampler_meta)
+        run.count_samples(alloc)
         self.alloc = alloc
         shares = sampler.shares(run.sizes, sampler_meta)
         self.cand = candidates(run._requests, shares, self.learners)

@@ -94,6 +94,7 @@ class RoundRunner:
         self.fused = FusedRound(self, learners, _META + sampler.meta_width + 2)
         self._tags = sampler.trailer_bytes > 0
         self.ages = AgeBound(spec, max_age)
+        self.limiter = None  # a RateLimiter (set by assembly): admits requests, counts samples
         self._windowed = sampler.windowed
 
     @property
@@ -148,7 +149,9 @@ class RoundRunner:
             self._ingest(t, meta[:, 0], t.round, stats)
             t1 = time.perf_counter()
             stats.mark("ingest", t0, t1)
-            counts = self.sampler.allocate(meta[:, 1], self.sizes, t.round, meta[:, _META:])
+            requests = self.admit(meta[:, 1], stats)
+            counts = self.sampler.allocate(requests, self.sizes, t.round, meta[:, _META:])
+            self.count_samples(counts)
             out = self._deliver(counts, t.round, stats, t1)
             self._take(counts)
             t3 = time.perf_counter()
@@ -156,6 +159,22 @@ class RoundRunner:
             stats.mark("weights", t3, time.perf_counter())
             self.sampler.feedback(t.round)
         return out, self._after(stats, cpu0)
+
+    def admit(self, requests: np.ndarray, stats: RoundStats) -> np.ndarray:
+        """The requests the rate limiter lets through (all of them without one); marks the
+        round ``limited`` when this rank's was held back."""
+        lim = self.limiter
+        if lim is None:
+            return requests
+        lim.inserted = self.ingested
+        out = lim.admit(requests, int(self.sizes.sum()))
+        stats.limited = bool(requests[self.rank] > 0 and out[self.rank] == 0)
+        return out
+
+    def count_samples(self, counts: np.ndarray) -> None:
+        """Add the round's allocation to the limiter's replicated sample count."""
+        if self.limiter is not None:
+            self.limiter.sampled += int(counts.sum())
 
     def _take(self, counts: np.ndarray) -> None:
         """Items a queue delivered, or a finished rollout's, leave the store on every rank
@@ -200,7 +219,9 @@ class RoundRunner:
         local = self._meta_local.numpy()  # the sampler's values: at world size 1, its own
         local[_META:] = self.sampler.local_meta(self.shard)
         self._requests[0] = t.request
-        counts = self.sampler.allocate(self._requests, self.sizes, t.round, local[None, _META:])
+        requests = self.admit(self._requests, stats)
+        counts = self.sampler.allocate(requests, self.sizes, t.round, local[None, _META:])
+        self.count_samples(counts)
         n_out = int(counts[0, 0])
         out = self.outputs.acquire(n_out)
         if n_out:

@@ -24,6 +24,7 @@ class RoundStats:
     round: int = -1
     """The round's number."""
     newest: int = 0  # the newest policy version the rank knew when the round was prepared
+    limited: bool = False  # the rate limiter held this rank's request back
     ingest_ms: float = 0.0
     sample_ms: float = 0.0
     deliver_ms: float = 0.0

@@ -147,3 +147,38 @@ def test_prioritized_nstep_from_the_command_line(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     stats = json.loads(summary.read_text())["sampler"]
     assert stats["priority_updates_applied"] > 0, stats
+
+
+@pytest.mark.parametrize(
+    "mode,nproc,extra",
+    [
+        ("colocated", 2, ("logger=console",)),
+        ("disaggregated", 3, ("learner_ranks=[0]", "logger=wandb")),
+    ],
+)
+def test_ppo_smoke_every_item_within_the_policy_age_bound(tmp_path, mode, nproc, extra):
+    """experiment=cartpole_ppo, a few iterations: rollouts through the WithoutReplacement
+    sampler with max_policy_age=0; every delivered item's age was 0 (checked on every row by the
+    plane, and reported by the trainer); disaggregated logs the age histogram to W&B."""
+    summary = tmp_path / "summary.json"
+    res = _torchrun(
+        tmp_path,
+        "experiment=cartpole_ppo",
+        f"mode={mode}",
+        *extra,
+        "total_env_steps=3072",
+        "logger.log_every=2",
+        "logger.mode=offline",
+        "plane.calibrate=false",
+        f"logger.summary_path={summary}",
+        nproc=nproc,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(summary.read_text())
+    assert got["env_steps"] == 3072 and got["max_policy_age_seen"] == 0, got
+    assert got["iterations"] == 6 and got["return_100"] > 0, got
+    if "logger=wandb" in extra:
+        runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+        rows = history(glob.glob(os.path.join(runs[0], "*.wandb"))[0])
+        keys = {k for row in rows for k in row}
+        assert "path/policy_age_hist" in keys and "path/policy_age_max" in keys, keys

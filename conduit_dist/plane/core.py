@@ -12,8 +12,9 @@ from torch import nn
 from conduit_dist import state
 from conduit_dist.assembly import assemble, release
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError, EmptyStoreError
+from conduit_dist.errors import ConfigError, EmptyStoreError, RateLimitError
 from conduit_dist.placement import Placement
+from conduit_dist.ratelimit import RateLimiter
 from conduit_dist.sampling import Sampler
 from conduit_dist.sched import FetchTiming, fetch_timing
 from conduit_dist.spec import VERSION, ExperienceSpec
@@ -56,6 +57,9 @@ class DataPlane:
             stale oldest items at every round start (counted: ``store_stats()``), and a fetch
             that would still return one raises ``StaleDataError`` (see ``versions.py``). Not
             with samplers that keep per-item state (prioritized, sequences).
+        rate_limiter: a :class:`~conduit_dist.ratelimit.RateLimiter` (``min_size``,
+            samples-per-insert with an error buffer, over the global store); a held fetch or
+            put runs further rounds until it may pass or the limiter's ``timeout_s``.
 
     Raises:
         ConfigError: on a bad argument, naming it (nothing is left behind: no group, no files).
@@ -82,6 +86,7 @@ class DataPlane:
         trace: bool = False,
         reduce_numel: int = 0,
         max_policy_age: int | None = None,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self._closed = False
         p = assemble(
@@ -89,8 +94,9 @@ class DataPlane:
             learner_ranks=learner_ranks, device=device, schedule=schedule, max_lag=max_lag,
             auto_trial=auto_trial, timeout_s=timeout_s, strategy=strategy, bandwidth=bandwidth,
             bandwidth_cache=bandwidth_cache, trace=trace, reduce_numel=reduce_numel,
-            max_policy_age=max_policy_age,
+            max_policy_age=max_policy_age, rate_limiter=rate_limiter,
         )  # fmt: skip
+        self.rate_limiter = rate_limiter
         self.max_policy_age = max_policy_age
         self.spec, self.capacity_per_rank, self.device = spec, capacity_per_rank, p.runner.device
         self.rank, self.world, self.learner_ranks = (
@@ -136,7 +142,28 @@ class DataPlane:
             ConfigError: with ``max_lag=0``, when the next fetch's round is in flight already.
         """
         self._check_open()
+        if self.rate_limiter is not None:
+            self._wait_to_insert(self._p.stager.user_spec.validate(batch))
         self._p.stager.put(batch, donate, version)
+
+    def _wait_to_insert(self, n: int) -> None:
+        """Run ``flush`` rounds until the rate limiter lets ``n`` more items (and this rank's
+        staged ones) in, or raise ``RateLimitError`` after its ``timeout_s``."""
+        lim, stager = self.rate_limiter, self._p.stager
+        if lim.can_insert(n + stager.pending):
+            return
+        t0 = time.monotonic()
+        try:
+            while not lim.can_insert(n + stager.pending):
+                if time.monotonic() - t0 > lim.timeout_s:
+                    raise RateLimitError(
+                        f"put on rank {self.rank}: waited {lim.timeout_s:g} s, held by "
+                        + lim.holds("insert", n, len(self))
+                    )
+                self._p.control.flush()
+                self._p.control.wait()
+        finally:
+            lim.blocked_s["insert"] += time.monotonic() - t0
 
     def staged(self, n: int, *, version: int | None = None):
         """``with plane.staged(n) as rows:`` writable, uninitialised views (``name -> [n, ...]``)
@@ -182,16 +209,23 @@ class DataPlane:
         self._check_open()
         bound = check_max_age("fetch max_policy_age", max_policy_age)
         bound = self.max_policy_age if bound is None else bound
-        deadline = time.monotonic() + wait_s
+        t0, blocked = time.monotonic(), 0.0
         while True:
             try:
                 records = self._p.control.fetch(batch_size, more, reduce)
                 break
+            except RateLimitError as e:  # rounds go on, so the actors can insert
+                blocked = time.monotonic() - t0
+                if blocked >= self.rate_limiter.timeout_s:
+                    self.rate_limiter.blocked_s["sample"] += blocked
+                    raise RateLimitError(f"{e}; waited {blocked:.1f} s") from None
             except EmptyStoreError as e:
-                if time.monotonic() >= deadline:
+                if time.monotonic() - t0 >= wait_s:
                     if wait_s:
                         raise EmptyStoreError(f"{e} (waited {wait_s:g} s)") from None
                     raise
+        if blocked:
+            self.rate_limiter.blocked_s["sample"] += blocked
         if self.sampler.windowed:  # sequences, n-step: composed rows (a copy)
             out = self.sampler.unpack(records)
         else:
@@ -315,8 +349,16 @@ class DataPlane:
     def store_stats(self) -> dict[str, object]:
         """This rank's shard: items and bytes per tier, demotions, evictions (with the items
         dropped at staging, also shown alone), without waiting for a running round."""
-        stale = {"stale_evicted": self._p.runner.ages.evicted}
-        return {**self._p.store_stats(), **self.sampler.stats(), **stale}
+        out = {**self._p.store_stats(), **self.sampler.stats()}
+        out["stale_evicted"] = self._p.runner.ages.evicted
+        if self.rate_limiter is not None:
+            lim = self.rate_limiter
+            out.update(
+                rate_inserted=lim.inserted, rate_sampled=lim.sampled,
+                rate_blocked_sample_s=lim.blocked_s["sample"],
+                rate_blocked_insert_s=lim.blocked_s["insert"],
+            )  # fmt: skip
+        return out
 
     def export_trace(self, path: str) -> str:
         """Write this rank's timeline as Chrome trace JSON (Perfetto); returns the path.

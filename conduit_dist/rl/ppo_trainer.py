@@ -115,8 +115,10 @@ class PPOTrainer:
         start = time.perf_counter()
         window = _Window()
         summary: dict[str, object] = {"return_100": float("nan"), "reached_target": False}
-        if cfg.mode == "disaggregated" and self.is_learner:
-            self.version = self.plane.publish_weights(self.agent.net)  # the actors' first
+        if cfg.mode == "disaggregated":  # the actors' first weights
+            if self.is_learner:
+                self.version = self.plane.publish_weights(self.agent.net)
+            self._hand_over(1)
         it = 0
         for it in range(1, iters + 1):
             self.agent.set_lr(1.0 - (it - 1) / iters)
@@ -128,7 +130,6 @@ class PPOTrainer:
                 if target is not None and summary["return_100"] >= target:
                     summary["reached_target"] = True
                     break
-        self._finish(it)
         wall = time.perf_counter() - start
         agg = aggregate({"max_age": float(self.max_age)})
         summary.update(
@@ -142,19 +143,28 @@ class PPOTrainer:
     def _iteration(self, window: _Window, it: int) -> None:
         t0 = time.perf_counter()
         if self.is_actor:
-            if self.cfg.mode == "disaggregated":  # rounds until the new weights arrive
-                while self.plane.pull_weights(self.agent.net) < it:
-                    self.plane.flush()
-                    self.plane.wait()
             self.plane.put(self._collect())
         self.env_steps += self.rollout
         if self.is_learner:
             self._learn(window)
             self.version = self.plane.publish_weights(self.agent.net)
-        else:
-            self.plane.flush()
+        if self.cfg.mode == "disaggregated":
+            self._hand_over(it + 1)
         window.iteration_ms.append((time.perf_counter() - t0) * 1e3)
         window.iterations += 1
+
+    def _hand_over(self, version: int) -> None:
+        """Disaggregated: the round that ingests the actors' rollout, then one that carries the
+        learner's new weights; actors run rounds until ``pull_weights`` returns ``version``, so
+        every rank leaves the iteration in the same round."""
+        if self.is_learner:
+            self.plane.flush()
+            self.plane.wait()
+            return
+        self.plane.flush()  # ingests the rollout (the learner's first fetch waits for it)
+        while self.plane.pull_weights(self.agent.net) < version:
+            self.plane.flush()
+            self.plane.wait()
 
     @torch.no_grad()
     def _collect(self) -> dict[str, torch.Tensor]:
@@ -179,19 +189,6 @@ class PPOTrainer:
             loss.backward()
             self.agent.step()
             window.losses.append(self.agent.last)
-
-    def _finish(self, it: int) -> None:
-        """Disaggregated: a last round carries the final weights, so every actor's waiting loop
-        ends in the same round as the learners' (then every rank closes)."""
-        if self.cfg.mode != "disaggregated":
-            return
-        if self.is_learner:
-            self.plane.flush()
-            self.plane.wait()
-        else:
-            while self.plane.pull_weights(self.agent.net) < it + 1:
-                self.plane.flush()
-                self.plane.wait()
 
     def _log(self, window: _Window) -> dict[str, float]:
         """Aggregate the window over ranks (a collective) and log on rank 0."""

@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from conduit_dist.errors import ConfigError, EmptyStoreError
+from conduit_dist.errors import ConfigError, EmptyStoreError, RateLimitError
 from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
 from conduit_dist.sched.hooks import BackwardTrigger
@@ -95,6 +95,12 @@ class OverlapController:
                 f"fetch: batch_size {batch_size} is smaller than the {rows} items the "
                 f"{sampler.name!r} sampler delivered to the round launched for it; keep the "
                 "batch size fixed"
+            )
+        if rows == 0 and stats.limited:
+            lim = self.sched.runner.limiter
+            raise RateLimitError(
+                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: held by "
+                + lim.holds("sample", batch_size, stats.stored)
             )
         if rows == 0 and stats.stored:
             raise EmptyStoreError(
