@@ -31,7 +31,7 @@ from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.ratelimit import RateLimiter
 from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform, WithoutReplacement
-from conduit_dist.sampling.queue import Queue
+from conduit_dist.sampling.queue import Lifo, Queue
 from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.spec import ExperienceSpec, FieldSpec
 from conduit_dist.tiers import Tiers
@@ -44,6 +44,7 @@ __all__ = [
     "EmptyStoreError",
     "ExperienceSpec",
     "FieldSpec",
+    "Lifo",
     "Local",
     "PhaseError",
     "Placement",

@@ -17,7 +17,7 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.sampling import Prioritized, Sampler, SamplerContext, Uniform
 from conduit_dist.sampling.epochs import WithoutReplacement
-from conduit_dist.sampling.queue import Queue
+from conduit_dist.sampling.queue import Lifo, Queue
 from conduit_dist.sampling.stratified import Stratified
 
 SAMPLERS: dict[str, Callable[[], Sampler]] = {
@@ -25,6 +25,7 @@ SAMPLERS: dict[str, Callable[[], Sampler]] = {
     "stratified": Stratified,
     "prioritized": Prioritized,
     "queue": Queue,
+    "lifo": Lifo,
     "without_replacement": WithoutReplacement,
 }
 PLACEMENTS: dict[str, Callable[[], Placement]] = {

@@ -181,7 +181,8 @@ class RoundRunner:
         alike (``Sampler.taken``)."""
         taken = self.sampler.taken(counts)
         if taken is not None and taken.any():
-            self.shard.take_oldest(int(taken[self.rank]))
+            sh = self.shard
+            (sh.take_newest if self.sampler.newest_first else sh.take_oldest)(int(taken[self.rank]))
             self.sizes = self.sizes - taken
 
     def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:

@@ -12,9 +12,9 @@ from conduit_dist.errors import EmptyStoreError
 SPEC = {"id": ((), torch.int64)}
 
 
-def _drain(rank: int, world: int, placement: str) -> list[int]:
+def _drain(rank: int, world: int, placement: str, sampler: str = "queue") -> list[int]:
     plane = cd.DataPlane(
-        cd.ExperienceSpec(SPEC), 400, sampler=cd.Queue(), placement=placement, schedule="sync"
+        cd.ExperienceSpec(SPEC), 400, sampler=sampler, placement=placement, schedule="sync"
     )
     got, t = [], 0
     for r in range(30):
@@ -70,5 +70,26 @@ def test_queue_takes_the_oldest_across_tiers():
         if r % 2:
             out += plane.fetch(4)["id"].tolist()
     assert out == list(range(12))
+    assert plane.store_stats()["taken"] == 12 and plane.store_stats()["evictions"] == 0
+    plane.close()
+
+
+def test_lifo_delivers_every_item_once_over_three_uneven_producers():
+    res = run_ranks(_drain, 3, "round_robin", "lifo", timeout_s=180)
+    put = {10_000 * r + i for r in range(3) for i in range(30 * (r + 1))}
+    delivered = [i for got in res.values() for i in got[1:]]
+    assert len(delivered) == len(set(delivered)), "an item was delivered twice"
+    assert set(delivered) <= put and len(put - set(delivered)) < 2
+
+
+@pytest.mark.parametrize("tiers", [None, [("host", 4), ("host", 8)]])
+def test_lifo_takes_the_newest_first_on_one_tier_and_across_tiers(tiers):
+    storage = cd.Tiers(tiers, gbps={"host": (1.0, 1.0)}) if tiers else None
+    plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 12, sampler=cd.Lifo(), storage=storage)
+    plane.put({"id": torch.arange(10)})
+    assert plane.fetch(3)["id"].tolist() == [9, 8, 7]
+    plane.put({"id": torch.arange(10, 12)})  # reuses the freed slots
+    assert plane.fetch(6)["id"].tolist() == [11, 10, 6, 5, 4, 3]
+    assert len(plane) == 3 and plane.fetch(3)["id"].tolist() == [2, 1, 0]
     assert plane.store_stats()["taken"] == 12 and plane.store_stats()["evictions"] == 0
     plane.close()

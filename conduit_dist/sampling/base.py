@@ -135,6 +135,7 @@ class Sampler(ABC):
     windowed: bool = False  # delivered rows are composed by gather_windows (several items)
     # all or nothing per learner, and items leave the store (queues, rollouts): see taken()
     takes: bool = False
+    newest_first: bool = False  # taken() counts items at the newest end (a LIFO)
 
     def taken(self, counts: np.ndarray) -> np.ndarray | None:
         """``int64 [world]`` oldest items each shard gives up after this round's delivery

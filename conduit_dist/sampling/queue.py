@@ -1,4 +1,4 @@
-"""A FIFO queue over the global store: every item delivered to exactly one learner, once.
+"""FIFO and LIFO queues over the global store: every item delivered to exactly one learner, once.
 
 ``allocate`` partitions the shards' items among the learners that fetch, in rank order, all or
 nothing: a learner gets its whole request (its own shard's oldest items first, then the other
@@ -8,6 +8,9 @@ learners in rank order, so every learner receives each producer's items in the o
 put; the round then takes them out of the store (``Sampler.takes``): sizes drop on every rank
 alike, with no further exchange. Items the ring overwrites before anyone took them are
 evictions (``store_stats()``).
+
+:class:`Lifo` is the same with each shard giving its newest items first (learners in rank order
+get them newest first); taking them moves the shard's write position back.
 """
 
 from __future__ import annotations
@@ -67,4 +70,18 @@ class Queue(Sampler):
         """The ``count`` oldest items (oldest first)."""
         sh = self.shard
         gens = torch.arange(sh.oldest, sh.oldest + count, dtype=torch.int64)
+        return sh.index_of(gens)
+
+
+class Lifo(Queue):
+    """Last in, first out over every shard; each item to one learner, exactly once."""
+
+    name = "lifo"
+    newest_first = True
+
+    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
+        """The ``count`` newest items (newest first)."""
+        sh = self.shard
+        end = sh.oldest + sh.size
+        gens = torch.arange(end - 1, end - 1 - count, -1, dtype=torch.int64)
         return sh.index_of(gens)

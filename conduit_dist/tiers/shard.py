@@ -63,6 +63,16 @@ class Shard:
         self.size -= n
         self.taken += n
 
+    def take_newest(self, n: int) -> None:
+        """Remove the ``n`` newest items (a LIFO delivered them): the write position moves
+        back, so their slots and generations are reused."""
+        if not 0 <= n <= self.size:
+            raise ValueError(f"take_newest: expected 0..{self.size} items, got {n}")
+        self.size -= n
+        self.written -= n
+        self.write_pos = (self.write_pos - n) % self.capacity
+        self.taken += n
+
     def receive_region(self, n: int) -> torch.Tensor | None:
         """Slots the next ``n`` items would occupy, as one contiguous view, if they do not wrap.
 

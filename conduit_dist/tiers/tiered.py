@@ -200,6 +200,19 @@ class TieredShard:
                 self.taken += k
                 n -= k
 
+    def take_newest(self, n: int) -> None:
+        """Remove the ``n`` newest items (a LIFO delivered them), from the first tier down."""
+        self.settle()
+        if not 0 <= n <= self.size:
+            raise ValueError(f"take_newest: expected 0..{self.size} items, got {n}")
+        with self._lock:
+            for ring in self.rings:
+                k = min(n, ring.size)
+                ring.size -= k
+                self.written -= k
+                self.taken += k
+                n -= k
+
     direct_views = None  # writing ahead of a round across tiers would need a demotion
 
     # ------------------------------------------------------------------ reads
