@@ -240,6 +240,11 @@ def assemble(
             f"rate_limiter: expected a conduit_dist.RateLimiter or None, got "
             f"{type(rate_limiter).__name__}"
         )
+    if rate_limiter is not None and reduce_numel:
+        raise ConfigError(
+            "rate_limiter: not with reduce_numel > 0 (a held fetch's round would average the "
+            "payload once more when it runs again)"
+        )
     spec = spec.with_version()  # every item stores its producer's policy version
     sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
     placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")

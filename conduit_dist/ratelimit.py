@@ -8,8 +8,8 @@ With ``samples_per_insert = s``, ``min_size = m`` and ``error_buffer = e`` the l
 holds.
 
 Both counts are replicated: every rank adds the round's ingested items and allocation after the
-meta exchange, so every rank admits the same requests with no extra round trip (learners in
-rank order, each all or nothing). A side that may not proceed waits *inside the round
+meta exchange, so every rank admits the same requests with no extra round trip (every fetching
+learner's request or none: learners that average gradients leave their fetches together). A side that may not proceed waits *inside the round
 protocol*: a refused fetch runs further rounds (the actors' flushes keep ingesting), a refused
 ``put`` runs ``flush`` rounds (the learners keep sampling), each until the limit lets it pass or
 ``timeout_s`` elapses, when :class:`~conduit_dist.errors.RateLimitError` names the limit that held
@@ -59,11 +59,17 @@ class RateLimiter:
                 raise ConfigError(
                     f"RateLimiter samples_per_insert: expected a number > 0 or None, got {spi!r}"
                 )
-            if error_buffer is None or not error_buffer >= max(1.0, spi):
+            ok = isinstance(error_buffer, int | float) and not isinstance(error_buffer, bool)
+            if not ok or not error_buffer >= max(1.0, spi):
                 raise ConfigError(
                     f"RateLimiter error_buffer: expected a number >= max(1, samples_per_insert) "
                     f"= {max(1.0, spi):g} with a ratio, got {error_buffer!r}"
                 )
+        elif error_buffer is not None:
+            raise ConfigError(
+                f"RateLimiter error_buffer: only with samples_per_insert, got {error_buffer!r} "
+                "without a ratio"
+            )
         self.samples_per_insert, self.min_size = samples_per_insert, min_size
         self.error_buffer, self.timeout_s = error_buffer, float(timeout_s)
         centre = (samples_per_insert or 0.0) * min_size
@@ -88,17 +94,32 @@ class RateLimiter:
         return max(0, math.floor(self.diff - self.min_diff))
 
     def admit(self, requests: np.ndarray, stored: int) -> np.ndarray:
-        """The requests the limits let through this round (learners in rank order, each all
-        or nothing); the same on every rank."""
-        out = np.zeros_like(requests)
+        """The requests the limits let through this round: every fetching learner's or none
+        (learners that average gradients must leave their fetches in the same round); the same
+        on every rank."""
         if stored < self.min_size:
-            return out
+            return np.zeros_like(requests)
         room = math.inf if self.samples_per_insert is None else self.diff - self.min_diff
-        for learner, want in enumerate(requests.tolist()):
-            if 0 < want <= room:
-                out[learner] = want
-                room -= want
-        return out
+        return requests if int(requests.sum()) <= room else np.zeros_like(requests)
+
+    def check_size(self, side: str, n: int) -> None:
+        """Refuse a fetch or put that no state of the band could ever let through.
+
+        Raises:
+            ConfigError: when ``n`` (times ``samples_per_insert`` for a put) exceeds the band's
+                width ``2 * error_buffer``.
+        """
+        if self.samples_per_insert is None:
+            return
+        need = n * (self.samples_per_insert if side == "insert" else 1.0)
+        if need > 2 * self.error_buffer:
+            what = f"samples_per_insert x {n}" if side == "insert" else f"{n}"
+            raise ConfigError(
+                f"{'put' if side == 'insert' else 'fetch'}: {what} = {need:g} is wider than the "
+                f"rate limiter's band (2 x error_buffer = {2 * self.error_buffer:g}), so it could "
+                f"never pass; use a larger error_buffer or a smaller "
+                f"{'put' if side == 'insert' else 'batch'}"
+            )
 
     def can_insert(self, n: int) -> bool:
         """Whether ``n`` more inserts keep ``diff`` at most ``max_diff``."""

@@ -93,7 +93,7 @@ class RoundRunner:
         # header: the meta values, the sampler's, this shard's size, whether a payload came
         self.fused = FusedRound(self, learners, _META + sampler.meta_width + 2)
         self._tags = sampler.trailer_bytes > 0
-        self.ages = AgeBound(spec, max_age)
+        self.ages = AgeBound(spec, max_age, device)
         self.limiter = None  # a RateLimiter (set by assembly): admits requests, counts samples
         self._windowed = sampler.windowed
 
@@ -354,6 +354,8 @@ class RoundRunner:
             "ingested": self.ingested,
             "sampler": self.sampler.state_dict(),
             "placement": self.placement.state_dict(),
+            "stale_evicted": self.ages.evicted,
+            **({"limiter": self.limiter.state_dict()} if self.limiter is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -365,6 +367,9 @@ class RoundRunner:
         self._requests = state["requests"].numpy().astype(np.int64).copy()
         self.sampler.load_state_dict(state["sampler"])
         self.placement.load_state_dict(state["placement"])
+        self.ages.evicted = int(state.get("stale_evicted", 0))
+        if self.limiter is not None and "limiter" in state:
+            self.limiter.load_state_dict(state["limiter"])
 
 
 def _between_ranks(matrix: np.ndarray) -> np.ndarray:

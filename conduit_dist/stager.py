@@ -57,6 +57,7 @@ class Stager:
         # what a producer puts: the stored fields but the "_version" the stager writes itself
         self.user_spec = ExperienceSpec([f for f in spec.fields.values() if not f.reserved])
         self.version = 0  # the policy version items are tagged with unless put says otherwise
+        self.publishes = 0  # publish_weights calls on this rank
         self.limit, self.max_lag = limit, max_lag
         writable = getattr(shard, "direct_views", None) is not None
         self.direct_ok = (world == 1 or local) and writable

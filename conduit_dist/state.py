@@ -27,6 +27,12 @@ def save(parts, spec: ExperienceSpec) -> dict[str, object]:
         "runner": parts.runner.state_dict(),
         "shard": parts.shard.state_dict(),
         "spec": spec.state_dict(),
+        # policy versions: the one this rank's puts carry, its publications, the received one
+        "versions": {
+            "put": parts.stager.version,
+            "published": parts.stager.publishes,
+            "received": parts.weights.version,
+        },
     }
 
 
@@ -58,4 +64,9 @@ def load(parts, spec: ExperienceSpec, state: dict[str, object]) -> None:
         )
     parts.shard.load_state_dict(state["shard"])
     parts.runner.load_state_dict(state["runner"])
+    versions = state.get("versions")
+    if versions is not None:
+        parts.stager.version = int(versions["put"])
+        parts.stager.publishes = int(versions["published"])
+        parts.weights.version = max(parts.weights.version, int(versions["received"]))
     parts.clock.round = r

@@ -46,13 +46,16 @@ class AgeBound:
     Args:
         spec: the stored records' spec (with ``"_version"``).
         max_age: the bound (``None``: nothing is evicted).
+        device: where the shard gathers to (the plane's device).
     """
 
-    def __init__(self, spec: ExperienceSpec, max_age: int | None) -> None:
+    def __init__(
+        self, spec: ExperienceSpec, max_age: int | None, device: torch.device | str = "cpu"
+    ) -> None:
         self.max_age = max_age
         self.evicted = 0  # items this shard evicted as stale
         self._col = spec.offsets[VERSION] // 8  # int64 column of the version in a record
-        self._rows = torch.empty(_CHUNK, spec.record_bytes, dtype=torch.uint8)
+        self._rows = torch.empty(_CHUNK, spec.record_bytes, dtype=torch.uint8, device=device)
 
     def evict(self, shard, newest: int) -> int:
         """Take the oldest items whose version is below ``newest - max_age`` out of ``shard``;
@@ -65,7 +68,7 @@ class AgeBound:
             gens = torch.arange(shard.oldest + gone, shard.oldest + gone + k, dtype=torch.int64)
             rows = self._rows[:k]
             shard.gather(shard.index_of(gens), rows)
-            fresh = (rows.view(torch.int64)[:, self._col] >= bound).nonzero()
+            fresh = (rows.view(torch.int64)[:, self._col] >= bound).nonzero().cpu()
             if fresh.numel():
                 gone += int(fresh[0, 0])
                 break

@@ -77,6 +77,21 @@ def test_endless_epochs_skip_overwritten_items_and_keep_the_rest():
     assert len(plane) == 10  # endless epochs take nothing
 
 
+def test_an_epoch_tail_is_dropped_and_counted_and_the_next_pass_starts():
+    """10 items, fetches of 3: each epoch's last item is dropped (drop_last), the pass ends
+    after its epochs, the rollout leaves the store, and the next pass serves new items."""
+    plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 32, sampler=cd.WithoutReplacement(2))
+    plane.put({"id": torch.arange(10)})
+    got = [plane.fetch(3)["id"].tolist() for _ in range(6)]  # 2 epochs x 3 fetches
+    for e in range(2):
+        epoch = sum(got[3 * e : 3 * e + 3], [])
+        assert len(set(epoch)) == 9 and set(epoch) <= set(range(10))
+    assert plane.store_stats()["dropped"] == 2 and len(plane) == 0
+    plane.put({"id": torch.arange(10, 13)})
+    assert sorted(plane.fetch(3)["id"].tolist()) == [10, 11, 12]
+    plane.close()
+
+
 def test_without_replacement_state_round_trip_continues_the_epoch(tmp_path):
     def run(restore):
         plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler=cd.WithoutReplacement(2))

@@ -55,8 +55,7 @@ def _bounded(rank: int, world: int, placement: str, sampler: str, lag: int) -> d
             except StaleDataError:  # refused, never returned: counted by the test
                 ages.append(-1)
                 continue
-            newest = plane.stats.newest
-            ages += (newest - out["_version"]).tolist()
+            ages += (version - out["_version"]).tolist()  # the test's own version counter
         else:
             plane.flush()
         version = plane.publish_weights(net)  # every learner: one version per iteration

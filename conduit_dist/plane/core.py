@@ -12,7 +12,7 @@ from torch import nn
 from conduit_dist import state
 from conduit_dist.assembly import assemble, release
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError, EmptyStoreError, RateLimitError
+from conduit_dist.errors import ConfigError, EmptyStoreError, RateLimitError, StaleDataError
 from conduit_dist.placement import Placement
 from conduit_dist.ratelimit import RateLimiter
 from conduit_dist.sampling import Sampler
@@ -108,7 +108,7 @@ class DataPlane:
         self.shard, self.sampler, self.placement = p.shard, p.sampler, p.placement
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
         self.timeline, self._p = p.timeline, p
-        self._publishes = 0  # publish_weights calls on this rank
+        self._stale_refused = 0  # rows of batches refused by check_ages (taken from the store)
 
     def __len__(self) -> int:
         """Items stored over all shards as of the latest completed round."""
@@ -150,6 +150,7 @@ class DataPlane:
         """Run ``flush`` rounds until the rate limiter lets ``n`` more items (and this rank's
         staged ones) in, or raise ``RateLimitError`` after its ``timeout_s``."""
         lim, stager = self.rate_limiter, self._p.stager
+        lim.check_size("insert", n)
         if lim.can_insert(n + stager.pending):
             return
         t0 = time.monotonic()
@@ -171,6 +172,8 @@ class DataPlane:
         the items, tagged with ``version`` as in :meth:`put`; an exception or a failed check
         stages nothing."""
         self._check_open()
+        if self.rate_limiter is not None and isinstance(n, int) and n >= 1:
+            self._wait_to_insert(n)
         return self._p.stager.staged(n, version)
 
     def fetch(
@@ -208,6 +211,10 @@ class DataPlane:
         """
         self._check_open()
         bound = check_max_age("fetch max_policy_age", max_policy_age)
+        if not isinstance(wait_s, int | float) or not wait_s >= 0 or wait_s == float("inf"):
+            raise ConfigError(f"fetch wait_s: expected a finite number >= 0, got {wait_s!r}")
+        if self.rate_limiter is not None and isinstance(batch_size, int):
+            self.rate_limiter.check_size("sample", batch_size)
         bound = self.max_policy_age if bound is None else bound
         t0, blocked = time.monotonic(), 0.0
         while True:
@@ -234,7 +241,11 @@ class DataPlane:
                 out = {**out, **self.sampler.entries(records)}
         if bound is not None:
             st = self.stats
-            check_ages(out[VERSION], st.newest, bound, self.rank, st.round)
+            try:
+                check_ages(out[VERSION], st.newest, bound, self.rank, st.round)
+            except StaleDataError:
+                self._stale_refused += int(out[VERSION].numel())
+                raise
         return out
 
     def update_priorities(self, index: torch.Tensor, priority: torch.Tensor) -> None:
@@ -323,11 +334,14 @@ class DataPlane:
                 f"publish_weights: rank {self.rank} is an actor; learners "
                 f"{list(self.learner_ranks)} publish, actors pull_weights"
             )
-        self._publishes += 1
+        stager = self._p.stager
+        stager.publishes += 1
         if self.rank == self.learner_ranks[0]:
             self._p.weights.publish(_unwrap(module))
-        version = self._p.weights.version if self.rank == self.learner_ranks[0] else self._publishes
-        self._p.stager.version = version
+        version = (
+            self._p.weights.version if self.rank == self.learner_ranks[0] else stager.publishes
+        )
+        stager.version = version
         return version
 
     def pull_weights(self, module: nn.Module) -> int:
@@ -351,6 +365,7 @@ class DataPlane:
         dropped at staging, also shown alone), without waiting for a running round."""
         out = {**self._p.store_stats(), **self.sampler.stats()}
         out["stale_evicted"] = self._p.runner.ages.evicted
+        out["stale_refused"] = self._stale_refused
         if self.rate_limiter is not None:
             lim = self.rate_limiter
             out.update(

@@ -162,6 +162,7 @@ class PPOTrainer:
             self.plane.wait()
             return
         self.plane.flush()  # ingests the rollout (the learner's first fetch waits for it)
+        self.plane.wait()  # every actor pulls after the same round: rollouts arrive together
         while self.plane.pull_weights(self.agent.net) < version:
             self.plane.flush()
             self.plane.wait()
@@ -182,7 +183,7 @@ class PPOTrainer:
             t0 = time.perf_counter()
             batch = self.plane.fetch(self.minibatch, more=k < n - 1, wait_s=wait_s if k == 0 else 0)
             window.exposed_ms.append((time.perf_counter() - t0) * 1e3)
-            ages = (self.plane.stats.newest - batch["_version"]).tolist()
+            ages = (self.version - batch["_version"]).tolist()  # against this learner's own
             window.ages += ages
             self.max_age = max(self.max_age, *ages)
             loss = self.agent.loss(batch)

@@ -9,9 +9,11 @@ item crosses a link). Each learner's stream is ``epochs`` permutations of its bl
 permutes the whole pass each epoch and deals it out in blocks (an item may go to another learner
 each epoch: the measured cost is in ``bench ppo``). Every fetch takes the next ``batch_size``
 positions of its learner's stream, all or nothing, and never spans two epochs (an epoch's last
-positions, fewer than asked, are dropped and counted, as ``drop_last`` does); a learner whose
-stream is done gets nothing (its fetch raises ``EmptyStoreError``) until every learner's is,
-when the pass ends.
+positions, fewer than asked or too many of them overwritten, are dropped and counted, as
+``drop_last`` does, and the fetch is served from the next epoch); a learner whose stream is done
+gets nothing (its fetch raises ``EmptyStoreError``) until every learner's is, when the pass
+ends. A pass of which nothing could be delivered (every fetch larger than an epoch of its
+learner's block) ends without taking anything; the next starts over what is stored then.
 
 ``epochs=k``: the pass's items leave the store when it ends (a PPO rollout: each item to one
 learner, ``k`` times, then gone). ``epochs=None``: one epoch per pass and nothing is taken
@@ -98,6 +100,7 @@ class WithoutReplacement(Sampler):
             "cursor": np.zeros(k, dtype=np.int64),
             "length": (bounds[1:] - bounds[:-1]) * epochs,
             "id": np.array([self.passes]),
+            "delivered": np.zeros(1, dtype=np.int64),
         }
         self.passes += 1
 
@@ -139,38 +142,59 @@ class WithoutReplacement(Sampler):
             if want <= 0 or not hit.size:
                 continue
             i = int(hit[0])
-            cur, end = int(p["cursor"][i]), int(p["length"][i])
-            block = int(p["bounds"][i + 1] - p["bounds"][i])
-            e_end = min((cur // block + 1) * block, end) if block else end
-            dropped = 0
-            if e_end - cur < want and e_end < end:  # a batch never spans two epochs
-                dropped, cur = e_end - cur, e_end
-                e_end = min(cur + block, end)
-            gens, shards, skipped = [], [], 0
-            while want and cur < e_end:  # skip items the ring overwrote, never replace them
-                pos = self._stream(i, cur, min(cur + want, e_end))
-                shard = np.searchsorted(offsets, pos, side="right") - 1
-                gen = p["first"][shard] + (pos - offsets[shard])
-                live = gen >= oldest[shard]
-                cur += pos.size
-                skipped += int((~live).sum())
-                gens.append(gen[live])
-                shards.append(shard[live])
-                want -= int(live.sum())
-            if want:  # not enough left in this epoch of its stream: nothing taken for it
+            got = self._next(i, want, offsets, oldest)
+            if got is None:  # nothing left in its stream that fills the fetch
                 continue
-            self.dropped += dropped
-            p["cursor"][i] = cur
-            self.skipped += skipped
+            gens, shards = got
             gen, shard = np.concatenate(gens), np.concatenate(shards)
             counts[learner] = np.bincount(shard, minlength=world)
             mine.append(gen[shard == self.ctx.rank])
+            p["delivered"][0] += gen.size
         self._mine = torch.from_numpy(np.concatenate(mine) if mine else np.zeros(0, np.int64))
         if (p["cursor"] >= p["length"]).all():  # the pass is over
-            if self.epochs is not None:  # its live items (the oldest) leave the store
+            # its live items (the oldest) leave the store, unless nothing of it was delivered
+            # (every learner asked for more than one epoch of its block holds)
+            if self.epochs is not None and p["delivered"][0]:
                 self._taken = np.maximum(p["first"] + p["count"] - oldest, 0)
             self._pass = None
         return counts
+
+    def _next(self, i: int, want: int, offsets: np.ndarray, oldest: np.ndarray):
+        """Learner ``i``'s next ``want`` live items from one epoch of its stream, as
+        ``(generations, shards)`` lists, advancing its cursor; an epoch's tail that cannot fill
+        the fetch (too few positions, or too many overwritten) is dropped and counted, and the
+        next epoch is tried; ``None`` once the stream is over."""
+        p = self._pass
+        cur, end = int(p["cursor"][i]), int(p["length"][i])
+        block = int(p["bounds"][i + 1] - p["bounds"][i])
+        got = None
+        while block and cur < end and got is None:
+            e_end = min((cur // block + 1) * block, end)
+            if e_end - cur < want:  # a batch never spans two epochs: the tail is dropped
+                self.dropped += e_end - cur
+                cur = e_end
+                continue
+            gens, shards, need, c = [], [], want, cur
+            while need and c < e_end:  # skip items the ring overwrote, never replace them
+                pos = self._stream(i, c, min(c + need, e_end))
+                shard = np.searchsorted(offsets, pos, side="right") - 1
+                gen = p["first"][shard] + (pos - offsets[shard])
+                live = gen >= oldest[shard]
+                c += pos.size
+                self.skipped += int((~live).sum())
+                gens.append(gen[live])
+                shards.append(shard[live])
+                need -= int(live.sum())
+            if need:  # overwritten items left the tail short: its live ones are dropped
+                self.dropped += want - need
+            else:
+                got = gens, shards
+            cur = c
+        if got is not None and 0 < end - cur < want:  # the last epoch's tail: a fetch of the
+            self.dropped += end - cur  # same size cannot be served, so the stream ends now
+            cur = end
+        p["cursor"][i] = end if not block else cur
+        return got
 
     def taken(self, counts: np.ndarray) -> np.ndarray | None:
         """``[world]`` items each shard gives up this round: a finished pass's (``epochs``)."""

@@ -25,6 +25,7 @@ class Shard:
         self.size = 0
         self.written = 0  # items ever written (the next item's generation)
         self.taken = 0  # items a queue took out
+        self.retracted = 0  # of those, taken at the newest end (their generations are reused)
 
     @property
     def oldest(self) -> int:
@@ -72,6 +73,7 @@ class Shard:
         self.written -= n
         self.write_pos = (self.write_pos - n) % self.capacity
         self.taken += n
+        self.retracted += n
 
     def receive_region(self, n: int) -> torch.Tensor | None:
         """Slots the next ``n`` items would occupy, as one contiguous view, if they do not wrap.
@@ -138,7 +140,7 @@ class Shard:
         return {
             "tiers": tiers,
             "demotions": 0,
-            "evictions": max(0, self.written - self.size - self.taken),
+            "evictions": self.written + self.retracted - self.size - self.taken,
             "taken": self.taken,
             "demotion_wait_ms": 0.0,
         }
@@ -181,6 +183,7 @@ class Shard:
             "size": self.size,
             "written": self.written,
             "taken": self.taken,
+            "retracted": self.retracted,
             "tier": self.tier.state_dict(),
         }
 
@@ -195,3 +198,4 @@ class Shard:
             int(state["written"]),
         )
         self.taken = int(state.get("taken", 0))
+        self.retracted = int(state.get("retracted", 0))
