@@ -9,11 +9,14 @@ holds.
 
 Both counts are replicated: every rank adds the round's ingested items and allocation after the
 meta exchange, so every rank admits the same requests with no extra round trip (every fetching
-learner's request or none: learners that average gradients leave their fetches together). A side that may not proceed waits *inside the round
-protocol*: a refused fetch runs further rounds (the actors' flushes keep ingesting), a refused
-``put`` runs ``flush`` rounds (the learners keep sampling), each until the limit lets it pass or
-``timeout_s`` elapses, when :class:`~conduit_dist.errors.RateLimitError` names the limit that held
-it and the counts. Time blocked per side is counted (``store_stats()``).
+learner's request or none: learners that average gradients leave their fetches together). A side
+that may not proceed waits *inside the round protocol*: a refused fetch runs further rounds (the
+actors' flushes keep ingesting), a refused ``put`` runs ``flush`` rounds (the learners keep
+sampling), each until the limit lets it pass or ``timeout_s`` elapses, when
+:class:`~conduit_dist.errors.RateLimitError` names the limit that held it and the counts. Time
+blocked per side is counted (``store_stats()``). A put (times ``samples_per_insert``) or fetch
+wider than the band (``2 * error_buffer``) could never pass and is refused (``ConfigError``); a
+put and a fetch that together exceed it can hold each other until the timeout.
 
 The insert side sees the global inserts as of the latest round plus its own staged items: other
 actors' puts of the same round can overshoot ``max_diff`` by at most one round's puts.

@@ -84,7 +84,7 @@ def test_an_epoch_tail_is_dropped_and_counted_and_the_next_pass_starts():
     plane.put({"id": torch.arange(10)})
     got = [plane.fetch(3)["id"].tolist() for _ in range(6)]  # 2 epochs x 3 fetches
     for e in range(2):
-        epoch = sum(got[3 * e : 3 * e + 3], [])
+        epoch = [i for batch in got[3 * e : 3 * e + 3] for i in batch]
         assert len(set(epoch)) == 9 and set(epoch) <= set(range(10))
     assert plane.store_stats()["dropped"] == 2 and len(plane) == 0
     plane.put({"id": torch.arange(10, 13)})
