@@ -6,7 +6,10 @@ One file in CleanRL's ``ppo.py`` manner (written for this project, same hyperpar
 ``conf/algo/ppo.yaml``): 4 envs, 128 steps, 4 epochs of 4 minibatches, lr 2.5e-4 annealed,
 GAE 0.95, clip 0.2, entropy 0.01, value 0.5 (clipped), grad norm 0.5, 64x64 tanh networks. The
 rollout lives in preallocated tensors and minibatches are index slices of a permutation: no
-data plane. Prints a JSON line last: wall time, env steps, the last-100 mean return.
+data plane. The networks, GAE and loss are the project's own (``conduit_dist.rl.ppo``), so the
+comparison times the loop around them; like the trainer, GAE bootstraps a truncated episode from
+its final observation's value (CleanRL treats truncation as termination). Prints a JSON line
+last: wall time, env steps, the last-100 mean return.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from torch import nn
-from torch.distributions import Categorical
 
-from conduit_dist.rl.ppo import ActorCritic, gae
+from conduit_dist.rl.ppo import ActorCritic, gae, ppo_loss
 
 
 def main() -> None:
@@ -84,14 +86,9 @@ def main() -> None:
             perm = torch.randperm(size, generator=gen)
             for mb in perm.split(size // mbs):
                 logits, value = net(b_obs[mb])
-                d = Categorical(logits=logits)
-                ratio = torch.exp(d.log_prob(b_act[mb]) - b_logp[mb])
-                a = b_adv[mb]
-                a = (a - a.mean()) / (a.std() + 1e-8)
-                pg = torch.max(-a * ratio, -a * ratio.clamp(1 - clip, 1 + clip)).mean()
-                vc = b_val[mb] + (value - b_val[mb]).clamp(-clip, clip)
-                v = 0.5 * torch.max((value - b_ret[mb]) ** 2, (vc - b_ret[mb]) ** 2).mean()
-                loss = pg - ent * d.entropy().mean() + vf * v
+                old = {"action": b_act[mb], "logp": b_logp[mb], "adv": b_adv[mb]}
+                old.update(ret=b_ret[mb], value=b_val[mb])
+                loss, _ = ppo_loss(logits, value, old, clip, ent, vf)
                 opt.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(net.parameters(), 0.5)

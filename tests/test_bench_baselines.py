@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import conduit_dist as cd
-from conduit_dist.bench import latency, store
+from conduit_dist.bench import latency, ppo, store
 from conduit_dist.rl.buffers import SimpleBuffer
 
 # batch sizes that land on the end of the buffer exactly (3 + 4 + 3 = 10), wrap mid-batch,
@@ -202,3 +202,19 @@ def test_latency_rejects_bad_flags_at_parse_time(argv, flag, received, capsys):
 def test_latency_defaults_parse(tmp_path):
     a = latency.parse_args(["--out", str(tmp_path / "p.png"), "--dqn-iters", "0"])
     assert a.out.endswith("p.png") and a.dqn_iters == 0
+
+
+@pytest.mark.parametrize(
+    "argv, flag, received",
+    [
+        (["--items", "8"], "--items", "8"),
+        (["--iters", "1"], "--iters", "1"),
+        (["--compute-ms", "-1"], "--compute-ms", "-1"),
+        (["--items", "100", "--minibatches", "8"], "--items", "100"),
+    ],
+)
+def test_ppo_bench_rejects_bad_flags_at_parse_time(argv, flag, received, capsys):
+    with pytest.raises(SystemExit):
+        ppo.parse_args(argv)
+    err = capsys.readouterr().err
+    assert flag in err and "expected" in err and received in err
