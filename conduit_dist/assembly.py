@@ -303,7 +303,15 @@ def assemble(
         timeline = Timeline(ex.rank, enabled=trace)
         limit = capacity * ex.world
         stager = Stager(
-            stored, shard, ex.world, limit, sched, max_lag, timeline, device, local=runner.fusable
+            stored,
+            shard,
+            ex.world,
+            limit,
+            sched,
+            max_lag,
+            timeline,
+            device,
+            local=placement.keeps_local and device.type == "cpu",
         )
         clock = RoundClock(stager, weights, sched, timeline, device)
         control = OverlapController(

@@ -255,7 +255,8 @@ class RoundRunner:
             stale = self.ages.evict(self.shard, t.newest)
             self.ages.drop_staged(t.staged, t.newest)  # ingested after the meta: fresh only
             self.ages.drop_staged(t.device_staged, t.newest)
-        local[:_META] = (t.count, t.request, t.weights.version, t.weights.nbytes, stale)
+        n = t.count + t.direct  # direct: written into this shard's slots by put (local placement)
+        local[:_META] = (n, t.request, t.weights.version, t.weights.nbytes, stale)
         local[_META:] = self.sampler.local_meta(self.shard)
         pending = self.exchange.all_gather_start(self._meta_local, t.round)
         try:
@@ -291,7 +292,9 @@ class RoundRunner:
         plan = self.placement.plan(counts, self._requests, self.sizes, self.shard.capacity)
         inflow = plan.sum(axis=0)
         n_in = int(inflow[self.rank])
-        if plan.any():
+        if t.direct:  # put wrote them into the slots (items that stay local): counted now
+            self.shard.commit(t.direct)
+        if plan.any():  # every rank runs the exchange or none does (plan is replicated)
             inp = self._staged_rows(t)
             if not _between_ranks(plan).any():
                 self.shard.append(inp)  # every item stays put (known on every rank): no exchange
