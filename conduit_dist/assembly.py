@@ -311,7 +311,10 @@ def assemble(
             max_lag,
             timeline,
             device,
-            local=placement.keeps_local and device.type == "cpu",
+            # items that stay local are written into the shard's slots by put; a general
+            # round with an age bound stages them instead (it filters them before ingesting)
+            local=runner.fusable
+            or (placement.keeps_local and device.type == "cpu" and max_policy_age is None),
         )
         clock = RoundClock(stager, weights, sched, timeline, device)
         control = OverlapController(

@@ -13,8 +13,8 @@ from conduit_dist.errors import ConfigError
     "cfg, message",
     [
         (
-            TrainConfig(algo=AlgoConfig(name="ppo")),
-            r"algo.name: expected one of \['dqn'\], got 'ppo'",
+            TrainConfig(algo=AlgoConfig(name="sac")),
+            r"algo.name: expected one of \['dqn', 'ppo'\], got 'sac'",
         ),
         (TrainConfig(plane=PlaneConfig(sampler="exact")), "plane.sampler: expected one of"),
         (TrainConfig(plane=PlaneConfig(max_lag=3)), r"plane.max_lag: expected one of \[0, 1\]"),
