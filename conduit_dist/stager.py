@@ -3,11 +3,13 @@
 Items put between two rounds are staged in one of two host buffers (pinned on CUDA machines) that
 the next round ingests, so ``put`` never waits for a collective; on CUDA, items put from GPU
 tensors go to one of two device buffers instead (packed there, no host round trip). At world
-size 1, and on one-exchange planes (items stay where they were put), over one tier, ``put``
-writes straight into the shard's slots (no second copy): the slots count from the next round on,
-as staged items do. Staging is bounded by the global store's
-capacity: items beyond it would be evicted by the next round anyway, so ``put`` drops the oldest
-staged items first (counted in ``dropped``), and ``staged`` refuses a block that does not fit.
+size 1, and where items stay where they were put (one-exchange planes; CPU planes with ``local``
+placement and no age bound), over one tier, ``put`` writes straight into the shard's slots (no
+second copy): the slots count from the next round on, as staged items do. Every item is tagged
+with its policy version (the reserved ``"_version"`` field). Staging is bounded by the global
+store's capacity: items beyond it would be evicted by the next round anyway, so ``put`` drops
+the oldest staged items first (counted in ``dropped``), and ``staged`` refuses a block that does
+not fit.
 """
 
 from __future__ import annotations

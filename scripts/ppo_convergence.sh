@@ -4,7 +4,7 @@
 # bash scripts/ppo_convergence.sh [OUT_DIR]   -> OUT_DIR/*.json, one summary per run, and a
 # JSON line last with the medians.
 set -euo pipefail
-out=${1:-runs/ppo_convergence}
+out=${1:-outputs/ppo_convergence}
 mkdir -p "$out"
 common=(experiment=cartpole_ppo logger=console plane.calibrate=false)
 for seed in 0 1 2; do
