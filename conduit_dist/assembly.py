@@ -311,10 +311,9 @@ def assemble(
             max_lag,
             timeline,
             device,
-            # items that stay local are written into the shard's slots by put; a general
-            # round with an age bound stages them instead (it filters them before ingesting)
-            local=runner.fusable
-            or (placement.keeps_local and device.type == "cpu" and max_policy_age is None),
+            # items that stay local are written into the shard's slots by put (a general round
+            # with an age bound filters them there before ingesting)
+            local=runner.fusable or (placement.keeps_local and device.type == "cpu"),
         )
         clock = RoundClock(stager, weights, sched, timeline, device)
         control = OverlapController(

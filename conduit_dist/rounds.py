@@ -253,6 +253,7 @@ class RoundRunner:
             t.pack_deferred(self.spec)
             self.shard.settle()
             stale = self.ages.evict(self.shard, t.newest)
+            t.direct = self.ages.drop_direct(self.shard, t.direct, t.newest)
             self.ages.drop_staged(t.staged, t.newest)  # ingested after the meta: fresh only
             self.ages.drop_staged(t.device_staged, t.newest)
         n = t.count + t.direct  # direct: written into this shard's slots by put (local placement)

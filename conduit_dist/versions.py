@@ -78,6 +78,27 @@ class AgeBound:
             self.evicted += gone
         return gone
 
+    def drop_direct(self, shard, n: int, newest: int) -> int:
+        """Of ``n`` items ``put`` wrote straight into the slots ahead of ``shard``'s write
+        position, keep those at or above the bound, moved to the front in order; returns how
+        many remain (a general round ingests only those). Reads only the version column unless
+        one is stale."""
+        if self.max_age is None or not n or newest - self.max_age <= 0:
+            return n
+        bound = newest - self.max_age
+        skip, views = shard.direct_views(0, n)
+        cols = [v.view(torch.int64)[:, self._col] for v in views]
+        if skip or all(bool((c >= bound).all()) for c in cols):
+            return n  # (more than the ring holds: the newest are kept as they are)
+        fresh = torch.cat([v[c >= bound] for v, c in zip(views, cols, strict=True)])
+        k = fresh.shape[0]
+        at = 0
+        for v in shard.direct_views(0, k)[1]:
+            v.copy_(fresh[at : at + v.shape[0]])
+            at += v.shape[0]
+        self.evicted += n - k
+        return k
+
     def drop_staged(self, buf, newest: int) -> int:
         """Drop staged rows (a ``RecordBuffer``, packed) whose version is below the bound, in
         place, keeping the others in order; returns how many (rounds that ingest after their
