@@ -16,6 +16,7 @@ from conduit_dist.collectives.strategies import NAMES as STRATEGY_NAMES
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.sampling import Prioritized, Sampler, SamplerContext, Uniform
+from conduit_dist.sampling.epochs import SHUFFLES as _SHUFFLES
 from conduit_dist.sampling.epochs import WithoutReplacement
 from conduit_dist.sampling.queue import Lifo, Queue
 from conduit_dist.sampling.stratified import Stratified
@@ -42,9 +43,9 @@ MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one 
 MODES = ("colocated", "disaggregated")
 PLANE_KINDS = ("conduit", "simple")
 ALGOS = ("dqn", "ppo")
-SHUFFLES = ("local", "global")  # algo.ppo.shuffle (cd.WithoutReplacement)
 # how learners average gradients: in the data plane's round, or DDP with a GradSync bucket hook
 GRAD_SYNCS = ("auto", "round", "allreduce", "all_to_all")
+SHUFFLES = _SHUFFLES  # algo.ppo.shuffle: cd.WithoutReplacement's shuffles
 LOGGERS = ("wandb", "console", "none")
 LOGGER_MODES = ("offline", "online", "disabled")
 

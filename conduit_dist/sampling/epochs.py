@@ -32,7 +32,7 @@ import torch
 from conduit_dist.errors import ConfigError
 from conduit_dist.sampling.base import Sampler, mix, proportional
 
-SHUFFLES = ("local", "global")  # registry.SHUFFLES names the same
+SHUFFLES = ("local", "global")  # also algo.ppo.shuffle's values (registry.SHUFFLES)
 
 
 class WithoutReplacement(Sampler):
@@ -68,6 +68,7 @@ class WithoutReplacement(Sampler):
         self._end: np.ndarray | None = None  # [world] generations ingested per shard
         self._pass: dict[str, np.ndarray] | None = None
         self._mine = torch.empty(0, dtype=torch.int64)  # this shard's draws, learner order
+        self._orders: dict[int, tuple[tuple[int, int], np.ndarray]] = {}  # learner: its epoch
 
     def bind(self, ctx) -> None:
         """Attach to a plane; every shard starts at generation 0."""
@@ -104,22 +105,23 @@ class WithoutReplacement(Sampler):
         }
         self.passes += 1
 
-    def _stream(self, i: int, lo: int, hi: int) -> np.ndarray:
-        """Global positions ``lo..hi`` of learner ``i``'s stream (over its epochs)."""
+    def _order(self, i: int, epoch: int) -> np.ndarray:
+        """Global positions of learner ``i``'s block in ``epoch``'s order (kept per learner
+        while its fetches walk the epoch)."""
         p = self._pass
+        key = (int(p["id"][0]), epoch)
+        hit = self._orders.get(i)
+        if hit is not None and hit[0] == key:
+            return hit[1]
         b0, b1 = int(p["bounds"][i]), int(p["bounds"][i + 1])
-        block, total = b1 - b0, int(p["count"].sum())
-        out = []
-        for epoch in range(lo // block, (hi - 1) // block + 1):
-            key = mix(self.ctx.seed, int(p["id"][0]), epoch, i if self.shuffle == "local" else -1)
-            rng = np.random.Generator(np.random.PCG64(key))
-            if self.shuffle == "local":
-                order = b0 + rng.permutation(block)
-            else:
-                order = rng.permutation(total)[b0:b1]
-            a, z = max(lo - epoch * block, 0), min(hi - epoch * block, block)
-            out.append(order[a:z])
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        seed = mix(self.ctx.seed, key[0], epoch, i if self.shuffle == "local" else -1)
+        rng = np.random.Generator(np.random.PCG64(seed))
+        if self.shuffle == "local":
+            order = b0 + rng.permutation(b1 - b0)
+        else:
+            order = rng.permutation(int(p["count"].sum()))[b0:b1]
+        self._orders[i] = (key, order)
+        return order
 
     def allocate(
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
@@ -175,8 +177,9 @@ class WithoutReplacement(Sampler):
                 cur = e_end
                 continue
             gens, shards, need, c = [], [], want, cur
+            order, e0 = self._order(i, cur // block), cur // block * block
             while need and c < e_end:  # skip items the ring overwrote, never replace them
-                pos = self._stream(i, c, min(c + need, e_end))
+                pos = order[c - e0 : min(c + need, e_end) - e0]
                 shard = np.searchsorted(offsets, pos, side="right") - 1
                 gen = p["first"][shard] + (pos - offsets[shard])
                 live = gen >= oldest[shard]
