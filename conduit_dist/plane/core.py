@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -12,8 +11,9 @@ from torch import nn
 from conduit_dist import state
 from conduit_dist.assembly import assemble, release
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError, EmptyStoreError, RateLimitError, StaleDataError
+from conduit_dist.errors import ConfigError, StaleDataError
 from conduit_dist.placement import Placement
+from conduit_dist.plane.waiting import fetch_records, wait_to_insert
 from conduit_dist.ratelimit import RateLimiter
 from conduit_dist.sampling import Sampler
 from conduit_dist.sched import FetchTiming, fetch_timing
@@ -146,26 +146,6 @@ class DataPlane:
             self._wait_to_insert(self._p.stager.user_spec.validate(batch))
         self._p.stager.put(batch, donate, version)
 
-    def _wait_to_insert(self, n: int) -> None:
-        """Run ``flush`` rounds until the rate limiter lets ``n`` more items (and this rank's
-        staged ones) in, or raise ``RateLimitError`` after its ``timeout_s``."""
-        lim, stager = self.rate_limiter, self._p.stager
-        lim.check_size("insert", n)
-        if lim.can_insert(n + stager.pending):
-            return
-        t0 = time.monotonic()
-        try:
-            while not lim.can_insert(n + stager.pending):
-                if time.monotonic() - t0 > lim.timeout_s:
-                    raise RateLimitError(
-                        f"put on rank {self.rank}: waited {lim.timeout_s:g} s, held by "
-                        + lim.holds("insert", n, len(self))
-                    )
-                self._p.control.flush()
-                self._p.control.wait()
-        finally:
-            lim.blocked_s["insert"] += time.monotonic() - t0
-
     def staged(self, n: int, *, version: int | None = None):
         """``with plane.staged(n) as rows:`` writable, uninitialised views (``name -> [n, ...]``)
         into staging rows; see ``Stager.staged``. Leaving the block checks NaN/inf and stages
@@ -216,23 +196,9 @@ class DataPlane:
         if self.rate_limiter is not None and isinstance(batch_size, int):
             self.rate_limiter.check_size("sample", batch_size)
         bound = self.max_policy_age if bound is None else bound
-        t0, blocked = time.monotonic(), 0.0
-        while True:
-            try:
-                records = self._p.control.fetch(batch_size, more, reduce)
-                break
-            except RateLimitError as e:  # rounds go on, so the actors can insert
-                blocked = time.monotonic() - t0
-                if blocked >= self.rate_limiter.timeout_s:
-                    self.rate_limiter.blocked_s["sample"] += blocked
-                    raise RateLimitError(f"{e}; waited {blocked:.1f} s") from None
-            except EmptyStoreError as e:
-                if time.monotonic() - t0 >= wait_s:
-                    if wait_s:
-                        raise EmptyStoreError(f"{e} (waited {wait_s:g} s)") from None
-                    raise
-        if blocked:
-            self.rate_limiter.blocked_s["sample"] += blocked
+        records = fetch_records(
+            self._p.control, batch_size, more, reduce, wait_s, self.rate_limiter
+        )
         if self.sampler.windowed:  # sequences, n-step: composed rows (a copy)
             out = self.sampler.unpack(records)
         else:
@@ -408,6 +374,10 @@ class DataPlane:
         world size or spec, or ranks at different rounds."""
         self._check_open()
         state.load(self._p, self.spec, saved)
+
+    def _wait_to_insert(self, n: int) -> None:
+        p = self._p
+        wait_to_insert(p.control, p.stager, self.rate_limiter, n, self.rank, self.__len__)
 
     def _check_open(self) -> None:
         if self._closed:
