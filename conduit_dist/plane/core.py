@@ -304,11 +304,10 @@ class DataPlane:
         stager.publishes += 1
         if self.rank == self.learner_ranks[0]:
             self._p.weights.publish(_unwrap(module))
-        version = (
-            self._p.weights.version if self.rank == self.learner_ranks[0] else stager.publishes
-        )
-        stager.version = version
-        return version
+            stager.version = self._p.weights.version
+        else:
+            stager.version = stager.publishes
+        return stager.version
 
     def pull_weights(self, module: nn.Module) -> int:
         """Load the latest weights received into ``module``; returns their version (0: none yet),

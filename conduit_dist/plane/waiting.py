@@ -22,23 +22,22 @@ def fetch_records(
         EmptyStoreError: still nothing to deliver after ``wait_s``.
     """
     t0, blocked = time.monotonic(), 0.0
-    while True:
-        try:
-            records = control.fetch(batch_size, more, reduce)
-            break
-        except RateLimitError as e:  # rounds go on, so the actors can insert
-            blocked = time.monotonic() - t0
-            if blocked >= limiter.timeout_s:
-                limiter.blocked_s["sample"] += blocked
-                raise RateLimitError(f"{e}; waited {blocked:.1f} s") from None
-        except EmptyStoreError as e:
-            if time.monotonic() - t0 >= wait_s:
-                if wait_s:
-                    raise EmptyStoreError(f"{e} (waited {wait_s:g} s)") from None
-                raise
-    if blocked:
-        limiter.blocked_s["sample"] += blocked
-    return records
+    try:
+        while True:
+            try:
+                return control.fetch(batch_size, more, reduce)
+            except RateLimitError as e:  # rounds go on, so the actors can insert
+                blocked = time.monotonic() - t0
+                if blocked >= limiter.timeout_s:
+                    raise RateLimitError(f"{e}; waited {blocked:.1f} s") from None
+            except EmptyStoreError as e:
+                if time.monotonic() - t0 >= wait_s:
+                    if wait_s:
+                        raise EmptyStoreError(f"{e} (waited {wait_s:g} s)") from None
+                    raise
+    finally:
+        if blocked:  # up to the end of the last held round
+            limiter.blocked_s["sample"] += blocked
 
 
 def wait_to_insert(control, stager, limiter, n: int, rank: int, stored) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from conduit_dist.config import AlgoConfig
 from conduit_dist.rl.grad_sync import GradSync
+from conduit_dist.rl.grad_sync import flat_grads as flat_buffer
 
 
 class QNetwork(nn.Module):
@@ -73,12 +74,7 @@ class DQN:
         self.last_td: torch.Tensor | None = None  # |TD error| of the latest weighted loss
         self.flat: torch.Tensor | None = None  # flat gradient buffer (flat_grads)
         if flat_grads:
-            params = list(self.q.parameters())
-            self.flat = torch.zeros(sum(p.numel() for p in params))
-            at = 0
-            for p in params:  # backward accumulates into these views in place
-                p.grad = self.flat[at : at + p.numel()].view_as(p)
-                at += p.numel()
+            self.flat = flat_buffer(list(self.q.parameters()))
 
     def epsilon(self, env_steps: int) -> float:
         """Linearly decayed exploration rate at ``env_steps`` (all ranks)."""

@@ -22,6 +22,17 @@ from conduit_dist.registry import GRAD_SYNCS, check_choice
 SMALL_BUCKET_BYTES = 1 << 20  # auto: buckets up to this size (per rank) go through all_to_all
 
 
+def flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
+    """One zeroed buffer holding every parameter's ``.grad`` as a view (backward accumulates into
+    it in place), for averaging all gradients in one collective."""
+    flat = torch.zeros(sum(p.numel() for p in params))
+    at = 0
+    for p in params:
+        p.grad = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+    return flat
+
+
 class GradSync:
     """Averages gradient buckets over a DDP group and times each collective.
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conduit_dist.config import AlgoConfig
-from conduit_dist.rl.grad_sync import GradSync
+from conduit_dist.rl.grad_sync import GradSync, flat_grads
 
 
 def _layer(n_in: int, n_out: int, std: float) -> nn.Linear:
@@ -159,12 +159,7 @@ class PPO:
         self.net = ActorCritic(obs_dim, n_actions, list(cfg.hidden))
         self.learner: nn.Module = self.net
         self.grad_sync: GradSync | None = None
-        params = list(self.net.parameters())
-        self.flat = torch.zeros(sum(p.numel() for p in params))
-        at = 0
-        for p in params:  # backward accumulates into views of one flat buffer
-            p.grad = self.flat[at : at + p.numel()].view_as(p)
-            at += p.numel()
+        self.flat = flat_grads(list(self.net.parameters()))
         if ddp_group is not None:
             mode = cfg.grad_sync if cfg.grad_sync in ("all_to_all", "allreduce") else "auto"
             self.grad_sync = GradSync(ddp_group, mode)

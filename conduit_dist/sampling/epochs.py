@@ -75,10 +75,6 @@ class WithoutReplacement(Sampler):
         super().bind(ctx)
         self._end = np.zeros(ctx.world, dtype=np.int64)
 
-    def attach(self, shard, spec) -> None:
-        """Read the shard's slots by generation."""
-        self.shard = shard
-
     def ingested(self, inflow: np.ndarray) -> None:
         """Items each shard took in this round (replicated)."""
         self._end += inflow.astype(np.int64)

@@ -99,7 +99,6 @@ class Prioritized(Sampler):
         self.max_priority = float(initial_priority)  # over the global store, as known here
         self.global_min = math.inf  # smallest mass over the global store, latest round
         self.tree: SumTree | None = None
-        self.shard = None
         self.updates: UpdateQueue | None = None  # built at bind (it needs the world)
         self.applied = self.dropped = 0
 

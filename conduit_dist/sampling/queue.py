@@ -62,10 +62,6 @@ class Queue(Sampler):
         """Size-proportional (what a queue drains depends on what is left)."""
         return proportional(requests, sizes)
 
-    def attach(self, shard, spec) -> None:
-        """Read the shard's oldest items."""
-        self.shard = shard
-
     def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
         """The ``count`` oldest items (oldest first)."""
         sh = self.shard
