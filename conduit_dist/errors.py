@@ -54,3 +54,9 @@ class StaleDataError(RuntimeError):
 class RateLimitError(RuntimeError):
     """A ``fetch`` or ``put`` waited longer than its rate limiter's ``timeout_s``; the message
     names the limit that held it and the global counts."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or restored: torn or corrupted files (named), ranks
+    that disagree, a background write that failed (raised at the next call), or no checkpoint
+    where one was asked for."""

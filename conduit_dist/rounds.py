@@ -362,6 +362,20 @@ class RoundRunner:
             **({"limiter": self.limiter.state_dict()} if self.limiter is not None else {}),
         }
 
+    def restore(self, state: dict[str, object], sizes: np.ndarray, exact: bool) -> None:
+        """After a checkpoint restore (``checkpoint/restore.py``): every shard's new size, the
+        items ingested and the rate limiter's counts (global), the stale evictions (this
+        rank's, on the same world size); the next round sizes its candidates afresh."""
+        self.sizes, self.published = sizes.copy(), sizes.copy()
+        self.ingested = int(state["ingested"])
+        self._requests = np.zeros(self.world, dtype=np.int64)
+        self._inflow = np.zeros(self.world, dtype=np.int64)
+        self.fused.cand = np.zeros((self.world, self.world), dtype=np.int64)
+        self.fused.alloc = None
+        self.ages.evicted = int(state.get("stale_evicted", 0)) if exact else 0
+        if self.limiter is not None and "limiter" in state:
+            self.limiter.load_state_dict(state["limiter"])
+
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore from :meth:`state_dict` (same world size; checked by the caller)."""
         self.sizes = state["sizes"].numpy().astype(np.int64).copy()

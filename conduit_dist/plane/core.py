@@ -10,6 +10,9 @@ from torch import nn
 
 from conduit_dist import state
 from conduit_dist.assembly import assemble, release
+from conduit_dist.checkpoint import restore as restore_mod
+from conduit_dist.checkpoint import save as save_mod
+from conduit_dist.checkpoint.writer import Checkpoint
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError, StaleDataError
 from conduit_dist.placement import Placement
@@ -109,6 +112,8 @@ class DataPlane:
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
         self.timeline, self._p = p.timeline, p
         self._stale_refused = 0  # rows of batches refused by check_ages (taken from the store)
+        self._ckpt: Checkpoint | None = None  # the latest checkpoint (maybe still writing)
+        self._restore_dropped = 0  # items a restore could not fit (see checkpoint/restore.py)
 
     def __len__(self) -> int:
         """Items stored over all shards as of the latest completed round."""
@@ -331,6 +336,7 @@ class DataPlane:
         out = {**self._p.store_stats(), **self.sampler.stats()}
         out["stale_evicted"] = self._p.runner.ages.evicted
         out["stale_refused"] = self._stale_refused
+        out["restore_dropped"] = self._restore_dropped
         if self.rate_limiter is not None:
             lim = self.rate_limiter
             out.update(
@@ -356,6 +362,8 @@ class DataPlane:
         Collective; safe to call twice."""
         if not self._closed:
             try:
+                if self._ckpt is not None:  # its thread reads the tiers
+                    self._ckpt.wait()
                 release(self._p)
             finally:
                 self._closed = not self._p.stager.in_block
@@ -374,6 +382,66 @@ class DataPlane:
         self._check_open()
         state.load(self._p, self.spec, saved)
 
+    def checkpoint(
+        self,
+        root: str,
+        *,
+        extra: Mapping[str, object] | None = None,
+        write_mbps: float = 256.0,
+        keep: int = 2,
+        timeout_s: float = 600.0,
+    ) -> Checkpoint:
+        """Checkpoint the whole plane at this round boundary, written in the background
+        (collective: call it at the same point on every rank; see ``checkpoint/``).
+
+        Returns once every rank agreed on the round and fixed its items (a copy-on-write
+        snapshot: rounds go on while a thread writes ``root/ckpt-ROUND``). A checkpoint still
+        writing is waited for first. A failed write raises at the next call on the plane.
+
+        Args:
+            root: directory of checkpoints (one file system all ranks see).
+            extra: this rank's own state to keep with it (tensors, numbers, strings, dicts;
+                e.g. model and optimizer), returned by :meth:`restore`.
+            write_mbps: the writer's rate limit in MB/s (0: none), so rounds keep their CPU.
+            keep: complete checkpoints kept under ``root`` (older ones are removed).
+            timeout_s: how long rank 0 waits for the other ranks' parts.
+
+        Raises:
+            CheckpointError: ranks at different rounds, items staged since the last round, or
+                the previous checkpoint failed.
+        """
+        self._check_open()
+        if not (isinstance(keep, int) and keep >= 1):
+            raise ConfigError(f"checkpoint keep: expected an int >= 1, got {keep!r}")
+        if not (isinstance(write_mbps, int | float) and write_mbps >= 0):
+            raise ConfigError(f"checkpoint write_mbps: expected a number >= 0, got {write_mbps!r}")
+        if self._ckpt is not None:
+            self._ckpt.wait(timeout_s)
+        self._p.control.quiesce()
+        self._ckpt = save_mod.begin(
+            self._p, self.spec, str(root), extra, write_mbps=write_mbps, keep=keep,
+            timeout_s=timeout_s,
+        )  # fmt: skip
+        return self._ckpt
+
+    def restore(self, path: str) -> dict[str, object] | None:
+        """Restore a checkpoint: ``path`` itself, or the newest complete one under it (a torn
+        or corrupted one is skipped), onto this plane, of the same or another world size and
+        tier layout (collective; see ``checkpoint/restore.py``).
+
+        Returns:
+            The ``extra`` this rank saved (on a larger world: old rank 0's for new ranks).
+
+        Raises:
+            CheckpointError: when no complete checkpoint is there.
+            ConfigError: on another spec, or items put since the last round.
+        """
+        self._check_open()
+        if self._ckpt is not None:
+            self._ckpt.wait()
+        extra, self._restore_dropped = restore_mod.restore(self._p, self.spec, str(path))
+        return extra
+
     def _wait_to_insert(self, n: int) -> None:
         p = self._p
         wait_to_insert(p.control, p.stager, self.rate_limiter, n, self.rank, self.__len__)
@@ -381,6 +449,10 @@ class DataPlane:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the DataPlane is closed")
+        ck = self._ckpt
+        if ck is not None and ck.error is not None and ck.done:
+            self._ckpt = None  # raised once, here
+            ck.wait()
         if self._p.stager.in_block:
             raise ConfigError("this call cannot run inside a staged() block: leave the block first")
         self._p.clock.check()

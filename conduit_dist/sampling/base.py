@@ -239,6 +239,35 @@ class Sampler(ABC):
     def feedback(self, round: int) -> None:  # noqa: B027 (default hook)
         """After delivery: nothing by default."""
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def item_state(self, generations: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-item state a checkpoint keeps for the shard's live items ``generations`` (oldest
+        first), e.g. priorities: none by default."""
+        return {}
+
+    def restore_begin(self, base: int) -> None:  # noqa: B027 (default hook)
+        """A restore emptied the shard; its next item gets generation ``base``."""
+
+    def restore_piece(  # noqa: B027 (default hook)
+        self, generations: torch.Tensor, items: dict[str, torch.Tensor]
+    ) -> None:
+        """A restore appended one old shard's items (now ``generations``) with their
+        :meth:`item_state`; pieces of different old shards are not linked."""
+
+    def restore_state(
+        self, states: list[dict[str, object]], exact: bool, rank: int, written: np.ndarray
+    ) -> None:
+        """Take the old shards' :meth:`state_dict` s after a restore.
+
+        Args:
+            states: every old rank's state.
+            exact: same world size: this rank holds its own old items under their generations.
+            rank: this rank.
+            written: ``[world]`` the new shards' generation counters.
+        """
+        self.load_state_dict(states[rank] if exact else states[0])
+
     def state_dict(self) -> dict[str, object]:
         """Streams derive from ``(seed, round, rank)``: only the name is kept by default."""
         return {"name": self.name}

@@ -230,6 +230,18 @@ class WithoutReplacement(Sampler):
             out["pass"] = {k: torch.from_numpy(v.copy()) for k, v in self._pass.items()}
         return out
 
+    def restore_state(self, states, exact, rank, written) -> None:
+        """Same world size: the saved pass goes on. Otherwise the items were redealt: the pass
+        that was running starts again over the restored store (counted in ``passes``)."""
+        if exact:
+            self.load_state_dict(states[rank])
+            return
+        super().load_state_dict(states[0])
+        self._end = written.astype(np.int64).copy()
+        self._pass, self._orders = None, {}
+        self.passes = int(states[0]["passes"])
+        self.skipped, self.dropped = int(states[0]["skipped"]), int(states[0]["dropped"])
+
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict`."""
         super().load_state_dict(state)

@@ -151,7 +151,7 @@ class Prioritized(Sampler):
         if written > new_lo:
             gens = torch.arange(new_lo, written)
             leaf = gens % cap
-            top = self.mass(torch.tensor([self.max_priority]))
+            top = self.mass(torch.tensor([self.max_priority], dtype=torch.float64))
             self._gen[leaf] = gens
             if self.episodes is None:  # every item is a start
                 self.tree.set(leaf, top.expand(leaf.numel()))
@@ -304,13 +304,16 @@ class Prioritized(Sampler):
 
     def queue_updates(self, index: torch.Tensor, priority: torch.Tensor) -> None:
         """Check and queue updates (see ``UpdateQueue.queue``; ``ConfigError`` on bad values,
-        including priorities whose mass ``(p + eps) ** alpha`` overflows)."""
-        if self.alpha > 1 and index.numel():
+        including priorities whose masses ``(p + eps) ** alpha`` overflow summed over the global
+        store)."""
+        room = 709.0 - math.log(self.shard.capacity * self.ctx.world)  # log of the largest mass
+        if index.numel() and self.alpha * 709.8 >= room:  # a finite p can overflow it
             big = float(priority.max())
-            if big + self.eps > 0 and math.log(big + self.eps) * self.alpha >= 709.0:
+            if big + self.eps > 0 and math.log(big + self.eps) * self.alpha >= room:
                 raise ConfigError(
-                    f"update_priorities priority: (p + eps) ** alpha must be finite; got p={big} "
-                    f"with alpha={self.alpha}"
+                    f"update_priorities priority: (p + eps) ** alpha must be finite over the "
+                    f"store's {self.shard.capacity * self.ctx.world} items; got p={big} with "
+                    f"alpha={self.alpha}"
                 )
         self.updates.queue(index, priority)
 
@@ -342,6 +345,49 @@ class Prioritized(Sampler):
             "max_priority": self.max_priority,
             **({"episodes": self.episodes.state_dict()} if self.episodes is not None else {}),
         }
+
+    def item_state(self, generations: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each live item's mass (0 for a window that cannot start yet), with the updates
+        received for this shard applied first (as the next round would)."""
+        self._sync()
+        self._apply()
+        leaf = generations % self.shard.capacity
+        return {"mass": self.tree.leaves()[leaf].clone()}
+
+    def restore_begin(self, base: int) -> None:
+        """Empty the tree (and the stream links); the next item is generation ``base``."""
+        cap = self.shard.capacity
+        self.tree.load(torch.zeros(cap, dtype=torch.float64))
+        self._gen.fill_(-1)
+        self._lo = self._hi = base
+        if self.episodes is not None:
+            ep = self.episodes
+            ep.prev.fill_(-1), ep.next.fill_(-1), ep.end.fill_(False), ep.term.fill_(False)
+            ep.last = {}
+
+    def restore_piece(self, generations: torch.Tensor, items: dict[str, torch.Tensor]) -> None:
+        """Link the piece's items (not to another piece's) and give each its saved mass."""
+        if self.episodes is not None:
+            self.episodes.last = {}
+        self._sync()
+        live = generations[generations >= self.shard.oldest]
+        mass = items["mass"][generations.numel() - live.numel() :]
+        self.tree.set(live % self.shard.capacity, mass.to(torch.float64))
+
+    def restore_state(self, states, exact, rank, written) -> None:
+        """The largest priority over the old shards; on the same world size also this rank's
+        counters and queued updates (their addresses still hold), else those are dropped and
+        counted (the items were renumbered)."""
+        for s in states:
+            if s.get("name") != self.name:
+                raise ConfigError(
+                    f"sampler: checkpoint has {s.get('name')!r}, plane has {self.name!r}"
+                )
+        self.max_priority = max(float(s["max_priority"]) for s in states)
+        if exact:
+            self.updates.load_state_dict(states[rank])
+        elif rank == 0:  # each old update counted once
+            self.dropped += sum(int(s["queued"].shape[0] + s["received"].shape[0]) for s in states)
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore leaves saved by :meth:`state_dict` (same capacity) and rebuild the sums.

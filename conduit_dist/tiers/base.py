@@ -32,6 +32,9 @@ class Tier:
         self.read_gbps: float | None = None  # from calibrate() or declared
         self.write_gbps: float | None = None
         self.bandwidth_source = "none"
+        # set while a checkpoint writes this tier in the background (checkpoint/snapshot.py):
+        # called with ``(start, end)`` before slots ``[start, end)`` may be overwritten
+        self.guard = None
 
     def declare(self, read_gbps: float, write_gbps: float) -> None:
         """Take read/write bandwidths from config instead of measuring them.
@@ -84,7 +87,12 @@ class Tier:
         return self.slots * self.record_bytes
 
     def region(self, start: int, end: int) -> torch.Tensor:
-        """A writable, contiguous view of slots ``[start, end)`` (received into directly)."""
+        """A writable, contiguous view of slots ``[start, end)`` (received into directly).
+
+        Every write into the tier goes through here, so a running checkpoint's ``guard`` first
+        keeps what those slots held (copy-on-write)."""
+        if self.guard is not None:
+            self.guard(start, end)
         return self.data[start:end]
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:

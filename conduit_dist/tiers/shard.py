@@ -26,6 +26,7 @@ class Shard:
         self.written = 0  # items ever written (the next item's generation)
         self.taken = 0  # items a queue took out
         self.retracted = 0  # of those, taken at the newest end (their generations are reused)
+        self.base = 0  # generation of the first item written (a restore starts past 0)
 
     @property
     def oldest(self) -> int:
@@ -53,7 +54,7 @@ class Shard:
         """Gather indices of the live items at positions ``index`` in ``[0, size)`` (in place):
         the positions themselves until items were taken out (the live slots are then a
         window of the ring that need not start at slot 0)."""
-        if self.taken:
+        if self.taken or self.base % self.capacity:
             index.add_(self.oldest).remainder_(self.capacity)
         return index
 
@@ -140,7 +141,7 @@ class Shard:
         return {
             "tiers": tiers,
             "demotions": 0,
-            "evictions": self.written + self.retracted - self.size - self.taken,
+            "evictions": self.written - self.base + self.retracted - self.size - self.taken,
             "taken": self.taken,
             "demotion_wait_ms": 0.0,
         }
@@ -176,6 +177,20 @@ class Shard:
         """Copy the records at ``slots`` into ``out``."""
         self.tier.gather(slots, out)
 
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tiers, fastest first (one here)."""
+        return [self.tier]
+
+    def locate(self, generations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tier, slot)`` int64 tensors: where the live items ``generations`` are stored."""
+        return torch.zeros_like(generations), generations % self.capacity
+
+    def reset(self, base: int) -> None:
+        """Empty the shard; the next item written gets generation ``base`` (a restore)."""
+        self.written, self.size, self.taken, self.retracted = base, 0, 0, 0
+        self.base, self.write_pos = base, base % self.capacity
+
     def state_dict(self) -> dict[str, object]:
         """Ring position, size and the tier's contents."""
         return {
@@ -184,6 +199,7 @@ class Shard:
             "written": self.written,
             "taken": self.taken,
             "retracted": self.retracted,
+            "base": self.base,
             "tier": self.tier.state_dict(),
         }
 
@@ -199,3 +215,4 @@ class Shard:
         )
         self.taken = int(state.get("taken", 0))
         self.retracted = int(state.get("retracted", 0))
+        self.base = int(state.get("base", 0))

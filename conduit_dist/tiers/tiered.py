@@ -286,6 +286,32 @@ class TieredShard:
                 out.index_copy_(0, pos.to(out.device), rows)
             offset += ring.size
 
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tiers, fastest first."""
+        return [r.tier for r in self.rings]
+
+    def locate(self, generations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tier, slot)`` int64 tensors: where the live items ``generations`` are stored
+        (after :meth:`settle`)."""
+        logical = self.index_of(generations)
+        tier, slot = torch.empty_like(logical), torch.empty_like(logical)
+        offset = 0
+        for k, ring in enumerate(self.rings):
+            mask = (logical >= offset) & (logical < offset + ring.size)
+            tier[mask] = k
+            slot[mask] = (logical[mask] - offset + ring.start) % ring.cap
+            offset += ring.size
+        return tier, slot
+
+    def reset(self, base: int) -> None:
+        """Empty every tier; the next item written gets generation ``base`` (a restore)."""
+        self.settle()
+        with self._lock:
+            for ring in self.rings:
+                ring.start = ring.size = 0
+            self.written, self.taken = base, 0
+
     def stats(self) -> dict[str, object]:
         """Items and bytes per tier, demotions and evictions so far.
 

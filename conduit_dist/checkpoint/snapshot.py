@@ -1,0 +1,99 @@
+"""A shard's items as of one round boundary, read while rounds keep writing (copy-on-write).
+
+At :meth:`ShardSnapshot.take` (between rounds) the live items' places are fixed: item ``i``
+(oldest first) is at ``(tier[i], slot[i])``. The writer thread then reads them in that order,
+``chunk`` items at a time. Rounds keep running: before any slot is overwritten (every write goes
+through ``Tier.region``), the tier's ``guard`` copies the ``block`` of slots around it, if a
+live item there has not been read yet. A block is released once every item in it was read, so
+the copies held are at most the blocks that rounds overwrite ahead of the writer; as the writer
+reads oldest first, which is also the order a ring overwrites, that is usually none.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+BLOCK = 4096  # slots per copy-on-write block
+
+
+class ShardSnapshot:
+    """The live items of ``shard`` at this moment, readable in order from another thread.
+
+    Args:
+        shard: a ``Shard`` or ``TieredShard``, quiet (no round or demotion running).
+        block: slots per copy-on-write block.
+    """
+
+    def __init__(self, shard, block: int = BLOCK) -> None:
+        shard.settle()
+        self.tiers = shard.tiers
+        self.block = block
+        self.oldest, self.count = int(shard.oldest), int(shard.size)
+        gens = torch.arange(self.oldest, self.oldest + self.count, dtype=torch.int64)
+        self.tier, self.slot = shard.locate(gens)
+        self.read_upto = 0  # items read so far (oldest first)
+        self.copies: dict[tuple[int, int], torch.Tensor] = {}  # (tier, block) -> its slots
+        self.copied_bytes = 0  # bytes copied ahead of a write, over the snapshot's life
+        self._lock = threading.Lock()
+        # release[t][b]: items to read before block b of tier t is free (0: holds none of them)
+        self._release = []
+        order = torch.arange(1, self.count + 1, dtype=torch.int64)
+        for k, tier in enumerate(self.tiers):
+            n_blocks = (tier.slots + block - 1) // block
+            rel = torch.zeros(n_blocks, dtype=torch.int64)
+            mine = self.tier == k
+            if mine.any():
+                rel.scatter_reduce_(0, self.slot[mine] // block, order[mine], "amax")
+            self._release.append(rel)
+        for k, tier in enumerate(self.tiers):
+            tier.guard = self._guard_for(k)
+
+    def _guard_for(self, k: int):
+        def guard(start: int, end: int) -> None:
+            if end <= start:
+                return
+            with self._lock:
+                rel, tier = self._release[k], self.tiers[k]
+                for b in range(start // self.block, (end - 1) // self.block + 1):
+                    if rel[b] > self.read_upto and (k, b) not in self.copies:
+                        lo = b * self.block
+                        rows = tier.data[lo : min(lo + self.block, tier.slots)].clone()
+                        self.copies[(k, b)] = rows
+                        self.copied_bytes += rows.numel()
+
+        return guard
+
+    def read(self, n: int) -> torch.Tensor:
+        """The next ``n`` items' records (``uint8 [n, record_bytes]``, host memory), oldest
+        first; blocks holding none of the items still to read are released."""
+        a, b = self.read_upto, min(self.read_upto + n, self.count)
+        tier, slot = self.tier[a:b], self.slot[a:b]
+        with self._lock:
+            rb = self.tiers[0].record_bytes
+            out = torch.empty((b - a, rb), dtype=torch.uint8)
+            for k, t in enumerate(self.tiers):
+                pos = (tier == k).nonzero().squeeze(1)
+                if not pos.numel():
+                    continue
+                rows = slot[pos]
+                got = t.data.index_select(0, rows.to(t.data.device)).cpu()
+                blocks = rows // self.block
+                for blk in torch.unique(blocks).tolist():
+                    saved = self.copies.get((k, blk))
+                    if saved is not None:  # overwritten since the snapshot: its copy
+                        sel = (blocks == blk).nonzero().squeeze(1)
+                        got[sel] = saved[rows[sel] - blk * self.block].cpu()
+                out[pos] = got
+            self.read_upto = b
+            for key in [key for key in self.copies if self._release[key[0]][key[1]] <= b]:
+                del self.copies[key]
+        return out
+
+    def close(self) -> None:
+        """Stop guarding the tiers and drop every copy (when read, or abandoned)."""
+        with self._lock:
+            for tier in self.tiers:
+                tier.guard = None
+            self.copies.clear()

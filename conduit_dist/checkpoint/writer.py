@@ -1,0 +1,187 @@
+"""Writing one rank's part of a checkpoint on a background thread (see ``files.py``).
+
+The caller takes the snapshot between rounds (``save.py``); the thread writes the small state
+first, then the items oldest first through the copy-on-write snapshot, at most ``write_mbps``
+so rounds keep their CPU, and its ``done`` file last. Rank 0 then waits for every rank's
+``done`` file, writes the manifest and renames the directory: the checkpoint is complete. No
+collective runs on the thread (file presence is the only coordination), so rounds may use the
+group meanwhile; ``root`` must be one file system every rank sees (as
+``torch.distributed.checkpoint``'s file system writer assumes).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+
+import torch
+
+from conduit_dist.checkpoint import files
+from conduit_dist.checkpoint.snapshot import ShardSnapshot
+from conduit_dist.errors import CheckpointError
+
+CHUNK_BYTES = 8 << 20  # items read and written at a time
+
+
+class Checkpoint:
+    """One rank's checkpoint in flight; :meth:`wait` for its part (rank 0: the whole).
+
+    Attributes:
+        path: the complete directory it becomes (``ROOT/ckpt-R``).
+        round: the round boundary it holds.
+        items: this rank's items in it.
+    """
+
+    def __init__(
+        self, root: str, round: int, token: int, rank: int, world: int, items: int
+    ) -> None:
+        self.root, self.round, self.rank, self.world, self.items = root, round, rank, world, items
+        self.path = files.directory(root, round)
+        self.tmp = files.directory(root, round, token)
+        self.error: BaseException | None = None
+        self.write_s = 0.0  # time the thread took (its own part)
+        self.copied_bytes = 0  # copy-on-write copies the rounds made meanwhile
+        self._thread: threading.Thread | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether this rank's part is written (or failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole checkpoint (every rank, manifest) is on disk."""
+        return os.path.isdir(self.path)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until this rank's part is written (rank 0: until the checkpoint is complete).
+
+        Raises:
+            CheckpointError: if writing failed, or it is not done within ``timeout_s``.
+        """
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise CheckpointError(
+                    f"checkpoint {self.tmp}: rank {self.rank}'s part not written within "
+                    f"{timeout_s} s"
+                )
+        if self.error is not None:
+            raise CheckpointError(
+                f"checkpoint {self.tmp}: rank {self.rank} failed to write it: {self.error}"
+            ) from self.error
+
+    def start(
+        self, meta: dict, snap: ShardSnapshot, write_mbps: float, keep: int, timeout_s: float
+    ) -> None:
+        """Write on a daemon thread (errors are kept for :meth:`wait`)."""
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                done = self._write_part(meta, snap, write_mbps)
+                if self.rank == 0:
+                    self._finish(done, keep, timeout_s)
+            except BaseException as e:  # surfaced at wait() / the plane's next call
+                self.error = e
+            finally:
+                self.copied_bytes = snap.copied_bytes
+                snap.close()
+                self.write_s = time.perf_counter() - t0
+
+        try:  # here: a root that cannot be written raises now
+            os.makedirs(self.tmp, exist_ok=True)
+        except OSError:
+            snap.close()
+            raise
+        self._thread = threading.Thread(target=run, name="conduit-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _write_part(self, meta: dict, snap: ShardSnapshot, write_mbps: float) -> dict:
+        j = self.rank
+        meta_name, items_name = f"shard{j}.pt", f"shard{j}.items"
+        meta_path = os.path.join(self.tmp, meta_name)
+        torch.save(meta, meta_path + ".part")
+        _fsync_rename(meta_path + ".part", meta_path)
+        rb = max(1, snap.tiers[0].record_bytes)
+        per = max(1, CHUNK_BYTES // rb)
+        rate = write_mbps * 1e6 if write_mbps else float("inf")
+        crc, n_bytes, t0 = 0, 0, time.perf_counter()
+        items_path = os.path.join(self.tmp, items_name)
+        with open(items_path + ".part", "wb") as f:
+            while snap.read_upto < snap.count:
+                buf = snap.read(per).numpy()
+                crc = zlib.crc32(buf, crc)
+                f.write(memoryview(buf).cast("B"))
+                n_bytes += buf.nbytes
+                ahead = n_bytes / rate - (time.perf_counter() - t0)
+                if ahead > 0:  # keep to the rate: the rounds' CPU comes first
+                    time.sleep(ahead)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(items_path + ".part", items_path)
+        done = {
+            "rank": j,
+            "round": self.round,
+            "count": snap.count,
+            "oldest": snap.oldest,
+            "items": {"file": items_name, "bytes": n_bytes, "crc32": crc},
+            "meta": dict(zip(("bytes", "crc32"), files.crc_file(meta_path)), file=meta_name),
+        }
+        files.write_json(os.path.join(self.tmp, f"shard{j}.done.json"), done)
+        return done
+
+    def _finish(self, mine: dict, keep: int, timeout_s: float) -> None:
+        """Rank 0: wait for every rank's part, write the manifest, rename, prune."""
+        import json
+
+        deadline = time.monotonic() + timeout_s
+        shards: list[dict | None] = [None] * self.world
+        shards[0] = mine
+        while any(s is None for s in shards):
+            for j, s in enumerate(shards):
+                path = os.path.join(self.tmp, f"shard{j}.done.json")
+                if s is None and os.path.exists(path):
+                    with open(path) as f:
+                        shards[j] = json.load(f)
+            if any(s is None for s in shards):
+                if time.monotonic() > deadline:
+                    missing = [j for j, s in enumerate(shards) if s is None]
+                    raise CheckpointError(
+                        f"ranks {missing} did not finish their part of round {self.round}'s "
+                        f"checkpoint within {timeout_s} s"
+                    )
+                time.sleep(0.05)
+        files.write_json(
+            os.path.join(self.tmp, "manifest.json"),
+            {
+                "format": files.FORMAT,
+                "round": self.round,
+                "world": self.world,
+                "items": sum(s["count"] for s in shards),
+                "created": time.time(),
+                "shards": shards,
+            },
+        )
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.root)
+        files.prune(self.root, keep, self.tmp)
+
+
+def _fsync_rename(src: str, dst: str) -> None:
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(src, dst)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,289 @@
+"""Checkpoints on real gloo ranks: written while rounds overwrite the ring, restored onto the same
+and other world sizes and tier layouts with the same items, priorities, versions and episodes;
+torn checkpoints skipped; failures raised, never silent."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import run_ranks
+from plane_helpers import assert_intact, make_batch, spec
+
+import conduit_dist as cd
+from conduit_dist.checkpoint import files
+from conduit_dist.errors import CheckpointError
+
+CAP = 40
+
+
+def _plane(sampler="prioritized", storage=None, cap=CAP, **kw) -> cd.DataPlane:
+    if sampler == "prioritized":
+        sampler = cd.Prioritized(alpha=1.0, beta=0.4)
+    return cd.DataPlane(
+        spec(), cap, seed=3, placement="local", schedule="sync", sampler=sampler,
+        storage=storage, **kw,
+    )  # fmt: skip
+
+
+def _live(plane) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """This shard's live items oldest first: their records' bytes (fields only), fields and
+    the sampler's per-item state (mass; empty for samplers without any)."""
+    sh = plane.shard
+    gens = torch.arange(sh.oldest, sh.written)
+    out = torch.empty((gens.numel(), sh.tiers[0].record_bytes), dtype=torch.uint8)
+    sh.gather(sh.index_of(gens), out)
+    cols = plane._p.runner.spec.unpack(out)
+    mass = plane.sampler.item_state(gens).get("mass", torch.zeros(0))
+    return out[:, : plane.spec.record_bytes].clone(), {k: v.clone() for k, v in cols.items()}, mass
+
+
+def _fill(plane, rank: int, rounds: int, first: int = 0) -> None:
+    """Rounds of puts, fetches and priority updates (priorities vary by id)."""
+    for it in range(first, first + rounds):
+        plane.put(make_batch(torch.arange(16) + 1000 * rank + 16 * it), version=it)
+        b = plane.fetch(8)
+        assert_intact(b)
+        if plane.sampler.routes_updates:
+            plane.update_priorities(b["_index"], (b["id"] % 5).double() + 0.5)
+
+
+def _save(rank, world, root, sampler):
+    plane = _plane(sampler)
+    _fill(plane, rank, 6)
+    plane.flush()
+    rows, cols, mass = _live(plane)
+    ck = plane.checkpoint(root, write_mbps=0.05)  # slow: the rounds below overtake it
+    _fill(plane, rank, 4, first=6)  # 64 items over a 40-item ring: every slot rewritten
+    ck.wait(60)
+    copied = ck.copied_bytes
+    plane.close()
+    return rows.numpy(), cols["id"].tolist(), cols["_version"].tolist(), mass.tolist(), copied
+
+
+def _restore(rank, world, root, sampler, storage, cap, draws):
+    plane = _plane(sampler, storage, cap)
+    plane.restore(root)
+    rows, cols, mass = _live(plane)
+    seen = []
+    for _ in range(draws):
+        b = plane.fetch(64)
+        assert_intact(b)
+        seen.append(b["id"].clone())
+    dropped = plane.store_stats()["restore_dropped"]
+    plane.close()
+    seen = torch.cat(seen).numpy() if seen else None
+    return (
+        rows.numpy(),
+        cols["id"].tolist(),
+        cols["_version"].tolist(),
+        mass.tolist(),
+        seen,
+        dropped,
+    )
+
+
+def _digest(rows: list[torch.Tensor]) -> str:
+    """Hash of the sorted item bytes over all shards."""
+    allrows = np.concatenate(rows)
+    order = np.lexsort(allrows.T[::-1])
+    return hashlib.sha256(allrows[order].tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "storage"),
+    [(2, 3, None), (3, 2, None), (2, 2, ("host", 16, "disk", 16))],
+)
+def test_restore_same_items_and_priorities_on_another_world_or_layout(tmp_path, old, new, storage):
+    from scipy.stats import chisquare
+
+    root = str(tmp_path / "ck")
+    saved = run_ranks(_save, old, root, "prioritized", timeout_s=120)
+    assert all(r[4] > 0 for r in saved.values())  # the rounds did overwrite ahead of the writer
+    tiers = None
+    if storage is not None:
+        tiers = cd.Tiers(
+            [(storage[0], storage[1]), (storage[2], storage[3])],
+            disk_dir=str(tmp_path / "disk"),
+            gbps={"host": (1, 1), "disk": (1, 1)},
+        )
+    cap_new = CAP if tiers is None else storage[1] + storage[3]
+    back = run_ranks(_restore, new, root, "prioritized", tiers, cap_new, 40, timeout_s=180)
+    before = [saved[r] for r in range(old)]
+    after = [back[r] for r in range(new)]
+    n_before = sum(len(r[1]) for r in before)
+    n_after = sum(len(r[1]) for r in after)
+    dropped = sum(r[5] for r in after)
+    assert n_before == n_after + dropped
+    if new * cap_new >= n_before:  # everything fits: the very same items, bytes and all
+        assert dropped == 0
+        assert _digest([r[0] for r in before]) == _digest([r[0] for r in after])
+    # every restored item with its version and priority (mass) as before
+    mass_of = {i: (m, v) for r in before for i, v, m in zip(r[1], r[2], r[3])}
+    for r in after:
+        for i, v, m in zip(r[1], r[2], r[3]):
+            assert mass_of[i] == (m, v)
+    # prioritized sampling after the restore follows the saved masses (chi-square, every learner)
+    ids = [i for r in after for i in r[1]]
+    p = np.array([mass_of[i][0] for i in ids])
+    p = p / p.sum()
+    for r in after:
+        counts = np.array([(r[4] == i).sum() for i in ids])
+        assert chisquare(counts, p * counts.sum()).pvalue > 1e-3
+    # and a deliberately wrong distribution (uniform) fails the same test
+    counts = np.array([(after[0][4] == i).sum() for i in ids])
+    assert chisquare(counts, np.full(len(ids), counts.sum() / len(ids))).pvalue < 1e-6
+
+
+def _same_world(rank, world, root, phase):
+    plane = _plane()
+    if phase == "save":
+        _fill(plane, rank, 5)
+        plane.flush()
+        b = plane.fetch(8)  # addresses fetched before the checkpoint...
+        plane.checkpoint(root).wait(60)
+        plane.close()
+        return b["_index"].tolist(), b["id"].tolist()
+    plane.restore(root)
+    index, ids = torch.tensor(phase[0]), phase[1]
+    plane.update_priorities(index, torch.full((index.numel(),), 50.0))  # ...still valid after
+    plane.flush()
+    _, cols, mass = _live(plane)
+    st = plane.store_stats()
+    plane.close()
+    m = dict(zip(cols["id"].tolist(), mass.tolist()))
+    return [m[i] for i in ids if i in m], st["priority_updates_dropped"]
+
+
+def test_same_world_restore_keeps_addresses(tmp_path):
+    root = str(tmp_path / "ck")
+    saved = run_ranks(_same_world, 2, root, "save")
+    back = run_ranks(_same_world, 2, root, (saved[0][0], saved[0][1]))
+    got = back[0][0] + back[1][0]
+    assert got and all(abs(m - 50.0) < 1e-4 for m in got)
+    assert back[0][1] == 0 and back[1][1] == 0
+
+
+FIELDS = {"id": ((), torch.int64), "env": ((), torch.int64), "done": ((), torch.bool)}
+
+
+def _episodes(rank, world, root, phase):
+    seq = cd.Sequence(length=3, stream="env")
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(FIELDS), 60 if phase == "save" else 110, seed=5, placement="local",
+        schedule="sync",
+        sampler=cd.Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq),
+    )  # fmt: skip
+    if phase == "save":
+        for t in range(25):
+            ids = torch.tensor([rank * 10_000 + e * 1000 + t for e in range(2)])
+            plane.put({"id": ids, "env": torch.arange(2), "done": (ids % 7 == 0)})
+            plane.flush()
+    else:
+        plane.restore(root)
+    sh = plane.shard
+    gens = torch.arange(sh.oldest, sh.written)
+    starts = sh.written - sh.size + (plane.sampler.item_state(gens)["mass"] > 0).nonzero()
+    rows = torch.empty((starts.numel(), sh.tiers[0].record_bytes), dtype=torch.uint8)
+    sh.gather(sh.index_of(starts.squeeze(1)), rows)
+    first = plane._p.runner.spec.unpack(rows)["id"].tolist()
+    windows = {}
+    if first:
+        b = plane.fetch(200)
+        windows = {row[0]: row for row in b["id"].tolist()}
+    if phase == "save":
+        plane.checkpoint(root).wait(60)
+    plane.close()
+    return sorted(first), windows
+
+
+def test_episode_structure_survives_three_to_two(tmp_path):
+    root = str(tmp_path / "ck")
+    before = run_ranks(_episodes, 3, root, "save")
+    after = run_ranks(_episodes, 2, root, "load")
+    starts_before = sorted(s for r in before.values() for s in r[0])
+    starts_after = sorted(s for r in after.values() for s in r[0])
+    assert starts_before == starts_after  # every window start, no new one across shards
+    windows = {k: v for r in before.values() for k, v in r[1].items()}
+    for r in after.values():
+        for start, row in r[1].items():
+            assert row == windows.get(start, row)  # the same window from each start
+
+
+def _torn(rank, world, root):
+    plane = _plane("uniform")
+    _fill(plane, rank, 3)
+    plane.flush()
+    plane.checkpoint(root).wait(60)
+    _fill(plane, rank, 2, first=3)
+    plane.flush()
+    plane.checkpoint(root).wait(60)
+    plane.close()
+
+
+def _load_ids(rank, world, root):
+    plane = _plane("uniform")
+    plane.restore(root)
+    out = plane.round, sorted(_live(plane)[1]["id"].tolist())
+    plane.close()
+    return out
+
+
+def test_torn_or_unfinished_checkpoint_is_skipped(tmp_path):
+    root = str(tmp_path / "ck")
+    run_ranks(_torn, 2, root)
+    old, new = files.complete(root)[1], files.complete(root)[0]
+    os.makedirs(files.directory(root, 99, token=7))  # a write killed midway: ignored
+    with open(os.path.join(new, "shard1.items"), "r+b") as f:  # a torn newer checkpoint
+        f.truncate(100)
+    back = run_ranks(_load_ids, 2, root)
+    assert back[0][0] == files.read_manifest(old)["round"]
+    with pytest.raises(CheckpointError, match="shard1.items"):
+        files.verify(new, files.read_manifest(new), [1])
+    shutil.rmtree(old)
+    res = run_ranks(_load_ids, 2, root, allow_failure=True)
+    assert all(r[0] == "error" and "no complete checkpoint" in r[1] for r in res.values())
+
+
+def _disagree(rank, world, root):
+    plane = _plane("uniform")
+    _fill(plane, rank, 2)
+    if rank == 0:
+        plane.put(make_batch(torch.arange(3)))  # staged on one rank only
+    try:
+        plane.checkpoint(root)
+        return "no error"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        plane.close()
+
+
+def test_checkpoint_with_staged_items_names_the_rank(tmp_path):
+    res = run_ranks(_disagree, 2, str(tmp_path / "ck"))
+    for text in res.values():
+        assert "staged since round" in text and "ranks [0]" in text
+
+
+def _write_fails(rank, world, root):
+    plane = _plane("uniform", cap=40)
+    _fill(plane, rank, 3)
+    plane.flush()
+    with pytest.raises(cd.ConfigError, match=r"extra\['model'\]\['f'\]"):
+        plane.checkpoint(root, extra={"model": {"f": print}})
+    ck = plane.checkpoint(root, write_mbps=0.002)  # ~1 s for its ~2 KB
+    shutil.rmtree(ck.tmp)  # the directory vanishes under the writer
+    ck._thread.join(30)
+    with pytest.raises(CheckpointError, match="failed to write"):
+        plane.flush()  # the background failure, at the next call
+    plane.flush()  # raised once; the plane goes on
+    plane.close()
+    return ck.complete
+
+
+def test_background_write_failure_surfaces_at_the_next_call(tmp_path):
+    assert run_ranks(_write_fails, 1, str(tmp_path / "ck")) == {0: False}
