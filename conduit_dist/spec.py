@@ -243,7 +243,7 @@ class ExperienceSpec:
             raise SpecError(f"batch: expected a dict of tensors, got {type(batch).__name__}")
         if batch.keys() != self.fields.keys():
             missing = sorted(self.fields.keys() - batch.keys())
-            extra = sorted(batch.keys() - self.fields.keys())
+            extra = sorted(batch.keys() - self.fields.keys(), key=repr)  # any hashable key
             raise SpecError(
                 f"batch fields do not match the spec: missing {missing}, unexpected {extra} "
                 f"(expected {sorted(self.fields)})"
@@ -255,6 +255,11 @@ class ExperienceSpec:
                 raise SpecError(f"field {name!r}: expected a torch.Tensor, got {type(t).__name__}")
             if t.dtype != f.dtype:
                 raise SpecError(f"field {name!r}: expected dtype {f.dtype}, got {t.dtype}")
+            if t.layout is not torch.strided or t.is_meta:  # packing reads the data directly
+                raise SpecError(
+                    f"field {name!r}: expected a dense tensor with data, got layout {t.layout} "
+                    f"on {t.device}"
+                )
             if t.dim() != len(f.shape) + 1 or t.shape[1:] != f.shape:
                 raise SpecError(
                     f"field {name!r}: expected shape [B, {', '.join(map(str, f.shape))}], "

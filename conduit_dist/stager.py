@@ -134,7 +134,7 @@ class Stager:
         """Writable staging rows for ``n`` items (see :meth:`DataPlane.staged`), tagged with
         ``version`` (default: :attr:`version`)."""
         v = self.version if version is None else check_version(version)
-        if not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"staged: n must be an int >= 1, got {n!r}")
         if self.in_block:
             raise ConfigError("staged: a staged() block is open already; leave it first")
