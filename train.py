@@ -18,6 +18,7 @@ from conduit_dist.launch import prepare_hydra_argv
 from conduit_dist.logging import log_rank_zero
 from conduit_dist.metrics import make_logger
 from conduit_dist.rl.ppo_trainer import PPOTrainer
+from conduit_dist.rl.resume import run_id
 from conduit_dist.rl.trainer import Trainer, write_summary
 
 register()
@@ -39,6 +40,7 @@ def main(dcfg: DictConfig) -> None:
             cfg.total_env_steps,
             OmegaConf.to_container(dcfg, resolve=True),
             run_dir,
+            run_id(cfg.checkpoint) if cd.is_rank_zero() else None,
         )
         trainer = (PPOTrainer if cfg.algo.name == "ppo" else Trainer)(cfg, logger)
         summary = trainer.run()

@@ -231,6 +231,26 @@ class LoggerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints of the whole job (``conduit_dist/rl/resume.py``, docs/reliability.md).
+
+    Attributes:
+        dir: where checkpoints go, one file system every rank sees (``null``: none). A job
+            started with a complete checkpoint there resumes from the newest one.
+        every_s: seconds between checkpoints (decided by rank 0 at log intervals; 0: off).
+        every_iters: iterations between checkpoints (0: off); with ``every_s`` either one.
+        keep: complete checkpoints kept.
+        write_mbps: the background writer's rate limit in MB/s (0: none).
+    """
+
+    dir: str | None = None
+    every_s: float = 300.0
+    every_iters: int = 0
+    keep: int = 2
+    write_mbps: float = 256.0
+
+
+@dataclass
 class TrainConfig:
     """The main job (``train.py``).
 
@@ -254,6 +274,7 @@ class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -278,7 +299,7 @@ def validate(cfg: TrainConfig) -> None:
     ]
     for name, got, allowed in choices:
         registry.check_choice(name, got, allowed)
-    pr = cfg.plane.prioritized
+    pr, ck = cfg.plane.prioritized, cfg.checkpoint
     checks = [
         ("env.num_envs", cfg.env.num_envs >= 1, ">= 1", cfg.env.num_envs),
         ("algo.batch_size", cfg.algo.batch_size >= 1, ">= 1", cfg.algo.batch_size),
@@ -290,10 +311,19 @@ def validate(cfg: TrainConfig) -> None:
         ("algo.ppo.num_steps", cfg.algo.ppo.num_steps >= 1, ">= 1", cfg.algo.ppo.num_steps),
         ("algo.ppo.epochs", cfg.algo.ppo.epochs >= 1, ">= 1", cfg.algo.ppo.epochs),
         ("algo.ppo.minibatches", cfg.algo.ppo.minibatches >= 1, ">= 1", cfg.algo.ppo.minibatches),
+        ("checkpoint.every_s", ck.every_s >= 0, ">= 0", ck.every_s),
+        ("checkpoint.every_iters", ck.every_iters >= 0, ">= 0", ck.every_iters),
+        ("checkpoint.keep", ck.keep >= 1, ">= 1", ck.keep),
+        ("checkpoint.write_mbps", ck.write_mbps >= 0, ">= 0", ck.write_mbps),
     ]
     for name, ok, expected, got in checks:  # alpha, beta, eps: checked by cd.Prioritized
         if not ok:
             raise ConfigError(f"{name}: expected {expected}, got {got!r}")
+    if ck.dir is not None and (cfg.plane.kind != "conduit" or cfg.algo.name != "dqn"):
+        raise ConfigError(
+            f"checkpoint.dir: checkpoints need plane.kind=conduit and algo=dqn, got plane.kind="
+            f"{cfg.plane.kind!r}, algo={cfg.algo.name!r} (PPO resume is not built yet)"
+        )
 
 
 def register() -> None:

@@ -96,7 +96,13 @@ class WandbLogger(ConsoleLogger):
     """
 
     def __init__(
-        self, total_steps: int, project: str, mode: str, config: dict[str, Any], run_dir: str
+        self,
+        total_steps: int,
+        project: str,
+        mode: str,
+        config: dict[str, Any],
+        run_dir: str,
+        run_id: str | None = None,
     ) -> None:
         super().__init__(total_steps)
         if mode not in ("offline", "online", "disabled"):
@@ -104,7 +110,10 @@ class WandbLogger(ConsoleLogger):
         import wandb
 
         os.makedirs(run_dir, exist_ok=True)
-        self.run = wandb.init(project=project, mode=mode, config=config, dir=run_dir)
+        self.run = wandb.init(
+            project=project, mode=mode, config=config, dir=run_dir, id=run_id,
+            resume="allow" if run_id else None,
+        )  # fmt: skip
         self.run.define_metric("env_steps")
         for prefix in ("rl", "rate", "path", "store", "train"):
             self.run.define_metric(f"{prefix}/*", step_metric="env_steps")
@@ -127,9 +136,16 @@ class WandbLogger(ConsoleLogger):
 
 
 def make_logger(
-    kind: str, mode: str, project: str, total_steps: int, config: dict[str, Any], run_dir: str
+    kind: str,
+    mode: str,
+    project: str,
+    total_steps: int,
+    config: dict[str, Any],
+    run_dir: str,
+    run_id: str | None = None,
 ) -> Logger:
-    """The logger for this rank: the configured one on rank 0, a no-op elsewhere.
+    """The logger for this rank: the configured one on rank 0, a no-op elsewhere; W&B resumes
+    run ``run_id`` when it exists (a restarted job).
 
     Raises:
         ConfigError: on an unknown kind.
@@ -141,7 +157,7 @@ def make_logger(
         return NullLogger()
     if kind == "console":
         return ConsoleLogger(total_steps)
-    return WandbLogger(total_steps, project, mode, config, run_dir)
+    return WandbLogger(total_steps, project, mode, config, run_dir, run_id)
 
 
 def aggregate(values: dict[str, float], timeout_s: float = 60.0) -> dict[str, float]:

@@ -20,6 +20,7 @@ from conduit_dist.rl import setup
 from conduit_dist.rl.breakdown import PARTS, Breakdown
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
+from conduit_dist.rl.resume import Resumer
 
 log = logging.getLogger("conduit_dist")
 
@@ -131,6 +132,11 @@ class Trainer:
         self.breakdown = Breakdown()  # windows spent wholly learning (the steady state)
         self.env_steps = 0
         self.policy_version = 0
+        self.resumer = (
+            Resumer(cfg.checkpoint, self.plane, self.rank, cfg.logger.log_every)
+            if cfg.checkpoint.dir is not None
+            else None
+        )
 
     def _anneal_beta(self) -> None:
         """Move ``beta`` linearly from ``plane.prioritized.beta`` to ``beta_end``."""
@@ -155,10 +161,18 @@ class Trainer:
         iters = math.ceil(cfg.total_env_steps / steps_per_iter)
         start, window, it = time.perf_counter(), _Window(), 0
         summary = {"return_100": float("nan"), "reached_target": False}
+        first = self._resume() + 1
         if cfg.mode == "disaggregated" and self.is_learner:
             self.plane.publish_weights(self.agent.q)
-        for it in range(1, iters + 1):
-            self._iteration(window)
+        for it in range(first, iters + 1):
+            try:
+                self._iteration(window)
+            except BaseException:
+                if self.resumer is not None:  # how far this rank got: what a resume lost
+                    self.resumer.record(it, self.env_steps)
+                raise
+            if self.resumer is not None:
+                self.resumer.after_iteration(it, self.env_steps, lambda it=it: self._state(it))
             if it % cfg.logger.log_every == 0 or it == iters:
                 summary = {"reached_target": False, **self._log(window)}
                 if window.learning_iterations == window.iterations:
@@ -169,6 +183,9 @@ class Trainer:
                     break
         wall = time.perf_counter() - start
         summary.update(env_steps=self.env_steps, wall_s=wall, iterations=it)
+        if self.resumer is not None:
+            summary["resumed"] = self.resumer.resumed
+            summary["checkpoints"] = self.resumer.saved
         summary["time_to_target_s"] = wall if summary["reached_target"] else None
         summary["env_steps_per_s"] = self.env_steps / wall
         agg = aggregate(self.breakdown.means())  # a collective: every rank ends here
@@ -181,6 +198,35 @@ class Trainer:
             stats = self.plane.store_stats()
             summary["sampler"] = {k: v for k, v in stats.items() if k.startswith("priority")}
         return summary
+
+    def _state(self, it: int) -> dict[str, object]:
+        """What a checkpoint keeps of this rank's training (beside the data plane)."""
+        return {
+            "iteration": it,
+            "env_steps": self.env_steps,
+            "agent": self.agent.state_dict(),
+            "policy_version": self.policy_version,
+            "gen": self.gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "returns": list(self.env.returns) if self.env is not None else [],
+            "episodes": self.env.episodes if self.env is not None else 0,
+        }
+
+    def _resume(self) -> int:
+        """Restore the newest checkpoint if there is one; returns its iteration (0: none).
+        The environments start new episodes (an episode in progress is not kept), and the
+        gradients of an update in flight at the checkpoint (``grad_sync=round``) are dropped."""
+        state = self.resumer.restore() if self.resumer is not None else None
+        if state is None:
+            return 0
+        self.agent.load_state_dict(state["agent"])
+        self.env_steps, self.policy_version = int(state["env_steps"]), int(state["policy_version"])
+        self.gen.set_state(state["gen"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.env is not None:
+            self.env.returns.extend(state["returns"])
+            self.env.episodes = int(state["episodes"])
+        return int(state["iteration"])
 
     def _iteration(self, window: _Window) -> None:
         cfg, bd = self.cfg, window.breakdown

@@ -1,0 +1,30 @@
+"""train.py under ``torchrun --max-restarts 1``: a rank killed with SIGKILL, the group restarted,
+the job resumed from its last complete checkpoint and finished (scripts/kill_resume.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_kill_nine_resumes_from_the_last_checkpoint(tmp_path):
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "kill_resume.py"), "--steps", "8000",
+         "--every-iters", "50", "--dir", str(tmp_path), "--timeout-s", "200"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["finished"] and res["restarted"], res
+    resumed = res["resumed"]
+    assert resumed["round"] == resumed["iteration"] and resumed["iteration"] % 50 == 0
+    # what the checkpoint held came back; what was put after it is counted as lost
+    assert resumed["items_restored"] == resumed["env_steps_at_checkpoint"]
+    # at least what rank 0 had recorded before the kill (its log-interval progress record)
+    assert res["items_lost"] >= max(
+        0, res["env_steps_at_kill"] - resumed["env_steps_at_checkpoint"]
+    )
+    assert any("never reached round" in line for line in res["round_error_named"]), res
