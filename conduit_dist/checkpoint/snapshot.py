@@ -11,11 +11,12 @@ reads oldest first, which is also the order a ring overwrites, that is usually n
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
 
-BLOCK = 4096  # slots per copy-on-write block
+BLOCK = 1024  # slots per copy-on-write block
 
 
 class ShardSnapshot:
@@ -46,7 +47,7 @@ class ShardSnapshot:
             mine = self.tier == k
             if mine.any():
                 rel.scatter_reduce_(0, self.slot[mine] // block, order[mine], "amax")
-            self._release.append(rel)
+            self._release.append(rel.tolist())
         for k, tier in enumerate(self.tiers):
             tier.guard = self._guard_for(k)
 
@@ -65,31 +66,53 @@ class ShardSnapshot:
 
         return guard
 
-    def read(self, n: int) -> torch.Tensor:
-        """The next ``n`` items' records (``uint8 [n, record_bytes]``, host memory), oldest
-        first; blocks holding none of the items still to read are released."""
+    def read(self, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The next ``n`` items' records (``uint8 [n, record_bytes]``, host memory, into
+        ``out`` if given), oldest first; blocks holding none of the items still to read are
+        released.
+
+        The rows are copied from the live tiers without the lock (rounds are not held up), as
+        slices of runs of consecutive slots; a block the rounds copied meanwhile (they were
+        about to overwrite it) is then read again from its copy, which holds what it held
+        before any write.
+        """
         a, b = self.read_upto, min(self.read_upto + n, self.count)
-        tier, slot = self.tier[a:b], self.slot[a:b]
+        if out is None:
+            out = torch.empty((b - a, self.tiers[0].record_bytes), dtype=torch.uint8)
+        out = out[: b - a]
+        segments = list(self._segments(a, b))
+        for k, blk, lo, hi, at in segments:
+            if (k, blk) not in self.copies:  # a hint: checked again under the lock below
+                out[at : at + hi - lo].copy_(self.tiers[k].data[lo:hi])
         with self._lock:
-            rb = self.tiers[0].record_bytes
-            out = torch.empty((b - a, rb), dtype=torch.uint8)
-            for k, t in enumerate(self.tiers):
-                pos = (tier == k).nonzero().squeeze(1)
-                if not pos.numel():
-                    continue
-                rows = slot[pos]
-                got = t.data.index_select(0, rows.to(t.data.device)).cpu()
-                blocks = rows // self.block
-                for blk in torch.unique(blocks).tolist():
-                    saved = self.copies.get((k, blk))
-                    if saved is not None:  # overwritten since the snapshot: its copy
-                        sel = (blocks == blk).nonzero().squeeze(1)
-                        got[sel] = saved[rows[sel] - blk * self.block].cpu()
-                out[pos] = got
+            for k, blk, lo, hi, at in segments:
+                saved = self.copies.get((k, blk))
+                if saved is not None:  # copied before a write: what the snapshot held
+                    base = blk * self.block
+                    out[at : at + hi - lo].copy_(saved[lo - base : hi - base])
             self.read_upto = b
             for key in [key for key in self.copies if self._release[key[0]][key[1]] <= b]:
                 del self.copies[key]
         return out
+
+    def _segments(self, a: int, b: int):
+        """``(tier, block, first slot, end slot, first row)`` of items ``[a, b)``: runs of
+        consecutive slots in one tier, cut at block boundaries."""
+        tier, slot = self.tier[a:b], self.slot[a:b]
+        cut = torch.ones(b - a, dtype=torch.bool)
+        if b - a > 1:
+            cut[1:] = (tier[1:] != tier[:-1]) | (slot[1:] != slot[:-1] + 1)
+        starts = [*cut.nonzero().squeeze(1).tolist(), b - a]
+        for r0, r1 in itertools.pairwise(starts):
+            k, lo = int(tier[r0]), int(slot[r0])
+            hi = lo + r1 - r0
+            at = r0
+            while lo < hi:
+                blk = lo // self.block
+                end = min(hi, (blk + 1) * self.block)
+                yield k, blk, lo, end, at
+                at += end - lo
+                lo = end
 
     def close(self) -> None:
         """Stop guarding the tiers and drop every copy (when read, or abandoned)."""

@@ -11,6 +11,9 @@ group meanwhile; ``root`` must be one file system every rank sees (as
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
 import threading
 import time
@@ -22,7 +25,8 @@ from conduit_dist.checkpoint import files
 from conduit_dist.checkpoint.snapshot import ShardSnapshot
 from conduit_dist.errors import CheckpointError
 
-CHUNK_BYTES = 8 << 20  # items read and written at a time
+CHUNK_BYTES = 8 << 20  # bytes read and written at a time
+_ALIGN = 4096  # O_DIRECT: buffer address, length and file offset
 
 
 class Checkpoint:
@@ -43,6 +47,7 @@ class Checkpoint:
         self.error: BaseException | None = None
         self.write_s = 0.0  # time the thread took (its own part)
         self.copied_bytes = 0  # copy-on-write copies the rounds made meanwhile
+        self.direct_io: bool | None = None  # items written with O_DIRECT (None: not yet)
         self._thread: threading.Thread | None = None
 
     @property
@@ -105,22 +110,9 @@ class Checkpoint:
         meta_path = os.path.join(self.tmp, meta_name)
         torch.save(meta, meta_path + ".part")
         _fsync_rename(meta_path + ".part", meta_path)
-        rb = max(1, snap.tiers[0].record_bytes)
-        per = max(1, CHUNK_BYTES // rb)
-        rate = write_mbps * 1e6 if write_mbps else float("inf")
-        crc, n_bytes, t0 = 0, 0, time.perf_counter()
+        rb = snap.tiers[0].record_bytes
         items_path = os.path.join(self.tmp, items_name)
-        with open(items_path + ".part", "wb") as f:
-            while snap.read_upto < snap.count:
-                buf = snap.read(per).numpy()
-                crc = zlib.crc32(buf, crc)
-                f.write(memoryview(buf).cast("B"))
-                n_bytes += buf.nbytes
-                ahead = n_bytes / rate - (time.perf_counter() - t0)
-                if ahead > 0:  # keep to the rate: the rounds' CPU comes first
-                    time.sleep(ahead)
-            f.flush()
-            os.fsync(f.fileno())
+        crc, n_bytes, self.direct_io = _write_items(items_path + ".part", snap, rb, write_mbps)
         os.replace(items_path + ".part", items_path)
         done = {
             "rank": j,
@@ -185,3 +177,67 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_items(
+    path: str, snap: ShardSnapshot, rb: int, write_mbps: float
+) -> tuple[int, int, bool]:
+    """Write the snapshot's records to ``path`` at most ``write_mbps`` MB/s; returns ``(crc32,
+    bytes, direct)``.
+
+    Written with ``O_DIRECT`` from a page-aligned buffer where the file system allows it: the
+    page cache's copy and writeback cost ~1-2.6 s of CPU per GiB here against 0.15 s (measured,
+    1 GiB, fsync), CPU the rounds need; elsewhere (e.g. tmpfs) buffered (``direct`` says
+    which; ``Checkpoint.direct_io``).
+    """
+    per = max(1, CHUNK_BYTES // rb)
+    mm = mmap.mmap(-1, per * rb + 2 * _ALIGN)  # page-aligned
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd, direct = os.open(path, flags | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
+    except OSError:
+        fd, direct = os.open(path, flags), False
+    rate = write_mbps * 1e6 if write_mbps else float("inf")
+    crc, n_bytes, carry, t0 = 0, 0, 0, time.perf_counter()
+    try:
+        while snap.read_upto < snap.count:
+            k = min(per, snap.count - snap.read_upto)
+            snap.read(k, buf[carry : carry + k * rb].view(k, rb))
+            crc = zlib.crc32(memoryview(mm)[carry : carry + k * rb], crc)
+            n_bytes += k * rb
+            filled = carry + k * rb
+            whole = filled - filled % _ALIGN if direct else filled
+            direct = _write(fd, mm, whole, direct, path)
+            carry = filled - whole
+            if carry:  # the tail that is not a whole block waits for the next chunk
+                buf[:carry].copy_(buf[whole:filled].clone())
+            ahead = n_bytes / rate - (time.perf_counter() - t0)
+            if ahead > 0:  # keep to the rate: the rounds' CPU comes first
+                time.sleep(ahead)
+        if carry:  # pad the last block, then cut the file to its length
+            buf[carry:_ALIGN].zero_()
+            _write(fd, mm, _ALIGN if direct else carry, direct, path)
+            os.ftruncate(fd, n_bytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        del buf
+        mm.close()
+    return crc, n_bytes, direct
+
+
+def _write(fd: int, mm: mmap.mmap, n: int, direct: bool, path: str) -> bool:
+    """Write ``mm[:n]`` fully; returns whether ``O_DIRECT`` is still in use."""
+    view = memoryview(mm)[:n]
+    done = 0
+    while done < n:
+        try:
+            done += os.write(fd, view[done:])
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            direct = False  # refused by this file system: buffered from here on
+    view.release()
+    return direct
