@@ -240,14 +240,18 @@ class CheckpointConfig:
         every_s: seconds between checkpoints (decided by rank 0 at log intervals; 0: off).
         every_iters: iterations between checkpoints (0: off); with ``every_s`` either one.
         keep: complete checkpoints kept.
-        write_mbps: the background writer's rate limit in MB/s (0: none).
+        write_mbps: the items' rate limit in MB/s (0: none: as fast as the disk takes them,
+            which keeps the writer ahead of the rounds' overwrites).
+        checksum_mbps: rate limit in MB/s of the background pass that then checksums the
+            written items (0: none).
     """
 
     dir: str | None = None
     every_s: float = 300.0
     every_iters: int = 0
     keep: int = 2
-    write_mbps: float = 256.0
+    write_mbps: float = 0.0
+    checksum_mbps: float = 64.0
 
 
 @dataclass
@@ -315,6 +319,7 @@ def validate(cfg: TrainConfig) -> None:
         ("checkpoint.every_iters", ck.every_iters >= 0, ">= 0", ck.every_iters),
         ("checkpoint.keep", ck.keep >= 1, ">= 1", ck.keep),
         ("checkpoint.write_mbps", ck.write_mbps >= 0, ">= 0", ck.write_mbps),
+        ("checkpoint.checksum_mbps", ck.checksum_mbps >= 0, ">= 0", ck.checksum_mbps),
     ]
     for name, ok, expected, got in checks:  # alpha, beta, eps: checked by cd.Prioritized
         if not ok:

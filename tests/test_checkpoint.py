@@ -275,7 +275,7 @@ def _write_fails(rank, world, root):
     plane.flush()
     with pytest.raises(cd.ConfigError, match=r"extra\['model'\]\['f'\]"):
         plane.checkpoint(root, extra={"model": {"f": print}})
-    ck = plane.checkpoint(root, write_mbps=0.002)  # ~1 s for its ~2 KB
+    ck = plane.checkpoint(root, checksum_mbps=0.002)  # its checksum pass: ~1 s for ~2 KB
     shutil.rmtree(ck.tmp)  # the directory vanishes under the writer
     ck._thread.join(30)
     with pytest.raises(CheckpointError, match="failed to write"):
@@ -287,3 +287,24 @@ def _write_fails(rank, world, root):
 
 def test_background_write_failure_surfaces_at_the_next_call(tmp_path):
     assert run_ranks(_write_fails, 1, str(tmp_path / "ck")) == {0: False}
+
+
+def test_checkpoint_bench_runs_every_mode(tmp_path):
+    """``bench checkpoint`` at a toy size on 2 ranks: every mode measured, ratios last."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "conduit_dist.bench", "checkpoint", "--gib", "0.004", "--repeats", "1",
+         "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    modes = {r["mode"]: r for r in res["results"]}
+    assert set(modes) == {"none", "ours", "ours_no_limits", "ours_slow_write", "dcp_async",
+                          "stop_world"}  # fmt: skip
+    assert all(f"{m}_cost" in res["summary"] for m in modes)
+    assert modes["ours"]["write_s"] > 0 and modes["stop_world"]["blocked_s"] > 0

@@ -22,7 +22,7 @@ _PLAIN = (int, float, bool, str, type(None), torch.Tensor)
 
 
 def begin(
-    parts, spec, root: str, extra, *, write_mbps: float, keep: int, timeout_s: float
+    parts, spec, root: str, extra, *, rates: tuple[float, float], keep: int, timeout_s: float
 ) -> Checkpoint:
     """Agree on the round, snapshot this rank's shard and state, start writing (collective).
 
@@ -80,7 +80,7 @@ def begin(
         },
         "extra": _copy(extra),
     }
-    ck.start(meta, snap, write_mbps, keep, timeout_s)
+    ck.start(meta, snap, rates, keep, timeout_s)
     return ck
 
 

@@ -1,7 +1,7 @@
 """Writing one rank's part of a checkpoint on a background thread (see ``files.py``).
 
 The caller takes the snapshot between rounds (``save.py``); the thread writes the small state
-first, then the items oldest first through the copy-on-write snapshot, at most ``write_mbps``
+first, then the items oldest first through the copy-on-write snapshot, at most ``checksum_mbps``
 so rounds keep their CPU, and its ``done`` file last. Rank 0 then waits for every rank's
 ``done`` file, writes the manifest and renames the directory: the checkpoint is complete. No
 collective runs on the thread (file presence is the only coordination), so rounds may use the
@@ -79,14 +79,19 @@ class Checkpoint:
             ) from self.error
 
     def start(
-        self, meta: dict, snap: ShardSnapshot, write_mbps: float, keep: int, timeout_s: float
+        self,
+        meta: dict,
+        snap: ShardSnapshot,
+        rates: tuple[float, float],
+        keep: int,
+        timeout_s: float,
     ) -> None:
         """Write on a daemon thread (errors are kept for :meth:`wait`)."""
 
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                done = self._write_part(meta, snap, write_mbps)
+                done = self._write_part(meta, snap, rates)
                 if self.rank == 0:
                     self._finish(done, keep, timeout_s)
             except BaseException as e:  # surfaced at wait() / the plane's next call
@@ -104,7 +109,7 @@ class Checkpoint:
         self._thread = threading.Thread(target=run, name="conduit-checkpoint", daemon=True)
         self._thread.start()
 
-    def _write_part(self, meta: dict, snap: ShardSnapshot, write_mbps: float) -> dict:
+    def _write_part(self, meta: dict, snap: ShardSnapshot, rates: tuple[float, float]) -> dict:
         j = self.rank
         meta_name, items_name = f"shard{j}.pt", f"shard{j}.items"
         meta_path = os.path.join(self.tmp, meta_name)
@@ -112,7 +117,7 @@ class Checkpoint:
         _fsync_rename(meta_path + ".part", meta_path)
         rb = snap.tiers[0].record_bytes
         items_path = os.path.join(self.tmp, items_name)
-        crc, n_bytes, self.direct_io = _write_items(items_path + ".part", snap, rb, write_mbps)
+        crc, n_bytes, self.direct_io = _write_items(items_path + ".part", snap, rb, *rates)
         os.replace(items_path + ".part", items_path)
         done = {
             "rank": j,
@@ -180,54 +185,86 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_items(
-    path: str, snap: ShardSnapshot, rb: int, write_mbps: float
+    path: str, snap: ShardSnapshot, rb: int, write_mbps: float, checksum_mbps: float
 ) -> tuple[int, int, bool]:
-    """Write the snapshot's records to ``path`` at most ``write_mbps`` MB/s; returns ``(crc32,
-    bytes, direct)``.
+    """Write the snapshot's records to ``path`` (at most ``write_mbps`` MB/s, 0: no limit),
+    then checksum the file at most ``checksum_mbps`` MB/s; returns ``(crc32, bytes, direct)``.
 
-    Written with ``O_DIRECT`` from a page-aligned buffer where the file system allows it: the
-    page cache's copy and writeback cost ~1-2.6 s of CPU per GiB here against 0.15 s (measured,
-    1 GiB, fsync), CPU the rounds need; elsewhere (e.g. tmpfs) buffered (``direct`` says
-    which; ``Checkpoint.direct_io``).
+    By default the records go out as fast as the disk takes them: the writer reads oldest
+    first, the order the rounds overwrite in, so staying ahead of them means few copy-on-write
+    copies (held back to 32 MB/s, the rounds overtook it and copied the whole 1 GiB shard,
+    measured). Written
+    with ``O_DIRECT`` from a page-aligned buffer where the file system allows it: the page
+    cache's copy and writeback cost ~1-2.6 s of CPU per GiB here against 0.15 s (measured, 1
+    GiB, fsync), CPU the rounds need; elsewhere (e.g. tmpfs) buffered (``direct`` says which).
+    The CRC-32 (0.5 s of CPU per GiB) is then taken of the file as written, reading it back,
+    at the rate limit.
     """
     per = max(1, CHUNK_BYTES // rb)
     mm = mmap.mmap(-1, per * rb + 2 * _ALIGN)  # page-aligned
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    direct_flag = getattr(os, "O_DIRECT", 0)
     try:
-        fd, direct = os.open(path, flags | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
+        fd, direct = os.open(path, flags | direct_flag), bool(direct_flag)
     except OSError:
         fd, direct = os.open(path, flags), False
-    rate = write_mbps * 1e6 if write_mbps else float("inf")
-    crc, n_bytes, carry, t0 = 0, 0, 0, time.perf_counter()
+    n_bytes, carry, t0 = 0, 0, time.perf_counter()
     try:
         while snap.read_upto < snap.count:
             k = min(per, snap.count - snap.read_upto)
             snap.read(k, buf[carry : carry + k * rb].view(k, rb))
-            crc = zlib.crc32(memoryview(mm)[carry : carry + k * rb], crc)
             n_bytes += k * rb
             filled = carry + k * rb
             whole = filled - filled % _ALIGN if direct else filled
-            direct = _write(fd, mm, whole, direct, path)
+            direct = _write(fd, mm, whole, direct)
             carry = filled - whole
             if carry:  # the tail that is not a whole block waits for the next chunk
                 buf[:carry].copy_(buf[whole:filled].clone())
-            ahead = n_bytes / rate - (time.perf_counter() - t0)
-            if ahead > 0:  # keep to the rate: the rounds' CPU comes first
-                time.sleep(ahead)
+            _keep_rate(n_bytes, write_mbps, t0)
+        snap.close()  # every item is out: the rounds need not copy anything any more
         if carry:  # pad the last block, then cut the file to its length
             buf[carry:_ALIGN].zero_()
-            _write(fd, mm, _ALIGN if direct else carry, direct, path)
+            _write(fd, mm, _ALIGN if direct else carry, direct)
             os.ftruncate(fd, n_bytes)
         os.fsync(fd)
     finally:
         os.close(fd)
+    try:
+        crc = _checksum(path, mm, direct, checksum_mbps)
+    finally:
         del buf
         mm.close()
     return crc, n_bytes, direct
 
 
-def _write(fd: int, mm: mmap.mmap, n: int, direct: bool, path: str) -> bool:
+def _checksum(path: str, mm: mmap.mmap, direct: bool, mbps: float) -> int:
+    """CRC-32 of a file, read into ``mm`` at most ``mbps`` MB/s (0: no limit)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    chunk = len(mm) - len(mm) % _ALIGN
+    crc, done, t0 = 0, 0, time.perf_counter()
+    fd = os.open(path, flags)
+    try:
+        view = memoryview(mm)
+        while (got := os.readv(fd, [view[:chunk]])) > 0:
+            crc = zlib.crc32(view[:got], crc)
+            done += got
+            _keep_rate(done, mbps, t0)
+        view.release()
+    finally:
+        os.close(fd)
+    return crc
+
+
+def _keep_rate(done: int, mbps: float, t0: float) -> None:
+    """Sleep while ``done`` bytes since ``t0`` are ahead of ``mbps`` MB/s (0: no limit)."""
+    if mbps:
+        ahead = done / (mbps * 1e6) - (time.perf_counter() - t0)
+        if ahead > 0:  # the rounds' CPU comes first
+            time.sleep(ahead)
+
+
+def _write(fd: int, mm: mmap.mmap, n: int, direct: bool) -> bool:
     """Write ``mm[:n]`` fully; returns whether ``O_DIRECT`` is still in use."""
     view = memoryview(mm)[:n]
     done = 0

@@ -73,31 +73,32 @@ def init_distributed(
     if device.type == "cuda":
         local = _env_int("LOCAL_RANK") or 0
         torch.cuda.set_device(local)
-    attempt = _env_int("TORCHELASTIC_RESTART_COUNT")
-    if attempt:  # a group torchrun restarted: keys of the dead attempt are still in its store
-        dist.init_process_group(
-            backend, store=_attempt_store(rank, world, attempt, timeout), rank=rank,
-            world_size=world, timeout=timeout,
-        )  # fmt: skip
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # under torchrun: see below
+        store = _attempt_store(rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         return
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
 
 
-def _attempt_store(rank: int, world: int, attempt: int, timeout: timedelta) -> dist.Store:
-    """The launcher's store under a prefix of this restart attempt.
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The launcher's store under a prefix of this start of the group.
 
     torchrun keeps its agent's TCPStore across ``--max-restarts`` restarts (torch 2.13,
     ``--standalone``), and groups made with ``new_group`` store their peers' addresses under
     the same keys in every attempt: a restarted rank that reaches a group before its peer
     reads the dead attempt's address and times out connecting (measured: ``Gloo
-    connectFullMesh failed ... Connection refused``). A prefix per attempt keeps them apart.
+    connectFullMesh failed ... Connection refused``). Every rank counts its start in the store;
+    ``(count - 1) // world`` is then the same on all ranks of one start (also for a node that
+    rejoined with a fresh agent, whose ``TORCHELASTIC_RESTART_COUNT`` would differ), and names
+    the prefix.
     """
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
         is_master=not agent and rank == 0, timeout=timeout,
     )  # fmt: skip
-    return dist.PrefixStore(f"conduit_dist/attempt{attempt}", store)
+    start = (store.add("conduit_dist/starts", 1) - 1) // world
+    return dist.PrefixStore(f"conduit_dist/start{start}", store)
 
 
 def get_rank() -> int:

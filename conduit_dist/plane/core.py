@@ -387,7 +387,8 @@ class DataPlane:
         root: str,
         *,
         extra: Mapping[str, object] | None = None,
-        write_mbps: float = 256.0,
+        write_mbps: float = 0.0,
+        checksum_mbps: float = 64.0,
         keep: int = 2,
         timeout_s: float = 600.0,
     ) -> Checkpoint:
@@ -402,7 +403,11 @@ class DataPlane:
             root: directory of checkpoints (one file system all ranks see).
             extra: this rank's own state to keep with it (tensors, numbers, strings, dicts;
                 e.g. model and optimizer), returned by :meth:`restore`.
-            write_mbps: the writer's rate limit in MB/s (0: none), so rounds keep their CPU.
+            write_mbps: the items' rate limit in MB/s (0: none, the default: as fast as the
+                disk takes them, which keeps the writer ahead of the rounds' overwrites, so the
+                rounds copy little).
+            checksum_mbps: the rate limit in MB/s of the pass that then checksums the written
+                items (0: none), so the rounds keep their CPU.
             keep: complete checkpoints kept under ``root`` (older ones are removed).
             timeout_s: how long rank 0 waits for the other ranks' parts.
 
@@ -413,13 +418,14 @@ class DataPlane:
         self._check_open()
         if not (isinstance(keep, int) and keep >= 1):
             raise ConfigError(f"checkpoint keep: expected an int >= 1, got {keep!r}")
-        if not (isinstance(write_mbps, int | float) and write_mbps >= 0):
-            raise ConfigError(f"checkpoint write_mbps: expected a number >= 0, got {write_mbps!r}")
+        for name, mbps in (("write_mbps", write_mbps), ("checksum_mbps", checksum_mbps)):
+            if not (isinstance(mbps, int | float) and mbps >= 0):
+                raise ConfigError(f"checkpoint {name}: expected a number >= 0, got {mbps!r}")
         if self._ckpt is not None:
             self._ckpt.wait(timeout_s)
         self._p.control.quiesce()
         self._ckpt = save_mod.begin(
-            self._p, self.spec, str(root), extra, write_mbps=write_mbps, keep=keep,
+            self._p, self.spec, str(root), extra, rates=(write_mbps, checksum_mbps), keep=keep,
             timeout_s=timeout_s,
         )  # fmt: skip
         return self._ckpt

@@ -90,7 +90,13 @@ class Resumer:
                     dist.broadcast(flag, 0)
                 due = bool(flag.item())
         if due:
-            self.plane.checkpoint(cfg.dir, extra=state(), write_mbps=cfg.write_mbps, keep=cfg.keep)
+            self.plane.checkpoint(
+                cfg.dir,
+                extra=state(),
+                write_mbps=cfg.write_mbps,
+                checksum_mbps=cfg.checksum_mbps,
+                keep=cfg.keep,
+            )
             self.last_t, self.saved = time.monotonic(), self.saved + 1
 
     def record(self, it: int, env_steps: int) -> None:
