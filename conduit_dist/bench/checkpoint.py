@@ -3,26 +3,27 @@ checkpoint of a full store costs the rounds while it is written, against the way
 
 Every rank fills its shard (``--gib`` of 1 KiB records, default 1 GiB), then runs rounds
 (``put`` + ``fetch`` of ``--batch`` items, ``sync``, local placement) in windows of the same
-number of rounds, sized from the first baseline window to last about as long as our throttled
-write. Windows alternate, ``--repeats`` times:
+number of rounds, sized to last about as long as our default write. Each mode's window follows
+a baseline window with no checkpoint (so drift on a shared machine cancels in each pair),
+``--repeats`` times:
 
-- ``none``: no checkpoint (the baseline rate);
 - ``ours``: ``plane.checkpoint(root, checksum_mbps=--mbps)`` at the window's start (the
   defaults): a copy-on-write snapshot, the items written on a thread as fast as the disk takes
   them (``O_DIRECT``), then checksummed at ``--mbps``;
 - ``ours_no_limits``: no rate limit on either pass (the neutral setting: the writer takes what
   CPU it can);
-- ``ours_slow_write``: the items held to 32 MB/s (``write_mbps``): the rounds overwrite faster
-  than the writer reads, so they copy the blocks it has not reached (copy-on-write at work);
+- ``ours_slow_write`` (not by default): the items held to 32 MB/s (``write_mbps``): the rounds
+  overwrite faster than the writer reads, so they copy the blocks it has not reached
+  (copy-on-write at work; the window ends before its write does);
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of the shard's tier (its own gloo
   group): its default stager copies the tier first, in the caller, then writes on a thread;
 - ``stop_world``: ``torch.save(plane.state_dict())`` and fsync inside the window (rounds stop).
 
 Per window: its wall time, the writer's time (did the write fit the window), the caller's
-blocking time and copy-on-write bytes. ``cost`` = 1 - baseline time / window time (the rounds'
-throughput lost while the checkpoint was written); ``lost_s`` = window time - baseline time (the
-same as seconds, independent of the window's length). Medians over repeats and ranks (the
-slowest rank's per window). JSON line last.
+blocking time and copy-on-write bytes. ``cost`` = 1 - baseline time / window time for the pair
+(the rounds' throughput lost over a window as long as our write); ``lost_s`` = window time -
+baseline time (the same in seconds, independent of the window's length). The slowest rank's
+time per window; medians over repeats. JSON line last.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch.distributed as dist
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
 
-MODES = ("none", "ours", "ours_no_limits", "ours_slow_write", "dcp_async", "stop_world")
+MODES = ("ours", "ours_no_limits", "ours_slow_write", "dcp_async", "stop_world")
+DEFAULT_MODES = ("ours", "ours_no_limits", "dcp_async", "stop_world")
 SLOW_WRITE_MBPS = 32.0
 RECORD = 1024  # bytes a stored record (1008 + id + _version)
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mbps", type=number(float, 0, strict=True), default=64.0)
     p.add_argument("--repeats", type=number(int, 1), default=3)
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary dir)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     a = p.parse_args(argv)
     cd.init_distributed(timeout_s=600)
     rank = dist.get_rank()
@@ -137,26 +139,37 @@ def main(argv: list[str] | None = None) -> None:
         _rounds(plane, batch, 50)  # warm
         probe = _window(plane, batch, 200, "none", "", a, pg)
         rate = 200 / probe["wall_s"]
-        slowest = a.gib * (1 << 30) / (min(a.mbps, SLOW_WRITE_MBPS) * 1e6)  # s, the longest write
-        n_t = torch.tensor([max(200, int(rate * slowest * 1.3))])
+        # a window lasts about as long as our default write (items at ~disk speed, then the
+        # checksum pass at --mbps)
+        longest = a.gib * (1 << 30) / (a.mbps * 1e6) + 6.0 * a.gib  # ~6 s a GiB: items out
+        n_t = torch.tensor([max(200, int(rate * longest * 1.2))])
         dist.broadcast(n_t, 0)  # every rank runs the same rounds
         n = int(n_t)
         runs: dict[str, list[dict]] = {m: [] for m in a.modes}
+        pairs: dict[str, list[float]] = {m: [] for m in a.modes}  # baseline wall just before
         for rep in range(a.repeats):
             for mode in a.modes:
+                base_w = _window(plane, batch, n, "none", "", a, pg)  # the drift-free baseline
                 root = os.path.join(base, f"{mode}{rep}")
                 runs[mode].append(_window(plane, batch, n, mode, root, a, pg))
+                pairs[mode].append(base_w["wall_s"])
         results = []
         for mode, ws in runs.items():
-            walls = torch.tensor([[w["wall_s"] for w in ws]], dtype=torch.float64)
+            walls = torch.tensor([[w["wall_s"] for w in ws], pairs[mode]], dtype=torch.float64)
             gathered = [torch.zeros_like(walls) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, walls)
-            slowest = torch.cat(gathered).max(dim=0).values.tolist()  # per window
+            worst = torch.stack(gathered).max(dim=0).values  # the slowest rank, per window
+            costs = (1 - worst[1] / worst[0]).tolist()
+            lost = (worst[0] - worst[1]).tolist()
             results.append(
                 {
                     "mode": mode,
                     "rounds": n,
-                    "wall_s": statistics.median(slowest),
+                    "wall_s": statistics.median(worst[0].tolist()),
+                    "baseline_wall_s": statistics.median(worst[1].tolist()),
+                    "cost": statistics.median(costs),
+                    "costs": [round(c, 4) for c in costs],
+                    "lost_s": statistics.median(lost),
                     "write_s": statistics.median(w["write_s"] for w in ws),
                     "blocked_s": statistics.median(w["blocked_s"] for w in ws),
                     "copied_mb": statistics.median(w["copied_bytes"] for w in ws) / 1e6,
@@ -164,14 +177,10 @@ def main(argv: list[str] | None = None) -> None:
                     "rounds_per_s_after_write": statistics.median(w["rate_after"] for w in ws),
                 }
             )
-        none = next((r["wall_s"] for r in results if r["mode"] == "none"), None)
         summary = {"fill_s": fill_s, "gib_per_shard": a.gib, "checksum_mbps": a.mbps}
-        if none is not None:
-            for r in results:
-                r["cost"] = 1 - none / r["wall_s"]
-                r["lost_s"] = r["wall_s"] - none
-                summary[f"{r['mode']}_cost"] = round(r["cost"], 4)
-                summary[f"{r['mode']}_lost_s"] = round(r["lost_s"], 3)
+        for r in results:
+            summary[f"{r['mode']}_cost"] = round(r["cost"], 4)
+            summary[f"{r['mode']}_lost_s"] = round(r["lost_s"], 3)
         if rank == 0:
             emit("checkpoint", results, summary, world=dist.get_world_size())
     finally:

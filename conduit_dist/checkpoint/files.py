@@ -25,7 +25,7 @@ import zlib
 from conduit_dist.errors import CheckpointError
 
 FORMAT = 1
-_NAME = re.compile(r"^ckpt-(\d{9})$")
+_NAME = re.compile(r"^ckpt-(\d{9,})$")
 
 
 def directory(root: str, round: int, token: int | None = None) -> str:
@@ -122,3 +122,13 @@ def prune(root: str, keep: int, current: str) -> None:
         path = os.path.join(root, name)
         if name.endswith(".tmp") and path != current:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside(root: str, round: int) -> None:
+    """Move complete checkpoints of rounds after ``round`` to ``root/set_aside/`` (a restore went
+    back to ``round``: they are another timeline's, kept for inspection, not restored)."""
+    for path in complete(root):
+        m = _NAME.match(os.path.basename(path))
+        if m and int(m.group(1)) > round:
+            os.makedirs(os.path.join(root, "set_aside"), exist_ok=True)
+            os.replace(path, os.path.join(root, "set_aside", os.path.basename(path)))

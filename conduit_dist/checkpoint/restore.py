@@ -133,6 +133,7 @@ def restore(parts, spec, path: str) -> tuple[dict, int]:
     metas = [torch.load(os.path.join(path, f"shard{j}.pt"), weights_only=True) for j in range(old)]
     if metas[0]["spec"] != spec.state_dict():
         raise ConfigError(f"spec: checkpoint has {metas[0]['spec']}, plane has {spec.state_dict()}")
+    _check_fits(metas, shard, sampler)
     counts = [int(m["count"]) for m in metas]
     layout = plan(counts, ex.world, shard.capacity, whole)
     exact = old == ex.world
@@ -161,10 +162,34 @@ def restore(parts, spec, path: str) -> tuple[dict, int]:
     received = max(int(m["versions"]["received"]) for m in metas)
     parts.weights.version = max(parts.weights.version, received)
     parts.clock.round = int(man["round"])
+    # every rank has read its files: checkpoints of a later round belong to the timeline left
+    # behind (they would outrank the ones this run writes next), so rank 0 sets them aside
+    ex.all_gather_start(torch.tensor([1]), parts.clock.round).wait()
+    if ex.rank == 0:
+        files.set_aside(os.path.dirname(path), int(man["round"]))
     dropped = counts[ex.rank] - int(sizes[ex.rank]) if exact else 0
     if not exact and ex.rank == 0:
         dropped = sum(counts) - int(sizes.sum())
     return own["extra"], dropped
+
+
+def _check_fits(metas: list[dict], shard, sampler) -> None:
+    """Refuse, before the shard is touched, a checkpoint of another record layout or sampler.
+
+    Raises:
+        ConfigError: naming what differs.
+    """
+    m = metas[0]
+    if int(m["record_bytes"]) != shard.tiers[0].record_bytes:
+        raise ConfigError(
+            f"restore: checkpoint records are {m['record_bytes']} bytes, this plane stores "
+            f"{shard.tiers[0].record_bytes} (another sampler's trailer or sequence layout?)"
+        )
+    names = {s["sampler"].get("name") for s in metas}
+    if names != {sampler.name}:
+        raise ConfigError(
+            f"restore: checkpoint sampler {sorted(names)}, plane has {sampler.name!r}"
+        )
 
 
 def _read_items(path: str, record_bytes: int, a: int, b: int) -> torch.Tensor:

@@ -55,10 +55,22 @@ def begin(
     if ck.complete:  # this round was checkpointed already (e.g. just restored)
         return ck
     snap = ShardSnapshot(parts.shard)
+    try:
+        meta = _meta(parts, spec, snap, extra, r)
+    except BaseException:
+        snap.close()  # the tiers stop copying
+        raise
+    ck.start(meta, snap, rates, keep, timeout_s)
+    return ck
+
+
+def _meta(parts, spec, snap: ShardSnapshot, extra, r: int) -> dict:
+    """This rank's small state at the snapshot (copied: the caller goes on changing its own)."""
+    ex = parts.exchange
     gens = torch.arange(snap.oldest, snap.oldest + snap.count, dtype=torch.int64)
     shard = parts.shard
     items = parts.sampler.item_state(gens)  # first: it brings the sampler up to date
-    meta = {
+    return {
         "format": files.FORMAT,
         "round": r,
         "rank": ex.rank,
@@ -80,8 +92,6 @@ def begin(
         },
         "extra": _copy(extra),
     }
-    ck.start(meta, snap, rates, keep, timeout_s)
-    return ck
 
 
 def _copy(obj):

@@ -1,8 +1,9 @@
 """Writing one rank's part of a checkpoint on a background thread (see ``files.py``).
 
 The caller takes the snapshot between rounds (``save.py``); the thread writes the small state
-first, then the items oldest first through the copy-on-write snapshot, at most ``checksum_mbps``
-so rounds keep their CPU, and its ``done`` file last. Rank 0 then waits for every rank's
+first, then the items oldest first through the copy-on-write snapshot (as fast as the disk
+takes them unless ``write_mbps``), checksums them at most ``checksum_mbps`` so rounds keep their
+CPU, and writes its ``done`` file last. Rank 0 then waits for every rank's
 ``done`` file, writes the manifest and renames the directory: the checkpoint is complete. No
 collective runs on the thread (file presence is the only coordination), so rounds may use the
 group meanwhile; ``root`` must be one file system every rank sees (as
@@ -11,6 +12,7 @@ group meanwhile; ``root`` must be one file system every rank sees (as
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -193,10 +195,10 @@ def _write_items(
     By default the records go out as fast as the disk takes them: the writer reads oldest
     first, the order the rounds overwrite in, so staying ahead of them means few copy-on-write
     copies (held back to 32 MB/s, the rounds overtook it and copied the whole 1 GiB shard,
-    measured). Written
-    with ``O_DIRECT`` from a page-aligned buffer where the file system allows it: the page
-    cache's copy and writeback cost ~1-2.6 s of CPU per GiB here against 0.15 s (measured, 1
-    GiB, fsync), CPU the rounds need; elsewhere (e.g. tmpfs) buffered (``direct`` says which).
+    measured). Written with ``O_DIRECT`` from a page-aligned buffer where the file system
+    allows it: the page cache's copy and writeback cost ~1-2.6 s of CPU per GiB here against
+    0.15 s (measured, 1 GiB, fsync), CPU the rounds need; elsewhere (e.g. tmpfs) buffered
+    (``direct`` says which).
     The CRC-32 (0.5 s of CPU per GiB) is then taken of the file as written, reading it back,
     at the rate limit.
     """
@@ -209,6 +211,16 @@ def _write_items(
         fd, direct = os.open(path, flags | direct_flag), bool(direct_flag)
     except OSError:
         fd, direct = os.open(path, flags), False
+    try:
+        return _fill(fd, mm, buf, snap, rb, per, direct, write_mbps, checksum_mbps, path)
+    finally:
+        del buf
+        with contextlib.suppress(BufferError):  # a traceback still holds a view: left to GC
+            mm.close()
+
+
+def _fill(fd, mm, buf, snap, rb, per, direct, write_mbps, checksum_mbps, path):
+    """:func:`_write_items`' body (which closes the buffer however this ends)."""
     n_bytes, carry, t0 = 0, 0, time.perf_counter()
     try:
         while snap.read_upto < snap.count:
@@ -230,12 +242,7 @@ def _write_items(
         os.fsync(fd)
     finally:
         os.close(fd)
-    try:
-        crc = _checksum(path, mm, direct, checksum_mbps)
-    finally:
-        del buf
-        mm.close()
-    return crc, n_bytes, direct
+    return _checksum(path, mm, direct, checksum_mbps), n_bytes, direct
 
 
 def _checksum(path: str, mm: mmap.mmap, direct: bool, mbps: float) -> int:

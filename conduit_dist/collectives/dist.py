@@ -73,32 +73,32 @@ def init_distributed(
     if device.type == "cuda":
         local = _env_int("LOCAL_RANK") or 0
         torch.cuda.set_device(local)
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # under torchrun: see below
-        store = _attempt_store(rank, world, timeout)
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT")
+    if attempt:  # a group torchrun restarted: keys of the dead attempt are still in its store
+        store = _attempt_store(rank, world, attempt, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         return
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
 
 
-def _attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """The launcher's store under a prefix of this start of the group.
+def _attempt_store(rank: int, world: int, attempt: int, timeout: timedelta) -> dist.Store:
+    """The launcher's store under a prefix of this restart attempt.
 
     torchrun keeps its agent's TCPStore across ``--max-restarts`` restarts (torch 2.13,
     ``--standalone``), and groups made with ``new_group`` store their peers' addresses under
     the same keys in every attempt: a restarted rank that reaches a group before its peer
     reads the dead attempt's address and times out connecting (measured: ``Gloo
-    connectFullMesh failed ... Connection refused``). Every rank counts its start in the store;
-    ``(count - 1) // world`` is then the same on all ranks of one start (also for a node that
-    rejoined with a fresh agent, whose ``TORCHELASTIC_RESTART_COUNT`` would differ), and names
-    the prefix.
+    connectFullMesh failed ... Connection refused``). ``TORCHELASTIC_RESTART_COUNT`` is the
+    same on every rank whose agents restarted together (one agent, or all of them); a node
+    that rejoins with a fresh agent would count differently (not supported: its ranks time
+    out at start-up).
     """
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
         is_master=not agent and rank == 0, timeout=timeout,
     )  # fmt: skip
-    start = (store.add("conduit_dist/starts", 1) - 1) // world
-    return dist.PrefixStore(f"conduit_dist/start{start}", store)
+    return dist.PrefixStore(f"conduit_dist/attempt{attempt}", store)
 
 
 def get_rank() -> int:

@@ -14,7 +14,7 @@ from conduit_dist.checkpoint import restore as restore_mod
 from conduit_dist.checkpoint import save as save_mod
 from conduit_dist.checkpoint.writer import Checkpoint
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.errors import ConfigError, StaleDataError
+from conduit_dist.errors import CheckpointError, ConfigError, StaleDataError
 from conduit_dist.placement import Placement
 from conduit_dist.plane.waiting import fetch_records, wait_to_insert
 from conduit_dist.ratelimit import RateLimiter
@@ -361,12 +361,18 @@ class DataPlane:
         """Run the closing round, release the group, shard and worker (see ``assembly.release``).
         Collective; safe to call twice."""
         if not self._closed:
+            failed = None
             try:
-                if self._ckpt is not None:  # its thread reads the tiers
-                    self._ckpt.wait()
+                if self._ckpt is not None:  # its thread reads the tiers: let it finish first
+                    try:
+                        self._ckpt.wait()
+                    except CheckpointError as e:
+                        failed = e  # raised once the plane is released
                 release(self._p)
             finally:
                 self._closed = not self._p.stager.in_block
+            if failed is not None:
+                raise failed
 
     def state_dict(self) -> dict[str, object]:
         """This rank's state (tensors and ints; see ``state.save``). Not collective: it waits for
@@ -380,6 +386,8 @@ class DataPlane:
         """Restore :meth:`state_dict` (collective; see ``state.load``): ``ConfigError`` on another
         world size or spec, or ranks at different rounds."""
         self._check_open()
+        if self._ckpt is not None:  # its thread reads the tiers this overwrites
+            self._ckpt.wait()
         state.load(self._p, self.spec, saved)
 
     def checkpoint(

@@ -202,6 +202,7 @@ class Trainer:
     def _state(self, it: int) -> dict[str, object]:
         """What a checkpoint keeps of this rank's training (beside the data plane)."""
         return {
+            "rank": self.rank,
             "iteration": it,
             "env_steps": self.env_steps,
             "agent": self.agent.state_dict(),
@@ -221,11 +222,12 @@ class Trainer:
             return 0
         self.agent.load_state_dict(state["agent"])
         self.env_steps, self.policy_version = int(state["env_steps"]), int(state["policy_version"])
-        self.gen.set_state(state["gen"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.env is not None:
-            self.env.returns.extend(state["returns"])
-            self.env.episodes = int(state["episodes"])
+        if int(state["rank"]) == self.rank:  # a new rank (larger world) keeps its own seeds
+            self.gen.set_state(state["gen"])
+            torch.set_rng_state(state["torch_rng"])
+            if self.env is not None:
+                self.env.returns.extend(state["returns"])
+                self.env.episodes = int(state["episodes"])
         return int(state["iteration"])
 
     def _iteration(self, window: _Window) -> None:

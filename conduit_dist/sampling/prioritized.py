@@ -376,14 +376,17 @@ class Prioritized(Sampler):
 
     def restore_state(self, states, exact, rank, written) -> None:
         """The largest priority over the old shards; on the same world size also this rank's
-        counters and queued updates (their addresses still hold), else those are dropped and
-        counted (the items were renumbered)."""
+        queued updates (their addresses still hold), else those are dropped and counted (the
+        items were renumbered). Items put after the restore link to no old stream's tail (the
+        producers start new episodes)."""
         for s in states:
             if s.get("name") != self.name:
                 raise ConfigError(
                     f"sampler: checkpoint has {s.get('name')!r}, plane has {self.name!r}"
                 )
         self.max_priority = max(float(s["max_priority"]) for s in states)
+        if self.episodes is not None:  # new items start new episodes: no link to old tails
+            self.episodes.last = {}
         if exact:
             self.updates.load_state_dict(states[rank])
         elif rank == 0:  # each old update counted once

@@ -91,8 +91,9 @@ class Tier:
 
         Every write into the tier goes through here, so a running checkpoint's ``guard`` first
         keeps what those slots held (copy-on-write)."""
-        if self.guard is not None:
-            self.guard(start, end)
+        guard = self.guard  # read once: a finishing checkpoint clears it from its thread
+        if guard is not None:
+            guard(start, end)
         return self.data[start:end]
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -159,7 +160,7 @@ class Tier:
                 f"{self.kind} tier data: expected shape {list(self.data.shape)}, "
                 f"got {list(data.shape)}"
             )
-        self.data.copy_(data)
+        self.region(0, self.slots).copy_(data)  # through region: a running checkpoint's guard
 
     def close(self) -> None:
         """Release the tier's memory or files."""
