@@ -251,7 +251,7 @@ class CheckpointConfig:
     every_iters: int = 0
     keep: int = 2
     write_mbps: float = 0.0
-    checksum_mbps: float = 64.0
+    checksum_mbps: float = 0.0
 
 
 @dataclass

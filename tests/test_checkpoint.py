@@ -95,10 +95,12 @@ def _digest(rows: list[torch.Tensor]) -> str:
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "storage"),
-    [(2, 3, None), (3, 2, None), (2, 2, ("host", 16, "disk", 16))],
+    ("old", "new", "storage", "cap"),
+    [(2, 3, None, CAP), (3, 2, None, 60), (3, 2, None, CAP), (2, 2, ("host", 16, "disk", 16), 32)],
 )
-def test_restore_same_items_and_priorities_on_another_world_or_layout(tmp_path, old, new, storage):
+def test_restore_same_items_and_priorities_on_another_world_or_layout(
+    tmp_path, old, new, storage, cap
+):
     from scipy.stats import chisquare
 
     root = str(tmp_path / "ck")
@@ -111,7 +113,7 @@ def test_restore_same_items_and_priorities_on_another_world_or_layout(tmp_path, 
             disk_dir=str(tmp_path / "disk"),
             gbps={"host": (1, 1), "disk": (1, 1)},
         )
-    cap_new = CAP if tiers is None else storage[1] + storage[3]
+    cap_new = cap  # 3 -> 2 at CAP and the smaller tiers: more items than fit (dropped, counted)
     back = run_ranks(_restore, new, root, "prioritized", tiers, cap_new, 40, timeout_s=180)
     before = [saved[r] for r in range(old)]
     after = [back[r] for r in range(new)]
@@ -332,6 +334,6 @@ def test_checkpoint_bench_runs_every_mode(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     modes = {r["mode"]: r for r in res["results"]}
-    assert set(modes) == {"ours", "ours_no_limits", "dcp_async", "stop_world"}
+    assert set(modes) == {"ours", "ours_checksum_limited", "dcp_async", "stop_world"}
     assert all(f"{m}_cost" in res["summary"] for m in modes)
     assert modes["ours"]["write_s"] > 0 and modes["stop_world"]["blocked_s"] > 0

@@ -2,8 +2,8 @@
 
 The caller takes the snapshot between rounds (``save.py``); the thread writes the small state
 first, then the items oldest first through the copy-on-write snapshot (as fast as the disk
-takes them unless ``write_mbps``), checksums them at most ``checksum_mbps`` so rounds keep their
-CPU, and writes its ``done`` file last. Rank 0 then waits for every rank's
+takes them unless ``write_mbps``), checksums them (at most ``checksum_mbps`` if set), and writes
+its ``done`` file last. Rank 0 then waits for every rank's
 ``done`` file, writes the manifest and renames the directory: the checkpoint is complete. No
 collective runs on the thread (file presence is the only coordination), so rounds may use the
 group meanwhile; ``root`` must be one file system every rank sees (as
