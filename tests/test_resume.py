@@ -27,4 +27,6 @@ def test_kill_nine_resumes_from_the_last_checkpoint(tmp_path):
     assert res["items_lost"] >= max(
         0, res["env_steps_at_kill"] - resumed["env_steps_at_checkpoint"]
     )
-    assert any("never reached round" in line for line in res["round_error_named"]), res
+    # the survivor raises RoundError naming the round and rank 1, unless the agent stopped it
+    # first (it restarts the group as soon as a worker dies): both were seen here
+    assert all("ranks [1] never reached round" in line for line in res["round_error_named"]), res
