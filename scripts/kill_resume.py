@@ -114,7 +114,9 @@ def main() -> int:
         resumed=resumed,
         items_lost=resumed.get("env_steps_lost"),  # one item per env step (DQN)
         restarted=bool(resumed),  # the restarted attempt found the checkpoint
-        round_error_named=[ln.strip()[:300] for ln in text.splitlines() if "RoundError" in ln][:2],
+        round_error_named=[ln.strip()[:300] for ln in text.splitlines() if "RoundError: " in ln][
+            :2
+        ],
     )
     print(json.dumps(result))
     return 0 if result["finished"] and resumed else 1
