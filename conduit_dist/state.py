@@ -47,13 +47,7 @@ def load(parts, spec: ExperienceSpec, state: dict[str, object]) -> None:
     world = state["runner"]["sizes"].shape[0]
     if world != parts.exchange.world:
         raise ConfigError(f"world size: checkpoint has {world}, plane has {parts.exchange.world}")
-    if parts.stager.pending:
-        raise ConfigError(
-            f"load_state_dict: {parts.stager.pending} items were put since the last round; "
-            "restore before putting"
-        )
-    if parts.sched.pending is not None:  # launched before the restore: its batch is stale
-        parts.clock.wait()
+    quiet_for_restore(parts, "load_state_dict")
     r = int(state["round"])
     mine = torch.tensor([r], dtype=torch.int64)
     rounds = parts.exchange.all_gather_start(mine, parts.clock.round).wait()[:, 0].tolist()
@@ -70,3 +64,19 @@ def load(parts, spec: ExperienceSpec, state: dict[str, object]) -> None:
         parts.stager.publishes = int(versions["published"])
         parts.weights.version = max(parts.weights.version, int(versions["received"]))
     parts.clock.round = r
+
+
+def quiet_for_restore(parts, what: str) -> None:
+    """Before a restore overwrites this rank's state: nothing staged, no round in flight (a
+    round launched before the restore is finished; its batch would be stale).
+
+    Raises:
+        ConfigError: naming ``what``, if items were put since the last round.
+    """
+    if parts.stager.pending:
+        raise ConfigError(
+            f"{what}: {parts.stager.pending} items were put since the last round; restore "
+            "before putting"
+        )
+    if parts.sched.pending is not None:
+        parts.clock.wait()

@@ -72,15 +72,16 @@ def read_manifest(path: str) -> dict:
     return man
 
 
-def verify(path: str, man: dict, ranks) -> None:
-    """Check the files of old ranks ``ranks`` against the manifest (sizes, CRC-32).
+def verify(path: str, man: dict, ranks, kinds=("items", "meta")) -> None:
+    """Check the files (``kinds``) of old ranks ``ranks`` against the manifest (sizes,
+    CRC-32).
 
     Raises:
         CheckpointError: naming the first file that is missing or differs.
     """
     for j in ranks:
         entry = man["shards"][j]
-        for kind in ("items", "meta"):
+        for kind in kinds:
             name = entry[kind]["file"]
             try:
                 got = crc_file(os.path.join(path, name))

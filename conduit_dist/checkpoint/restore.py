@@ -22,6 +22,7 @@ import torch
 
 from conduit_dist.checkpoint import files
 from conduit_dist.errors import CheckpointError, ConfigError
+from conduit_dist.state import quiet_for_restore
 
 Piece = tuple[int, int, int]  # (old rank, first item, end item): oldest first within a shard
 
@@ -74,9 +75,10 @@ def _fit(pieces: list[Piece], capacity: int) -> list[Piece]:
     return [(j, b - keep[i], b) for i, (j, _, b) in enumerate(pieces) if keep[i]]
 
 
-def find(path: str, exchange, verify_ranks) -> tuple[str, dict]:
-    """The checkpoint to restore: ``path`` itself, or the newest complete one under it whose
-    files every rank verified (a torn or corrupted one is skipped: the previous is used).
+def find(path: str, exchange, check) -> tuple[str, dict]:
+    """The checkpoint to restore: ``path`` itself, or the newest complete one under it that
+    ``check(candidate, manifest)`` passed on every rank (a torn or corrupted one is skipped: the
+    previous is used).
 
     Raises:
         CheckpointError: when there is none.
@@ -89,7 +91,7 @@ def find(path: str, exchange, verify_ranks) -> tuple[str, dict]:
     for cand in candidates:
         try:
             man = files.read_manifest(cand)
-            files.verify(cand, man, verify_ranks(man))
+            check(cand, man)
             ok, why = 1, ""
         except CheckpointError as e:
             ok, why, man = 0, str(e), None
@@ -114,21 +116,17 @@ def restore(parts, spec, path: str) -> tuple[dict, int]:
         ConfigError: another spec, or items staged here.
     """
     ex, shard, sampler = parts.exchange, parts.shard, parts.sampler
-    if parts.stager.pending:
-        raise ConfigError(
-            f"restore: {parts.stager.pending} items were put since the last round; restore "
-            "before putting"
-        )
-    if parts.sched.pending is not None:  # launched before the restore: its batch is stale
-        parts.clock.wait()
+    quiet_for_restore(parts, "restore")
     whole = bool(sampler.windowed)
 
-    def mine(man) -> list[int]:
+    def check(cand: str, man: dict) -> None:
+        """Every old rank's small state (all are read) and the items this rank takes."""
+        files.verify(cand, man, range(man["world"]), kinds=("meta",))
         counts = [s["count"] for s in man["shards"]]
         pieces = plan(counts, ex.world, shard.capacity, whole)[ex.rank]
-        return sorted({0, min(ex.rank, len(counts) - 1), *(j for j, _, _ in pieces)})
+        files.verify(cand, man, sorted({j for j, _, _ in pieces}), kinds=("items",))
 
-    path, man = find(path, ex, mine)
+    path, man = find(path, ex, check)
     old = man["world"]
     metas = [torch.load(os.path.join(path, f"shard{j}.pt"), weights_only=True) for j in range(old)]
     if metas[0]["spec"] != spec.state_dict():

@@ -66,10 +66,10 @@ class ShardSnapshot:
 
         return guard
 
-    def read(self, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The next ``n`` items' records (``uint8 [n, record_bytes]``, host memory, into
-        ``out`` if given), oldest first; blocks holding none of the items still to read are
-        released.
+    def read(self, n: int, out: torch.Tensor) -> torch.Tensor:
+        """The next ``n`` items' records into ``out`` (``uint8 [>= n, record_bytes]``, host
+        memory), oldest first; returns the rows filled. Blocks holding none of the items still
+        to read are released.
 
         The rows are copied from the live tiers without the lock (rounds are not held up), as
         slices of runs of consecutive slots; a block the rounds copied meanwhile (they were
@@ -77,8 +77,6 @@ class ShardSnapshot:
         before any write.
         """
         a, b = self.read_upto, min(self.read_upto + n, self.count)
-        if out is None:
-            out = torch.empty((b - a, self.tiers[0].record_bytes), dtype=torch.uint8)
         out = out[: b - a]
         segments = list(self._segments(a, b))
         for k, blk, lo, hi, at in segments:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import mmap
 import os
 import threading
@@ -134,8 +135,6 @@ class Checkpoint:
 
     def _finish(self, mine: dict, keep: int, timeout_s: float) -> None:
         """Rank 0: wait for every rank's part, write the manifest, rename, prune."""
-        import json
-
         deadline = time.monotonic() + timeout_s
         shards: list[dict | None] = [None] * self.world
         shards[0] = mine
