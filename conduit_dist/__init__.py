@@ -27,6 +27,7 @@ from conduit_dist.errors import (
     SpecError,
     StaleDataError,
 )
+from conduit_dist.loader import ExperienceLoader, ExperienceWriter
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.ratelimit import RateLimiter
@@ -42,7 +43,9 @@ __all__ = [
     "ConfigError",
     "DataPlane",
     "EmptyStoreError",
+    "ExperienceLoader",
     "ExperienceSpec",
+    "ExperienceWriter",
     "FieldSpec",
     "Lifo",
     "Local",

@@ -125,6 +125,7 @@ class DataPlane:
         return self._p.runner.published.copy()
 
     round = property(lambda self: self._p.clock.round, doc="Rounds prepared so far.")
+    closed = property(lambda self: self._closed, doc="Whether :meth:`close` has run.")
     stats = property(lambda self: self._p.clock.stats, doc="The latest finished round's stats.")
 
     def put(
