@@ -54,7 +54,8 @@ class ExperienceLoader(IterableDataset):
     Iteration ends after ``rounds`` rounds (``None``: no bound; leave with ``break``), or when
     the plane is closed: the next iteration checks it and stops. Every rank must run the same
     number of rounds (actors through :class:`ExperienceWriter` or ``plane.flush()``), so a
-    ``break`` must be decided the same way on every rank (e.g. from ``len(plane)``).
+    ``break`` must be decided the same way on every rank (e.g. from ``len(plane)``). Iterating
+    the loader again continues from the rounds it has run (it counts them in ``rounds_run``).
 
     Args:
         plane: the data plane (this rank a learner).
