@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 
 from conduit_dist import registry
 from conduit_dist.errors import ConfigError
+from conduit_dist.progress import check as check_progress
 
 
 @dataclass
@@ -214,13 +215,21 @@ class LoggerConfig:
     """Metrics.
 
     Attributes:
-        kind: ``wandb``, ``console`` or ``none``.
+        kind: ``wandb`` (W&B, the console display and the metrics file), ``console`` (the
+            console display and the metrics file) or ``none`` (the metrics file only). Every
+            kind writes ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/run.json`` on rank 0 (read by
+            ``python -m conduit_dist.report RUN_DIR``).
         mode: W&B mode: ``offline`` (default), ``online`` or ``disabled``.
         project: W&B project.
         log_every: iterations between aggregated metric logs.
         summary_path: rank 0 writes the run's summary here as JSON at the end (env steps,
             wall and time to the target, env steps/s, the per-iteration breakdown of
             ``rl/breakdown.py``); ``null``: not written.
+        progress: the console display, one of ``progress.MODES``: ``auto`` (a live bar when
+            the console is a terminal, plain lines otherwise), ``bar`` or ``lines``.
+
+    Raises:
+        ConfigError: on a ``progress`` not in ``progress.MODES``.
     """
 
     kind: str = "wandb"
@@ -228,6 +237,10 @@ class LoggerConfig:
     project: str = "conduit_dist"
     log_every: int = 100
     summary_path: str | None = None
+    progress: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_progress(self.progress)  # at composition, on every rank
 
 
 @dataclass

@@ -1,17 +1,30 @@
-"""Metrics: a tiny logger protocol, W&B on rank 0, and aggregation across ranks.
+"""Metrics: a tiny logger protocol, the run's local metrics file, W&B, and aggregation.
 
-Metric namespace (every logger uses the same names):
+Rank 0 logs to a :class:`RunLogger` (built by :func:`make_logger`), which hands every log step
+to its sinks: always a ``MetricsFile`` (``conduit_dist/report.py``: ``RUN_DIR/metrics.jsonl``,
+one JSON object per log step, and ``RUN_DIR/run.json``, read by ``python -m conduit_dist.report``),
+the console display ``logger.progress`` picks (``conduit_dist/progress.py``; not with
+``logger=none``) and, with ``logger=wandb``, a :class:`WandbLogger`. Other ranks get a
+:class:`NullLogger`.
+
+Metric namespace (every sink uses the same names):
 
 - ``rl/episode_return``, ``rl/episode_return_100`` (mean of the last 100 episodes), ``rl/episodes``
 - ``rate/env_steps_per_s``, ``rate/learner_steps_per_s``
 - ``path/<phase>_ms_{mean,max}`` for phases ``ingest``, ``sample``, ``deliver``, ``wait`` (time the
-  learner waited for its batch), plus ``path/bytes_in``, ``path/bytes_out``
+  learner waited for its batch), ``exposed`` / ``hidden`` (the round's time the learner waited
+  for / that ran behind its compute), plus ``path/bytes_in``, ``path/bytes_out`` and
+  ``path/bytes_{self,host,net}`` (bytes the rounds sent, by link class, over all ranks, in the
+  log interval; ``RoundStats.sent``)
 - ``store/items``, ``store/occupancy``, ``store/tier<i>_<kind>_bytes``, ``store/demotions``,
   ``store/evictions``
 - ``train/loss``, ``train/epsilon``, ``train/policy_version``
 - the per-iteration breakdown of ``rl/breakdown.py`` (ms per iteration, mean over ranks):
   ``path/iter_{put,exposed,round_cpu}_ms`` and ``train/iter_{act,env,forward,backward,optimizer,
   publish,ddp,cpu,main_cpu,idle,iteration}_ms``
+- histograms (W&B ``wandb.Histogram``; in ``metrics.jsonl`` as ``<name>_{p50,p90,p99,max}``):
+  ``path/exposed_ms_hist``, ``path/hidden_ms_hist``, ``path/policy_age_hist`` (newest policy
+  version minus each fetched item's ``_version``; its maximum over ranks: ``path/policy_age_max``)
 
 Step axes: ``env_steps`` (all ranks) for ``rl/*``, ``rate/*``, ``train/*``, ``store/*`` and
 ``path/*``; ``learner_steps`` is logged too.
@@ -20,76 +33,63 @@ Step axes: ``env_steps`` (all ranks) for ``rl/*``, ``rate/*``, ``train/*``, ``st
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from datetime import timedelta
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
+from conduit_dist.progress import ConsoleLogger
+from conduit_dist.report import MetricsFile
 
 log = logging.getLogger("conduit_dist")
+
+Histograms = dict[str, list[float]]
 
 
 class Logger(Protocol):
     """What the trainer logs to."""
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Record ``metrics`` at ``step``."""
+    def log(self, metrics: dict[str, float], step: int, histograms: Histograms | None = None):
+        """Record ``metrics`` (and per-iteration ``histograms``) at env step ``step``."""
 
     def close(self) -> None:
         """Flush and release resources."""
 
 
 class NullLogger:
-    """Discards everything (non-zero ranks, ``logger=none``)."""
+    """Discards everything (non-zero ranks)."""
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, histograms: Histograms | None = None):
         """Do nothing."""
 
     def close(self) -> None:
         """Do nothing."""
 
 
-class ConsoleLogger:
-    """Prints a progress bar and the key metrics through the ``conduit_dist`` logger.
+class WandbLogger:
+    """Weights & Biases run on rank 0.
+
+    ``env_steps`` is the x-axis of every namespace (``define_metric``); the run's summary holds
+    ``rl/best_return_100`` and, once the last-100 return reaches ``target_return``,
+    ``rl/time_to_target_s`` (since this logger started) and ``rl/env_steps_to_target``.
+    Histograms are logged as ``wandb.Histogram`` in the same step.
 
     Args:
-        total_steps: env steps of the whole run (for the bar).
-    """
-
-    def __init__(self, total_steps: int) -> None:
-        self.total = max(total_steps, 1)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Print one progress line."""
-        frac = min(step / self.total, 1.0)
-        bar = "#" * int(frac * 20) + "-" * (20 - int(frac * 20))
-        keys = [
-            ("rl/episode_return_100", "ret100", "{:.1f}"),
-            ("rate/env_steps_per_s", "env/s", "{:,.0f}"),
-            ("path/wait_ms_mean", "wait_ms", "{:.2f}"),
-            ("path/total_ms_mean", "round_ms", "{:.2f}"),
-            ("train/loss", "loss", "{:.3f}"),
-        ]
-        parts = [f"{label}={fmt.format(metrics[k])}" for k, label, fmt in keys if k in metrics]
-        log.info("[%s] %3.0f%% steps=%d %s", bar, frac * 100, step, " ".join(parts))
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-class WandbLogger(ConsoleLogger):
-    """Weights & Biases run on rank 0 (also prints to the console).
-
-    Args:
-        total_steps: env steps of the whole run.
         project: W&B project.
         mode: ``offline``, ``online`` or ``disabled``.
         config: the resolved run config (stored with the run).
         run_dir: directory under which ``wandb/`` is written.
+        run_id: resume this run (a restarted job).
+        target_return: the run's target (``None``: none).
+        world_size: ranks in the job (added to the run's config).
 
     Raises:
         ConfigError: on a bad mode. W&B start-up errors propagate: asked-for W&B fails loudly.
@@ -97,42 +97,79 @@ class WandbLogger(ConsoleLogger):
 
     def __init__(
         self,
-        total_steps: int,
         project: str,
         mode: str,
         config: dict[str, Any],
         run_dir: str,
         run_id: str | None = None,
+        target_return: float | None = None,
+        world_size: int = 1,
     ) -> None:
-        super().__init__(total_steps)
         if mode not in ("offline", "online", "disabled"):
             raise ConfigError(f"logger.mode: expected offline|online|disabled, got {mode!r}")
         import wandb
 
         os.makedirs(run_dir, exist_ok=True)
         self.run = wandb.init(
-            project=project, mode=mode, config=config, dir=run_dir, id=run_id,
-            resume="allow" if run_id else None,
+            project=project, mode=mode, config={**config, "world_size": world_size},
+            dir=run_dir, id=run_id, resume="allow" if run_id else None,
         )  # fmt: skip
         self.run.define_metric("env_steps")
+        self.run.define_metric("learner_steps", step_metric="env_steps")
         for prefix in ("rl", "rate", "path", "store", "train"):
             self.run.define_metric(f"{prefix}/*", step_metric="env_steps")
         self.dir = getattr(self.run, "dir", None)
+        self.target, self.t0, self.best = target_return, time.perf_counter(), -math.inf
+        self.reached = False
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Log to W&B (with ``env_steps``) and print the console line."""
-        self.run.log({**metrics, "env_steps": step})
-        super().log(metrics, step)
-
-    def log_histogram(self, name: str, values: list[float], step: int) -> None:
-        """Log a histogram of per-iteration values."""
+    def log(self, metrics: dict[str, float], step: int, histograms: Histograms | None = None):
+        """Log to W&B (with ``env_steps``) and update the summary."""
         import wandb
 
-        self.run.log({name: wandb.Histogram(values), "env_steps": step})
+        row: dict[str, Any] = {**metrics, "env_steps": step}
+        for name, values in (histograms or {}).items():
+            if len(values):
+                row[name] = wandb.Histogram(np.asarray(values, dtype=np.float64))
+        self.run.log(row)
+        ret = metrics.get("rl/episode_return_100", math.nan)  # absent before a first episode
+        if math.isfinite(ret) and ret > self.best:
+            self.best = ret
+            self.run.summary["rl/best_return_100"] = ret
+        if self.target is not None and not self.reached and ret >= self.target:
+            self.reached = True
+            self.run.summary["rl/time_to_target_s"] = time.perf_counter() - self.t0
+            self.run.summary["rl/env_steps_to_target"] = step
 
     def close(self) -> None:
         """Finish the run (call from a ``finally``)."""
         self.run.finish()
+
+
+class RunLogger:
+    """Rank 0's logger: hands every log step to each sink in turn; closes them all.
+
+    Args:
+        sinks: loggers, e.g. ``[MetricsFile(...), ConsoleLogger(...), WandbLogger(...)]``.
+    """
+
+    def __init__(self, sinks: list[Logger]) -> None:
+        self.sinks = sinks
+
+    def log(self, metrics: dict[str, float], step: int, histograms: Histograms | None = None):
+        """Log to every sink."""
+        for sink in self.sinks:
+            sink.log(metrics, step, histograms)
+
+    def close(self) -> None:
+        """Close every sink (all of them, even if one fails; then the first error is raised)."""
+        first = None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 def make_logger(
@@ -143,21 +180,113 @@ def make_logger(
     config: dict[str, Any],
     run_dir: str,
     run_id: str | None = None,
+    *,
+    progress: str | None = None,
+    target_return: float | None = None,
 ) -> Logger:
-    """The logger for this rank: the configured one on rank 0, a no-op elsewhere; W&B resumes
-    run ``run_id`` when it exists (a restarted job).
+    """The logger for this rank: on rank 0 the run's metrics file in ``run_dir``, the console
+    display (kinds ``console`` and ``wandb``) and W&B (kind ``wandb``, resuming run ``run_id``
+    when it exists); a no-op elsewhere.
+
+    Args:
+        kind: ``wandb``, ``console`` or ``none``.
+        mode: W&B mode.
+        project: W&B project.
+        total_steps: env steps of the whole run.
+        config: the resolved run config (``TrainConfig`` as a dict).
+        run_dir: the run's directory (``metrics.jsonl``, ``run.json``, ``wandb/``).
+        run_id: W&B run id to resume.
+        progress: ``logger.progress``; ``None``: ``config["logger"]["progress"]``.
+        target_return: the run's target; ``None``: ``config["target_return"]``.
+
+    Returns:
+        A :class:`RunLogger` on rank 0, a :class:`NullLogger` elsewhere.
 
     Raises:
-        ConfigError: on an unknown kind.
+        ConfigError: on an unknown kind or progress mode.
+
+    Example::
+
+        logger = make_logger("none", "disabled", "p", 4000, cfg_dict, "outputs/run-1")
+        logger.log({"rl/episode_return_100": 21.0}, 800)
+        logger.close()
     """
     if kind not in ("wandb", "console", "none"):
         raise ConfigError(f"logger.kind: expected wandb|console|none, got {kind!r}")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank != 0 or kind == "none":
+    if rank != 0:
         return NullLogger()
-    if kind == "console":
-        return ConsoleLogger(total_steps)
-    return WandbLogger(total_steps, project, mode, config, run_dir, run_id)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    progress = config["logger"]["progress"] if progress is None else progress
+    target = config["target_return"] if target_return is None else target_return
+    sinks: list[Logger] = [MetricsFile(run_dir, config, world)]
+    if kind != "none":
+        sinks.append(ConsoleLogger(total_steps, progress))
+    if kind == "wandb":
+        sinks.append(WandbLogger(project, mode, config, run_dir, run_id, target, world))
+    return RunLogger(sinks)
+
+
+def store_values(store: dict[str, Any] | None) -> dict[str, float]:
+    """This rank's store values to :func:`aggregate` (the same keys on every rank).
+
+    Args:
+        store: ``DataPlane.store_stats()`` (``None``: a plane without tiers; no values).
+
+    Returns:
+        ``tier<i>_<kind>_bytes``, ``demotions``, ``evictions`` and ``demotion_wait_ms``.
+    """
+    if store is None:
+        return {}
+    out = {f"tier{i}_{t['kind']}_bytes": float(t["bytes"]) for i, t in enumerate(store["tiers"])}
+    out["demotions"], out["evictions"] = store["demotions"], store["evictions"]
+    out["demotion_wait_ms"] = store.get("demotion_wait_ms", 0.0)
+    return out
+
+
+def store_metrics(agg: dict[str, float], store: dict[str, Any] | None, world: int):
+    """The ``store/*`` metrics from :func:`aggregate` of :func:`store_values`: bytes per tier
+    (mean over ranks), demotions and evictions (sums), the slowest rank's demotion wait.
+
+    Args:
+        agg: the aggregated values.
+        store: this rank's ``store_stats()`` (``None``: no metrics).
+        world: ranks in the job.
+
+    Returns:
+        ``{"store/tier0_host_bytes": ..., "store/demotions": ..., ...}``.
+    """
+    if store is None:
+        return {}
+    out = {}
+    for i, tier in enumerate(store["tiers"]):
+        key = f"tier{i}_{tier['kind']}_bytes"
+        out[f"store/{key}"] = agg[f"{key}_mean"]
+    out["store/demotions"] = agg["demotions_mean"] * world
+    out["store/evictions"] = agg["evictions_mean"] * world
+    out["store/demotion_wait_ms"] = agg["demotion_wait_ms_max"]
+    return out
+
+
+def link_bytes(sent: np.ndarray | None, links: np.ndarray) -> dict[str, float]:
+    """Bytes a rank sent, summed by link class (values to :func:`aggregate`).
+
+    Args:
+        sent: bytes sent to each rank (``[world]``; ``RoundStats.sent`` summed over rounds;
+            ``None``: nothing sent).
+        links: this rank's row of ``Topology.link_matrix()`` (``[world]`` indices into
+            ``LINKS``).
+
+    Returns:
+        ``{"bytes_self": ..., "bytes_host": ..., "bytes_net": ...}``.
+
+    Example::
+
+        link_bytes(np.array([100, 40]), np.array([0, 1]))  # self 100, host 40, net 0
+    """
+    sent = np.zeros(len(links)) if sent is None else sent
+    per = np.bincount(links, weights=sent, minlength=len(LINKS))
+    return {f"bytes_{name}": float(per[i]) for i, name in enumerate(LINKS)}
 
 
 def aggregate(values: dict[str, float], timeout_s: float = 60.0) -> dict[str, float]:

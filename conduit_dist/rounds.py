@@ -237,6 +237,7 @@ class RoundRunner:
             n_in * rb,
             n_out * self.wire_bytes,
         )
+        stats.add_sent([stats.bytes_in + stats.bytes_out])  # all local copies
         return out
 
     def check_payload(self, t: torch.Tensor) -> None:
@@ -296,6 +297,7 @@ class RoundRunner:
         if t.direct:  # put wrote them into the slots (items that stay local): counted now
             self.shard.commit(t.direct)
         if plan.any():  # every rank runs the exchange or none does (plan is replicated)
+            stats.add_sent(plan[self.rank] * self.spec.record_bytes)  # own row: kept locally
             inp = self._staged_rows(t)
             if not _between_ranks(plan).any():
                 self.shard.append(inp)  # every item stays put (known on every rank): no exchange
@@ -330,6 +332,7 @@ class RoundRunner:
         first = int(to_learners[:me].sum())  # this learner's rows among this shard's draws
         n_draw, n_recv = int(to_learners.sum()), int(counts[me].sum())
         remote = n_recv - mine
+        stats.add_sent(to_learners * self.wire_bytes)  # the own learner's rows: copied locally
         out = self.outputs.acquire(n_recv)
         send = self._send.rows(n_draw - mine)
         if n_draw:

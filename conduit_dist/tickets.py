@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from conduit_dist.collectives.transport import Move
@@ -41,8 +42,18 @@ class RoundStats:
     """The same in bytes."""
     stored: int = 0
     """Items over all shards after the round."""
+    sent: np.ndarray | None = None
+    """Bytes this rank's round sent each rank (index: destination; ``None``: nothing moved):
+    to its peers over the wire (a one-exchange round's headers, candidates and payload too), to
+    itself by local copy (its own items into its shard, its shard's rows into its own batch).
+    The weights' broadcast is not in it."""
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
     moves: list[Move] = field(default_factory=list)
+
+    def add_sent(self, per_rank: np.ndarray) -> None:
+        """Add bytes sent to each rank (``[world]``) to :attr:`sent`."""
+        per_rank = np.asarray(per_rank, dtype=np.int64)
+        self.sent = per_rank.copy() if self.sent is None else self.sent + per_rank
 
     @property
     def total_ms(self) -> float:
@@ -59,6 +70,7 @@ class RoundStats:
         d = asdict(self)
         d.pop("spans")
         d.pop("moves")
+        d.pop("sent")
         return {**d, "total_ms": self.total_ms}
 
 

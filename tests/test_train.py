@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from wandb_reader import history
+from wandb_reader import history, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +62,13 @@ def test_smoke_two_ranks_writes_wandb_offline_with_latency_metrics(tmp_path):
         "rate/env_steps_per_s",
         "rate/learner_steps_per_s",
         "env_steps",
+        "path/bytes_host",
     ):
         assert k in keys, (k, sorted(keys))
+    assert any(k.startswith("path/policy_age_hist") for k in keys)
+    assert "rl/best_return_100" in summary(glob.glob(os.path.join(runs[0], "*.wandb"))[0])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # beside the W&B run
+    assert len(lines) == len(waits)
 
 
 def test_misspelled_override_fails_with_hydra_message(tmp_path):

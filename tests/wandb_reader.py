@@ -12,14 +12,14 @@ import struct
 _BLOCK, _HDR = 32768, 7
 
 
-def history(path: str) -> list[dict[str, object]]:
-    """Every ``run.log`` row of the run, as ``{key: value}``."""
+def _records(path: str):
+    """Every protobuf ``Record`` of the run file, in order."""
     from wandb.proto import wandb_internal_pb2
 
     with open(path, "rb") as f:
         data = f.read()
     assert data[:4] == b":W&B", f"not a W&B run file: {path}"
-    pos, buf, rows = _HDR, b"", []
+    pos, buf = _HDR, b""
     while pos + _HDR <= len(data):
         left = _BLOCK - pos % _BLOCK
         if left < _HDR:
@@ -35,11 +35,26 @@ def history(path: str) -> list[dict[str, object]]:
             rec = wandb_internal_pb2.Record()
             rec.ParseFromString(buf)
             buf = b""
-            if rec.WhichOneof("record_type") == "history":
-                rows.append(
-                    {
-                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                        for i in rec.history.item
-                    }
-                )
-    return rows
+            yield rec
+
+
+def _items(items) -> dict[str, object]:
+    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+def history(path: str) -> list[dict[str, object]]:
+    """Every ``run.log`` row of the run, as ``{key: value}``."""
+    return [
+        _items(rec.history.item)
+        for rec in _records(path)
+        if rec.WhichOneof("record_type") == "history"
+    ]
+
+
+def summary(path: str) -> dict[str, object]:
+    """The run's summary as the run left it (``run.summary[key] = value`` updates, in order)."""
+    out: dict[str, object] = {}
+    for rec in _records(path):
+        if rec.WhichOneof("record_type") == "summary":
+            out.update(_items(rec.summary.update))
+    return out

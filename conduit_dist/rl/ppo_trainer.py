@@ -21,13 +21,15 @@ import logging
 import math
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from conduit_dist.collectives.topology import LINKS
 from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
-from conduit_dist.metrics import Logger, aggregate
-from conduit_dist.plane import DataPlane
+from conduit_dist.metrics import Logger, aggregate, link_bytes, store_metrics, store_values
+from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.rl import setup
 from conduit_dist.rl.env import VectorEnv
 from conduit_dist.rl.ppo import PPO, rollout_spec_example
@@ -113,7 +115,7 @@ class PPOTrainer:
         cfg = self.cfg
         iters = math.ceil(cfg.total_env_steps / self.rollout)
         start = time.perf_counter()
-        window = _Window()
+        window = self._window = _Window()
         summary: dict[str, object] = {"return_100": float("nan"), "reached_target": False}
         if cfg.mode == "disaggregated":  # the actors' first weights
             if self.is_learner:
@@ -125,7 +127,7 @@ class PPOTrainer:
             self._iteration(window, it)
             if it % cfg.logger.log_every == 0 or it == iters:
                 summary = {"reached_target": False, **self._log(window)}
-                window = _Window()
+                window = self._window = _Window()
                 target = cfg.target_return
                 if target is not None and summary["return_100"] >= target:
                     summary["reached_target"] = True
@@ -160,12 +162,15 @@ class PPOTrainer:
         if self.is_learner:
             self.plane.flush()
             self.plane.wait()
+            self._window.add_round(self.plane.stats)
             return
         self.plane.flush()  # ingests the rollout (the learner's first fetch waits for it)
         self.plane.wait()  # every actor pulls after the same round: rollouts arrive together
+        self._window.add_round(self.plane.stats)
         while self.plane.pull_weights(self.agent.net) < version:
             self.plane.flush()
             self.plane.wait()
+            self._window.add_round(self.plane.stats)
 
     @torch.no_grad()
     def _collect(self) -> dict[str, torch.Tensor]:
@@ -183,6 +188,9 @@ class PPOTrainer:
             t0 = time.perf_counter()
             batch = self.plane.fetch(self.minibatch, more=k < n - 1, wait_s=wait_s if k == 0 else 0)
             window.exposed_ms.append((time.perf_counter() - t0) * 1e3)
+            timing = self.plane.last_fetch
+            window.hidden_ms.append(timing.hidden_ms if timing is not None else 0.0)
+            window.add_round(self.plane.stats)
             ages = (self.version - batch["_version"]).tolist()  # against this learner's own
             window.ages += ages
             self.max_age = max(self.max_age, *ages)
@@ -196,12 +204,17 @@ class PPOTrainer:
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         returns = list(self.env.returns) if self.env is not None else []
         recent = returns[-math.ceil(100 / self.n_actors) :]
-        losses = window.losses
+        losses, iters = window.losses, max(window.iterations, 1)
+        store = self.plane.store_stats()
         local = {
             "ret_sum": sum(recent), "ret_n": len(recent),
             "exposed_ms": _mean(window.exposed_ms), "iteration_ms": _mean(window.iteration_ms),
-            "age_max": max(window.ages, default=0),
+            "hidden_ms": _mean(window.hidden_ms), "age_max": max(window.ages, default=0),
+            "iter_exposed": sum(window.exposed_ms) / iters,
+            "iter_hidden": sum(window.hidden_ms) / iters,
             **{k: _mean([d[k] for d in losses]) for k in ("pg", "v", "entropy", "clipfrac")},
+            **link_bytes(window.sent, self.plane.topology.link_matrix()[self.rank]),
+            **store_values(store),
         }  # fmt: skip
         agg = aggregate(local)
         n = agg["ret_n_mean"] * self.world
@@ -216,14 +229,17 @@ class PPOTrainer:
             "train/clipfrac": agg["clipfrac_mean"] / nl,
             "train/policy_version": float(self.version),
             "train/lr": self.agent.opt.param_groups[0]["lr"],
-            "path/exposed_ms_mean": agg["exposed_ms_mean"] / nl,
+            "path/exposed_ms_mean": agg["exposed_ms_mean"] / nl,  # per fetch
+            "path/hidden_ms_mean": agg["hidden_ms_mean"] / nl,
+            "path/iter_exposed_ms": agg["iter_exposed_mean"] / nl,  # per iteration
+            "path/iter_hidden_ms": agg["iter_hidden_mean"] / nl,
             "path/iteration_ms_mean": agg["iteration_ms_mean"],
             "path/policy_age_max": agg["age_max_max"],
+            **{f"path/bytes_{c}": agg[f"bytes_{c}_mean"] * self.world for c in LINKS},
+            **store_metrics(agg, store, self.world),
         }
-        self.logger.log(metrics, self.env_steps)
-        if hasattr(self.logger, "log_histogram") and window.ages:
-            self.logger.log_histogram("path/policy_age_hist", window.ages, self.env_steps)
-            self.logger.log_histogram("path/exposed_ms_hist", window.exposed_ms, self.env_steps)
+        hists = {"path/policy_age_hist": window.ages, "path/exposed_ms_hist": window.exposed_ms}
+        self.logger.log(metrics, self.env_steps, hists)
         return {"return_100": ret100, **metrics}
 
     def close(self) -> None:
@@ -242,9 +258,18 @@ class _Window:
         self.start = time.perf_counter()
         self.iterations = 0
         self.exposed_ms: list[float] = []
+        self.hidden_ms: list[float] = []
+        self.sent: np.ndarray | None = None  # bytes the rounds sent each rank
+        self._round = -1
         self.iteration_ms: list[float] = []
         self.ages: list[int] = []
         self.losses: list[dict[str, float]] = []
+
+    def add_round(self, stats: RoundStats) -> None:
+        """Count a finished round's bytes sent (once per round)."""
+        if stats.round != self._round and stats.sent is not None:
+            self.sent = stats.sent.copy() if self.sent is None else self.sent + stats.sent
+        self._round = stats.round
 
 
 def _mean(values: list[float]) -> float:

@@ -9,18 +9,21 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from conduit_dist.collectives.topology import LINKS
 from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
-from conduit_dist.metrics import Logger, aggregate
+from conduit_dist.metrics import Logger, aggregate, link_bytes, store_metrics, store_values
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.rl import setup
 from conduit_dist.rl.breakdown import PARTS, Breakdown
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
 from conduit_dist.rl.resume import Resumer
+from conduit_dist.spec import VERSION
 
 log = logging.getLogger("conduit_dist")
 
@@ -53,6 +56,8 @@ class _Window:
     learning_iterations: int = 0
     breakdown: Breakdown = field(default_factory=Breakdown)
     losses: list[float] = field(default_factory=list)
+    sent: np.ndarray | None = None  # bytes the rounds sent each rank (RoundStats.sent)
+    ages: list[torch.Tensor] = field(default_factory=list)  # fetched items' policy ages
 
     def add(self, stats: RoundStats, wait_ms: float, hidden_ms: float = 0.0) -> None:
         for p in ("ingest", "sample", "deliver"):
@@ -66,6 +71,8 @@ class _Window:
             self.ms["measured_move"].append(move.measured_ms)
         self.bytes_in += stats.bytes_in
         self.bytes_out += stats.bytes_out
+        if stats.sent is not None:
+            self.sent = stats.sent.copy() if self.sent is None else self.sent + stats.sent
 
 
 class Trainer:
@@ -259,6 +266,8 @@ class Trainer:
                 bd.lap("exposed")
                 hidden_ms = timing.hidden_ms if timing is not None else 0.0
                 window.add(self.plane.stats, wait_ms, hidden_ms)
+                if VERSION in batch:  # policy age: the newest version minus the item's
+                    window.ages.append(self.plane.policy_version - batch[VERSION])
                 exposed_ms, learned = wait_ms, True
                 if pending:
                     self._update(bd)
@@ -309,8 +318,10 @@ class Trainer:
         """Aggregate the window over ranks (a collective) and log on rank 0."""
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         returns = list(self.env.returns) if self.env is not None else []
-        k = math.ceil(100 / self.n_actors)
-        recent = returns[-k:]
+        recent = returns[-math.ceil(100 / self.n_actors) :]
+        ages = torch.cat(window.ages).tolist() if window.ages else []
+        plane = self.plane if isinstance(self.plane, DataPlane) else None
+        links = plane.topology.link_matrix()[self.rank] if plane else np.zeros(1, np.int64)
         local = {
             "ret_sum": sum(recent),
             "ret_n": len(recent),
@@ -320,24 +331,20 @@ class Trainer:
             "bytes_in": window.bytes_in,
             "bytes_out": window.bytes_out,
             "items": len(self.plane),
+            "age_max": max(ages, default=0),
+            **link_bytes(window.sent, links),
         }
         for p, vals in window.ms.items():
             local[f"{p}_ms"] = sum(vals) / len(vals) if vals else 0.0
         for p, v in window.breakdown.means().items():
             local[f"bd_{p}"] = v
-        store = self.plane.store_stats() if isinstance(self.plane, DataPlane) else None
-        if store is not None:
-            for i, tier in enumerate(store["tiers"]):
-                local[f"tier{i}_{tier['kind']}_bytes"] = tier["bytes"]
-            local["demotions"], local["evictions"] = store["demotions"], store["evictions"]
-            local["demotion_wait_ms"] = store.get("demotion_wait_ms", 0.0)
+        store = plane.store_stats() if plane else None
+        local.update(store_values(store))
         agg = aggregate(local)
         world = self.world
         n = agg["ret_n_mean"] * world
         ret100 = agg["ret_sum_mean"] * world / n if n else float("nan")
-        capacity = self.cfg.plane.capacity_per_rank * (
-            world if self.cfg.plane.kind == "conduit" else 1
-        )
+        capacity = self.cfg.plane.capacity_per_rank * (world if plane else 1)
         metrics = {
             "rl/episode_return_100": ret100,
             "rl/episodes": agg["episodes_mean"] * world,
@@ -353,25 +360,21 @@ class Trainer:
             "store/occupancy": agg["items_max"] / capacity,
             "path/bytes_in": agg["bytes_in_mean"] * world,
             "path/bytes_out": agg["bytes_out_mean"] * world,
+            "path/policy_age_max": agg["age_max_max"],
             "learner_steps": float(self.agent.steps),
+            **store_metrics(agg, store, world),  # bytes per tier (mean over ranks), ...
         }
-        if store is not None:  # bytes per tier (mean over ranks), demotions and evictions (sums)
-            for i, tier in enumerate(store["tiers"]):
-                key = f"tier{i}_{tier['kind']}_bytes"
-                metrics[f"store/{key}"] = agg[f"{key}_mean"]
-            metrics["store/demotions"] = agg["demotions_mean"] * world
-            metrics["store/evictions"] = agg["evictions_mean"] * world
-            metrics["store/demotion_wait_ms"] = agg["demotion_wait_ms_max"]  # slowest rank
+        for c in LINKS:  # bytes the rounds sent by link class, all ranks
+            metrics[f"path/bytes_{c}"] = agg[f"bytes_{c}_mean"] * world
         for p in _PHASES:
             metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
             metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]
         for p in PARTS:  # the per-iteration breakdown (rl/breakdown.py), mean over ranks
             prefix = "path" if p in _PATH_PARTS else "train"
             metrics[f"{prefix}/iter_{p}_ms"] = agg[f"bd_{p}_mean"]
-        self.logger.log(metrics, self.env_steps)
-        if hasattr(self.logger, "log_histogram") and window.ms["exposed"]:
-            self.logger.log_histogram("path/exposed_ms_hist", window.ms["exposed"], self.env_steps)
-            self.logger.log_histogram("path/hidden_ms_hist", window.ms["hidden"], self.env_steps)
+        hists = {"path/exposed_ms_hist": window.ms["exposed"], "path/policy_age_hist": ages}
+        hists["path/hidden_ms_hist"] = window.ms["hidden"]  # rank 0's own iterations
+        self.logger.log(metrics, self.env_steps, hists)
         return {"return_100": ret100, **metrics}
 
     def close(self) -> None:
