@@ -179,11 +179,11 @@ def test_errors_name_what_was_wrong():
 def test_the_loader_example_runs_under_torchrun(tmp_path):
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(root / "examples" / "loader_dqn.py"), "--env-steps", "1600",
+           str(root / "examples" / "loader_dqn.py"), "--env-steps", "800",
            "--learning-starts", "400"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["env_steps"] == 1600 and out["rounds"] == 200
-    assert out["updates"] == 200 - 50  # 50 warm-up rounds of 2 ranks x 4 envs
+    assert out["env_steps"] == 800 and out["rounds"] == 100
+    assert out["updates"] == 100 - 50  # 50 warm-up rounds of 2 ranks x 4 envs
