@@ -20,11 +20,11 @@ log = logging.getLogger("conduit_dist")
 MODES = ("auto", "bar", "lines")
 """Allowed values of ``logger.progress``."""
 
-# (metric, label, format) shown by both displays, in this order
+# (metric, label, format) the lines show, in this order; the bar shows those in _BAR
 _SHOWN = (
     ("rl/episode_return_100", "ret100", "{:.1f}"),
     ("rate/env_steps_per_s", "env/s", "{:,.0f}"),
-    ("path/iter_exposed_ms", "exposed_ms", "{:.2f}"),
+    ("path/iter_exposed_ms", "exposed_ms/it", "{:.2f}"),
     ("path/wait_ms_mean", "wait_ms", "{:.2f}"),
     ("path/total_ms_mean", "round_ms", "{:.2f}"),
     ("train/loss", "loss", "{:.3f}"),
@@ -76,8 +76,15 @@ def choose(mode: str, stream: IO[str] | None = None) -> str:
     return "bar" if isatty is not None and isatty() else "lines"
 
 
-def _shown(metrics: dict[str, float]) -> list[tuple[str, str]]:
-    return [(label, fmt.format(metrics[k])) for k, label, fmt in _SHOWN if k in metrics]
+_BAR = ("ret100", "exposed_ms/it", "loss")  # the bar shows its own rate and ETA
+
+
+def _shown(metrics: dict[str, float], labels: tuple[str, ...] | None = None):
+    return [
+        (label, fmt.format(metrics[k]))
+        for k, label, fmt in _SHOWN
+        if k in metrics and (labels is None or label in labels)
+    ]
 
 
 class Lines:
@@ -111,7 +118,11 @@ class Bar:
 
     def __init__(self, total_steps: int, stream: IO[str] | None = None) -> None:
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
+        # console log lines (the root logger's) print above the bar instead of through it
+        self._redirect = logging_redirect_tqdm([logging.getLogger()])
+        self._redirect.__enter__()
         self.bar = tqdm(
             total=max(total_steps, 1),
             unit="step",
@@ -124,13 +135,15 @@ class Bar:
 
     def update(self, metrics: dict[str, float], step: int) -> None:
         """Move the bar to ``step`` and show the key metrics after it."""
-        self.bar.set_postfix_str(", ".join(f"{k}={v}" for k, v in _shown(metrics)), refresh=False)
+        shown = ", ".join(f"{k}={v}" for k, v in _shown(metrics, _BAR))
+        self.bar.set_postfix_str(shown, refresh=False)
         self.bar.update(max(min(step, self.bar.total) - self.bar.n, 0))
         self.bar.refresh()
 
     def close(self) -> None:
-        """Close the bar (its last state stays on screen)."""
+        """Close the bar (its last state stays on screen) and give the log lines back."""
         self.bar.close()
+        self._redirect.__exit__(None, None, None)
 
 
 def make_progress(mode: str, total_steps: int, stream: IO[str] | None = None) -> Progress:
