@@ -119,7 +119,7 @@ class RoundRunner:
         function that waits for it and finishes the round (``fusable`` planes only). Nothing
         else may touch the plane's shard or sampler in between (puts are staged meanwhile)."""
         cpu0 = time.thread_time()
-        stats = RoundStats(round=t.round, newest=t.newest)
+        stats = RoundStats(round=t.round, newest=t.newest, newest_before=t.newest_before)
         flight = self.fused.start(t, stats)
         flight.early = True  # the caller works before the finish: its time is not the round's
         spent = time.thread_time() - cpu0
@@ -134,7 +134,7 @@ class RoundRunner:
     def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
         """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
         cpu0 = time.thread_time()
-        stats = RoundStats(round=t.round, newest=t.newest)
+        stats = RoundStats(round=t.round, newest=t.newest, newest_before=t.newest_before)
         if self.world == 1:
             t.pack_deferred(self.spec)
             self.shard.settle()

@@ -25,6 +25,7 @@ class RoundStats:
     round: int = -1
     """The round's number."""
     newest: int = 0  # the newest policy version the rank knew when the round was prepared
+    newest_before: int = 0  # the same at the previous round (what actors know in this one)
     limited: bool = False  # the rate limiter held this rank's request back
     ingest_ms: float = 0.0
     sample_ms: float = 0.0
@@ -88,6 +89,7 @@ class RoundTicket:
     consumer: object = None  # CUDA: the consumer's stream
     reduce: torch.Tensor | None = None  # float32 [reduce_numel]: averaged over learners in place
     newest: int = 0  # the newest policy version this rank knew (max_policy_age's reference)
+    newest_before: int = 0  # ``newest`` of this rank's previous ticket
 
     @property
     def count(self) -> int:

@@ -109,3 +109,38 @@ def test_max_policy_age_refuses_samplers_with_per_item_state_and_bad_values():
         cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler="prioritized", max_policy_age=1)
     with pytest.raises(ConfigError, match="max_policy_age: expected None or an int >= 0"):
         cd.DataPlane(cd.ExperienceSpec(SPEC), 16, max_policy_age=-1)
+
+
+def _disaggregated(rank: int, world: int, schedule: str) -> list[int]:
+    """Learner 0 publishes every round; actors act with what they pulled (one round behind)."""
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(SPEC), 64, learner_ranks=[0], schedule=schedule, max_policy_age=2
+    )
+    net, ages, version = torch.nn.Linear(2, 2), [], 0
+    for it in range(40):
+        if rank == 0:
+            if it >= 3:
+                try:
+                    out = plane.fetch(4)
+                    ages += (version - out["_version"]).tolist()
+                except StaleDataError:
+                    ages.append(-1)
+            else:
+                plane.flush()
+            version = plane.publish_weights(net)
+        else:
+            plane.put({"id": torch.arange(4) + 1000 * it + 100_000 * rank})
+            plane.flush()
+            plane.pull_weights(net)
+    plane.close()
+    return ages
+
+
+@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+def test_disaggregated_actors_one_round_behind_are_not_refused(schedule):
+    """A version the learner publishes reaches the actors one round later, and with it the bound
+    their shards evict by: the learner checks against what every rank knew, so no fetch is
+    refused and no item is older than max_policy_age + 1 of the learner's own version."""
+    ages = run_ranks(_disaggregated, 3, schedule, timeout_s=120)[0]
+    assert len(ages) == 37 * 4 and min(ages) >= 0, "a fetch was refused"
+    assert max(ages) <= 3

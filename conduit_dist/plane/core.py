@@ -108,6 +108,7 @@ class DataPlane:
             p.learner_ranks,
         )
         self.is_learner = self.rank in self.learner_ranks
+        self._all_learn = len(self.learner_ranks) == self.world
         self.shard, self.sampler, self.placement = p.shard, p.sampler, p.placement
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
         self.timeline, self._p = p.timeline, p
@@ -214,7 +215,10 @@ class DataPlane:
         if bound is not None:
             st = self.stats
             try:
-                check_ages(out[VERSION], st.newest, bound, self.rank, st.round)
+                # with actors, a version learners publish reaches them (and the bound their
+                # shards evict by) one round later: check against what every rank knew
+                ref = st.newest if self._all_learn else st.newest_before
+                check_ages(out[VERSION], ref, bound, self.rank, st.round)
             except StaleDataError:
                 self._stale_refused += int(out[VERSION].numel())
                 raise

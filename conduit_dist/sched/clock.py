@@ -40,6 +40,7 @@ class RoundClock:
         self.stats = RoundStats()  # the latest finished round
         self.failed: RoundError | None = None
         self.closed = False  # set by assembly.release: no round may be launched any more
+        self._newest = 0  # the previous ticket's newest version
 
     def prepare(self, request: int, reduce: torch.Tensor | None = None) -> RoundTicket:
         """Snapshot what the next round moves (on the thread that owns ``put``)."""
@@ -49,6 +50,7 @@ class RoundClock:
         )
         ticket.reduce = reduce
         ticket.newest = max(self.stager.version, self.weights.version)
+        ticket.newest_before, self._newest = self._newest, ticket.newest
         if self.cuda is not None:  # the round's stream starts after what the consumer enqueued
             ticket.consumer = torch.cuda.current_stream(self.cuda)
             ticket.ready = torch.cuda.Event()
