@@ -96,10 +96,8 @@ def learn(plane, iters, n_actors):
             plane.flush()  # the round without fetching
             continue
         # No wait_s: earlier rounds stored the actors' items (and extra rounds run while waiting
-        # would not be matched by the actors' one round per iteration). The check allows one
-        # version more than the shards' bound: the actors learn of a version one round after
-        # the learner published it, and their shards evict against what they know.
-        b = plane.fetch(args.batch, max_policy_age=MAX_AGE + 1)
+        # would not be matched by the actors' one round per iteration).
+        b = plane.fetch(args.batch)
         q = qnet(b["obs"]).gather(1, b["action"][:, None]).squeeze(1)
         with torch.no_grad():  # double DQN: the online net picks, the target net values
             a = qnet(b["next_obs"]).argmax(1, keepdim=True)
