@@ -324,14 +324,33 @@ def summary_line(rows: Rows, info: dict[str, Any]) -> str:
     return text
 
 
+def newest_run(path: str) -> str:
+    """``path`` itself if it holds a ``metrics.jsonl``, else its newest subdirectory that does
+    (``outputs`` -> ``outputs/run-<id>``), else ``path`` (the report then names what is missing).
+    """
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")) or not os.path.isdir(path):
+        return path
+    runs = [
+        os.path.join(path, d)
+        for d in os.listdir(path)
+        if os.path.isfile(os.path.join(path, d, "metrics.jsonl"))
+    ]
+    return max(runs, key=lambda d: os.path.getmtime(os.path.join(d, "metrics.jsonl")), default=path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: draw the PNGs, print their paths; returns the exit status."""
     ap = argparse.ArgumentParser(
         prog="python -m conduit_dist.report", description="Draw PNGs from a run's metrics.jsonl."
     )
-    ap.add_argument("run_dir", help="the run's directory, e.g. outputs/run-<id>")
+    ap.add_argument(
+        "run_dir",
+        help="the run's directory, e.g. outputs/run-<id>, or a directory of runs (e.g. "
+        "outputs): its newest run with a metrics.jsonl",
+    )
     ap.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots)")
     args = ap.parse_args(argv)
+    args.run_dir = newest_run(args.run_dir)
     try:
         written, skipped = report(args.run_dir, args.out)
     except (FileNotFoundError, ValueError, ImportError) as e:

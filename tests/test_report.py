@@ -21,7 +21,7 @@ import conduit_dist as cd
 from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
 from conduit_dist.progress import Bar, Lines, choose
-from conduit_dist.report import MetricsFile, read_run, report
+from conduit_dist.report import MetricsFile, newest_run, read_run, report
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -188,3 +188,15 @@ def test_round_stats_count_bytes_sent_to_each_rank(tmp_path):
             assert sent[peer] > local[peer][i][2][me] * rb  # rows, headers, candidates
     assert [got[r][2] for r in range(2)] == ["RunLogger", "NullLogger"]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1  # rank 0 only
+
+
+def test_a_directory_of_runs_means_its_newest_run(tmp_path):
+    for i, name in enumerate(["run-a", "run-b", "run-c"]):
+        (tmp_path / name).mkdir()
+        if name != "run-c":  # run-c has no metrics: not a run the report can draw
+            f = tmp_path / name / "metrics.jsonl"
+            f.write_text("{}\n")
+            os.utime(f, (1_000_000 + i, 1_000_000 + i))
+    assert newest_run(str(tmp_path)) == str(tmp_path / "run-b")
+    assert newest_run(str(tmp_path / "run-a")) == str(tmp_path / "run-a")
+    assert newest_run(str(tmp_path / "run-c")) == str(tmp_path / "run-c")  # named as missing
