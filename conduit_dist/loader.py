@@ -66,7 +66,9 @@ class ExperienceLoader(IterableDataset):
         rounds: rounds to run in all (warm-up rounds included); ``None``: unbounded.
         model: attach this module for the loop's duration (detached when iteration ends).
         wait_s: passed to ``fetch``: run further rounds for up to this long while nothing can
-            be delivered (those rounds are counted in ``rounds`` too).
+            be delivered. Those rounds count in ``rounds_run`` but are not known in advance, so
+            the last fetch may end past ``rounds``: where every rank must run the same number
+            of rounds, prefer ``min_size`` (counted exactly).
         max_policy_age: passed to ``fetch`` (``None``: the plane's bound).
         donate: put ``collect``'s tensors with ``donate=True`` (do not reuse them until the
             next round has completed).
@@ -113,6 +115,7 @@ class ExperienceLoader(IterableDataset):
         self.min_size, self.rounds, self.model = min_size, rounds, model
         self.wait_s, self.max_policy_age, self.donate = wait_s, max_policy_age, donate
         self.rounds_run = 0  # rounds this loader ran (warm-up ones included)
+        self._seen: int | None = None  # the latest round counted
         self.batches = 0  # batches it yielded
         self.exposed_ms = 0.0  # summed over its fetches: time waited inside fetch
         self.hidden_ms = 0.0  # round time that ran before fetch was called
@@ -126,6 +129,8 @@ class ExperienceLoader(IterableDataset):
                 "or iterate the loader directly"
             )
         plane = self.plane
+        if self._seen is None:  # rounds finished before the loop are not the loader's
+            self._seen = plane.round - 1
         if self.model is not None:
             plane.attach(self.model)
         try:
@@ -137,22 +142,27 @@ class ExperienceLoader(IterableDataset):
                 if len(plane) < self.min_size:
                     plane.flush()
                     plane.wait()  # len(plane) then counts this round's items
-                    self.rounds_run += 1
+                    self._count(plane.round - 1)
                     continue
-                before = plane.round
                 batch = plane.fetch(
                     self.batch_size, wait_s=self.wait_s, max_policy_age=self.max_policy_age
                 )
-                self.rounds_run += max(plane.round - before, 1)
                 timing = plane.last_fetch
-                if timing is not None:
-                    self.exposed_ms += timing.exposed_ms
-                    self.hidden_ms += timing.hidden_ms
+                self._count(timing.round)
+                self.exposed_ms += timing.exposed_ms
+                self.hidden_ms += timing.hidden_ms
                 self.batches += 1
                 yield batch
         finally:
             if self.model is not None and not plane.closed:
                 plane.detach()
+
+    def _count(self, finished: int) -> None:
+        """Count the rounds up to ``finished`` (the latest round a call waited for): the
+        fetch's own, those ``wait_s`` or a rate-limited ``put`` ran, a round launched at
+        backward."""
+        self.rounds_run += finished - self._seen
+        self._seen = finished
 
     def __repr__(self) -> str:
         return (
@@ -174,7 +184,7 @@ class ExperienceWriter:
         donate: put with ``donate=True``.
 
     Raises:
-        ConfigError: on a bad ``plane`` or ``rounds``.
+        ConfigError: on a bad ``plane``.
 
     Example::
 
@@ -204,13 +214,14 @@ class ExperienceWriter:
             RoundError: if the round failed on some rank.
         """
         plane = self.plane
+        before = plane.round
         if items is not None:
-            plane.put(items, donate=self.donate)
+            plane.put(items, donate=self.donate)  # a rate-limited put may run rounds too
         if not plane.is_learner:
             plane.flush()
-            self.rounds_run += 1
-            if self.model is not None:
-                self.version = plane.pull_weights(self.model) or self.version
+        self.rounds_run += plane.round - before
+        if not plane.is_learner and self.model is not None:
+            self.version = plane.pull_weights(self.model) or self.version
         return self.version
 
     def run(self, collect: Callable[[], Batch | None], rounds: int) -> int:
@@ -218,9 +229,15 @@ class ExperienceWriter:
         plane is closed. Returns the last policy version.
 
         Raises:
-            ConfigError: on a bad ``rounds``.
+            ConfigError: on a bad ``rounds``, or on a learner rank (its fetches run its
+                rounds: a learner's ``write`` only puts).
         """
         _check_count("rounds", rounds, 1)
+        if self.plane.is_learner:
+            raise ConfigError(
+                f"ExperienceWriter.run: rank {self.plane.rank} is a learner; its fetches run "
+                "the rounds (use write() beside the loader, or collect= on ExperienceLoader)"
+            )
         for _ in range(rounds):
             if self.plane.closed:
                 break

@@ -1,6 +1,8 @@
 """Policy-version bounds: every item stores the version its producer acted with (``"_version"``,
 see ``ExperienceSpec.with_version``); with ``max_policy_age=k`` no learner gets an item older
-than the newest version its rank knows minus ``k``.
+than the newest version its rank knows minus ``k`` (with actors and ``k >= 1``: the version it
+knew a round earlier, which is what the actors know and their shards evict by, since a
+published version reaches them in the next round; ``k = 0`` stays strict).
 
 Two guards, neither silent:
 

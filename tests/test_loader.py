@@ -187,3 +187,17 @@ def test_the_loader_example_runs_under_torchrun(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["env_steps"] == 800 and out["rounds"] == 100
     assert out["updates"] == 100 - 50  # 50 warm-up rounds of 2 ranks x 4 envs
+
+
+def _learner_writer_run(rank, world):
+    plane = _plane()
+    try:
+        with pytest.raises(cd.ConfigError, match="ExperienceWriter.run: rank 0 is a learner"):
+            cd.ExperienceWriter(plane).run(lambda: None, 3)
+    finally:
+        plane.close()
+    return True
+
+
+def test_a_learner_cannot_run_a_writer_loop():
+    _learner_writer_run(0, 1)

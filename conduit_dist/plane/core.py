@@ -58,7 +58,8 @@ class DataPlane:
         max_policy_age: no learner gets an item whose ``"_version"`` is older than the newest
             policy version its rank knows minus this (``None``: no bound): shards evict their
             stale oldest items at every round start (counted: ``store_stats()``), and a fetch
-            that would still return one raises ``StaleDataError`` (see ``versions.py``). Not
+            that would still return one raises ``StaleDataError`` (see ``versions.py``; with
+            actors and ``k >= 1`` an item may be ``k + 1`` behind, see :meth:`fetch`). Not
             with samplers that keep per-item state (prioritized, sequences).
         rate_limiter: a :class:`~conduit_dist.ratelimit.RateLimiter` (``min_size``,
             samples-per-insert with an error buffer, over the global store); a held fetch or
@@ -179,8 +180,10 @@ class DataPlane:
             more: another fetch follows before the next ``put`` (minibatches of one rollout).
             reduce: a CPU float32 ``[reduce_numel]`` tensor, replaced by its mean over learners.
             max_policy_age: a bound for this fetch (``None``: the plane's), checked on every
-                row against the newest version this rank knew when the round was prepared; a
-                stricter one than the plane's is not enforced at the shards.
+                row against the newest version this rank knew when the round was prepared
+                (with actors and a bound >= 1: the one it knew a round earlier, what the
+                actors' shards evict by); a stricter one than the plane's is not enforced at
+                the shards.
             wait_s: while nothing can be delivered (``EmptyStoreError``), run further rounds for
                 up to this many seconds (the other ranks keep calling ``flush`` or ``fetch``:
                 e.g. a learner waiting for actors that are pulling its weights).
@@ -216,8 +219,9 @@ class DataPlane:
             st = self.stats
             try:
                 # with actors, a version learners publish reaches them (and the bound their
-                # shards evict by) one round later: check against what every rank knew
-                ref = st.newest if self._all_learn else st.newest_before
+                # shards evict by) one round later: a window (bound >= 1) is checked against
+                # what every rank knew; bound 0 (on-policy) stays strict
+                ref = st.newest if self._all_learn or bound == 0 else st.newest_before
                 check_ages(out[VERSION], ref, bound, self.rank, st.round)
             except StaleDataError:
                 self._stale_refused += int(out[VERSION].numel())
