@@ -16,7 +16,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "conduit_dist.torchrl_compat needs tensordict (and torchrl for its example): "
-        "pip install -e \".[torchrl]\" (from a checkout of conduit_dist)"
+        'pip install -e ".[torchrl]" (from a checkout of conduit_dist)'
     ) from e
 
 from conduit_dist.torchrl_compat.buffer import ShardedReplayBuffer
