@@ -74,3 +74,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``cd.ShardedReplayBuffer``, imported on first use (the ``[torchrl]`` extra: tensordict)."""
+    if name == "ShardedReplayBuffer":
+        from conduit_dist.torchrl_compat import ShardedReplayBuffer
+
+        return ShardedReplayBuffer
+    raise AttributeError(f"module 'conduit_dist' has no attribute {name!r}")
