@@ -157,6 +157,15 @@ class ExperienceLoader(IterableDataset):
             if self.model is not None and not plane.closed:
                 plane.detach()
 
+    def __getstate__(self) -> dict:
+        """Refuse to be pickled: a spawned DataLoader worker process would get a copy of the
+        plane, which belongs to this process (its group, shard and round worker)."""
+        raise ConfigError(
+            "ExperienceLoader: cannot be sent to a DataLoader worker process (or pickled); the "
+            "plane belongs to the main process: use DataLoader(loader, batch_size=None, "
+            "num_workers=0) or iterate the loader directly"
+        )
+
     def _count(self, finished: int) -> None:
         """Count the rounds up to ``finished`` (the latest round a call waited for): the
         fetch's own, those ``wait_s`` or a rate-limited ``put`` ran, a round launched at

@@ -165,9 +165,12 @@ def test_errors_name_what_was_wrong():
         with pytest.raises(cd.ConfigError, match="expected a DataPlane"):
             cd.ExperienceWriter(object())
         loader = cd.ExperienceLoader(plane, 4, collect=lambda: make_batch(_ids(0, 0, 4)), rounds=2)
-        workers = torch.utils.data.DataLoader(loader, batch_size=None, num_workers=1)
-        with pytest.raises(cd.ConfigError, match="DataLoader worker process"):
-            next(iter(workers))
+        for start in ("fork", "spawn"):  # a forked worker iterates it; a spawned one pickles it
+            workers = torch.utils.data.DataLoader(
+                loader, batch_size=None, num_workers=1, multiprocessing_context=start
+            )
+            with pytest.raises(cd.ConfigError, match="DataLoader worker process"):
+                next(iter(workers))
         # in the main process a DataLoader passes the batches through unchanged
         got = list(torch.utils.data.DataLoader(loader, batch_size=None, num_workers=0))
         assert len(got) == 2 and all(len(b["id"]) == 4 for b in got)
