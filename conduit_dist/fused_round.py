@@ -79,9 +79,9 @@ class FusedRound:
         updates = sampler.outgoing(budgets) if budgets else None
         send, in_splits = lay.pack(cand, t.reduce, run._gather, slots, updates)
         recv, out_splits = lay.recv_rows(cand)
-        own = np.zeros(run.world, dtype=np.int64)  # own items into the shard: a local copy
-        own[run.rank] = (t.count + t.direct) * run.spec.record_bytes
-        stats.add_sent(np.asarray(in_splits, dtype=np.int64) * lay.rb + own)
+        sent = np.asarray(in_splits, dtype=np.int64) * lay.rb
+        sent[run.rank] += (t.count + t.direct) * run.spec.record_bytes  # own items: a local copy
+        stats.add_sent(sent)
         work = run.exchange.all_to_all_async(
             recv, send, out_splits, in_splits, r, "all_to_all(round)"
         )
@@ -135,9 +135,7 @@ class FusedRound:
             if own:
                 size = int(run.shard.size)
                 run._gather(sampler.draw(own, size, r, stream=1), out[at:])
-                mine = np.zeros(run.world, dtype=np.int64)
-                mine[me] = own * run.wire_bytes
-                stats.add_sent(mine)
+                stats.sent[me] += own * run.wire_bytes  # start() set it: a local copy
             t2 = time.perf_counter()
             stats.mark("sample", t1, t2)
             stats.mark("deliver", t2, t2)  # the rows arrived with the headers

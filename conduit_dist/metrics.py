@@ -180,9 +180,6 @@ def make_logger(
     config: dict[str, Any],
     run_dir: str,
     run_id: str | None = None,
-    *,
-    progress: str | None = None,
-    target_return: float | None = None,
 ) -> Logger:
     """The logger for this rank: on rank 0 the run's metrics file in ``run_dir``, the console
     display (kinds ``console`` and ``wandb``) and W&B (kind ``wandb``, resuming run ``run_id``
@@ -196,8 +193,6 @@ def make_logger(
         config: the resolved run config (``TrainConfig`` as a dict).
         run_dir: the run's directory (``metrics.jsonl``, ``run.json``, ``wandb/``).
         run_id: W&B run id to resume.
-        progress: ``logger.progress``; ``None``: ``config["logger"]["progress"]``.
-        target_return: the run's target; ``None``: ``config["target_return"]``.
 
     Returns:
         A :class:`RunLogger` on rank 0, a :class:`NullLogger` elsewhere.
@@ -217,12 +212,11 @@ def make_logger(
     if rank != 0:
         return NullLogger()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    progress = config["logger"]["progress"] if progress is None else progress
-    target = config["target_return"] if target_return is None else target_return
     sinks: list[Logger] = [MetricsFile(run_dir, config, world)]
-    if kind != "none":
-        sinks.append(ConsoleLogger(total_steps, progress))
+    if kind != "none":  # the display logger.progress picks
+        sinks.append(ConsoleLogger(total_steps, config["logger"]["progress"]))
     if kind == "wandb":
+        target = config["target_return"]
         sinks.append(WandbLogger(project, mode, config, run_dir, run_id, target, world))
     return RunLogger(sinks)
 
@@ -287,6 +281,12 @@ def link_bytes(sent: np.ndarray | None, links: np.ndarray) -> dict[str, float]:
     sent = np.zeros(len(links)) if sent is None else sent
     per = np.bincount(links, weights=sent, minlength=len(LINKS))
     return {f"bytes_{name}": float(per[i]) for i, name in enumerate(LINKS)}
+
+
+def link_metrics(agg: dict[str, float], world: int) -> dict[str, float]:
+    """``path/bytes_{self,host,net}``: the bytes all ranks sent, from :func:`aggregate` of
+    :func:`link_bytes`."""
+    return {f"path/bytes_{c}": agg[f"bytes_{c}_mean"] * world for c in LINKS}
 
 
 def aggregate(values: dict[str, float], timeout_s: float = 60.0) -> dict[str, float]:

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from conduit_dist.collectives.topology import LINKS
+
 _QUANTILES = (50, 90, 99)
-_LINKS = ("self", "host", "net")
 Rows = list[dict[str, Any]]
 
 
@@ -229,11 +230,11 @@ def _plot_path_time(rows: Rows, info: dict[str, Any], out: str) -> str | None:
 
 
 def _plot_link_bytes(rows: Rows, info: dict[str, Any], out: str) -> str | None:
-    keys = [f"path/bytes_{c}" for c in _LINKS]
+    keys = [f"path/bytes_{c}" for c in LINKS]
     if not _has(rows, *keys):
         return None
     fig, ax = _figure("Bytes the rounds sent, by link class (all ranks)", "cumulative MB")
-    for key, link, color in zip(keys, _LINKS, ("tab:gray", "tab:blue", "tab:orange")):
+    for key, link, color in zip(keys, LINKS, ("tab:gray", "tab:blue", "tab:orange")):
         x, y = _series(rows, key)
         total = np.cumsum(y) / 1e6
         ax.plot(x, total, color=color, label=f"{link}: {total[-1]:,.1f} MB" if total.size else link)
@@ -286,6 +287,11 @@ def report(run_dir: str, out: str | None = None) -> tuple[list[str], list[str]]:
         written, skipped = report("outputs/run-1")
     """
     rows, info = read_run(run_dir)
+    return _draw(rows, info, run_dir, out)
+
+
+def _draw(rows: Rows, info: dict[str, Any], run_dir: str, out: str | None):
+    """:func:`report` on rows already read."""
     if not rows:
         raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no rows logged yet")
     try:
@@ -352,11 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.run_dir = newest_run(args.run_dir)
     try:
-        written, skipped = report(args.run_dir, args.out)
+        rows, info = read_run(args.run_dir)
+        written, skipped = _draw(rows, info, args.run_dir, args.out)
     except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"conduit_dist.report: {e}", file=sys.stderr)
         return 2
-    rows, info = read_run(args.run_dir)
     print(f"{args.run_dir}: {summary_line(rows, info)}")
     for line in skipped:
         print(line)

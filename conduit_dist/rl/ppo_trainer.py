@@ -25,10 +25,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from conduit_dist.collectives.topology import LINKS
 from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
-from conduit_dist.metrics import Logger, aggregate, link_bytes, store_metrics, store_values
+from conduit_dist.metrics import (
+    Logger,
+    aggregate,
+    link_bytes,
+    link_metrics,
+    store_metrics,
+    store_values,
+)
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.rl import setup
 from conduit_dist.rl.env import VectorEnv
@@ -235,7 +241,7 @@ class PPOTrainer:
             "path/iter_hidden_ms": agg["iter_hidden_mean"] / nl,
             "path/iteration_ms_mean": agg["iteration_ms_mean"],
             "path/policy_age_max": agg["age_max_max"],
-            **{f"path/bytes_{c}": agg[f"bytes_{c}_mean"] * self.world for c in LINKS},
+            **link_metrics(agg, self.world),
             **store_metrics(agg, store, self.world),
         }
         hists = {"path/policy_age_hist": window.ages, "path/exposed_ms_hist": window.exposed_ms}

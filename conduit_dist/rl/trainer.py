@@ -13,10 +13,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from conduit_dist.collectives.topology import LINKS
 from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
-from conduit_dist.metrics import Logger, aggregate, link_bytes, store_metrics, store_values
+from conduit_dist.metrics import (
+    Logger,
+    aggregate,
+    link_bytes,
+    link_metrics,
+    store_metrics,
+    store_values,
+)
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.rl import setup
 from conduit_dist.rl.breakdown import PARTS, Breakdown
@@ -363,9 +369,8 @@ class Trainer:
             "path/policy_age_max": agg["age_max_max"],
             "learner_steps": float(self.agent.steps),
             **store_metrics(agg, store, world),  # bytes per tier (mean over ranks), ...
+            **link_metrics(agg, world),  # bytes the rounds sent by link class, all ranks
         }
-        for c in LINKS:  # bytes the rounds sent by link class, all ranks
-            metrics[f"path/bytes_{c}"] = agg[f"bytes_{c}_mean"] * world
         for p in _PHASES:
             metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
             metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]
