@@ -37,6 +37,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane
+from conduit_dist.registry import check_count
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -105,10 +106,10 @@ class ExperienceLoader(IterableDataset):
                 f"ExperienceLoader: rank {plane.rank} is an actor (learners: "
                 f"{list(plane.learner_ranks)}); actors use cd.ExperienceWriter or plane.flush()"
             )
-        _check_count("batch_size", batch_size, 1)
-        _check_count("min_size", min_size, 0)
+        check_count("ExperienceLoader batch_size", batch_size, 1)
+        check_count("ExperienceLoader min_size", min_size, 0)
         if rounds is not None:
-            _check_count("rounds", rounds, 1)
+            check_count("ExperienceLoader rounds", rounds, 1)
         if collect is not None and not callable(collect):
             raise ConfigError(f"ExperienceLoader collect: expected a callable, got {collect!r}")
         self.plane, self.batch_size, self.collect = plane, batch_size, collect
@@ -241,7 +242,7 @@ class ExperienceWriter:
             ConfigError: on a bad ``rounds``, or on a learner rank (its fetches run its
                 rounds: a learner's ``write`` only puts).
         """
-        _check_count("rounds", rounds, 1)
+        check_count("ExperienceWriter.run rounds", rounds, 1)
         if self.plane.is_learner:
             raise ConfigError(
                 f"ExperienceWriter.run: rank {self.plane.rank} is a learner; its fetches run "
@@ -255,8 +256,3 @@ class ExperienceWriter:
 
     def __repr__(self) -> str:
         return f"ExperienceWriter(rounds_run={self.rounds_run}, version={self.version})"
-
-
-def _check_count(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"ExperienceLoader {name}: expected an int >= {low}, got {value!r}")

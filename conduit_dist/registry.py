@@ -62,6 +62,16 @@ def check_choice(field: str, value: object, allowed) -> None:
         raise ConfigError(f"{field}: expected one of {list(allowed)}, got {value!r}")
 
 
+def check_count(field: str, value: object, low: int) -> None:
+    """Raise unless ``value`` is an int (not a bool) ``>= low``.
+
+    Raises:
+        ConfigError: naming the field, the bound and the received value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{field}: expected an int >= {low}, got {value!r}")
+
+
 def bound_sampler(name: str, links: np.ndarray, seed: int = 0) -> Sampler:
     """A sampler from :data:`SAMPLERS` bound to a declared job (rank 0), for what-if pricing."""
     check_choice("sampler", name, SAMPLERS)

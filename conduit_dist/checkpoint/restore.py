@@ -162,7 +162,7 @@ def restore(parts, spec, path: str) -> tuple[dict, int]:
     parts.clock.round = int(man["round"])
     # every rank has read its files: checkpoints of a later round belong to the timeline left
     # behind (they would outrank the ones this run writes next), so rank 0 sets them aside
-    ex.all_gather_start(torch.tensor([1]), parts.clock.round).wait()
+    ex.barrier("restore: files read", parts.clock.round)
     if ex.rank == 0:
         files.set_aside(os.path.dirname(path), int(man["round"]))
     dropped = counts[ex.rank] - int(sizes[ex.rank]) if exact else 0

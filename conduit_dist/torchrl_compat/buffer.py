@@ -18,6 +18,7 @@ from tensordict import TensorDictBase
 
 from conduit_dist.errors import ConfigError, SpecError
 from conduit_dist.plane import DataPlane
+from conduit_dist.registry import check_count
 from conduit_dist.sampling import Sampler
 from conduit_dist.torchrl_compat.layout import Key, Layout, flatten
 from conduit_dist.torchrl_compat.unsupported import UNSUPPORTED, check_plane_kwargs, check_sampler
@@ -63,9 +64,9 @@ class ShardedReplayBuffer:
         **plane_kwargs: object,
     ) -> None:
         check_plane_kwargs(plane_kwargs)
-        if not (isinstance(capacity_per_rank, int) and capacity_per_rank >= 1):
-            raise ConfigError(f"capacity_per_rank: expected an int >= 1, got {capacity_per_rank!r}")
-        self._check_batch("batch_size", batch_size, allow_none=True)
+        check_count("capacity_per_rank", capacity_per_rank, 1)
+        if batch_size is not None:
+            check_count("batch_size", batch_size, 1)
         self.capacity_per_rank, self.batch_size, self.seed = capacity_per_rank, batch_size, seed
         self.priority_key = priority_key
         self._sampler = check_sampler(sampler)
@@ -171,7 +172,7 @@ class ShardedReplayBuffer:
         batch_size = self.batch_size if batch_size is None else batch_size
         if batch_size is None:
             raise ConfigError("sample: batch_size: none given and the buffer has none")
-        self._check_batch("sample batch_size", batch_size)
+        check_count("sample batch_size", batch_size, 1)
         plane = self._require("sample")
         out = plane.fetch(batch_size)
         dev = plane.device
@@ -367,13 +368,6 @@ class ShardedReplayBuffer:
     def _sampler_name(self) -> str:
         s = self.sampler
         return s if isinstance(s, str) else s.name
-
-    @staticmethod
-    def _check_batch(what: str, value: object, allow_none: bool = False) -> None:
-        if value is None and allow_none:
-            return
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ConfigError(f"{what}: expected an int >= 1, got {value!r}")
 
 
 def _diff(theirs: object, mine: list) -> str:
