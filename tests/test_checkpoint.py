@@ -295,6 +295,13 @@ def test_checkpoint_with_staged_items_names_the_rank(tmp_path):
         assert "staged since round" in text and "ranks [0]" in text
 
 
+def _vanish(path: str) -> None:
+    """Remove a directory the writer thread may be adding a file to meanwhile (an rmtree
+    racing it finds the directory not empty: retry until it is gone)."""
+    while os.path.exists(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _write_fails(rank, world, root):
     plane = _plane("uniform", cap=40)
     _fill(plane, rank, 3)
@@ -302,13 +309,13 @@ def _write_fails(rank, world, root):
     with pytest.raises(cd.ConfigError, match=r"extra\['model'\]\['f'\]"):
         plane.checkpoint(root, extra={"model": {"f": print}})
     ck = plane.checkpoint(root, checksum_mbps=0.002)  # its checksum pass: ~1 s for ~2 KB
-    shutil.rmtree(ck.tmp)  # the directory vanishes under the writer
+    _vanish(ck.tmp)  # the directory vanishes under the writer
     ck._thread.join(30)
     with pytest.raises(CheckpointError, match="failed to write"):
         plane.flush()  # the background failure, at the next call
     plane.flush()  # raised once; the plane goes on
     ck2 = plane.checkpoint(root, checksum_mbps=0.002)
-    shutil.rmtree(ck2.tmp)
+    _vanish(ck2.tmp)
     with pytest.raises(CheckpointError, match="failed to write"):
         plane.close()  # waits for the writer, releases the plane, then raises
     assert plane._closed
