@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -13,6 +18,7 @@ from dist_utils import run_ranks
 from conduit_dist.collectives.exchange import Heartbeats
 
 TIMEOUT_S = 3.0
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Store:
@@ -218,3 +224,23 @@ def test_bench_entry_point_names_the_benchmarks(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument NAME: invalid choice: 'nope'" in err and "'strategies'" in err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_destroy_distributed_frees_the_default_group_after_an_optimizer_step(tmp_path):
+    # An optimizer's first step imports torch._dynamo, which imports torch.distributed.nn,
+    # whose defaults would hold the default group: its gloo threads then outlive
+    # destroy_process_group and can abort the process at exit (CI: an example exited -6).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_", "MASTER_"))}
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    )
+    prog = ROOT / "tests" / "teardown_prog.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    res = subprocess.run(
+        [*cmd, str(prog)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert sorted(x["rank"] for x in lines) == [0, 1]
+    assert [x["gloo_workers"] for x in lines] == [0, 0], lines

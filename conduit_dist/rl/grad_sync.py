@@ -67,7 +67,7 @@ class GradSync:
         return sum(done)
 
     @staticmethod
-    def hook(sync, bucket):  # noqa: ANN001, ANN205: DDP compares real annotation objects
+    def hook(sync, bucket):  # unannotated: DDP compares real annotation objects
         """The comm hook DDP calls per bucket (``register_comm_hook(sync, GradSync.hook)``):
         ``(GradSync, dist.GradBucket) -> Future[Tensor]``."""
         return sync.reduce(bucket.buffer())
