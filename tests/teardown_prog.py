@@ -1,6 +1,7 @@
 """Launched by test_collectives under torchrun: an optimizer's first step after
 ``init_distributed`` (torch imports torch._dynamo there, lazily), one collective, then
-``destroy_distributed``; prints how many gloo worker threads are left on this rank (JSON)."""
+``destroy_distributed``; writes how many gloo worker threads are left on this rank to
+``rank<N>.json`` in the working directory (a file each: the ranks' stdout lines interleave)."""
 
 import json
 import os
@@ -26,4 +27,5 @@ ranks = [None] * dist.get_world_size()
 dist.all_gather_object(ranks, dist.get_rank())
 rank = dist.get_rank()
 cd.destroy_distributed()
-print(json.dumps({"rank": rank, "gloo_workers": gloo_workers()}), flush=True)
+with open(f"rank{rank}.json", "w") as f:
+    json.dump({"rank": rank, "gloo_workers": gloo_workers()}, f)
