@@ -15,7 +15,7 @@ from dist_utils import run_ranks
 from plane_helpers import assert_intact, make_batch, spec
 
 import conduit_dist as cd
-from conduit_dist.checkpoint import files
+from conduit_dist.checkpoint import files, writer
 from conduit_dist.errors import CheckpointError
 
 CAP = 40
@@ -57,7 +57,11 @@ def _save(rank, world, root, sampler):
     _fill(plane, rank, 6)
     plane.flush()
     rows, cols, mass = _live(plane)
-    ck = plane.checkpoint(root, write_mbps=0.05)  # slow: the rounds below overtake it
+    # The writer reads a chunk, then sleeps to keep its rate: one item per chunk at 5 kB/s reads
+    # the 40-item ring over ~0.6 s, so the rounds below overtake it (with the default 8 MiB
+    # chunk it read the whole ring at once, and whether a round came first was a thread race).
+    writer.CHUNK_BYTES = plane.shard.tiers[0].record_bytes
+    ck = plane.checkpoint(root, write_mbps=0.005)
     _fill(plane, rank, 4, first=6)  # 64 items over a 40-item ring: every slot rewritten
     ck.wait(60)
     copied = ck.copied_bytes
