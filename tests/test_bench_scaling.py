@@ -213,10 +213,10 @@ def test_a_failing_job_names_job_seed_command_and_output(tmp_path, capsys, monke
 
 
 def test_a_job_without_a_summary_or_past_its_timeout_is_an_error(tmp_path):
-    a = scaling.parse_args(["--timeout-s", "0.5"])
     quiet = fake_train(tmp_path, "print('no summary')\n")
     with pytest.raises(scaling.JobError, match=r"job single seed 0 exited 0 but wrote no summary"):
-        scaling.run_job("single", 0, a, tmp_path, quiet)
+        scaling.run_job("single", 0, scaling.parse_args([]), tmp_path, quiet)  # default timeout
+    a = scaling.parse_args(["--timeout-s", "0.5"])  # the quiet job's start alone may take that
     slow = fake_train(tmp_path, "print('waiting', flush=True)\ntime.sleep(60)\n")
     with pytest.raises(scaling.JobError, match=r"job single seed 0 timed out after 0.5 s"):
         scaling.run_job("single", 0, a, tmp_path, slow)

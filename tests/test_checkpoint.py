@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -57,12 +58,15 @@ def _save(rank, world, root, sampler):
     _fill(plane, rank, 6)
     plane.flush()
     rows, cols, mass = _live(plane)
-    # The writer reads a chunk, then sleeps to keep its rate: one item per chunk at 5 kB/s reads
-    # the 40-item ring over ~0.6 s, so the rounds below overtake it (with the default 8 MiB
-    # chunk it read the whole ring at once, and whether a round came first was a thread race).
+    # The writer reads a chunk (here one item), then keeps its rate: held there until the rounds
+    # below have overwritten the ring, it must read the rest from their copy-on-write copies
+    # (left to a slow rate limit, whether a round came first was a thread race).
+    gate = threading.Event()
     writer.CHUNK_BYTES = plane.shard.tiers[0].record_bytes
-    ck = plane.checkpoint(root, write_mbps=0.005)
+    writer._keep_rate = lambda *_: gate.wait(60)
+    ck = plane.checkpoint(root)
     _fill(plane, rank, 4, first=6)  # 64 items over a 40-item ring: every slot rewritten
+    gate.set()
     ck.wait(60)
     copied = ck.copied_bytes
     plane.close()
