@@ -28,5 +28,8 @@ def test_kill_nine_resumes_from_the_last_checkpoint(tmp_path):
         0, res["env_steps_at_kill"] - resumed["env_steps_at_checkpoint"]
     )
     # the survivor raises RoundError naming the round and rank 1, unless the agent stopped it
-    # first (it restarts the group as soon as a worker dies): both were seen here
-    assert all("ranks [1] never reached round" in line for line in res["round_error_named"]), res
+    # first (it restarts the group as soon as a worker dies): both were seen here. A rank marks
+    # a round only once it has waited in it past a 50 ms grace, so rank 1 killed inside a round
+    # it had marked leaves the failing rank unknown: said so, never the wrong rank
+    named = ("ranks [1] never reached round", "failing rank unknown")
+    assert all(any(n in line for n in named) for line in res["round_error_named"]), res
