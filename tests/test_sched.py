@@ -113,7 +113,7 @@ def test_max_lag_zero_overlaps_only_between_minibatches():
         assert sync[rank][1] == [False] * 9
 
 
-def _accounting(rank, world):
+def _accounting(rank, world, out_dir):
     plane = cd.DataPlane(spec(), capacity_per_rank=5000, seed=1, trace=True)
     model = Learner(slow=0.05)
     plane.attach(model)
@@ -123,15 +123,15 @@ def _accounting(rank, world):
         b = plane.fetch(256)
         timings.append(plane.last_fetch)
         _train_step(model, b)
-    path = plane.export_trace(f"/tmp/conduit_trace_test_{rank}.json")
+    path = plane.export_trace(f"{out_dir}/trace_{rank}.json")
     plane.close()
     return [(t.prefetched, t.exposed_ms, t.hidden_ms, sorted(t.phases)) for t in timings], path
 
 
-def test_accounting_and_trace():
+def test_accounting_and_trace(tmp_path):
     import json
 
-    res = run_ranks(_accounting, 2)
+    res = run_ranks(_accounting, 2, str(tmp_path))
     for timings, path in res.values():
         first, rest = timings[0], timings[1:]
         assert not first[0] and first[2] == 0.0  # sync first round: nothing hidden
