@@ -9,16 +9,14 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import ROOT, child_env, run_ranks
 
 from conduit_dist.collectives.exchange import Heartbeats
 
 TIMEOUT_S = 3.0
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Store:
@@ -231,14 +229,15 @@ def test_destroy_distributed_frees_the_default_group_after_an_optimizer_step(tmp
     # An optimizer's first step imports torch._dynamo, which imports torch.distributed.nn,
     # whose defaults would hold the default group: its gloo threads then outlive
     # destroy_process_group and can abort the process at exit (CI: an example exited -6).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_", "MASTER_"))}
-    env.update(
-        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    )
     prog = ROOT / "tests" / "teardown_prog.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     res = subprocess.run(
-        [*cmd, str(prog)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        [*cmd, str(prog)],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     left = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

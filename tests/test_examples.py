@@ -6,24 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env() -> dict[str, str]:
-    """The caller's environment without a torchrun rank's variables, one torch thread, and the
-    working tree first on the path (what ``pip install -e .`` gives a fresh clone)."""
-    skip = ("WANDB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "GROUP_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
+from dist_utils import ROOT, child_env
 
 
 def _run(tmp_path: Path, example: str, nproc: int, *args: str) -> dict[str, object]:
@@ -32,7 +20,9 @@ def _run(tmp_path: Path, example: str, nproc: int, *args: str) -> dict[str, obje
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [*launcher, str(ROOT / "examples" / example), *args]
-    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=240
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

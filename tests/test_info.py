@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import ROOT, child_env
 
 from conduit_dist.__main__ import main
 from conduit_dist.collectives.strategies import NAMES
 
-ROOT = Path(__file__).resolve().parents[1]
-_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
 
 def _run(cmd: list[str], tmp_path: Path) -> tuple[dict, str]:
     res = subprocess.run(
-        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120, check=False
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()

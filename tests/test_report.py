@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import ROOT, child_env, run_ranks
 from omegaconf import OmegaConf
 from plane_helpers import make_batch, spec
 
@@ -23,27 +23,22 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.progress import Bar, Lines, choose
 from conduit_dist.report import MetricsFile, newest_run, read_run, report
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    return env
 
 
 def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "train.py"), "experiment=smoke", *overrides]
     cmd.append(f"hydra.run.dir={run_dir}")
     return subprocess.run(
-        cmd, cwd=run_dir.parent, env=_env(), capture_output=True, text=True, timeout=120
+        cmd, cwd=run_dir.parent, env=child_env(), capture_output=True, text=True, timeout=120
     )
 
 
 def _report(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "conduit_dist.report", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_real_run_writes_metrics_and_the_report_draws_them(tmp_path):

@@ -4,14 +4,12 @@ and the TorchRL DQN example run for a few hundred steps."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import ROOT, child_env, run_ranks
 
 pytest.importorskip("torchrl")
 from tensordict import TensorDict
@@ -19,8 +17,6 @@ from tensordict import TensorDict
 import conduit_dist as cd
 from conduit_dist.errors import ConfigError, SpecError
 from conduit_dist.torchrl_compat import ShardedReplayBuffer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _batch(ids: torch.Tensor) -> TensorDict:
@@ -208,9 +204,9 @@ def _run_example(*args: str, torchrun: bool = False) -> dict:
     script = str(ROOT / "examples" / "torchrl_dqn.py")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd = [*(launch if torchrun else [sys.executable]), script, *args]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

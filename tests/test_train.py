@@ -10,17 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import ROOT, child_env
 from wandb_reader import history, summary
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "WORLD_SIZE"))
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
 
 
 def _torchrun(tmp_path: Path, *overrides: str, nproc: int = 2, timeout: int = 240, **env):
@@ -35,7 +26,7 @@ def _torchrun(tmp_path: Path, *overrides: str, nproc: int = 2, timeout: int = 24
         f"hydra.run.dir={tmp_path}",
     ]
     return subprocess.run(
-        cmd, cwd=tmp_path, env=_env(**env), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=tmp_path, env=child_env(**env), capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -114,7 +105,9 @@ def test_world_size_one_plain_python(tmp_path, plane):
         "algo.learning_starts=200",
         f"hydra.run.dir={tmp_path}",
     ]
-    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 
