@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-_RANK_VARS = ("WANDB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "GROUP_")
+_STRIPPED = ("WANDB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "GROUP_")
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for a child ``python`` or ``torchrun``: the caller's without a torchrun
     rank's or W&B's variables, one torch thread, unbuffered output, the working tree first on
     the path (what ``pip install -e .`` gives a fresh clone), then ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_RANK_VARS)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIPPED)}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.update(extra)

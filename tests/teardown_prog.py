@@ -1,5 +1,5 @@
-"""Launched by test_collectives under torchrun: an optimizer's first step after
-``init_distributed`` (torch imports torch._dynamo there, lazily), one collective, then
+"""Launched by test_collectives under torchrun: an optimizer built and stepped after
+``init_distributed`` (torch imports torch._dynamo when it is built, lazily), one collective, then
 ``destroy_distributed``; writes how many gloo worker threads are left on this rank to
 ``rank<N>.json`` in the working directory (a file each: the ranks' stdout lines interleave)."""
 

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import child_env, run_ranks
 from plane_helpers import assert_intact, make_batch, spec
 
 import conduit_dist as cd
@@ -61,13 +61,14 @@ def _save(rank, world, root, sampler):
     # The writer reads a chunk (here one item), then keeps its rate: held there until the rounds
     # below have overwritten the ring, it must read the rest from their copy-on-write copies
     # (left to a slow rate limit, whether a round came first was a thread race).
-    gate = threading.Event()
+    gate, rates = threading.Event(), set()
     writer.CHUNK_BYTES = plane.shard.tiers[0].record_bytes
-    writer._keep_rate = lambda *_: gate.wait(60)
-    ck = plane.checkpoint(root)
+    writer._keep_rate = lambda done, mbps, t0: (rates.add(mbps), gate.wait(60))
+    ck = plane.checkpoint(root, write_mbps=0.05, checksum_mbps=0.5)
     _fill(plane, rank, 4, first=6)  # 64 items over a 40-item ring: every slot rewritten
     gate.set()
     ck.wait(60)
+    assert rates == {0.05, 0.5}  # the writer's and the checksum pass's limits
     copied = ck.copied_bytes
     plane.close()
     return rows.numpy(), cols["id"].tolist(), cols["_version"].tolist(), mass.tolist(), copied
@@ -344,7 +345,7 @@ def test_checkpoint_bench_runs_every_mode(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "-m", "conduit_dist.bench", "checkpoint", "--gib", "0.004", "--repeats", "1",
          "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=240, env=child_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])

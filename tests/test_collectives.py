@@ -225,8 +225,8 @@ def test_bench_entry_point_names_the_benchmarks(capsys):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_destroy_distributed_frees_the_default_group_after_an_optimizer_step(tmp_path):
-    # An optimizer's first step imports torch._dynamo, which imports torch.distributed.nn,
+def test_destroy_distributed_frees_the_default_group_after_an_optimizer_is_built(tmp_path):
+    # Building an optimizer imports torch._dynamo, which imports torch.distributed.nn,
     # whose defaults would hold the default group: its gloo threads then outlive
     # destroy_process_group and can abort the process at exit (CI: an example exited -6).
     prog = ROOT / "tests" / "teardown_prog.py"

@@ -4,14 +4,12 @@ overlap kept, warm-up rounds, stopping at close, disaggregated rounds in step, c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import ROOT, child_env, run_ranks
 from plane_helpers import assert_intact, make_batch, spec
 
 import conduit_dist as cd
@@ -180,12 +178,12 @@ def test_errors_name_what_was_wrong():
 
 
 def test_the_loader_example_runs_under_torchrun(tmp_path):
-    root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(root / "examples" / "loader_dqn.py"), "--env-steps", "800",
+           str(ROOT / "examples" / "loader_dqn.py"), "--env-steps", "800",
            "--learning-starts", "400"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=240
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["env_steps"] == 800 and out["rounds"] == 100

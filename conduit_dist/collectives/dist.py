@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 # Imported before any process group exists, on purpose: its functions take ``group=group.WORLD``
 # as a default, evaluated at import. Imported after ``init_process_group`` (torch imports it
-# lazily, e.g. through torch._dynamo at an optimizer's first step) those defaults hold the
+# lazily, e.g. through torch._dynamo when an optimizer is built) those defaults hold the
 # default group for good, ``destroy_process_group`` cannot free it, and at interpreter exit its
 # gloo worker thread, releasing a finished collective's tensors, needs the GIL and aborts the
 # process ("terminate called without an active exception"; seen in CI as an example's exit -6).
