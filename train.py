@@ -13,13 +13,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import conduit_dist as cd
-from conduit_dist.config import TrainConfig, register, validate
-from conduit_dist.launch import prepare_hydra_argv
 from conduit_dist.logging import log_rank_zero
-from conduit_dist.metrics import make_logger
-from conduit_dist.rl.ppo_trainer import PPOTrainer
-from conduit_dist.rl.resume import run_id
-from conduit_dist.rl.trainer import Trainer, write_summary
+from conduit_dist.train.config import TrainConfig, register, validate
+from conduit_dist.train.launch import prepare_hydra_argv
+from conduit_dist.train.metrics import make_logger
+from conduit_dist.train.ppo_trainer import PPOTrainer
+from conduit_dist.train.resume import run_id
+from conduit_dist.train.trainer import Trainer, write_summary
 
 register()
 

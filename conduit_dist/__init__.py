@@ -27,14 +27,14 @@ from conduit_dist.errors import (
     SpecError,
     StaleDataError,
 )
-from conduit_dist.loader import ExperienceLoader, ExperienceWriter
+from conduit_dist.flow.ratelimit import RateLimiter
+from conduit_dist.integrations.loader import ExperienceLoader, ExperienceWriter
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
-from conduit_dist.ratelimit import RateLimiter
+from conduit_dist.records.spec import ExperienceSpec, FieldSpec
 from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform, WithoutReplacement
 from conduit_dist.sampling.queue import Lifo, Queue
 from conduit_dist.sampling.stratified import Stratified
-from conduit_dist.spec import ExperienceSpec, FieldSpec
 from conduit_dist.tiers import Tiers
 
 __all__ = [
@@ -79,7 +79,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """``cd.ShardedReplayBuffer``, imported on first use (the ``[torchrl]`` extra: tensordict)."""
     if name == "ShardedReplayBuffer":
-        from conduit_dist.torchrl_compat import ShardedReplayBuffer
+        from conduit_dist.integrations.torchrl import ShardedReplayBuffer
 
         return ShardedReplayBuffer
     raise AttributeError(f"module 'conduit_dist' has no attribute {name!r}")

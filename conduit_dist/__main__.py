@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
 def info(a: argparse.Namespace) -> int:
     """Run ``info`` on this rank (collective under torchrun); rank 0 prints."""
     import conduit_dist as cd
-    from conduit_dist.info import collect, format_report
+    from conduit_dist.tools.info import collect, format_report
 
     under_torchrun = "RANK" in os.environ or "WORLD_SIZE" in os.environ
     if under_torchrun:

@@ -41,7 +41,7 @@ from torchrl.modules import MLP, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, SoftUpdate
 
 import conduit_dist as cd
-from conduit_dist.torchrl_compat import ShardedReplayBuffer
+from conduit_dist.integrations.torchrl import ShardedReplayBuffer
 
 CFG = dict(
     num_envs=8, frames_per_batch=32, num_updates=8, batch_size=128, buffer_size=50_000, lr=1e-3,

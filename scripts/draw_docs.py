@@ -13,7 +13,7 @@ Two steps:
    for a GPU backward, as ``bench latency``'s off-CPU learner), ``plane.attach(model)``; blocks
    of ``sync`` and ``overlap`` iterations alternate.
 2. ``python scripts/draw_docs.py draw`` draws loop.png, round.png, tiers.png (diagrams; tiers
-   with the GB/s ``conduit_dist.info.measure_tiers`` measures now), overlap.png (a window of
+   with the GB/s ``conduit_dist.tools.info.measure_tiers`` measures now), overlap.png (a window of
    three iterations of that trace, sync above overlap) and exposed_vs_hidden.png (every measured
    iteration's exposed and hidden ms).
 """
@@ -485,7 +485,7 @@ def main(argv: list[str]) -> None:
     if a.cmd == "measure":
         _job(a)
         return
-    from conduit_dist.info import measure_tiers
+    from conduit_dist.tools.info import measure_tiers
 
     plt = _plt()
     IMG.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ def _phases(rank, world):
     from conduit_dist.collectives.exchange import Exchange
     from conduit_dist.collectives.model import BandwidthModel, build, calibrate
     from conduit_dist.collectives.topology import Topology, discover
-    from conduit_dist.metrics import aggregate
+    from conduit_dist.train.metrics import aggregate
 
     exchanges = [Exchange(TIMEOUT_S, name=str(i)) for i in range(3)]
     topo = Topology.single_host(world)

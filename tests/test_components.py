@@ -203,8 +203,8 @@ def test_a_failed_prefetched_round_raises_at_wait():
 
 def test_close_after_a_failure_leaves_a_busy_worker_its_resources():
     """The scheduler never reports the worker stopped while it is still inside a round."""
+    from conduit_dist.rounds.tickets import RoundTicket
     from conduit_dist.sched.scheduler import Scheduler
-    from conduit_dist.tickets import RoundTicket
 
     release = threading.Event()
 
@@ -411,8 +411,8 @@ def test_uniform_allocation_is_the_same_with_and_without_the_native_extension(mo
     import numpy as np
 
     import conduit_dist.sampling.uniform as uniform_mod
+    from conduit_dist.records.spec import _native
     from conduit_dist.sampling import SamplerContext
-    from conduit_dist.spec import _native
 
     if _native is None:
         pytest.skip("the native extension is not built")

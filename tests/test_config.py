@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conduit_dist import registry
-from conduit_dist.config import AlgoConfig, PlaneConfig, TrainConfig, validate
 from conduit_dist.errors import ConfigError
+from conduit_dist.train.config import AlgoConfig, PlaneConfig, TrainConfig, validate
 
 
 @pytest.mark.parametrize(

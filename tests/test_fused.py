@@ -126,8 +126,8 @@ def test_payloads_are_averaged_inside_the_round_identically_on_every_learner():
 
 
 def _replicas(rank, world):
-    from conduit_dist.config import AlgoConfig
     from conduit_dist.rl.dqn import DQN
+    from conduit_dist.train.config import AlgoConfig
 
     torch.manual_seed(0)  # the same initial weights on both ranks
     agent = DQN(AlgoConfig(hidden=[16]), 4, 2, flat_grads=True)

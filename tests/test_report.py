@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 from plane_helpers import make_batch, spec
 
 import conduit_dist as cd
-from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
-from conduit_dist.progress import Bar, Lines, choose
-from conduit_dist.report import MetricsFile, newest_run, read_run, report
+from conduit_dist.tools.report import MetricsFile, newest_run, read_run, report
+from conduit_dist.train.config import TrainConfig
+from conduit_dist.train.progress import Bar, Lines, choose
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -146,7 +146,7 @@ def test_progress_picks_lines_off_a_terminal_and_bar_when_forced(caplog):
 
 
 def _sent(rank: int, world: int, run_dir: str):
-    from conduit_dist.metrics import make_logger
+    from conduit_dist.train.metrics import make_logger
 
     out = {}
     for placement in ("round_robin", "local"):  # three exchanges a round; one exchange

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 import conduit_dist as cd
 from conduit_dist.errors import ConfigError, SpecError
-from conduit_dist.torchrl_compat import ShardedReplayBuffer
+from conduit_dist.integrations.torchrl import ShardedReplayBuffer
 
 
 def _batch(ids: torch.Tensor) -> TensorDict:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conduit_dist import SpecError
-from conduit_dist.weights import WeightsSnapshot, WeightsState
+from conduit_dist.flow.weights import WeightsSnapshot, WeightsState
 
 PREAMBLE = struct.Struct("<4sII")  # magic, format, header length (the documented wire layout)
 

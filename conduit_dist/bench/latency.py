@@ -186,9 +186,9 @@ def _dqn(iters: int) -> dict[str, dict[str, float]]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from conduit_dist.config import register
-    from conduit_dist.metrics import NullLogger
-    from conduit_dist.rl.trainer import Trainer
+    from conduit_dist.train.config import register
+    from conduit_dist.train.metrics import NullLogger
+    from conduit_dist.train.trainer import Trainer
 
     register()
     conf = os.path.join(os.path.dirname(__file__), "..", "..", "conf")

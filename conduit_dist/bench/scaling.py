@@ -63,7 +63,7 @@ from pathlib import Path
 
 import conduit_dist
 from conduit_dist.bench.common import emit, number, out_path
-from conduit_dist.rl.breakdown import PARTS
+from conduit_dist.train.breakdown import PARTS
 
 JOBS = ("single", "colocated", "disaggregated", "floor")
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")

@@ -53,8 +53,8 @@ def main(argv: list[str]) -> None:
     topo = discover(ex)
     cache = tempfile.mkdtemp(prefix="conduit_bw_") if ex.rank == 0 else ""
     cache = _share_str(cache)
-    from conduit_dist.assembly import DECLARED
     from conduit_dist.collectives.model import BandwidthModel
+    from conduit_dist.plane.build import DECLARED
 
     declared = BandwidthModel.declared(DECLARED[0], DECLARED[1])
     model, cold = build(ex, topo, True, cache, declared)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from conduit_dist.checkpoint import files
+from conduit_dist.checkpoint.state import quiet_for_restore
 from conduit_dist.errors import CheckpointError, ConfigError
-from conduit_dist.state import quiet_for_restore
 
 Piece = tuple[int, int, int]  # (old rank, first item, end item): oldest first within a shard
 

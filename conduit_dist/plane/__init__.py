@@ -1,6 +1,6 @@
 """DataPlane: the public put / fetch / flush / weights API over a sharded experience store."""
 
 from conduit_dist.plane.core import DataPlane
-from conduit_dist.tickets import RoundStats
+from conduit_dist.rounds.tickets import RoundStats
 
 __all__ = ["DataPlane", "RoundStats"]

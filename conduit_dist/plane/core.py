@@ -8,21 +8,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from conduit_dist import state
-from conduit_dist.assembly import assemble, release
 from conduit_dist.checkpoint import restore as restore_mod
 from conduit_dist.checkpoint import save as save_mod
+from conduit_dist.checkpoint import state
 from conduit_dist.checkpoint.writer import Checkpoint
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import CheckpointError, ConfigError, StaleDataError
+from conduit_dist.flow.ratelimit import RateLimiter
+from conduit_dist.flow.versions import check_ages, check_max_age
 from conduit_dist.placement import Placement
+from conduit_dist.plane.build import assemble, release
 from conduit_dist.plane.waiting import fetch_records, wait_to_insert
-from conduit_dist.ratelimit import RateLimiter
+from conduit_dist.records.spec import VERSION, ExperienceSpec
 from conduit_dist.sampling import Sampler
 from conduit_dist.sched import FetchTiming, fetch_timing
-from conduit_dist.spec import VERSION, ExperienceSpec
 from conduit_dist.tiers import Tiers
-from conduit_dist.versions import check_ages, check_max_age
 
 
 class DataPlane:
@@ -61,7 +61,7 @@ class DataPlane:
             that would still return one raises ``StaleDataError`` (see ``versions.py``; with
             actors and ``k >= 1`` an item may be ``k + 1`` behind, see :meth:`fetch`). Not
             with samplers that keep per-item state (prioritized, sequences).
-        rate_limiter: a :class:`~conduit_dist.ratelimit.RateLimiter` (``min_size``,
+        rate_limiter: a :class:`~conduit_dist.flow.ratelimit.RateLimiter` (``min_size``,
             samples-per-insert with an error buffer, over the global store); a held fetch or
             put runs further rounds until it may pass or the limiter's ``timeout_s``.
 

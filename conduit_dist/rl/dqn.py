@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from conduit_dist.config import AlgoConfig
 from conduit_dist.rl.grad_sync import GradSync
 from conduit_dist.rl.grad_sync import flat_grads as flat_buffer
+from conduit_dist.train.config import AlgoConfig
 
 
 class QNetwork(nn.Module):

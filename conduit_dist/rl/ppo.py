@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from conduit_dist.config import AlgoConfig
 from conduit_dist.rl.grad_sync import GradSync, flat_grads
+from conduit_dist.train.config import AlgoConfig
 
 
 def _layer(n_in: int, n_out: int, std: float) -> nn.Linear:

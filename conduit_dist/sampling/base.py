@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conduit_dist.spec import _native
+from conduit_dist.records.spec import _native
 
 _MASK = (1 << 63) - 1
 OWN_KEY = 1 << 39  # draw(stream=1) streams: (seed, round, OWN_KEY + rank)

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.spec import _native
 from conduit_dist.sampling.base import OWN_KEY, Sampler, proportional, splitmix_uniform
 from conduit_dist.sampling.sequences import Episodes, Sequence
 from conduit_dist.sampling.sumtree import SumTree
 from conduit_dist.sampling.updates import RANK_SHIFT, UpdateQueue
-from conduit_dist.spec import _native
 
 _KEY = 1 << 41  # allocation streams: (seed, round, _KEY + learner)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.spec import _native
+from conduit_dist.records.spec import _native
 
 
 @dataclass(frozen=True)

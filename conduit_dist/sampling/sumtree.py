@@ -16,8 +16,8 @@ import math
 
 import torch
 
+from conduit_dist.records.spec import _native
 from conduit_dist.sampling.base import seeded
-from conduit_dist.spec import _native
 
 FAN = 8
 

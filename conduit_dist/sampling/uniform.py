@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from conduit_dist.records.spec import _native
 from conduit_dist.sampling.base import Sampler, proportional, splitmix_uniform
-from conduit_dist.spec import _native
 
 _KEY = 1 << 40  # allocation streams: (seed, round, _KEY + learner), apart from the draw streams
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.spec import _native
+from conduit_dist.records.spec import _native
 
 RANK_SHIFT = 48  # _index = rank << 48 | generation
 GEN_MASK = (1 << RANK_SHIFT) - 1

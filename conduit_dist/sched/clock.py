@@ -13,9 +13,9 @@ from typing import TypeVar
 import torch
 
 from conduit_dist.errors import RoundError
+from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 from conduit_dist.sched.scheduler import Pending, Scheduler
 from conduit_dist.sched.timeline import Timeline
-from conduit_dist.tickets import RoundStats, RoundTicket
 
 T = TypeVar("T")
 

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from conduit_dist.errors import ConfigError, EmptyStoreError, RateLimitError
+from conduit_dist.rounds.tickets import RoundStats
 from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
 from conduit_dist.sched.hooks import BackwardTrigger
 from conduit_dist.sched.scheduler import Scheduler, now
 from conduit_dist.sched.timeline import Timeline
-from conduit_dist.tickets import RoundStats
 
 log = logging.getLogger("conduit_dist")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from conduit_dist.errors import RoundError
-from conduit_dist.rounds import RoundRunner
-from conduit_dist.tickets import RoundStats, RoundTicket
-from conduit_dist.weights import WeightsState
+from conduit_dist.flow.weights import WeightsState
+from conduit_dist.rounds.engine import RoundRunner
+from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
 MODES = ("overlap", "sync")
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.spec import _native
+from conduit_dist.records.spec import _native
 
 
 class Tier:

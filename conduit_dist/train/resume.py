@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from conduit_dist.checkpoint import files
 from conduit_dist.checkpoint.files import write_json
-from conduit_dist.config import CheckpointConfig
 from conduit_dist.logging import log_rank_zero
+from conduit_dist.train.config import CheckpointConfig
 
 
 def run_id(cfg: CheckpointConfig) -> str | None:

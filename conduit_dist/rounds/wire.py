@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.staging import RecordBuffer
-from conduit_dist.tickets import RoundStats, RoundTicket
+from conduit_dist.records.buffers import RecordBuffer
+from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
 # every round's meta values: staged items, fetch size, weights version, weights bytes, items
 # evicted as stale at round start (versions.AgeBound)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from conduit_dist.errors import ConfigError, StaleDataError
-from conduit_dist.spec import VERSION, ExperienceSpec
+from conduit_dist.records.spec import VERSION, ExperienceSpec
 
 _CHUNK = 64  # oldest items read per step of the eviction scan
 

@@ -20,10 +20,10 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.buffers import DoubleBuffer, RecordBuffer
+from conduit_dist.records.spec import VERSION, ExperienceSpec
 from conduit_dist.sched.scheduler import Scheduler, now
 from conduit_dist.sched.timeline import Timeline
-from conduit_dist.spec import VERSION, ExperienceSpec
-from conduit_dist.staging import DoubleBuffer, RecordBuffer
 
 
 class Stager:

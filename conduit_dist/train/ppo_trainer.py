@@ -25,9 +25,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
-from conduit_dist.metrics import (
+from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.records.spec import ExperienceSpec
+from conduit_dist.rl.env import VectorEnv
+from conduit_dist.rl.ppo import PPO, rollout_spec_example
+from conduit_dist.sampling import WithoutReplacement
+from conduit_dist.train import setup
+from conduit_dist.train.config import TrainConfig
+from conduit_dist.train.metrics import (
     Logger,
     aggregate,
     link_bytes,
@@ -35,12 +41,6 @@ from conduit_dist.metrics import (
     store_metrics,
     store_values,
 )
-from conduit_dist.plane import DataPlane, RoundStats
-from conduit_dist.rl import setup
-from conduit_dist.rl.env import VectorEnv
-from conduit_dist.rl.ppo import PPO, rollout_spec_example
-from conduit_dist.sampling import WithoutReplacement
-from conduit_dist.spec import ExperienceSpec
 
 log = logging.getLogger("conduit_dist")
 

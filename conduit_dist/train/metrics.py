@@ -1,9 +1,9 @@
 """Metrics: a tiny logger protocol, the run's local metrics file, W&B, and aggregation.
 
 Rank 0 logs to a :class:`RunLogger` (built by :func:`make_logger`), which hands every log step
-to its sinks: always a ``MetricsFile`` (``conduit_dist/report.py``: ``RUN_DIR/metrics.jsonl``,
+to its sinks: always a ``MetricsFile`` (``conduit_dist/tools/report.py``: ``RUN_DIR/metrics.jsonl``,
 one JSON object per log step, and ``RUN_DIR/run.json``, read by ``python -m conduit_dist.report``),
-the console display ``logger.progress`` picks (``conduit_dist/progress.py``; not with
+the console display ``logger.progress`` picks (``conduit_dist/train/progress.py``; not with
 ``logger=none``) and, with ``logger=wandb``, a :class:`WandbLogger`. Other ranks get a
 :class:`NullLogger`.
 
@@ -46,8 +46,8 @@ import torch.distributed as dist
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
-from conduit_dist.progress import ConsoleLogger
-from conduit_dist.report import MetricsFile
+from conduit_dist.tools.report import MetricsFile
+from conduit_dist.train.progress import ConsoleLogger
 
 log = logging.getLogger("conduit_dist")
 

@@ -18,8 +18,12 @@ from conduit_dist.collectives.model import BandwidthModel, build
 from conduit_dist.collectives.topology import Topology, discover
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError
+from conduit_dist.flow.ratelimit import RateLimiter
+from conduit_dist.flow.versions import check_max_age
+from conduit_dist.flow.weights import WeightsState
 from conduit_dist.placement import Placement, PlacementContext
-from conduit_dist.ratelimit import RateLimiter
+from conduit_dist.plane.producer import Stager
+from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.registry import (
     BANDWIDTHS,
     MAX_LAGS,
@@ -29,18 +33,14 @@ from conduit_dist.registry import (
     check_choice,
     resolve,
 )
-from conduit_dist.rounds import RoundRunner
+from conduit_dist.rounds.engine import RoundRunner
 from conduit_dist.sampling import Sampler, SamplerContext
 from conduit_dist.sched import Timeline
 from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
 from conduit_dist.sched.overlap import OverlapController
 from conduit_dist.sched.scheduler import Scheduler
-from conduit_dist.spec import ExperienceSpec
-from conduit_dist.stager import Stager
 from conduit_dist.tiers import Tiers
-from conduit_dist.versions import check_max_age
-from conduit_dist.weights import WeightsState
 
 log = logging.getLogger("conduit_dist")
 _plane_ids = itertools.count()

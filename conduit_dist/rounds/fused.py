@@ -13,10 +13,10 @@ import time
 import numpy as np
 import torch
 
-from conduit_dist.fused import META as _META
-from conduit_dist.fused import Flight, FusedLayout, candidates, short
-from conduit_dist.tickets import RoundStats, RoundTicket
-from conduit_dist.weights import WeightsState
+from conduit_dist.flow.weights import WeightsState
+from conduit_dist.rounds.tickets import RoundStats, RoundTicket
+from conduit_dist.rounds.wire import META as _META
+from conduit_dist.rounds.wire import Flight, FusedLayout, candidates, short
 
 
 class FusedRound:

@@ -23,7 +23,7 @@ from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
-from conduit_dist.spec import ALIGN, SUPPORTED, align
+from conduit_dist.records.spec import ALIGN, SUPPORTED, align
 
 _MAGIC = b"CDWT"
 _FORMAT = 1

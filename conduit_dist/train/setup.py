@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane
+from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.sampling import Prioritized, Sequence
-from conduit_dist.spec import ExperienceSpec
 from conduit_dist.tiers import Tiers
+from conduit_dist.train.config import TrainConfig
 
 
 def learner_ranks(cfg: TrainConfig, world: int) -> list[int]:

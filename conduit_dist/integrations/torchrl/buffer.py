@@ -17,11 +17,15 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 
 from conduit_dist.errors import ConfigError, SpecError
+from conduit_dist.integrations.torchrl.layout import Key, Layout, flatten
+from conduit_dist.integrations.torchrl.unsupported import (
+    UNSUPPORTED,
+    check_plane_kwargs,
+    check_sampler,
+)
 from conduit_dist.plane import DataPlane
 from conduit_dist.registry import check_count
 from conduit_dist.sampling import Sampler
-from conduit_dist.torchrl_compat.layout import Key, Layout, flatten
-from conduit_dist.torchrl_compat.unsupported import UNSUPPORTED, check_plane_kwargs, check_sampler
 
 
 class ShardedReplayBuffer:

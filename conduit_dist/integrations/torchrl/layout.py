@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from conduit_dist.errors import ConfigError, SpecError
-from conduit_dist.spec import SUPPORTED, ExperienceSpec, FieldSpec
+from conduit_dist.records.spec import SUPPORTED, ExperienceSpec, FieldSpec
 
 SEP = "."  # nested keys become field names joined by it
 RESERVED = ("index", "priority_weight", "_weight", "_version")  # keys sample() adds

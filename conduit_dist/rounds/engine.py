@@ -17,17 +17,17 @@ import torch
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.transport import Transport
-from conduit_dist.fused import META as _META
-from conduit_dist.fused import check_payload
-from conduit_dist.fused_round import FusedRound
+from conduit_dist.flow.versions import AgeBound
+from conduit_dist.flow.weights import WeightsState
 from conduit_dist.placement.base import Placement
+from conduit_dist.records.buffers import OutputPool, RecordBuffer
+from conduit_dist.records.spec import ExperienceSpec
+from conduit_dist.rounds.fused import FusedRound
+from conduit_dist.rounds.tickets import RoundStats, RoundTicket
+from conduit_dist.rounds.wire import META as _META
+from conduit_dist.rounds.wire import check_payload
 from conduit_dist.sampling.base import Sampler
-from conduit_dist.spec import ExperienceSpec
-from conduit_dist.staging import OutputPool, RecordBuffer
-from conduit_dist.tickets import RoundStats, RoundTicket
 from conduit_dist.tiers import Shard
-from conduit_dist.versions import AgeBound
-from conduit_dist.weights import WeightsState
 
 
 class RoundRunner:

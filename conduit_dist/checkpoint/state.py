@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.spec import ExperienceSpec
+from conduit_dist.records.spec import ExperienceSpec
 
 
 def save(parts, spec: ExperienceSpec) -> dict[str, object]:

@@ -15,11 +15,11 @@ try:
     import tensordict  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "conduit_dist.torchrl_compat needs tensordict (and torchrl for its example): "
+        "conduit_dist.integrations.torchrl needs tensordict (and torchrl for its example): "
         'pip install -e ".[torchrl]" (from a checkout of conduit_dist)'
     ) from e
 
-from conduit_dist.torchrl_compat.buffer import ShardedReplayBuffer
-from conduit_dist.torchrl_compat.layout import Layout, flatten
+from conduit_dist.integrations.torchrl.buffer import ShardedReplayBuffer
+from conduit_dist.integrations.torchrl.layout import Layout, flatten
 
 __all__ = ["Layout", "ShardedReplayBuffer", "flatten"]

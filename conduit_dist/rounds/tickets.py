@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from conduit_dist.collectives.transport import Move
-from conduit_dist.spec import ExperienceSpec
-from conduit_dist.staging import RecordBuffer
-from conduit_dist.weights import WeightsSnapshot
+from conduit_dist.flow.weights import WeightsSnapshot
+from conduit_dist.records.buffers import RecordBuffer
+from conduit_dist.records.spec import ExperienceSpec
 
 
 @dataclass

@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 
 from conduit_dist import registry
 from conduit_dist.errors import ConfigError
-from conduit_dist.progress import check as check_progress
+from conduit_dist.train.progress import check as check_progress
 
 
 @dataclass
@@ -245,7 +245,7 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints of the whole job (``conduit_dist/rl/resume.py``, docs/reliability.md).
+    """Checkpoints of the whole job (``conduit_dist/train/resume.py``, docs/reliability.md).
 
     Attributes:
         dir: where checkpoints go, one file system every rank sees (``null``: none). A job

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from conduit_dist.assembly import DECLARED
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model import (
     FEATURES,
@@ -37,6 +36,7 @@ from conduit_dist.collectives.strategies import NAMES
 from conduit_dist.collectives.topology import LINKS, Topology, discover
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError
+from conduit_dist.plane.build import DECLARED
 from conduit_dist.tiers import make_tier
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)  # bytes per peer
@@ -185,7 +185,7 @@ def _strategies(ex: Exchange, topo: Topology, model: BandwidthModel) -> dict[str
 
 def _versions(device: torch.device) -> dict[str, object]:
     from conduit_dist import __version__
-    from conduit_dist.spec import _native
+    from conduit_dist.records.spec import _native
 
     cuda = torch.cuda.is_available()
     return {

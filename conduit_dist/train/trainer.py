@@ -13,9 +13,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from conduit_dist.config import TrainConfig
 from conduit_dist.errors import ConfigError
-from conduit_dist.metrics import (
+from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.records.spec import VERSION
+from conduit_dist.rl.dqn import DQN
+from conduit_dist.rl.env import VectorEnv
+from conduit_dist.train import setup
+from conduit_dist.train.breakdown import PARTS, Breakdown
+from conduit_dist.train.config import TrainConfig
+from conduit_dist.train.metrics import (
     Logger,
     aggregate,
     link_bytes,
@@ -23,13 +29,7 @@ from conduit_dist.metrics import (
     store_metrics,
     store_values,
 )
-from conduit_dist.plane import DataPlane, RoundStats
-from conduit_dist.rl import setup
-from conduit_dist.rl.breakdown import PARTS, Breakdown
-from conduit_dist.rl.dqn import DQN
-from conduit_dist.rl.env import VectorEnv
-from conduit_dist.rl.resume import Resumer
-from conduit_dist.spec import VERSION
+from conduit_dist.train.resume import Resumer
 
 log = logging.getLogger("conduit_dist")
 

@@ -1,0 +1,1 @@
+"""Flow control: policy versions and age bounds, rate limits, versioned weights."""
