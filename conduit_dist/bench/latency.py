@@ -26,13 +26,16 @@ The JSON line (last) has ``summary.donated`` and ``summary.copying``, each
 ``{"offcpu": {"exposed_cut", "iteration_cut"}, "cpu": {...}}``; the older flat keys
 (``exposed_reduction``, ``iteration_reduction`` and their ``offcpu_`` forms) stay, holding the
 donated numbers.
+
+This module sizes and runs the settings (and the DQN part); the transitions, the learners and the
+settings compared are in ``latency_workload.py``, the plot and the printed report in
+``latency_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import os
 import statistics
 import time
@@ -43,55 +46,18 @@ from torch import nn
 
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number, out_path
+from conduit_dist.bench.latency_report import plot, report, report_dqn
+from conduit_dist.bench.latency_workload import (
+    MODES,
+    OBS_BYTES,
+    PUTS,
+    Learner,
+    OffCpuLearner,
+    make_batch,
+    train_step,
+)
 
 DQN_WARMUP = 20  # learning iterations of each DQN run left out of its medians
-# put kind -> (donate=, the put kind whose calibration sizes the round). Each kind's round is sized
-# to the learner's compute with its own put; "copying_same_volume" puts the donated volume with a
-# copying put (the neutral comparison: the same bytes per iteration as "donated").
-PUTS = {
-    "donated": (True, "donated"),
-    "copying": (False, "copying"),
-    "copying_same_volume": (False, "donated"),
-}
-MODES = ("sync", "overlap")
-OBS_BYTES = 4 * 84 * 84  # the learner reads its features from these
-
-
-def _batch(n: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "obs": torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        "next_obs": torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
-        "action": torch.randint(0, 6, (n,), generator=g),
-        "reward": torch.randn(n, generator=g),
-        "done": torch.zeros(n, dtype=torch.bool),
-    }
-
-
-class Learner(nn.Module):
-    """An MLP over the first ``features`` bytes of each observation."""
-
-    def __init__(self, features: int, hidden: int, layers: int) -> None:
-        super().__init__()
-        self.features = features
-        dims = [features] + [hidden] * layers
-        mods: list[nn.Module] = []
-        for a, b in itertools.pairwise(dims):
-            mods += [nn.Linear(a, b), nn.ReLU()]
-        mods.append(nn.Linear(hidden, 6))
-        self.net = nn.Sequential(*mods)
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        x = obs.reshape(obs.shape[0], -1)[:, : self.features].float() / 255.0
-        return self.net(x)
-
-
-def _compute(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> None:
-    q = model(batch["obs"]).gather(1, batch["action"].view(-1, 1)).squeeze(1)
-    loss = nn.functional.smooth_l1_loss(q, batch["reward"])
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _run_mode(
@@ -111,7 +77,7 @@ def _run_mode(
         spec, max(4 * items, 1024), seed=seed, schedule=schedule, placement=placement
     )
     plane.attach(model)
-    batches = [_batch(items, seed=rank * 100 + i) for i in range(2)]
+    batches = [make_batch(items, seed=rank * 100 + i) for i in range(2)]
     for i in range(3):  # fill the store
         plane.put(batches[i % 2])
         plane.flush()
@@ -124,7 +90,7 @@ def _run_mode(
         t1 = time.perf_counter()
         batch = plane.fetch(batch_size)
         t2 = time.perf_counter()
-        _compute(model, opt, batch)
+        train_step(model, opt, batch)
         t3 = time.perf_counter()
         if i >= 2:  # the first iterations of a mode are warm-up
             iter_ms.append((t3 - t0) * 1e3)
@@ -142,14 +108,14 @@ def _calibrate(
     ``target_ratio`` x the compute."""
     probe = 256
     plane = cd.DataPlane(spec, 2 * 4096, seed=0, schedule="sync", placement=placement)
-    b = _batch(probe, seed=dist.get_rank())
+    b = make_batch(probe, seed=dist.get_rank())
     rounds, comp, empty = [], [], []
     for i in range(6):
         plane.put(b, donate=donate)
         t0 = time.perf_counter()
         batch = plane.fetch(batch_size)
         t1 = time.perf_counter()
-        _compute(model, opt, batch)
+        train_step(model, opt, batch)
         t2 = time.perf_counter()
         plane.fetch(batch_size)  # the same round with nothing put: delivery alone
         if i >= 2:
@@ -162,7 +128,7 @@ def _calibrate(
     items = _agree(max(budget, 0.0) / per_item)
     # a round's cost is not linear in its size (caches, buffers growing into fresh memory on
     # their first rounds): time the estimate once warm, and rescale
-    big = _batch(items, seed=dist.get_rank())
+    big = make_batch(items, seed=dist.get_rank())
     measured = []
     for _ in range(8):
         plane.put(big, donate=donate)
@@ -219,31 +185,6 @@ def _dqn(iters: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _plot(results: dict[str, dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = [(put, mode) for put in PUTS for mode in MODES]
-    fig, axes = plt.subplots(2, len(cols), figsize=(6 * len(cols), 7), sharey="row")
-    for row, learner in enumerate(("cpu", "offcpu")):
-        for col, (put, mode) in enumerate(cols):
-            ax, r = axes[row][col], results[learner][put][mode]
-            x = range(len(r["exposed"]))
-            ax.bar(x, r["exposed"], color="tab:red", label="exposed (learner waits)")
-            ax.bar(x, r["hidden"], bottom=r["exposed"], color="tab:green", label="hidden")
-            ax.set_title(
-                f"{learner}, {put} put, {mode}: median iteration "
-                f"{statistics.median(r['iter']):.1f} ms"
-            )
-            ax.set_xlabel("iteration")
-        axes[row][0].set_ylabel("experience path, ms")
-    axes[0][-1].legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def _measure(learner: str, a, spec, compute_ms: float | None) -> dict:
     """Calibrate the volume for one learner kind; run every (put, mode) in alternating blocks."""
     torch.manual_seed(0)
@@ -277,39 +218,6 @@ def _measure(learner: str, a, spec, compute_ms: float | None) -> dict:
     return {"items": items, "compute_ms": comp * 1e3, "raw": results, "median": med}
 
 
-def _cuts(median: dict) -> dict[str, float]:
-    """1 - overlap / sync of the exposed wait and the iteration, for one (learner, put kind)."""
-    s, o = median["sync"], median["overlap"]
-    return {
-        "exposed_cut": 1 - o["exposed"] / s["exposed"],
-        "iteration_cut": 1 - o["iter"] / s["iter"],
-    }
-
-
-class OffCpuLearner(nn.Module):
-    """A small MLP whose backward also waits ``seconds``, host CPU idle (a device stand-in)."""
-
-    def __init__(self, features: int, seconds: float) -> None:
-        super().__init__()
-        self.mlp = Learner(features, 256, 1)
-        self.seconds = seconds
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return _DeviceTime.apply(self.mlp(obs), self.seconds)
-
-
-class _DeviceTime(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse and check every option before anything is measured (errors name the flag)."""
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench latency")
@@ -341,50 +249,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def _report(cpu: dict, off: dict) -> dict:
-    """Print each setting's medians; the summary's cuts per put kind and learner."""
-    summary: dict = {
-        put: {"offcpu": _cuts(off["median"][put]), "cpu": _cuts(cpu["median"][put])} for put in PUTS
-    }
-    for name, r in (("cpu", cpu), ("offcpu", off)):
-        for put in PUTS:
-            for m in MODES:
-                v = r["median"][put][m]
-                print(
-                    f"{name}_{put}_{m}: iteration {v['iter']:.1f} ms, exposed "
-                    f"{v['exposed']:.2f} ms, hidden {v['hidden']:.2f} ms, put {v['put']:.2f} ms "
-                    f"(items {r['items'][put]}, compute {r['compute_ms']:.1f} ms)"
-                )
-    for prefix, learner in (("", "cpu"), ("offcpu_", "offcpu")):  # the older keys: donated
-        summary[f"{prefix}exposed_reduction"] = summary["donated"][learner]["exposed_cut"]
-        summary[f"{prefix}iteration_reduction"] = summary["donated"][learner]["iteration_cut"]
-    return summary
-
-
-def _report_dqn(dqn: dict, summary: dict) -> None:
-    for m in ("sync", "overlap", "auto"):
-        d = dqn[m]
-        print(f"dqn_{m}: iteration {d['iteration_ms']:.2f} ms, exposed {d['exposed_ms']:.3f}")
-    sync = dqn["sync"]
-    summary["dqn_exposed_reduction"] = 1 - dqn["overlap"]["exposed_ms"] / sync["exposed_ms"]
-    summary["dqn_iteration_reduction"] = 1 - dqn["overlap"]["iteration_ms"] / sync["iteration_ms"]
-    summary["dqn_auto_iteration_reduction"] = 1 - dqn["auto"]["iteration_ms"] / sync["iteration_ms"]
-
-
 def main(argv: list[str]) -> None:
     """Run the latency benchmark (every rank); rank 0 prints the JSON line last."""
     a = parse_args(argv)
     cd.init_distributed()
-    spec = cd.ExperienceSpec.from_batch(_batch(1, 0))
+    spec = cd.ExperienceSpec.from_batch(make_batch(1, 0))
     cpu = _measure("cpu", a, spec, None)
     off = _measure("offcpu", a, spec, cpu["compute_ms"])
     dqn = _dqn(a.dqn_iters) if a.dqn_iters else None
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        _plot({"cpu": cpu["raw"], "offcpu": off["raw"]}, a.out)
-        summary = _report(cpu, off)
+        plot({"cpu": cpu["raw"], "offcpu": off["raw"]}, a.out)
+        summary = report(cpu, off)
         if dqn:
-            _report_dqn(dqn, summary)
+            report_dqn(dqn, summary)
         rows = [
             {"learner": name, "put_kind": put, "mode": m, "items_per_iteration": r["items"][put]}
             | v

@@ -43,18 +43,17 @@ this one); and ``seeds_reached``: per job, how many seeds reached the target.
 Example::
 
     python -m conduit_dist.bench scaling --seeds 0 1 2 --out bench_out/scaling.json
+
+This module holds the options and runs the jobs in turn; the jobs' command lines and processes are
+in ``scaling_jobs.py``, the summary and the table in ``scaling_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,24 +62,21 @@ from pathlib import Path
 
 import conduit_dist
 from conduit_dist.bench.common import emit, number, out_path
-from conduit_dist.train.breakdown import PARTS
-
-JOBS = ("single", "colocated", "disaggregated", "floor")
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-JOB_OVERRIDES = {
-    "single": ("plane=simple", "env.num_envs=16"),
-    "colocated": ("env.num_envs=8",),
-    "disaggregated": ("mode=disaggregated", "learner_ranks=[0]", "env.num_envs=16"),
-    "floor": ("plane=simple", "env.num_envs=8", "target_return=null"),
-}
-"""Each job's own overrides, after ``experiment=...`` (16 envs in all in every job)."""
-COLUMNS = tuple(p for p in PARTS if p not in ("publish", "main_cpu"))
-"""The ``breakdown_ms`` parts the table shows (the summary keeps every part)."""
-TAIL_LINES = 40
-
-
-class JobError(RuntimeError):
-    """A training job failed, timed out or wrote no summary."""
+from conduit_dist.bench.scaling_jobs import JOB_OVERRIDES as JOB_OVERRIDES
+from conduit_dist.bench.scaling_jobs import (
+    JOBS,
+    JobError,
+    finite,
+    job_argv,
+    job_error,
+    run_floor,
+    spawn,
+    wait_or_stop,
+    what_went_wrong,
+)
+from conduit_dist.bench.scaling_jobs import TORCHRUN as TORCHRUN
+from conduit_dist.bench.scaling_report import COLUMNS as COLUMNS
+from conduit_dist.bench.scaling_report import progress, summarize, table
 
 
 def train_script() -> Path:
@@ -148,96 +144,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return a
 
 
-def job_argv(
-    job: str, seed: int, a: argparse.Namespace, run_dir: Path, train_py: Path, part: int = 0
-) -> list[str]:
-    """The command line of one job (see the module docstring for what each job adds).
-
-    Args:
-        job: one of :data:`JOBS`.
-        seed: the run's seed.
-        a: the options from :func:`parse_args`.
-        run_dir: the directory for the job's summary file and Hydra run directory.
-        train_py: the training script.
-        part: ``floor`` only: which of its two processes (0 or 1; seeds ``seed`` and
-            ``seed + 1000``).
-
-    Returns:
-        The argument list, starting with ``sys.executable``.
-
-    Raises:
-        ValueError: for a job not in :data:`JOBS`.
-    """
-    if job not in JOBS:
-        raise ValueError(f"job: expected one of {JOBS}, got {job!r}")
-    one = job in ("single", "floor")
-    launch = [sys.executable] if one else [sys.executable, *TORCHRUN]
-    name = f"{job}_{seed}" if job != "floor" else f"floor_{seed}_{part}"
-    run_seed = seed + 1000 * part
-    overrides = [f"experiment={a.experiment}", *JOB_OVERRIDES[job], f"seed={run_seed}"]
-    if job == "floor":
-        overrides += [f"algo.batch_size={a.floor_batch}", f"total_env_steps={a.floor_env_steps}"]
-    elif a.total_env_steps is not None:
-        overrides.append(f"total_env_steps={a.total_env_steps}")
-    if a.no_target and job != "floor":
-        overrides.append("target_return=null")
-    overrides += [
-        "logger.mode=disabled",
-        "logger.kind=console",
-        f"logger.summary_path={run_dir / f'{name}.json'}",
-        f"hydra.run.dir={run_dir / name}",
-        *a.extra,
-        *getattr(a, f"{job}_extra"),
-    ]
-    return [*launch, str(train_py), *overrides]
-
-
-def _tail(path: Path, lines: int = TAIL_LINES) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _finite(value: object) -> object:
-    """``value`` with non-finite floats (no episode's ``return_100``) as ``None``: strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop ``proc``'s process group (torchrun's ranks too): SIGTERM, then SIGKILL after 10 s."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for ``proc``: ``False`` if it ran past ``timeout_s`` (then it is stopped).
-
-    It runs in its own session, so a Ctrl-C here does not reach it: that stops it too.
-    """
-    try:
-        proc.wait(timeout=timeout_s)
-        return True
-    except subprocess.TimeoutExpired:
-        _stop(proc)
-        return False
-    except BaseException:
-        _stop(proc)
-        raise
-
-
 def run_job(
     job: str,
     seed: int,
@@ -263,196 +169,20 @@ def run_job(
     """
     train_py = train_script() if train_py is None else train_py
     if job == "floor":
-        return _run_floor(seed, a, run_dir, train_py)
+        return run_floor(seed, a, run_dir, train_py)
     argv = job_argv(job, seed, a, run_dir, train_py)
     log = run_dir / f"{job}_{seed}.log"
     summary_path = run_dir / f"{job}_{seed}.json"
     start = time.perf_counter()
-    proc = _spawn(argv, log, a, train_py.parent)
-    finished = _wait(proc, a.timeout_s)
+    proc = spawn(argv, log, a, train_py.parent)
+    finished = wait_or_stop(proc, a.timeout_s)
     wall = time.perf_counter() - start
-    problem = _problem(proc, finished, summary_path, a.timeout_s)
+    problem = what_went_wrong(proc, finished, summary_path, a.timeout_s)
     if problem is not None:
-        raise _job_error(f"job {job} seed {seed}", problem, wall, argv, log)
+        raise job_error(f"job {job} seed {seed}", problem, wall, argv, log)
     summary = json.loads(summary_path.read_text())
     ours = {"job": job, "seed": seed, "command": shlex.join(argv), "process_wall_s": wall}
-    return ours | {k: v for k, v in _finite(summary).items() if k not in ours}
-
-
-def _spawn(argv: list[str], log: Path, a: argparse.Namespace, cwd: Path) -> subprocess.Popen:
-    """Start one training process, its output to ``log``, in its own process group (a timeout
-    stops every rank), with ``OMP_NUM_THREADS`` = ``a.threads``."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1"}
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            argv,
-            cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-
-
-def _problem(
-    proc: subprocess.Popen, finished: bool, summary_path: Path, timeout_s: float
-) -> str | None:
-    """What went wrong with a finished (or timed-out) process, or ``None``."""
-    if not finished:
-        return f"timed out after {timeout_s:g} s"
-    if proc.returncode != 0:
-        return f"exited with status {proc.returncode}"
-    if not summary_path.is_file():
-        return f"exited 0 but wrote no summary file {summary_path}"
-    return None
-
-
-def _job_error(who: str, problem: str, wall: float, argv: list[str], log: Path) -> JobError:
-    return JobError(
-        f"scaling: {who} {problem} ({wall:.1f} s)\n"
-        f"command: {shlex.join(argv)}\n"
-        f"last {TAIL_LINES} lines of its output:\n{_tail(log)}"
-    )
-
-
-def _run_floor(seed: int, a: argparse.Namespace, run_dir: Path, train_py: Path) -> dict:
-    """``floor``: two single processes at once, each with a colocated rank's share of the work
-    (8 envs, the per-learner batch) and no communication at all. Ranks in lockstep run at the
-    slower one's pace, so the per-part maximum of their breakdowns estimates what a colocated
-    iteration would cost if its data path (rounds, gradient averaging) were free."""
-    argvs = [job_argv("floor", seed, a, run_dir, train_py, part) for part in (0, 1)]
-    logs = [run_dir / f"floor_{seed}_{part}.log" for part in (0, 1)]
-    start = time.perf_counter()
-    procs = [_spawn(argv, log, a, train_py.parent) for argv, log in zip(argvs, logs)]
-    done = [_wait(p, a.timeout_s) for p in procs]
-    wall = time.perf_counter() - start
-    summaries = []
-    for part, (proc, ok, argv) in enumerate(zip(procs, done, argvs)):
-        path = run_dir / f"floor_{seed}_{part}.json"
-        problem = _problem(proc, ok, path, a.timeout_s)
-        if problem is not None:
-            raise _job_error(
-                f"job floor seed {seed} process {part}", problem, wall, argv, logs[part]
-            )
-        summaries.append(_finite(json.loads(path.read_text())))
-    parts = summaries[0]["breakdown_ms"]
-    slower = {k: max(s["breakdown_ms"][k] for s in summaries) for k in parts}
-    it = slower.get("iteration") or 0.0
-    return {
-        "job": "floor",
-        "seed": seed,
-        "command": " & ".join(shlex.join(v) for v in argvs),
-        "process_wall_s": wall,
-        "env_steps": sum(s["env_steps"] for s in summaries),
-        "env_steps_per_s": 16 * 1e3 / it if it else None,  # steady state, 2 x 8 envs
-        "reached_target": False,
-        "time_to_target_s": None,
-        "breakdown_ms": slower,
-        "schedule": "none",
-    }
-
-
-def _median(values: Sequence[object]) -> float | None:
-    nums = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    return statistics.median(nums) if nums else None
-
-
-def _has_breakdown(r: dict) -> bool:
-    """Whether the run timed a learning window (else its ``breakdown_ms`` is all zeros)."""
-    it = (r.get("breakdown_ms") or {}).get("iteration")
-    return isinstance(it, (int, float)) and it > 0
-
-
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
-
-
-def summarize(results: Sequence[dict]) -> dict:
-    """Medians per job over seeds and the ratios against ``single`` (module docstring).
-
-    Args:
-        results: the per-job, per-seed dicts of :func:`run_job` (keys used: ``job``,
-            ``env_steps_per_s``, ``time_to_target_s``, ``reached_target``, ``env_steps``,
-            ``wall_s``, ``process_wall_s``, ``breakdown_ms``).
-
-    Returns:
-        ``{job: medians}`` for every job in ``results``, ``JOB_steps_per_s_vs_single`` and
-        ``JOB_time_to_target_vs_single`` for each other job, and ``seeds_reached``.
-    """
-    jobs = [j for j in JOBS if any(r["job"] == j for r in results)]
-    summary: dict = {}
-    reached: dict[str, int] = {}
-    for job in jobs:
-        rows = [r for r in results if r["job"] == job]
-        hit = [r for r in rows if r.get("reached_target") and r.get("time_to_target_s") is not None]
-        reached[job] = len(hit)
-        timed = [r["breakdown_ms"] for r in rows if _has_breakdown(r)]
-        parts = sorted({k for b in timed for k in b})
-        summary[job] = {
-            "seeds": len(rows),
-            "env_steps_per_s": _median([r.get("env_steps_per_s") for r in rows]),
-            "time_to_target_s": _median([r["time_to_target_s"] for r in hit]),
-            "env_steps": _median([r.get("env_steps") for r in rows]),
-            "wall_s": _median([r.get("wall_s") for r in rows]),
-            "process_wall_s": _median([r.get("process_wall_s") for r in rows]),
-            "breakdown_ms": {k: _median([b.get(k) for b in timed]) for k in parts},
-        }
-    base = summary.get("single", {})
-    for job in jobs:
-        if job == "single":
-            continue
-        summary[f"{job}_steps_per_s_vs_single"] = _ratio(
-            summary[job]["env_steps_per_s"], base.get("env_steps_per_s")
-        )
-        summary[f"{job}_time_to_target_vs_single"] = _ratio(
-            summary[job]["time_to_target_s"], base.get("time_to_target_s")
-        )
-        # steady state: every job's iteration moves 16 env steps, so iterations compare directly
-        summary[f"{job}_iteration_throughput_vs_single"] = _ratio(
-            (base.get("breakdown_ms") or {}).get("iteration"),
-            summary[job]["breakdown_ms"].get("iteration"),
-        )
-    summary["seeds_reached"] = reached
-    return summary
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _progress(r: dict) -> str:
-    target = r.get("time_to_target_s")
-    reached = f"target in {target:.1f} s" if r.get("reached_target") else "target not reached"
-    it = r["breakdown_ms"]["iteration"] if _has_breakdown(r) else None
-    return (
-        f"{r['job']:<13} seed {r['seed']}: {r.get('env_steps')} env steps, "
-        f"{_fmt(r.get('env_steps_per_s'), '.0f')} steps/s, {reached}, return_100 "
-        f"{_fmt(r.get('return_100'), '.1f')}, iteration {_fmt(it, '.2f')} ms, process "
-        f"{r['process_wall_s']:.1f} s, schedule {r.get('schedule')}"
-    )
-
-
-def table(summary: dict) -> str:
-    """The per-job table of medians over seeds (breakdown columns in ms per iteration).
-
-    Args:
-        summary: the result of :func:`summarize`.
-
-    Returns:
-        The table's lines, joined.
-    """
-    head = f"{'job':<13} {'steps/s':>8} {'to_target_s':>15} {'env_steps':>9} {'proc_s':>7}"
-    lines = [head + "".join(f" {c:>9}" for c in COLUMNS)]
-    for job in (j for j in JOBS if j in summary):
-        s = summary[job]
-        ttt = f"{_fmt(s['time_to_target_s'], '.1f')} ({summary['seeds_reached'][job]}/{s['seeds']})"
-        row = (
-            f"{job:<13} {_fmt(s['env_steps_per_s'], '.0f'):>8} {ttt:>15} "
-            f"{_fmt(s['env_steps'], '.0f'):>9} {_fmt(s['process_wall_s'], '.1f'):>7}"
-        )
-        lines.append(row + "".join(f" {_fmt(s['breakdown_ms'].get(c), '.3f'):>9}" for c in COLUMNS))
-    return "\n".join(lines)
+    return ours | {k: v for k, v in finite(summary).items() if k not in ours}
 
 
 def run_all(a: argparse.Namespace, run_dir: Path, train_py: Path | None = None) -> list[dict]:
@@ -473,7 +203,7 @@ def run_all(a: argparse.Namespace, run_dir: Path, train_py: Path | None = None) 
     for seed in a.seeds:
         for job in a.jobs:
             results.append(run_job(job, seed, a, run_dir, train_py))
-            print(_progress(results[-1]), flush=True)
+            print(progress(results[-1]), flush=True)
     return results
 
 

@@ -1,2 +1,3 @@
-"""Records: the experience spec (fields, record layout, validation, packing) and the reusable
-record buffers (staging, delivery outputs)."""
+"""Records: the experience spec (``spec.py``: fields, validation), its record layout and packing
+(``layout.py``), the C extension's loader (``native.py``) and the reusable record buffers
+(``buffers.py``: staging, delivery outputs)."""

@@ -7,78 +7,24 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.plane import DataPlane
 from conduit_dist.records.spec import VERSION
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
 from conduit_dist.train import setup
 from conduit_dist.train.breakdown import PARTS, Breakdown
 from conduit_dist.train.config import TrainConfig
-from conduit_dist.train.metrics import (
-    Logger,
-    aggregate,
-    link_bytes,
-    link_metrics,
-    store_metrics,
-    store_values,
-)
+from conduit_dist.train.metrics import Logger, aggregate, link_metrics, store_metrics, store_values
 from conduit_dist.train.resume import Resumer
+from conduit_dist.train.window import Window, phase_metrics
 
 log = logging.getLogger("conduit_dist")
-
-_PHASES = (
-    "ingest",
-    "sample",
-    "deliver",
-    "wait",
-    "total",
-    "exposed",
-    "hidden",
-    "iteration",
-    "predicted_move",
-    "measured_move",
-)
-
-_PATH_PARTS = ("put", "exposed", "round_cpu")  # breakdown parts logged under path/, others train/
-
-
-@dataclass
-class _Window:
-    """Per-iteration measurements between two logs."""
-
-    start: float = field(default_factory=time.perf_counter)
-    ms: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in _PHASES})
-    bytes_in: int = 0
-    bytes_out: int = 0
-    learner_steps: int = 0
-    iterations: int = 0
-    learning_iterations: int = 0
-    breakdown: Breakdown = field(default_factory=Breakdown)
-    losses: list[float] = field(default_factory=list)
-    sent: np.ndarray | None = None  # bytes the rounds sent each rank (RoundStats.sent)
-    ages: list[torch.Tensor] = field(default_factory=list)  # fetched items' policy ages
-
-    def add(self, stats: RoundStats, wait_ms: float, hidden_ms: float = 0.0) -> None:
-        for p in ("ingest", "sample", "deliver"):
-            self.ms[p].append(getattr(stats, f"{p}_ms"))
-        self.ms["total"].append(stats.total_ms)
-        self.ms["wait"].append(wait_ms)
-        self.ms["exposed"].append(wait_ms)
-        self.ms["hidden"].append(hidden_ms)
-        for move in getattr(stats, "moves", ()):  # the bandwidth model's prediction vs reality
-            self.ms["predicted_move"].append(move.predicted_ms)
-            self.ms["measured_move"].append(move.measured_ms)
-        self.bytes_in += stats.bytes_in
-        self.bytes_out += stats.bytes_out
-        if stats.sent is not None:
-            self.sent = stats.sent.copy() if self.sent is None else self.sent + stats.sent
 
 
 class Trainer:
@@ -123,12 +69,9 @@ class Trainer:
         self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp, flat_grads=self.grad_sync == "round")
         self._grads_pending = False  # grad_sync=round: gradients waiting for the next fetch
         # grad_sync=round: start each round after the backward, finish it at the next fetch
-        self.early = (
-            self.grad_sync == "round"
-            and cfg.plane.early_start
-            and cfg.algo.updates_per_iter == 1
-            and cfg.plane.max_lag == 1  # puts run while the started round is in flight
-        )
+        self.early = cfg.plane.early_start
+        if self.early:
+            _check_early_start(cfg, self.grad_sync)
         if self.rank == 0:
             log.info("learners average gradients with grad_sync=%s", self.grad_sync)
         self.plane = setup.make_plane(
@@ -138,7 +81,7 @@ class Trainer:
             self.grad_sync,
             self.agent.flat.numel() if self.agent.flat is not None else 0,
         )
-        self.prioritized = self.cfg.plane.sampler == "prioritized" and self.is_learner
+        self.prioritized = setup.sampler_name(cfg) == "prioritized" and self.is_learner
         if isinstance(self.plane, DataPlane) and self.is_learner:
             self.plane.attach(self.agent.learner)
         self.records: list[tuple[float, float, float]] = []  # (iteration, exposed, hidden) ms
@@ -172,7 +115,7 @@ class Trainer:
         cfg = self.cfg
         steps_per_iter = cfg.env.num_envs * self.n_actors
         iters = math.ceil(cfg.total_env_steps / steps_per_iter)
-        start, window, it = time.perf_counter(), _Window(), 0
+        start, window, it = time.perf_counter(), Window(), 0
         summary = {"return_100": float("nan"), "reached_target": False}
         first = self._resume() + 1
         if cfg.mode == "disaggregated" and self.is_learner:
@@ -190,7 +133,7 @@ class Trainer:
                 summary = {"reached_target": False, **self._log(window)}
                 if window.learning_iterations == window.iterations:
                     self.breakdown.merge(window.breakdown)
-                window = _Window()
+                window = Window()
                 if cfg.target_return is not None and summary["return_100"] >= cfg.target_return:
                     summary["reached_target"] = True
                     break
@@ -243,7 +186,7 @@ class Trainer:
                 self.env.episodes = int(state["episodes"])
         return int(state["iteration"])
 
-    def _iteration(self, window: _Window) -> None:
+    def _iteration(self, window: Window) -> None:
         cfg, bd = self.cfg, window.breakdown
         bd.begin()
         if self.is_actor:
@@ -320,30 +263,21 @@ class Trainer:
             self.policy_version = self.plane.publish_weights(self.agent.q)
             bd.lap("publish")
 
-    def _log(self, window: _Window) -> dict[str, float]:
+    def _log(self, window: Window) -> dict[str, float]:
         """Aggregate the window over ranks (a collective) and log on rank 0."""
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         returns = list(self.env.returns) if self.env is not None else []
         recent = returns[-math.ceil(100 / self.n_actors) :]
-        ages = torch.cat(window.ages).tolist() if window.ages else []
+        ages = window.policy_ages()
         plane = self.plane if isinstance(self.plane, DataPlane) else None
         links = plane.topology.link_matrix()[self.rank] if plane else np.zeros(1, np.int64)
         local = {
             "ret_sum": sum(recent),
             "ret_n": len(recent),
             "episodes": self.env.episodes if self.env is not None else 0,
-            "learner_steps_per_s": window.learner_steps / elapsed,
-            "loss": sum(window.losses) / len(window.losses) if window.losses else 0.0,
-            "bytes_in": window.bytes_in,
-            "bytes_out": window.bytes_out,
             "items": len(self.plane),
-            "age_max": max(ages, default=0),
-            **link_bytes(window.sent, links),
+            **window.values(elapsed, ages, links),
         }
-        for p, vals in window.ms.items():
-            local[f"{p}_ms"] = sum(vals) / len(vals) if vals else 0.0
-        for p, v in window.breakdown.means().items():
-            local[f"bd_{p}"] = v
         store = plane.store_stats() if plane else None
         local.update(store_values(store))
         agg = aggregate(local)
@@ -371,15 +305,8 @@ class Trainer:
             **store_metrics(agg, store, world),  # bytes per tier (mean over ranks), ...
             **link_metrics(agg, world),  # bytes the rounds sent by link class, all ranks
         }
-        for p in _PHASES:
-            metrics[f"path/{p}_ms_mean"] = agg[f"{p}_ms_mean"]
-            metrics[f"path/{p}_ms_max"] = agg[f"{p}_ms_max"]
-        for p in PARTS:  # the per-iteration breakdown (rl/breakdown.py), mean over ranks
-            prefix = "path" if p in _PATH_PARTS else "train"
-            metrics[f"{prefix}/iter_{p}_ms"] = agg[f"bd_{p}_mean"]
-        hists = {"path/exposed_ms_hist": window.ms["exposed"], "path/policy_age_hist": ages}
-        hists["path/hidden_ms_hist"] = window.ms["hidden"]  # rank 0's own iterations
-        self.logger.log(metrics, self.env_steps, hists)
+        metrics.update(phase_metrics(agg))  # path/*_ms_*, the per-iteration breakdown
+        self.logger.log(metrics, self.env_steps, window.histograms(ages))
         return {"return_100": ret100, **metrics}
 
     def close(self) -> None:
@@ -398,3 +325,23 @@ def write_summary(path: str, summary: dict[str, object]) -> None:
     with open(tmp, "w") as f:
         json.dump(summary, f, indent=1, default=float)
     os.replace(tmp, path)
+
+
+def _check_early_start(cfg: TrainConfig, grad_sync: str) -> None:
+    """``plane.early_start`` starts each round after the backward (``fetch_start``, gradients
+    in the round) and finishes it at the next fetch.
+
+    Raises:
+        ConfigError: naming each setting it needs and what was received.
+    """
+    need = {
+        "algo.grad_sync": ("round", grad_sync),
+        "algo.updates_per_iter": (1, cfg.algo.updates_per_iter),
+        "plane.max_lag": (1, cfg.plane.max_lag),  # puts run while the started round flies
+        "plane.placement": ("local", setup.placement(cfg)),  # one exchange to leave in flight
+    }
+    bad = [f"{k}={got!r} (expected {want!r})" for k, (want, got) in need.items() if want != got]
+    if bad:
+        raise ConfigError(
+            "plane.early_start: needs a one-exchange round to start early; got " + ", ".join(bad)
+        )

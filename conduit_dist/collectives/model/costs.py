@@ -1,4 +1,4 @@
-"""The bandwidth model: predict each strategy's time for a round's byte matrix, and choose.
+"""The bandwidth model itself: each strategy's predicted time for a byte matrix, and the choice.
 
 For a byte matrix ``M[src, dst]`` and the link class of every pair (``self``, ``host``, ``net``)
 a strategy's time is modelled as
@@ -30,28 +30,18 @@ squares on relative error from a short probe (:func:`calibrate`), or declared
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
-from conduit_dist.collectives.exchange import Exchange
-from conduit_dist.collectives.strategies import NAMES, Strategy, make_strategies
-from conduit_dist.collectives.topology import LINKS, Topology
+from conduit_dist.collectives.strategies import NAMES
+from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
-
-log = logging.getLogger("conduit_dist")
 
 # "msgs" is last so the byte columns keep their indices
 FEATURES = ("calls", "bytes_self", "bytes_host", "both_host", "bytes_net", "both_net", "msgs")
 _COL = {"self": 1, "host": 2, "net": 4}  # column of B_c; D_c (both directions) follows it
 _MSGS = FEATURES.index("msgs")
-CACHE_VERSION = 3
 TIE_MARGIN = 0.15
 SOURCES = ("declared", "calibrated", "cache", "given")
 
@@ -252,182 +242,3 @@ def fit(samples: list[tuple[np.ndarray, float]]) -> np.ndarray:
             break
         active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
     return coef
-
-
-# ---------------------------------------------------------------------------- calibration
-
-PROBE_SIZES = (1024, 16 * 1024, 256 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
-PROBE_REPEATS = 7
-
-
-def probe_matrices(world: int, per_peer: int) -> dict[str, np.ndarray]:
-    """Byte patterns of the probe: uniform, uniform without self chunks (so local-copy and link
-    bytes can be told apart), and one hot destination."""
-    uniform = np.full((world, world), per_peer, dtype=np.int64)
-    cross = uniform.copy()
-    np.fill_diagonal(cross, 0)
-    hot = np.zeros((world, world), dtype=np.int64)
-    hot[:, 0] = per_peer
-    return {"uniform": uniform, "cross": cross, "hot": hot}
-
-
-def time_strategies(
-    ex: Exchange, strategies: dict[str, Strategy], matrix: np.ndarray, repeats: int
-) -> dict[str, float]:
-    """Median seconds of every strategy moving ``matrix`` bytes (the slowest rank's).
-
-    The strategies take turns within each repeat, as exchanges alternate with other collectives
-    in a round (back-to-back calls of one strategy run warmer than it ever does in a round), and a
-    noisy moment hits all of them alike. The first repeat is a warm-up.
-    """
-    me = ex.rank
-    rows_out, rows_in = matrix[me].tolist(), matrix[:, me].tolist()
-    inp = torch.randint(0, 255, (int(sum(rows_out)), 1), dtype=torch.uint8)
-    out = torch.empty((int(sum(rows_in)), 1), dtype=torch.uint8)
-    names = list(strategies)
-    samples = torch.zeros(repeats + 1, len(names), dtype=torch.float64)
-    for rep in range(repeats + 1):
-        for j, name in enumerate(names):
-            ex.barrier("probe")
-            t0 = time.perf_counter()
-            strategies[name].run(ex, out, inp, rows_in, rows_out, -1, "probe", matrix)
-            samples[rep, j] = time.perf_counter() - t0
-    if ex.world > 1:
-        ex.run(
-            lambda: dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ex.group, async_op=True),
-            "all_reduce(probe times)",
-        )
-    med = samples[1:].median(dim=0).values
-    return {n: float(med[j]) for j, n in enumerate(names)}
-
-
-def calibrate(
-    ex: Exchange, topo: Topology, sizes=PROBE_SIZES, repeats=PROBE_REPEATS
-) -> BandwidthModel:
-    """Time every strategy at a few sizes and patterns, fit each (a collective: every rank).
-
-    Runs as the phase ``start-up: calibrate``: every collective waits with the exchange's timeout.
-
-    Raises:
-        PhaseError: if a rank does not take part within the timeout (naming the ranks that never
-            entered the phase, where the rendezvous store can tell).
-    """
-    strategies = make_strategies()
-    links = topo.link_matrix()
-    samples: dict[str, list[tuple[np.ndarray, float]]] = {n: [] for n in strategies}
-    with ex.phase("start-up: calibrate"):
-        for size in sizes:
-            for matrix in probe_matrices(ex.world, size).values():
-                for name, t in time_strategies(ex, strategies, matrix, repeats).items():
-                    samples[name].append((features(name, matrix, links), t))
-    return BandwidthModel({n: fit(s) for n, s in samples.items()}, "calibrated")
-
-
-def cache_path(cache_dir: str, backend: str, topo: Topology) -> str:
-    """Where the calibration of this backend, world size and host layout is cached."""
-    return os.path.join(
-        os.path.expanduser(cache_dir), f"bandwidth-{backend}-w{topo.world}-{topo.key()}.json"
-    )
-
-
-def load_cache(path: str, backend: str, topo: Topology) -> BandwidthModel | None:
-    """The cached model, or ``None`` (with a warning) if missing, corrupt or for another layout."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("version") != CACHE_VERSION or data.get("backend") != backend:
-            raise ValueError(f"version/backend {data.get('version')}/{data.get('backend')}")
-        if data.get("world") != topo.world or data.get("hosts") != topo.key():
-            raise ValueError(f"layout world={data.get('world')} hosts={data.get('hosts')}")
-        coef = {n: np.array(data["coef"][n], dtype=np.float64) for n in NAMES}
-        if any(c.shape != (len(FEATURES),) or not np.isfinite(c).all() for c in coef.values()):
-            raise ValueError("bad coefficient vector")
-    except Exception as exc:
-        log.warning("bandwidth cache %s ignored (%s); re-probing", path, exc)
-        return None
-    return BandwidthModel(coef, "cache")
-
-
-def save_cache(path: str, model: BandwidthModel, backend: str, topo: Topology) -> None:
-    """Write the model (atomically)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = {
-        "version": CACHE_VERSION,
-        "backend": backend,
-        "world": topo.world,
-        "hosts": topo.key(),
-        "features": list(FEATURES),
-        "coef": model.to_json(),
-    }
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
-    """Rank 0's model on every rank (``None`` everywhere if any rank has none).
-
-    Runs as the phase ``start-up: agree on the bandwidth model`` (with the exchange's timeout).
-    """
-    if ex.world == 1:
-        return model
-    ok = torch.tensor([1 if model is not None else 0])
-    with ex.phase("start-up: agree on the bandwidth model"):
-        ex.run(
-            lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ex.group, async_op=True),
-            "all_reduce(every rank has a model)",
-        )
-        if not int(ok):
-            return None
-        flat = torch.tensor(np.concatenate([model.coef[n] for n in NAMES]), dtype=torch.float64)
-        ex.run(
-            lambda: dist.broadcast(flat, src=0, group=ex.group, async_op=True),
-            "broadcast(coefficients)",
-        )
-    parts = flat.numpy().reshape(len(NAMES), len(FEATURES))
-    return BandwidthModel({n: parts[i].copy() for i, n in enumerate(NAMES)}, model.source)
-
-
-def build(
-    ex: Exchange,
-    topo: Topology,
-    calibrate_now: bool,
-    cache_dir: str | None,
-    declared: BandwidthModel,
-) -> tuple[BandwidthModel, float]:
-    """The model every rank uses, and the seconds it took (cache, probe, or declared numbers).
-
-    Every collective waits with the exchange's timeout (phases ``start-up: agree on the bandwidth
-    model``, ``start-up: calibrate``, ``start-up: calibration cache``). Rank 0 logs the model's
-    :meth:`~BandwidthModel.describe` line.
-
-    Raises:
-        PhaseError: if a rank does not take part in a phase within the timeout.
-    """
-    start = time.perf_counter()
-    if not calibrate_now or ex.world == 1:
-        model, seconds = declared, 0.0
-    else:
-        model = _agreed_model(ex, topo, cache_dir)
-        seconds = time.perf_counter() - start
-    if ex.rank == 0:
-        log.info("%s (%.2fs)", model.describe(), seconds)
-    return model, seconds
-
-
-def _agreed_model(ex: Exchange, topo: Topology, cache_dir: str | None) -> BandwidthModel:
-    """The cached model if every rank has it, else a fresh calibration (cached per host)."""
-    backend = str(dist.get_backend(ex.group))
-    path = cache_path(cache_dir, backend, topo) if cache_dir else None
-    model = agree(ex, load_cache(path, backend, topo) if path else None)
-    if model is None:
-        model = agree(ex, calibrate(ex, topo))
-        first_on_host = topo.host_of.index(topo.host_of[ex.rank]) == ex.rank
-        if path and first_on_host:  # one writer per host
-            save_cache(path, model, backend, topo)
-        with ex.phase("start-up: calibration cache"):
-            ex.barrier("cache written")  # the cache is complete before any rank looks again
-    return model

@@ -1,0 +1,156 @@
+"""How a job gets its bandwidth model: the declared numbers, the cached calibration, or a probe.
+
+:func:`calibrate` times every strategy on a few byte patterns (:func:`probe_matrices`) and fits
+each strategy's coefficients (:func:`~conduit_dist.collectives.model.costs.fit`); :func:`agree`
+puts rank 0's model on every rank; :func:`build` picks the declared model, the cached one
+(``cache.py``) or a fresh calibration, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.model.cache import cache_path, load_cache, save_cache
+from conduit_dist.collectives.model.costs import FEATURES, BandwidthModel, features, fit
+from conduit_dist.collectives.strategies import NAMES, Strategy, make_strategies
+from conduit_dist.collectives.topology import Topology
+
+log = logging.getLogger("conduit_dist")
+
+PROBE_SIZES = (1024, 16 * 1024, 256 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+PROBE_REPEATS = 7
+
+
+def probe_matrices(world: int, per_peer: int) -> dict[str, np.ndarray]:
+    """Byte patterns of the probe: uniform, uniform without self chunks (so local-copy and link
+    bytes can be told apart), and one hot destination."""
+    uniform = np.full((world, world), per_peer, dtype=np.int64)
+    cross = uniform.copy()
+    np.fill_diagonal(cross, 0)
+    hot = np.zeros((world, world), dtype=np.int64)
+    hot[:, 0] = per_peer
+    return {"uniform": uniform, "cross": cross, "hot": hot}
+
+
+def time_strategies(
+    ex: Exchange, strategies: dict[str, Strategy], matrix: np.ndarray, repeats: int
+) -> dict[str, float]:
+    """Median seconds of every strategy moving ``matrix`` bytes (the slowest rank's).
+
+    The strategies take turns within each repeat, as exchanges alternate with other collectives
+    in a round (back-to-back calls of one strategy run warmer than it ever does in a round), and a
+    noisy moment hits all of them alike. The first repeat is a warm-up.
+    """
+    me = ex.rank
+    rows_out, rows_in = matrix[me].tolist(), matrix[:, me].tolist()
+    inp = torch.randint(0, 255, (int(sum(rows_out)), 1), dtype=torch.uint8)
+    out = torch.empty((int(sum(rows_in)), 1), dtype=torch.uint8)
+    names = list(strategies)
+    samples = torch.zeros(repeats + 1, len(names), dtype=torch.float64)
+    for rep in range(repeats + 1):
+        for j, name in enumerate(names):
+            ex.barrier("probe")
+            t0 = time.perf_counter()
+            strategies[name].run(ex, out, inp, rows_in, rows_out, -1, "probe", matrix)
+            samples[rep, j] = time.perf_counter() - t0
+    if ex.world > 1:
+        ex.run(
+            lambda: dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=ex.group, async_op=True),
+            "all_reduce(probe times)",
+        )
+    med = samples[1:].median(dim=0).values
+    return {n: float(med[j]) for j, n in enumerate(names)}
+
+
+def calibrate(
+    ex: Exchange, topo: Topology, sizes=PROBE_SIZES, repeats=PROBE_REPEATS
+) -> BandwidthModel:
+    """Time every strategy at a few sizes and patterns, fit each (a collective: every rank).
+
+    Runs as the phase ``start-up: calibrate``: every collective waits with the exchange's timeout.
+
+    Raises:
+        PhaseError: if a rank does not take part within the timeout (naming the ranks that never
+            entered the phase, where the rendezvous store can tell).
+    """
+    strategies = make_strategies()
+    links = topo.link_matrix()
+    samples: dict[str, list[tuple[np.ndarray, float]]] = {n: [] for n in strategies}
+    with ex.phase("start-up: calibrate"):
+        for size in sizes:
+            for matrix in probe_matrices(ex.world, size).values():
+                for name, t in time_strategies(ex, strategies, matrix, repeats).items():
+                    samples[name].append((features(name, matrix, links), t))
+    return BandwidthModel({n: fit(s) for n, s in samples.items()}, "calibrated")
+
+
+def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
+    """Rank 0's model on every rank (``None`` everywhere if any rank has none).
+
+    Runs as the phase ``start-up: agree on the bandwidth model`` (with the exchange's timeout).
+    """
+    if ex.world == 1:
+        return model
+    ok = torch.tensor([1 if model is not None else 0])
+    with ex.phase("start-up: agree on the bandwidth model"):
+        ex.run(
+            lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ex.group, async_op=True),
+            "all_reduce(every rank has a model)",
+        )
+        if not int(ok):
+            return None
+        flat = torch.tensor(np.concatenate([model.coef[n] for n in NAMES]), dtype=torch.float64)
+        ex.run(
+            lambda: dist.broadcast(flat, src=0, group=ex.group, async_op=True),
+            "broadcast(coefficients)",
+        )
+    parts = flat.numpy().reshape(len(NAMES), len(FEATURES))
+    return BandwidthModel({n: parts[i].copy() for i, n in enumerate(NAMES)}, model.source)
+
+
+def build(
+    ex: Exchange,
+    topo: Topology,
+    calibrate_now: bool,
+    cache_dir: str | None,
+    declared: BandwidthModel,
+) -> tuple[BandwidthModel, float]:
+    """The model every rank uses, and the seconds it took (cache, probe, or declared numbers).
+
+    Every collective waits with the exchange's timeout (phases ``start-up: agree on the bandwidth
+    model``, ``start-up: calibrate``, ``start-up: calibration cache``). Rank 0 logs the model's
+    :meth:`~BandwidthModel.describe` line.
+
+    Raises:
+        PhaseError: if a rank does not take part in a phase within the timeout.
+    """
+    start = time.perf_counter()
+    if not calibrate_now or ex.world == 1:
+        model, seconds = declared, 0.0
+    else:
+        model = _agreed_model(ex, topo, cache_dir)
+        seconds = time.perf_counter() - start
+    if ex.rank == 0:
+        log.info("%s (%.2fs)", model.describe(), seconds)
+    return model, seconds
+
+
+def _agreed_model(ex: Exchange, topo: Topology, cache_dir: str | None) -> BandwidthModel:
+    """The cached model if every rank has it, else a fresh calibration (cached per host)."""
+    backend = str(dist.get_backend(ex.group))
+    path = cache_path(cache_dir, backend, topo) if cache_dir else None
+    model = agree(ex, load_cache(path, backend, topo) if path else None)
+    if model is None:
+        model = agree(ex, calibrate(ex, topo))
+        first_on_host = topo.host_of.index(topo.host_of[ex.rank]) == ex.rank
+        if path and first_on_host:  # one writer per host
+            save_cache(path, model, backend, topo)
+        with ex.phase("start-up: calibration cache"):
+            ex.barrier("cache written")  # the cache is complete before any rank looks again
+    return model
