@@ -13,6 +13,9 @@ where the support forces a transfer between ranks.
 Supports are enumerated node-symmetrically: ranks are grouped by (ranks on their host, role,
 items put) and every host of a group stores on the same number of its ranks. The result is the
 best plan over those supports, a reference for the planner, not a proof over every placement.
+The LP weighs bytes only (messages are priced afterwards, on its routing), so a routing onto the
+same support with fewer messages can price lower: the planner's packed plans
+(:mod:`conduit_dist.placement.packed`) do on some topologies.
 Needs SciPy (the ``bench`` extra).
 """
 
@@ -88,8 +91,12 @@ def best_balanced(
     requests: np.ndarray,
     record_bytes: int,
     sampling: str,
+    capacity: float = np.inf,
 ) -> tuple[float, dict[str, int]]:
     """Predicted seconds (ingest + steady-state delivery) of the best equal-inflow placement.
+
+    A support whose shards would each take more than ``capacity`` items a round is left out: no
+    placement may put more in a shard in one round than it holds (the planner's rule too).
 
     Args:
         model: the bandwidth model.
@@ -99,6 +106,7 @@ def best_balanced(
         requests: ``[world]`` batch size of each rank.
         record_bytes: bytes per item.
         sampling: a sampler name (``uniform`` or ``stratified``).
+        capacity: items one shard holds.
 
     Returns:
         ``(seconds, support)``: the best time and, per rank group, how many ranks of each host
@@ -119,7 +127,7 @@ def best_balanced(
     best = (np.inf, {})
     for counts in itertools.product(*[range(len(groups[k][0]) + 1) for k in kinds]):
         S = sorted(r for k, j in zip(kinds, counts) for sel in groups[k] for r in sel[:j])
-        if not S:
+        if not S or staged.sum() / len(S) > capacity:
             continue
         sizes = np.zeros(world)
         sizes[S] = 10_000.0  # full shards (only the proportions matter)

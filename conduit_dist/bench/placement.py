@@ -224,7 +224,7 @@ def predicted(record_bytes: int, batch: int, bound: bool = True) -> dict:
             }
             if bound:
                 t_lp, support = best_balanced(
-                    model, topo, learners, put, requests, record_bytes, sampling
+                    model, topo, learners, put, requests, record_bytes, sampling, capacity
                 )
                 known = min(best, t_lp)  # the LP only covers equal-inflow placements
                 possible.append(1 - known / rr)

@@ -3,6 +3,7 @@
 from conduit_dist.placement.bandwidth_aware import BandwidthAware, plan_near_learners
 from conduit_dist.placement.base import Placement, PlacementContext
 from conduit_dist.placement.local import Local
+from conduit_dist.placement.packed import plan_packed
 from conduit_dist.placement.round_robin import RoundRobin, spread
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "PlacementContext",
     "RoundRobin",
     "plan_near_learners",
+    "plan_packed",
     "spread",
 ]

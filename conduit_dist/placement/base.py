@@ -63,6 +63,27 @@ class Placement(ABC):
             capacity: items one shard holds.
         """
 
+    def route(self, src: int, keys: np.ndarray) -> np.ndarray:
+        """The shard each staged item of rank ``src`` goes to, by its stream key, for samplers
+        whose windows need a stream's consecutive items on one shard (``Streams``). It must be
+        a stable function of ``(src, key)`` so a stream never moves; by default a stream stays
+        on the shard of the rank that put it.
+
+        Args:
+            src: the putting rank.
+            keys: ``int64 [n]`` each staged item's stream key within ``src``.
+
+        Returns:
+            ``int64 [n]`` destination shards.
+        """
+        return np.full(keys.shape[0], src, dtype=np.int64)
+
+    def observe(  # noqa: B027 (default: nothing to learn)
+        self, staged: np.ndarray, requests: np.ndarray, sizes: np.ndarray, capacity: int
+    ) -> None:
+        """A routed round's replicated inputs (as :meth:`plan` gets them), for a placement that
+        chooses its routing from what rounds look like."""
+
     def state_dict(self) -> dict[str, object]:
         """Placement state that must survive a checkpoint (none by default)."""
         return {}

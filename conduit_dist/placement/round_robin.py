@@ -30,7 +30,8 @@ def spread(staged: np.ndarray, offset: int) -> np.ndarray:
 
 
 class RoundRobin(Placement):
-    """Spread every rank's items over all shards (see :func:`spread`); plans are memoised."""
+    """Spread every rank's items over all shards (see :func:`spread`); plans are memoised.
+    Items of samplers that keep streams together are dealt by stream (:meth:`route`)."""
 
     name = "round_robin"
 
@@ -61,6 +62,13 @@ class RoundRobin(Placement):
         plan = self.peek(staged)
         self.advance(staged)
         return plan
+
+    def route(self, src: int, keys: np.ndarray) -> np.ndarray:
+        """Streams dealt over the shards: key ``k`` of rank ``src`` goes to ``(src + k) %
+        world`` (every shard gets an equal share of each rank's streams when a rank has a
+        multiple of ``world`` of them; streams of different ranks that share a shard have
+        different keys)."""
+        return (src + keys.astype(np.int64)) % self.ctx.world
 
     def state_dict(self) -> dict[str, object]:
         """The remainder position."""
