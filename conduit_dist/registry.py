@@ -36,6 +36,8 @@ PLACEMENTS: dict[str, Callable[[], Placement]] = {
 }
 # plane.placement in train.py: ``auto`` (local; see config.PlaneConfig) or a placement above
 TRAIN_PLACEMENTS = ("auto", *PLACEMENTS)
+# plane.sampler in train.py: ``auto`` (DQN: uniform; PPO: without_replacement) or a sampler above
+TRAIN_SAMPLERS = ("auto", *SAMPLERS)
 SCHEDULES = ("overlap", "sync", "auto")
 STRATEGIES = ("auto", *STRATEGY_NAMES)
 BANDWIDTHS = ("declared", "calibrate")
@@ -70,6 +72,16 @@ def check_count(field: str, value: object, low: int) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{field}: expected an int >= {low}, got {value!r}")
+
+
+def default_placement(sampler: Sampler, learners: tuple[int, ...], world: int) -> str:
+    """The placement of a plane built without one: ``local`` when every rank learns (a
+    learner's items stay on its shard: rounds of speculative samplers run as one exchange,
+    stratified sampling, queues and epochs read their own shard first, windows keep their
+    streams), ``round_robin`` with actors (the learners' shards store items too, so the store
+    holds the whole job's capacity; streams are dealt whole). Every sampler runs on every
+    placement; this is the cheaper default for the roles."""
+    return "local" if len(learners) == world else "round_robin"
 
 
 def bound_sampler(name: str, links: np.ndarray, seed: int = 0) -> Sampler:

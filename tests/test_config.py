@@ -6,7 +6,9 @@ import pytest
 
 from conduit_dist import registry
 from conduit_dist.errors import ConfigError
-from conduit_dist.train.config import AlgoConfig, PlaneConfig, TrainConfig, validate
+from conduit_dist.sampling import WithoutReplacement
+from conduit_dist.train import setup
+from conduit_dist.train.config import AlgoConfig, PlaneConfig, PPOConfig, TrainConfig, validate
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,28 @@ def test_unknown_values_are_errors(cfg, message):
 def test_defaults_are_in_the_tables():
     cfg = TrainConfig()
     validate(cfg)
-    assert cfg.plane.sampler in registry.SAMPLERS
+    assert cfg.plane.sampler in registry.TRAIN_SAMPLERS
     assert cfg.plane.placement in registry.TRAIN_PLACEMENTS
     assert cfg.algo.grad_sync in registry.GRAD_SYNCS
+
+
+def test_sampler_auto_resolves_per_algorithm():
+    """plane.sampler=auto (the default): DQN samples uniformly, as before ``auto``; PPO reads
+    each rollout ``algo.ppo.epochs`` times without replacement."""
+    dqn = TrainConfig()
+    assert dqn.plane.sampler == "auto" and setup.sampler(dqn) == "uniform"
+    assert setup.grad_sync(dqn, [0, 1]) == "round"  # auto is uniform there too
+    ppo = TrainConfig(algo=AlgoConfig(name="ppo", ppo=PPOConfig(epochs=3, shuffle="global")))
+    got = setup.sampler(ppo)
+    assert isinstance(got, WithoutReplacement) and (got.epochs, got.shuffle) == (3, "global")
+
+
+def test_placement_auto_resolves_per_algorithm():
+    """auto: PPO keeps each rollout where it was collected in both modes; DQN disaggregated
+    spreads items round robin."""
+    for mode in ("colocated", "disaggregated"):
+        ppo = TrainConfig(mode=mode, algo=AlgoConfig(name="ppo"))
+        assert setup.placement(ppo) == "local"
+    assert setup.placement(TrainConfig(mode="disaggregated")) == "round_robin"
+    explicit = TrainConfig(algo=AlgoConfig(name="ppo"), plane=PlaneConfig(placement="round_robin"))
+    assert setup.placement(explicit) == "round_robin"

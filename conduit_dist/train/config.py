@@ -35,36 +35,42 @@ class PrioritizedConfig:
 
 @dataclass
 class PlaneConfig:
-    """The data plane.
+    """The data plane (both trainers build it with ``setup.build_plane``).
 
     Attributes:
         kind: ``conduit`` (the sharded data plane) or ``simple`` (a single-process ring buffer,
-            the baseline; world size 1 only).
+            the baseline; world size 1 and DQN only).
         capacity_per_rank: items each rank's shard holds.
-        placement: ``auto`` (colocated: ``local``, every item stays on the rank that put it, so
-            a round needs one exchange; disaggregated: ``round_robin``, since ``local`` would
-            leave the learners' shards empty) or a name from ``registry.PLACEMENTS``:
-            ``round_robin``, ``local`` or ``bandwidth_aware``.
-        early_start: with ``algo.grad_sync=round``, one update per iteration and ``max_lag=1``
-            (else rounds run inside fetch), start each
+        placement: ``auto`` (DQN colocated and PPO: ``local``, every item stays on the rank
+            that put it, so a DQN round needs one exchange; DQN disaggregated: ``round_robin``,
+            since ``local`` would leave the learners' shards empty) or a name from
+            ``registry.PLACEMENTS``: ``round_robin``, ``local`` or ``bandwidth_aware``.
+        early_start: DQN only (PPO refuses it: its minibatch rounds already run behind the
+            previous backward). With ``algo.grad_sync=round``, one update per iteration and
+            ``max_lag=1`` (else rounds run inside fetch), start each
             round right after the backward and finish it at the next fetch: the next
             environment step and ``put`` run while its exchange is in flight, on the main thread
             (a batch then holds items up to the previous iteration's ``put``). Off by default:
             ~7% more env steps/s on 2 cores, but only 1 of 3 seeds reached the target within
             500k env steps against 3 of 3 without it (issue 12's closing note).
-        sampler: a name from ``registry.SAMPLERS``: ``uniform`` (each learner's batch i.i.d.
-            over the global store), ``stratified`` (proportional over shards, read
-            local-first) or ``prioritized`` (prioritized replay exact over the global store,
-            settings in ``prioritized``; needs ``local`` placement, which ``auto`` picks).
+        sampler: ``auto`` or a name from ``registry.SAMPLERS`` (``registry.TRAIN_SAMPLERS``).
+            ``auto``: ``uniform`` for DQN, and for PPO ``without_replacement``, built from
+            ``algo.ppo`` (``epochs``, ``shuffle``); PPO refuses any other sampler. DQN:
+            ``uniform`` (each learner's batch i.i.d. over the global store), ``stratified``
+            (proportional over shards, read local-first) or ``prioritized`` (prioritized replay
+            exact over the global store, settings in ``prioritized``; needs ``local``
+            placement, which ``auto`` picks).
         prioritized: ``alpha``, ``beta`` (annealed linearly to ``beta_end`` over
-            ``total_env_steps``) and ``eps`` of ``plane.sampler=prioritized``.
+            ``total_env_steps``) and ``eps`` of ``plane.sampler=prioritized`` (ignored with
+            any other sampler).
         tiers: the shard's tiers, fastest first, as ``[[kind, items], ...]`` (kinds ``device``,
             ``pinned``, ``host``, ``disk``) adding up to ``capacity_per_rank``; ``null``: one
             memory tier.
         disk_dir: directory for disk tiers.
         demote_in_background: with several tiers, demote between rounds on a worker thread.
-        tier_gbps: declared ``{kind: [read, write]}`` GB/s per tier kind; configured ``tiers``
-            of kinds not listed are measured at start-up.
+        tier_gbps: declared ``{kind: [read, write]}`` GB/s per tier kind (``{}``: none; on
+            the command line ``+plane.tier_gbps={disk:[1.0,1.0]}``, a new key); configured
+            ``tiers`` of kinds not listed are measured at start-up.
         timeout_s: seconds a collective may take before the round fails.
         schedule: ``overlap`` (rounds launched at backward start), ``sync`` (inside fetch) or
             ``auto`` (each learner tries both and keeps the faster).
@@ -84,12 +90,14 @@ class PlaneConfig:
     capacity_per_rank: int = 50_000
     placement: str = "auto"
     early_start: bool = False
-    sampler: str = "uniform"
+    sampler: str = "auto"
     prioritized: PrioritizedConfig = field(default_factory=PrioritizedConfig)
     tiers: list[list[Any]] | None = None
     disk_dir: str | None = None
     demote_in_background: bool = True
-    tier_gbps: dict[str, list[float]] | None = None
+    # {} rather than null: OmegaConf 2.3 cannot merge a command-line dict into a null
+    # Optional[Dict] node (+plane.tier_gbps={disk:[1,1]} failed with AttributeError)
+    tier_gbps: dict[str, list[float]] = field(default_factory=dict)
     timeout_s: float = 60.0
     schedule: str = "auto"
     max_lag: int = 1
@@ -306,7 +314,7 @@ def validate(cfg: TrainConfig) -> None:
         ("algo.grad_sync", cfg.algo.grad_sync, registry.GRAD_SYNCS),
         ("plane.kind", cfg.plane.kind, registry.PLANE_KINDS),
         ("plane.placement", cfg.plane.placement, registry.TRAIN_PLACEMENTS),
-        ("plane.sampler", cfg.plane.sampler, registry.SAMPLERS),
+        ("plane.sampler", cfg.plane.sampler, registry.TRAIN_SAMPLERS),
         ("plane.schedule", cfg.plane.schedule, registry.SCHEDULES),
         ("plane.strategy", cfg.plane.strategy, registry.STRATEGIES),
         ("plane.max_lag", cfg.plane.max_lag, registry.MAX_LAGS),

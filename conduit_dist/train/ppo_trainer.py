@@ -1,6 +1,11 @@
 """The PPO loop behind ``train.py algo=ppo``: rollouts through the data plane, colocated or
 disaggregated.
 
+The plane is built from the ``plane`` group by ``setup.build_plane``, as DQN's is (storage
+tiers, placement, schedule, lag, timeout, strategy, bandwidth, trace); the settings PPO cannot
+honour (another sampler, ``plane.early_start``, ``plane.kind=simple``) are refused at
+construction (``setup.check_ppo``, ``setup.sampler``).
+
 Each iteration every acting rank collects ``num_steps`` steps of its ``env.num_envs`` envs with
 the newest weights, computes GAE over them (actor side) and ``put``s the rollout, tagged with
 its policy version. The plane's ``WithoutReplacement(epochs)`` sampler splits the global
@@ -26,11 +31,10 @@ import torch
 import torch.distributed as dist
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.plane import RoundStats
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.rl.env import VectorEnv
 from conduit_dist.rl.ppo import PPO, rollout_spec_example
-from conduit_dist.sampling import WithoutReplacement
 from conduit_dist.train import setup
 from conduit_dist.train.config import TrainConfig
 from conduit_dist.train.metrics import (
@@ -53,12 +57,16 @@ class PPOTrainer:
         logger: where rank 0 logs.
 
     Raises:
-        ConfigError: when the rollout does not split into equal minibatches per learner, or on
-            ``plane.kind=simple`` (PPO runs on the data plane only).
+        ConfigError: when the rollout does not split into equal minibatches per learner, on
+            ``plane.kind=simple``, ``plane.early_start=true`` or a ``plane.sampler`` other
+            than ``auto`` or ``without_replacement`` (PPO's sampler is ``WithoutReplacement``
+            built from ``algo.ppo``), or on settings the plane refuses.
     """
 
     def __init__(self, cfg: TrainConfig, logger: Logger) -> None:
         self.cfg, self.logger, p = cfg, logger, cfg.algo.ppo
+        setup.check_ppo(cfg)
+        sampler = setup.sampler(cfg)  # before anything is built: refuses other samplers
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         learners = setup.learner_ranks(cfg, self.world)
@@ -66,8 +74,6 @@ class PPOTrainer:
         self.is_learner = self.rank in learners
         self.is_actor = cfg.mode == "colocated" or not self.is_learner
         self.n_actors = self.world if cfg.mode == "colocated" else self.world - len(learners)
-        if cfg.plane.kind != "conduit":
-            raise ConfigError(f"plane.kind: PPO runs on 'conduit' only, got {cfg.plane.kind!r}")
         self.rollout = p.num_steps * cfg.env.num_envs * self.n_actors
         per = self.rollout // p.minibatches
         if self.rollout % (p.minibatches * len(learners)):
@@ -92,22 +98,11 @@ class PPOTrainer:
         if len(learners) > 1:  # collective: every rank calls new_group
             ddp = dist.group.WORLD if len(learners) == self.world else dist.new_group(learners)
         self.agent = PPO(cfg.algo, obs_dim, n_actions, ddp if self.is_learner else None)
-        pc = cfg.plane
-        self.plane = DataPlane(
+        self.plane = setup.build_plane(
+            cfg,
             ExperienceSpec.from_batch(rollout_spec_example(obs_dim)),
-            pc.capacity_per_rank,
-            seed=cfg.seed,
-            sampler=WithoutReplacement(epochs=p.epochs, shuffle=p.shuffle),
-            placement="local" if pc.placement == "auto" else pc.placement,
-            learner_ranks=learners,
-            device=cfg.device,
-            schedule=pc.schedule,
-            max_lag=pc.max_lag,
-            timeout_s=pc.timeout_s,
-            strategy=pc.strategy,
-            bandwidth=setup.bandwidth(cfg),
-            bandwidth_cache=pc.bandwidth_cache,
-            trace=pc.trace_dir is not None,
+            learners,
+            sampler,
             max_policy_age=p.max_policy_age,
         )
         if self.is_learner:

@@ -1,6 +1,8 @@
 """What a ``TrainConfig`` asks of the data plane: learner ranks, placement, sampler, how
 learners average gradients, and the plane itself (functions of the config and the world, the
-same on every rank)."""
+same on every rank). Both trainers build their plane with :func:`build_plane`; what differs
+between them (the items' spec, the sampler, ``max_policy_age``, DQN's in-round gradient
+averaging) is passed in."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.rl.buffers import SimpleBuffer
-from conduit_dist.sampling import Prioritized, Sequence
+from conduit_dist.sampling import Prioritized, Sampler, Sequence, WithoutReplacement
 from conduit_dist.tiers import Tiers
 from conduit_dist.train.config import TrainConfig
 
@@ -35,69 +37,135 @@ def learner_ranks(cfg: TrainConfig, world: int) -> list[int]:
     return learners
 
 
+def sampler_name(cfg: TrainConfig) -> str:
+    """``plane.sampler`` with ``auto`` resolved: ``without_replacement`` for PPO (each rollout
+    is read ``algo.ppo.epochs`` times, then dropped), ``uniform`` for DQN.
+
+    Args:
+        cfg: the run config.
+
+    Returns:
+        A name from ``registry.SAMPLERS``.
+    """
+    if cfg.plane.sampler != "auto":
+        return cfg.plane.sampler
+    return "without_replacement" if cfg.algo.name == "ppo" else "uniform"
+
+
 def placement(cfg: TrainConfig) -> str:
-    """``auto``: ``local`` colocated or with prioritized replay or n-step windows; else
-    ``round_robin`` disaggregated (``local`` would leave the learners' shards empty: the store
-    would hold only the actors' capacity)."""
+    """``plane.placement`` with ``auto`` resolved: ``local`` for PPO (each rollout stays on the
+    rank that collected it until the learners' minibatch rounds read it) and for colocated DQN
+    (one exchange a round); else ``round_robin`` (DQN disaggregated: ``local`` would leave the
+    learners' shards empty, so the store would hold only the actors' capacity; n-step windows
+    are dealt by stream).
+
+    Args:
+        cfg: the run config.
+
+    Returns:
+        A name from ``registry.PLACEMENTS``.
+    """
     if cfg.plane.placement != "auto":
         return cfg.plane.placement
-    if cfg.mode == "colocated" or cfg.plane.sampler == "prioritized" or cfg.algo.n_step > 1:
-        return "local"  # prioritized replay and n-step windows run on one-exchange rounds
+    if cfg.algo.name == "ppo" or cfg.mode == "colocated":
+        return "local"
     return "round_robin"
 
 
-def sampler(cfg: TrainConfig):
-    """``plane.sampler`` as a name, or a ``Prioritized`` built from ``plane.prioritized``
-    (with ``algo.n_step > 1`` n-step windows over each env's stream; uniform sampling of them
-    is ``Prioritized`` with ``alpha = 0``).
+def sampler(cfg: TrainConfig) -> str | Sampler:
+    """The sampler ``cfg`` asks for. PPO: ``WithoutReplacement(epochs, shuffle)`` from
+    ``algo.ppo``. DQN: ``plane.sampler`` as a name, or a ``Prioritized`` built from
+    ``plane.prioritized`` (with ``algo.n_step > 1`` n-step windows over each env's stream;
+    uniform sampling of them is ``Prioritized`` with ``alpha = 0``).
+
+    Args:
+        cfg: the run config.
+
+    Returns:
+        A name from ``registry.SAMPLERS`` or a new (unbound) sampler.
 
     Raises:
-        ConfigError: on n-step windows with a sampler other than uniform or prioritized.
+        ConfigError: for PPO, on a ``plane.sampler`` other than ``auto`` or
+            ``without_replacement``; for DQN, on n-step windows with a sampler other than
+            uniform or prioritized.
     """
-    pc, algo = cfg.plane, cfg.algo
+    if cfg.algo.name == "ppo":
+        return _ppo_sampler(cfg)
+    pc, algo, name = cfg.plane, cfg.algo, sampler_name(cfg)
     seq = None
     if algo.n_step > 1:
         seq = Sequence(
             n_step=algo.n_step, gamma=algo.gamma, done="done", truncated="truncated",
             stream="env",
         )  # fmt: skip
-        if pc.sampler == "uniform":
+        if name == "uniform":
             return Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq)
-    if pc.sampler != "prioritized":
+    if name != "prioritized":
         if seq is not None:
             raise ConfigError(
                 f"algo.n_step: n-step windows need plane.sampler uniform or prioritized, "
                 f"got {pc.sampler!r}"
             )
-        return pc.sampler
+        return name
     pr = pc.prioritized
     return Prioritized(alpha=pr.alpha, beta=pr.beta, eps=pr.eps, sequence=seq)
 
 
-def grad_sync(cfg: TrainConfig, learners: list[int]) -> str:
-    """``algo.grad_sync`` resolved (``none`` with a single learner).
+def _ppo_sampler(cfg: TrainConfig) -> WithoutReplacement:
+    p = cfg.algo.ppo
+    if sampler_name(cfg) != "without_replacement":
+        raise ConfigError(
+            f"plane.sampler: PPO reads each rollout algo.ppo.epochs={p.epochs} times and then "
+            "drops it, which is WithoutReplacement(algo.ppo.epochs, algo.ppo.shuffle); "
+            f"expected 'auto' (or 'without_replacement'), got {cfg.plane.sampler!r}"
+        )
+    return WithoutReplacement(epochs=p.epochs, shuffle=p.shuffle)
+
+
+def check_ppo(cfg: TrainConfig) -> None:
+    """Refuse the ``plane`` settings PPO cannot honour (``plane.sampler``: :func:`sampler`).
+
+    Args:
+        cfg: the run config (``algo.name == "ppo"``).
 
     Raises:
-        ConfigError: on ``round`` where a one-exchange plane cannot run.
+        ConfigError: on ``plane.kind=simple`` or ``plane.early_start=true``, naming the setting,
+            the received value and what PPO needs.
+    """
+    pc = cfg.plane
+    if pc.kind != "conduit":
+        raise ConfigError(
+            "plane.kind: PPO needs the sharded data plane ('conduit'): the single-process "
+            "baseline samples single transitions uniformly, with no epochs over a rollout and "
+            f"no policy versions; got {pc.kind!r}"
+        )
+    if pc.early_start:
+        raise ConfigError(
+            "plane.early_start: PPO's minibatch rounds already run behind the previous "
+            "backward (fetch(..., more=True) with plane.max_lag=0); early start is DQN's "
+            "algo.grad_sync=round path; expected false, got true"
+        )
+
+
+def grad_sync(cfg: TrainConfig, learners: list[int]) -> str:
+    """``algo.grad_sync`` resolved (``none`` with a single learner). ``auto`` is ``round``
+    where the round is one exchange anyway (``local`` placement), else ``all_to_all``.
+
+    Raises:
+        ConfigError: on ``round`` where the rounds cannot carry the gradients: they ride the
+            header exchange, parsed on the host, in rounds run inside ``fetch``.
     """
     pc = cfg.plane
     if len(learners) < 2:
         return "none"
-    fusable = (
-        pc.kind == "conduit"
-        and placement(cfg) == "local"
-        and pc.sampler in ("uniform", "prioritized")
-        and cfg.device == "cpu"
-        and pc.schedule in ("sync", "auto")
-    )
+    can = pc.kind == "conduit" and cfg.device == "cpu" and pc.schedule in ("sync", "auto")
     if cfg.algo.grad_sync == "auto":
-        return "round" if fusable else "all_to_all"
-    if cfg.algo.grad_sync == "round" and not fusable:
+        return "round" if can and placement(cfg) == "local" else "all_to_all"
+    if cfg.algo.grad_sync == "round" and not can:
         raise ConfigError(
-            "algo.grad_sync: 'round' needs plane.kind=conduit, plane.placement local (or "
-            "auto), plane.sampler uniform or prioritized, device=cpu and plane.schedule sync "
-            f"(or auto); got kind={pc.kind!r}, placement={pc.placement!r}, "
-            f"sampler={pc.sampler!r}, "
+            "algo.grad_sync: 'round' averages the gradients in the round's header exchange "
+            "(parsed on the host, in rounds run inside fetch): expected plane.kind=conduit, "
+            f"device=cpu and plane.schedule sync (or auto); got kind={pc.kind!r}, "
             f"device={cfg.device!r}, schedule={pc.schedule!r}"
         )
     return cfg.algo.grad_sync
@@ -111,10 +179,96 @@ def bandwidth(cfg: TrainConfig) -> str | BandwidthModel:
     return BandwidthModel.declared(pc.latency_us * 1e-6, dict(pc.gbps))
 
 
-def make_plane(cfg: TrainConfig, obs_dim: int, learners: list[int], sync: str, reduce_numel: int):
-    """The job's ``DataPlane`` (or the single-process ``SimpleBuffer`` baseline) for DQN
-    transitions of ``obs_dim`` observations; ``sync``: the resolved ``grad_sync``, whose
-    ``round`` averages ``reduce_numel`` floats inside the rounds.
+def storage(cfg: TrainConfig) -> Tiers:
+    """The shard's tiers: ``plane.tiers``, ``disk_dir``, ``tier_gbps``, ``demote_in_background``.
+
+    Args:
+        cfg: the run config.
+
+    Returns:
+        The ``Tiers`` each rank's shard is built from (one memory tier when ``plane.tiers``
+        is null).
+    """
+    pc = cfg.plane
+    return Tiers(
+        [(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
+        disk_dir=pc.disk_dir,
+        gbps={k: list(v) for k, v in pc.tier_gbps.items()} if pc.tier_gbps else None,
+        background=pc.demote_in_background,
+    )
+
+
+def build_plane(
+    cfg: TrainConfig,
+    spec: ExperienceSpec,
+    learners: list[int],
+    sampler: str | Sampler,
+    *,
+    reduce_numel: int = 0,
+    max_policy_age: int | None = None,
+) -> DataPlane:
+    """The job's ``DataPlane`` from the ``plane`` group, for either trainer: capacity,
+    placement (:func:`placement`), storage tiers (:func:`storage`), schedule, lag, timeout,
+    strategy, bandwidth (:func:`bandwidth`) and trace.
+
+    Collective: every rank calls it at the same point.
+
+    Args:
+        cfg: the run config.
+        spec: the fields of the trainer's items.
+        learners: the learner ranks (:func:`learner_ranks`).
+        sampler: the trainer's sampler (:func:`sampler`).
+        reduce_numel: floats each round averages over the learners (DQN's
+            ``algo.grad_sync=round``; 0: none). Non-zero runs the rounds ``sync`` inside fetch
+            whatever ``plane.schedule`` says: a round launched at backward would run before
+            the gradients it averages exist.
+        max_policy_age: the plane's bound on an item's policy age (PPO's
+            ``algo.ppo.max_policy_age``; ``None``: no bound).
+
+    Returns:
+        The plane.
+
+    Raises:
+        ConfigError: on settings the plane refuses (nothing is left behind).
+    """
+    pc = cfg.plane
+    return DataPlane(
+        spec,
+        pc.capacity_per_rank,
+        seed=cfg.seed,
+        sampler=sampler,
+        placement=placement(cfg),
+        storage=storage(cfg),
+        learner_ranks=learners,
+        device=cfg.device,
+        schedule="sync" if reduce_numel else pc.schedule,
+        max_lag=pc.max_lag,
+        timeout_s=pc.timeout_s,
+        strategy=pc.strategy,
+        bandwidth=bandwidth(cfg),
+        bandwidth_cache=pc.bandwidth_cache,
+        trace=pc.trace_dir is not None,
+        reduce_numel=reduce_numel,
+        max_policy_age=max_policy_age,
+    )
+
+
+def make_plane(
+    cfg: TrainConfig, obs_dim: int, learners: list[int], sync: str, reduce_numel: int
+) -> DataPlane | SimpleBuffer:
+    """DQN's ``DataPlane`` (:func:`build_plane`), or the single-process ``SimpleBuffer``
+    baseline, for transitions of ``obs_dim`` observations.
+
+    Args:
+        cfg: the run config (``algo.name == "dqn"``).
+        obs_dim: observation width.
+        learners: the learner ranks.
+        sync: the resolved ``grad_sync`` (:func:`grad_sync`); ``round`` averages
+            ``reduce_numel`` floats inside the rounds.
+        reduce_numel: the flat gradient's size.
+
+    Returns:
+        The plane, or the baseline for ``plane.kind=simple``.
 
     Raises:
         ConfigError: on settings the plane refuses, or the baseline asked for more than
@@ -132,33 +286,16 @@ def make_plane(cfg: TrainConfig, obs_dim: int, learners: list[int], sync: str, r
         example["truncated"] = torch.zeros(1, dtype=torch.bool)
     pc = cfg.plane
     if pc.kind == "simple":
-        if pc.sampler != "uniform" or cfg.algo.n_step > 1:
+        if sampler_name(cfg) != "uniform" or cfg.algo.n_step > 1:
             raise ConfigError(
                 "plane.kind: 'simple' samples single transitions uniformly; got "
                 f"plane.sampler={pc.sampler!r}, algo.n_step={cfg.algo.n_step}"
             )
         return SimpleBuffer(example, pc.capacity_per_rank, cfg.seed)
-    storage = Tiers(
-        [(str(k), int(n)) for k, n in pc.tiers] if pc.tiers else None,
-        disk_dir=pc.disk_dir,
-        gbps={k: list(v) for k, v in pc.tier_gbps.items()} if pc.tier_gbps else None,
-        background=pc.demote_in_background,
-    )
-    return DataPlane(
+    return build_plane(
+        cfg,
         ExperienceSpec.from_batch(example),
-        pc.capacity_per_rank,
-        seed=cfg.seed,
-        sampler=sampler(cfg),
-        placement=placement(cfg),
-        storage=storage,
-        learner_ranks=learners,
-        device=cfg.device,
-        schedule="sync" if sync == "round" else pc.schedule,
-        max_lag=pc.max_lag,
-        timeout_s=pc.timeout_s,
-        strategy=pc.strategy,
-        bandwidth=bandwidth(cfg),
-        bandwidth_cache=pc.bandwidth_cache,
-        trace=pc.trace_dir is not None,
+        learners,
+        sampler(cfg),
         reduce_numel=reduce_numel if sync == "round" else 0,
     )
