@@ -58,13 +58,20 @@ def run_ranks(
     timeout_s: float = 90.0,
     collective_timeout_s: float = 30.0,
     allow_failure: bool = False,
+    exit_s: float = 30.0,
+    expect_exit: dict[int, int] | None = None,
 ) -> dict[int, Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks.
 
-    Returns ``{rank: result}``. Raises ``AssertionError`` with the child's traceback if a rank
-    fails (unless ``allow_failure``: then failures come back as ``("error", traceback)``), and
-    ``TimeoutError`` if the ranks do not finish within ``timeout_s`` (all are killed).
+    Returns ``{rank: result}``. Fails (``AssertionError``) when a rank raises (with the child's
+    traceback; unless ``allow_failure``: then its result is ``("error", traceback)``), when a
+    rank dies without reporting, when a rank exits with a non-zero code (also after reporting:
+    a crash at teardown), or when a rank that reported has not exited ``exit_s`` later; raises
+    ``TimeoutError`` if the ranks do not report within ``timeout_s``. ``expect_exit``: ranks
+    that must exit without reporting, with these codes (a test that kills a rank); they are
+    left out of the result. Every child is killed on the way out.
     """
+    expect_exit = expect_exit or {}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,28 +86,61 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
         try:
-            while len(results) < world:
-                try:
-                    rank, status, value = queue.get(timeout=0.5)
-                except queue_mod.Empty:
-                    gone = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                    if gone and queue.empty():
-                        for r in gone:
-                            results[r] = ("exited", procs[r].exitcode)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"ranks did not finish in {timeout_s}s; finished: {sorted(results)}"
-                        ) from None
-                    continue
-                if status == "error" and not allow_failure:
-                    raise AssertionError(f"rank {rank} failed:\n{value}")
-                results[rank] = value if status == "ok" else ("error", value)
+            results = _collect(procs, queue, world, timeout_s, allow_failure, expect_exit)
+            _check_exits(procs, exit_s, expect_exit)
         finally:
             for p in procs:
-                p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
+                    p.join(timeout=10)
     return results
+
+
+def _collect(procs, queue, world, timeout_s, allow_failure, expect_exit) -> dict[int, Any]:
+    """Every rank's report; a rank that died without one fails the run (unless expected)."""
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world - len(expect_exit):
+        try:
+            rank, status, value = queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            gone = [
+                r
+                for r, p in enumerate(procs)
+                if not p.is_alive() and r not in results and r not in expect_exit
+            ]
+            if gone and queue.empty():
+                time.sleep(0.5)  # a report sent just before the exit may still be in the pipe
+                if queue.empty():
+                    codes = {r: procs[r].exitcode for r in gone}
+                    raise AssertionError(
+                        f"ranks {gone} exited without reporting (exit codes {codes}); "
+                        f"reported: {sorted(results)}"
+                    ) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ranks did not finish in {timeout_s}s; finished: {sorted(results)}"
+                ) from None
+            continue
+        if rank in expect_exit:
+            raise AssertionError(f"rank {rank} reported {status!r}; it was expected to exit")
+        if status == "error" and not allow_failure:
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results[rank] = value if status == "ok" else ("error", value)
+    return results
+
+
+def _check_exits(procs, exit_s: float, expect_exit: dict[int, int]) -> None:
+    """Every rank exits within ``exit_s`` of reporting, with code 0 (or its expected code)."""
+    deadline = time.monotonic() + exit_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+    if stuck:
+        raise AssertionError(f"ranks {stuck} reported but did not exit within {exit_s}s")
+    bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != expect_exit.get(r, 0)}
+    if bad:
+        raise AssertionError(
+            f"ranks exited with unexpected codes {bad} (expected 0, or {expect_exit})"
+        )

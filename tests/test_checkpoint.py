@@ -18,6 +18,7 @@ from plane_helpers import assert_intact, make_batch, spec
 import conduit_dist as cd
 from conduit_dist.checkpoint import files, writer
 from conduit_dist.errors import CheckpointError
+from conduit_dist.sampling import KeepsItemState, RoutesFeedback
 
 CAP = 40
 
@@ -37,9 +38,10 @@ def _live(plane) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     sh = plane.shard
     gens = torch.arange(sh.oldest, sh.written)
     out = torch.empty((gens.numel(), sh.tiers[0].record_bytes), dtype=torch.uint8)
-    sh.gather(sh.index_of(gens), out)
-    cols = plane._p.runner.spec.unpack(out)
-    mass = plane.sampler.item_state(gens).get("mass", torch.zeros(0))
+    sh.gather(gens, out)
+    cols = plane._p.engine.spec.unpack(out)
+    keeps = isinstance(plane.sampler, KeepsItemState)
+    mass = plane.sampler.item_state(gens)["mass"] if keeps else torch.zeros(0)
     return out[:, : plane.spec.record_bytes].clone(), {k: v.clone() for k, v in cols.items()}, mass
 
 
@@ -49,7 +51,7 @@ def _fill(plane, rank: int, rounds: int, first: int = 0) -> None:
         plane.put(make_batch(torch.arange(16) + 1000 * rank + 16 * it), version=it)
         b = plane.fetch(8)
         assert_intact(b)
-        if plane.sampler.routes_updates:
+        if isinstance(plane.sampler, RoutesFeedback):
             plane.update_priorities(b["_index"], (b["id"] % 5).double() + 0.5)
 
 
@@ -200,8 +202,8 @@ def _episodes(rank, world, root, phase):
     gens = torch.arange(sh.oldest, sh.written)
     starts = sh.written - sh.size + (plane.sampler.item_state(gens)["mass"] > 0).nonzero()
     rows = torch.empty((starts.numel(), sh.tiers[0].record_bytes), dtype=torch.uint8)
-    sh.gather(sh.index_of(starts.squeeze(1)), rows)
-    first = plane._p.runner.spec.unpack(rows)["id"].tolist()
+    sh.gather(starts.squeeze(1), rows)
+    first = plane._p.engine.spec.unpack(rows)["id"].tolist()
     windows = {}
     if first:
         b = plane.fetch(200)

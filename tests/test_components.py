@@ -129,7 +129,9 @@ def test_puts_without_rounds_stay_bounded_at_world_size_one():
 
 
 def _staging_limit(rank, world):
-    plane = cd.DataPlane(spec(), capacity_per_rank=10, seed=0, schedule="sync")
+    plane = cd.DataPlane(
+        spec(), capacity_per_rank=10, seed=0, schedule="sync", placement="round_robin"
+    )
     if rank == 0:
         for it in range(5):  # 50 items before any round: the global store holds 20
             plane.put(make_batch(_ids(0, it, 10)))
@@ -235,7 +237,7 @@ def _state_on_one_rank(rank, world):
         _step(model, batch)
         if rank == 0 and it == 2:  # a round for the next fetch is in flight
             state = plane.state_dict()
-            assert state["round"] == plane.round
+            assert state["clock"]["round"] == plane.round
     plane.close()
     return seen
 
@@ -264,7 +266,7 @@ def _round_trip(rank, world):
     assert_intact(batch)
     assert batch["id"].max() < 1_000_000 * world and (batch["id"] % 1000 < 7).all()
     assert all(int(i) % 1_000_000 // 1000 < 3 for i in batch["id"])  # nothing after the save
-    other = dict(saved, round=saved["round"] + rank)  # ranks at different rounds
+    other = dict(saved, clock={**saved["clock"], "round": saved["clock"]["round"] + rank})
     with pytest.raises(cd.ConfigError, match="different rounds"):
         plane.load_state_dict(other)
     plane.close()

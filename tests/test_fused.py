@@ -38,7 +38,7 @@ def _uniform_over_uneven_shards(rank, world):
         assert_intact(batch)
         ids.append(batch["id"].clone())
     ex.record = None
-    fused = plane._p.runner.fused_rounds
+    fused = plane._p.engine.from_candidates
     sizes = plane.sizes.tolist()
     plane.close()
     return torch.cat(ids).tolist(), calls, fused, sizes
@@ -71,16 +71,16 @@ def _grown_fetch(rank, world):
     plane.fetch(16)
     plane.put(make_batch(torch.arange(100 * rank + 50, 100 * rank + 60)))
     plane.fetch(16)
-    before = plane._p.runner.fused_rounds
+    before = plane._p.engine.from_candidates
     ex.record = []
     grown = plane.fetch(64)  # more than each shard sent as candidates: the full delivery runs
     ncalls = len(ex.record)
     ex.record = None
-    after = plane._p.runner.fused_rounds
+    after = plane._p.engine.from_candidates
     again = plane.fetch(64)
     assert_intact(grown)
     assert_intact(again)
-    out = (grown["id"].shape[0], ncalls, after - before, plane._p.runner.fused_rounds - after)
+    out = (grown["id"].shape[0], ncalls, after - before, plane._p.engine.from_candidates - after)
     plane.close()
     return out
 
@@ -93,8 +93,8 @@ def test_a_fetch_larger_than_last_round_falls_back_to_the_full_delivery():
         assert (fused_then, fused_next) == (0, 1)
 
 
-def _average(rank, world):
-    plane = _plane(numel=5)
+def _average(rank, world, placement):
+    plane = _plane(numel=5, placement=placement)
     plane.put(make_batch(torch.arange(10 * rank, 10 * rank + 10)))
     plane.flush()
     payload = torch.arange(5, dtype=torch.float32) * (rank + 1) + 0.1 * rank
@@ -112,8 +112,10 @@ def _average(rank, world):
     return first.tolist(), other.tolist(), errors
 
 
-def test_payloads_are_averaged_inside_the_round_identically_on_every_learner():
-    res = run_ranks(_average, 3)
+@pytest.mark.parametrize("placement", ["local", "round_robin"])
+def test_payloads_are_averaged_inside_the_round_identically_on_every_learner(placement):
+    """The fused schedule's one exchange, or the general schedule's header exchange."""
+    res = run_ranks(_average, 3, placement)
     payloads = [torch.arange(5, dtype=torch.float32) * (r + 1) + 0.1 * r for r in range(3)]
     mean = torch.stack(payloads).sum(0) / 3
     firsts = [res[r][0] for r in range(3)]
@@ -179,11 +181,11 @@ def _bad_reduce(rank, world, kwargs):
 @pytest.mark.parametrize(
     "kwargs, expected",
     [
-        ({"placement": "round_robin"}, "placement='round_robin'"),
         ({"schedule": "overlap"}, "expected schedule='sync'"),
+        ({"device": "cuda"}, "expected device 'cpu', got 'cuda'"),
     ],
 )
-def test_reduce_needs_a_fused_sync_round(kwargs, expected):
+def test_reduce_needs_a_sync_round_on_the_host(kwargs, expected):
     res = run_ranks(_bad_reduce, 2, kwargs)
     assert all(expected in (msg or "") for msg in res.values()), res
 
@@ -256,7 +258,7 @@ def _small_records(rank, world):
     for r in range(5):
         plane.put({"x": torch.arange(4, dtype=torch.float32) + 100 * rank + 10 * r})
         vals.append(plane.fetch(6)["x"].clone())
-    fused, h = plane._p.runner.fused_rounds, plane._p.runner.fused.layout.h
+    fused, h = plane._p.engine.from_candidates, plane._p.engine.headers.layout.h
     plane.close()
     return torch.cat(vals).tolist(), fused, h
 

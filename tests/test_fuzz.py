@@ -26,6 +26,7 @@ from plane_helpers import assert_intact, make_batch, spec
 
 import conduit_dist as cd
 from conduit_dist.errors import ConfigError, SpecError
+from conduit_dist.sampling import RoutesFeedback
 
 CAP = 12  # items per rank; a round adds a third of that, so the rings keep wrapping
 DTYPE = {k: v.dtype for k, v in make_batch(torch.arange(1)).items()}
@@ -91,11 +92,11 @@ def snapshot(plane: cd.DataPlane) -> dict[str, object]:
     plane.shard.settle()  # the background demotion of the latest round is done
     stager = plane._p.stager
     bufs = [(b.count, b.data[: b.count], len(b.deferred)) for b in stager.buffers._bufs]
-    counters = (stager.pending, stager.direct, stager.put_seq, stager.dropped, stager.version)
+    counters = (stager.pending, stager.direct, stager.put_seq, stager.dropped, stager.versions.tag)
     return flatten(
         {
             "shard": plane.shard.state_dict(),
-            "runner": plane._p.runner.state_dict(),
+            "runner": plane._p.engine.state_dict(),
             "stager": (counters, stager.in_block, stager.buffers._cur, bufs),
             "plane": (plane.round, len(plane)),
         }
@@ -304,7 +305,7 @@ def check_round(ctx: Ctx) -> None:
     assert_intact(b)
     plane.shard.settle()
     assert_intact(plane._p.stager.spec.unpack(live_records(plane)))
-    if plane.sampler.routes_updates:
+    if isinstance(plane.sampler, RoutesFeedback):
         assert math.isfinite(plane.sampler.tree.total) and plane.sampler.tree.total > 0
         ctx.index = b["_index"]
         plane.update_priorities(ctx.index, torch.rand(4))
@@ -324,7 +325,7 @@ def fuzz(world: int, tiered: bool, sampler: str, disk_dir: str, examples: int) -
     """Run the property on one plane (every rank draws the same examples, in step)."""
     plane = make_plane(tiered, sampler, disk_dir)
     ctx = wrapped(plane)
-    routes = plane.sampler.routes_updates
+    routes = isinstance(plane.sampler, RoutesFeedback)
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if world == 1 else [])
     calls = st.lists(st.one_of(put_call(), staged_call(), update_call(routes)), max_size=6)
 

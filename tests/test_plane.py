@@ -187,7 +187,10 @@ def _die_or_stall(rank, world, mode):
 
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_dead_or_stalled_rank_raises_naming_round_and_rank(mode):
-    res = run_ranks(_die_or_stall, 2, mode, allow_failure=True, collective_timeout_s=3.0)
+    res = run_ranks(
+        _die_or_stall, 2, mode, collective_timeout_s=3.0,
+        expect_exit={1: 3} if mode == "die" else None,
+    )  # fmt: skip
     rnd, ranks, msg, waited = res[0]
     assert rnd == 2 and "round 2" in msg
     assert ranks == [1], msg

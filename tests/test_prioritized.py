@@ -49,7 +49,7 @@ def _uneven(rank: int, world: int, rounds: int, batch: int) -> dict[str, object]
         for i in b["id"].tolist():
             counts[i] = counts.get(i, 0) + 1
     stats = plane.store_stats()
-    fused = plane._p.runner.fused_rounds
+    fused = plane._p.engine.from_candidates
     plane.close()
     return {"counts": counts, "weights_ok": weights_ok, "stats": stats, "fused": fused}
 
@@ -164,17 +164,10 @@ def test_prioritized_rejects_bad_input():
         cd.Prioritized(beta=2.0)
 
 
-def _round_robin(rank: int, world: int) -> str:
-    try:
-        cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler=cd.Prioritized())
-    except ConfigError as e:
-        return str(e)
-    return "built"
-
-
-def test_prioritized_needs_one_exchange_rounds():
-    res = run_ranks(_round_robin, 2, timeout_s=60)
-    assert all("one-exchange rounds" in m and "round_robin" in m for m in res.values())
+def test_prioritized_refuses_cuda_delivery_naming_the_device():
+    """Trees, trailers and windows are composed on the host (before any tier is built)."""
+    with pytest.raises(ConfigError, match="expected device 'cpu', got 'cuda'"):
+        cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler=cd.Prioritized(), device="cuda")
 
 
 def test_state_round_trip_keeps_priorities_windows_and_queued_updates(tmp_path):

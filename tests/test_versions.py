@@ -89,24 +89,26 @@ def test_interleaved_versions_are_refused_at_the_learner_never_delivered():
     assert max(ages) <= 2, "an item older than max_policy_age reached a learner"
 
 
-def test_a_stale_item_behind_a_fresh_one_is_refused_not_returned():
+def test_a_stale_put_is_dropped_and_a_stale_item_behind_a_fresh_one_refused():
     plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 16, max_policy_age=1)
     net = torch.nn.Linear(2, 2)
     for _ in range(4):
         plane.publish_weights(net)  # version 4
-    plane.put({"id": torch.arange(8)})  # version 4: fresh
+    plane.put({"id": torch.arange(4)}, version=2)  # stale already: dropped at ingestion
+    plane.put({"id": torch.arange(4, 8)})  # version 4: fresh
     plane.fetch(4)
-    plane.put({"id": torch.arange(8, 16)}, version=2)  # behind fresh items: cannot be evicted
-    with pytest.raises(StaleDataError, match="versions 2..2, older than the newest version 4"):
-        for _ in range(20):  # uniform draws reach one of the stale half within a few fetches
+    assert len(plane) == 4 and plane.store_stats()["stale_evicted"] == 4
+    plane.put({"id": torch.arange(8, 16)}, version=3)  # fresh now, behind version-4 items
+    plane.fetch(4)
+    plane.publish_weights(net)  # version 5: the version-3 items are stale, behind fresh ones
+    with pytest.raises(StaleDataError, match="versions 3..3, older than the newest version 5"):
+        for _ in range(20):  # uniform draws reach one of the stale items within a few fetches
             plane.fetch(8)
     assert plane.fetch(1, max_policy_age=9)["_version"].numel() == 1  # a looser bound passes
     plane.close()
 
 
-def test_max_policy_age_refuses_samplers_with_per_item_state_and_bad_values():
-    with pytest.raises(ConfigError, match="max_policy_age: the 'prioritized' sampler"):
-        cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler="prioritized", max_policy_age=1)
+def test_max_policy_age_refuses_bad_values():
     with pytest.raises(ConfigError, match="max_policy_age: expected None or an int >= 0"):
         cd.DataPlane(cd.ExperienceSpec(SPEC), 16, max_policy_age=-1)
 

@@ -4,7 +4,6 @@ import json
 import struct
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -207,16 +206,14 @@ def test_exchange_carries_the_layout_in_the_broadcast_bytes():
     a = fill(Net(), 0)
     sender = published(a)
     snap = sender.snapshot()
-    meta = np.zeros((2, 4), dtype=np.int64)
-    meta[0, 2:] = snap.version, snap.nbytes
-    sender.exchange(Loopback(0, None), meta, 0, 5, snap)
+    sender.exchange(Loopback(0, None), 0, snap.version, snap.nbytes, 5, snap)
     receiver, b = WeightsState(), fill(Net(), 1)
     ex = Loopback(1, snap.buf)
-    receiver.exchange(ex, meta, 0, 5, WeightsSnapshot(0, None))
+    receiver.exchange(ex, 0, snap.version, snap.nbytes, 5, WeightsSnapshot(0, None))
     assert sender.broadcast == receiver.broadcast == 1 and receiver.version == 1
     assert receiver.pull(b) == 1
     assert_same_state(a, b)
-    receiver.exchange(ex, meta, 0, 6, WeightsSnapshot(0, None))  # not newer: no broadcast
+    receiver.exchange(ex, 0, snap.version, snap.nbytes, 6, WeightsSnapshot(0, None))  # not newer
     assert ex.calls == 1
     with pytest.raises(SpecError, match="'lin.weight'"):
         receiver.pull(nn.Linear(2, 2))

@@ -322,19 +322,46 @@ static int gather_impl(uint8_t* restrict dst, const uint8_t* restrict src, size_
     return -1;
 }
 
-/* gather_rows(dst, src, row_bytes, src_rows, idx, n): dst[i] = src[idx[i]] for n int64 indices;
- * IndexError naming the first index outside [0, src_rows). */
+/* gather_rows(dst, src, row_bytes, src_rows, idx, n[, wrap]): dst[i] = src[idx[i]] for n int64
+ * indices; with wrap, dst[i] = src[idx[i] % src_rows] (a ring addressed by generation). IndexError
+ * naming the first index outside [0, src_rows) (or negative, with wrap). */
+static int wrap_impl(uint8_t* restrict dst, const uint8_t* restrict src, size_t row_bytes,
+                     size_t src_rows, const int64_t* idx, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (idx[i] < 0) return (int)(i < INT32_MAX ? i : INT32_MAX);
+    for (size_t i = 0; i < n; i++) {
+#if defined(__GNUC__)
+        if (i + PREFETCH_AHEAD < n) {
+            const uint8_t* ahead = src + ((uint64_t)idx[i + PREFETCH_AHEAD] % src_rows) * row_bytes;
+            for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        }
+#endif
+        memcpy(dst + i * row_bytes, src + ((uint64_t)idx[i] % src_rows) * row_bytes, row_bytes);
+    }
+    return -1;
+}
+
 static PyObject* gather_rows(PyObject* self, PyObject* args) {
     unsigned long long dst, src, idx;
     long long row_bytes, src_rows, n;
-    int bad;
-    if (!PyArg_ParseTuple(args, "KKLLKL", &dst, &src, &row_bytes, &src_rows, &idx, &n))
+    int bad, wrap = 0;
+    if (!PyArg_ParseTuple(args, "KKLLKL|p", &dst, &src, &row_bytes, &src_rows, &idx, &n, &wrap))
         return NULL;
     if (check_rows("gather_rows", row_bytes, n) || check_rows("gather_rows", row_bytes, src_rows))
         return NULL;
+    if (src_rows < 1 && n > 0) {
+        PyErr_Format(PyExc_IndexError, "gather_rows: %lld indices into 0 rows", n);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    bad = gather_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src, (size_t)row_bytes,
-                      (size_t)src_rows, (const int64_t*)(uintptr_t)idx, (size_t)n);
+    if (wrap)
+        bad = wrap_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src,
+                        (size_t)row_bytes, (size_t)src_rows, (const int64_t*)(uintptr_t)idx,
+                        (size_t)n);
+    else
+        bad = gather_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src,
+                          (size_t)row_bytes, (size_t)src_rows, (const int64_t*)(uintptr_t)idx,
+                          (size_t)n);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_IndexError, "gather_rows: index %lld at position %d is outside the "
@@ -351,13 +378,14 @@ static inline uint64_t splitmix_step(uint64_t h, uint64_t k) {
     return h ^ (h >> 31);
 }
 
-/* uniform_slots(out, n, size, seed, round, rank): n int64 slots uniform in [0, size), from a
- * splitmix64 stream keyed by (seed, round, rank) -- the same on every process and run. Slots use
- * the multiply-shift reduction (bias below size / 2**64). */
+/* uniform_slots(out, n, size, seed, round, rank[, offset]): n int64 values offset + [0, size)
+ * uniform, from a splitmix64 stream keyed by (seed, round, rank) -- the same on every process and
+ * run. Values use the multiply-shift reduction (bias below size / 2**64). */
 static PyObject* uniform_slots(PyObject* self, PyObject* args) {
     unsigned long long out, seed, round, rank;
-    long long n, size;
-    if (!PyArg_ParseTuple(args, "KLLKKK", &out, &n, &size, &seed, &round, &rank)) return NULL;
+    long long n, size, offset = 0;
+    if (!PyArg_ParseTuple(args, "KLLKKK|L", &out, &n, &size, &seed, &round, &rank, &offset))
+        return NULL;
     if (n < 0 || size < 1) {
         PyErr_Format(PyExc_ValueError, "uniform_slots: expected n >= 0 and size >= 1, got n=%lld, "
                      "size=%lld", n, size);
@@ -370,7 +398,7 @@ static PyObject* uniform_slots(PyObject* self, PyObject* args) {
     for (long long i = 0; i < n; i++) {
         h += 0x9E3779B97F4A7C15ULL;
         uint64_t z = splitmix_step(h, 0);
-        o[i] = (int64_t)(((unsigned __int128)z * (uint64_t)size) >> 64);
+        o[i] = offset + (int64_t)(((unsigned __int128)z * (uint64_t)size) >> 64);
     }
     Py_RETURN_NONE;
 }
@@ -613,28 +641,28 @@ static PyObject* tree_update(PyObject* self, PyObject* args) {
     return Py_BuildValue("Ld", applied, top);
 }
 
-/* tag_rows(out, row_bytes, n, col, idx, gen, leaves, rank_bits): for each of n rows just
- * gathered from leaves idx, write gen[idx] | rank_bits (int64) and leaves[idx] (float64) at
- * byte col of the row (8-byte aligned rows). */
+/* tag_rows(out, row_bytes, n, col, gens, cap, leaves, rank_bits): for each of n rows just
+ * gathered, the items of generations gens, write gens[i] | rank_bits (int64) and the item's mass
+ * leaves[gens[i] % cap] (float64) at byte col of the row (8-byte aligned rows). */
 static PyObject* tag_rows(PyObject* self, PyObject* args) {
-    unsigned long long out_p, idx_p, gen_p, sum_p;
-    long long row_bytes, n, col, rank_bits;
-    if (!PyArg_ParseTuple(args, "KLLLKKKL", &out_p, &row_bytes, &n, &col, &idx_p, &gen_p, &sum_p,
+    unsigned long long out_p, gen_p, sum_p;
+    long long row_bytes, n, col, cap, rank_bits;
+    if (!PyArg_ParseTuple(args, "KLLLKLKL", &out_p, &row_bytes, &n, &col, &gen_p, &cap, &sum_p,
                           &rank_bits))
         return NULL;
-    if (row_bytes % 8 || col % 8 || col + 16 > row_bytes || (out_p % 8)) {
-        PyErr_Format(PyExc_ValueError, "tag_rows: expected 8-byte aligned rows and a trailer "
-                     "inside them, got row_bytes=%lld, col=%lld", row_bytes, col);
+    if (row_bytes % 8 || col % 8 || col + 16 > row_bytes || (out_p % 8) || cap < 1) {
+        PyErr_Format(PyExc_ValueError, "tag_rows: expected 8-byte aligned rows, a trailer inside "
+                     "them and cap >= 1, got row_bytes=%lld, col=%lld, cap=%lld", row_bytes, col,
+                     cap);
         return NULL;
     }
     uint8_t* out = (uint8_t*)(uintptr_t)out_p;
-    const int64_t* idx = (const int64_t*)(uintptr_t)idx_p;
     const int64_t* gen = (const int64_t*)(uintptr_t)gen_p;
     const double* s = (const double*)(uintptr_t)sum_p;
     for (long long i = 0; i < n; i++) {
         int64_t* t = (int64_t*)(out + i * row_bytes + col);
-        t[0] = gen[idx[i]] | rank_bits;
-        memcpy(&t[1], &s[idx[i]], sizeof(double));
+        t[0] = gen[i] | rank_bits;
+        memcpy(&t[1], &s[(uint64_t)gen[i] % (uint64_t)cap], sizeof(double));
     }
     Py_RETURN_NONE;
 }
@@ -828,8 +856,8 @@ static PyMethodDef methods[] = {
      "updates; "
      "returns (applied, largest priority or -1)."},
     {"tag_rows", tag_rows, METH_VARARGS,
-     "tag_rows(out, row_bytes, n, col, idx, gen, leaves, rank_bits): write each row's address "
-     "and mass into its trailer."},
+     "tag_rows(out, row_bytes, n, col, gens, cap, leaves, rank_bits): write each row's "
+     "address and mass (leaves[gen % cap]) into its trailer."},
     {"queue_updates", queue_updates, METH_VARARGS,
      "queue_updates(idx, prio, n, world, shift, out, counts): check priority updates and group "
      "them by owner; returns -1 or the first bad one (2 * pos: priority, 2 * pos + 1: rank)."},
@@ -848,11 +876,11 @@ static PyMethodDef methods[] = {
      "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
      "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},
     {"uniform_slots", uniform_slots, METH_VARARGS,
-     "uniform_slots(out, n, size, seed, round, rank): n int64 slots uniform in [0, size) into out, "
-     "from a stream keyed by (seed, round, rank)."},
+     "uniform_slots(out, n, size, seed, round, rank[, offset]): n int64 values uniform in "
+     "offset + [0, size) into out, from a stream keyed by (seed, round, rank)."},
     {"gather_rows", gather_rows, METH_VARARGS,
-     "gather_rows(dst, src, row_bytes, src_rows, idx, n): copy rows src[idx[i]] into n "
-     "contiguous rows of dst (int64 indices, each checked against src_rows)."},
+     "gather_rows(dst, src, row_bytes, src_rows, idx, n[, wrap]): copy rows src[idx[i]] (wrap: "
+     "src[idx[i] % src_rows]) into n contiguous rows of dst (int64 indices, each checked)."},
     {"rows_nonfinite", rows_nonfinite, METH_VARARGS,
      "rows_nonfinite(addr, row_bytes, n, sizes, offsets, kinds): first field of n records "
      "holding NaN/inf (float kinds only), scanned in place, or -1."},

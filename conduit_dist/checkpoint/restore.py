@@ -23,6 +23,7 @@ import torch
 from conduit_dist.checkpoint import files
 from conduit_dist.checkpoint.state import quiet_for_restore
 from conduit_dist.errors import CheckpointError, ConfigError
+from conduit_dist.sampling.base import KeepsItemState, Streams
 
 Piece = tuple[int, int, int]  # (old rank, first item, end item): oldest first within a shard
 
@@ -115,9 +116,10 @@ def restore(parts, spec, path: str) -> tuple[dict, int]:
         CheckpointError: no complete checkpoint, or a torn one named.
         ConfigError: another spec, or items staged here.
     """
-    ex, shard, sampler = parts.exchange, parts.shard, parts.sampler
+    ex, shard, sampler = parts.exchange, parts.storage, parts.sampler
     quiet_for_restore(parts, "restore")
-    whole = bool(sampler.windowed)
+    whole = isinstance(sampler, Streams)  # whole old shards: no stream is cut
+    items = isinstance(sampler, KeepsItemState)
 
     def check(cand: str, man: dict) -> None:
         """Every old rank's small state (all are read) and the items this rank takes."""
@@ -140,26 +142,31 @@ def restore(parts, spec, path: str) -> tuple[dict, int]:
     else:
         base = [max(int(m["written"]) for m in metas)] * ex.world
     shard.reset(base[ex.rank])
-    sampler.restore_begin(base[ex.rank])
+    if items:
+        sampler.restore_begin(base[ex.rank])
     rb = int(metas[0]["record_bytes"])
     for j, a, b in layout[ex.rank]:
         records = _read_items(os.path.join(path, f"shard{j}.items"), rb, a, b)
         first = int(shard.written)
         shard.append(records)
-        gens = torch.arange(first, int(shard.written), dtype=torch.int64)
-        sampler.restore_piece(gens, {k: v[a:b] for k, v in metas[j]["sampler_items"].items()})
+        if items:
+            gens = torch.arange(first, int(shard.written), dtype=torch.int64)
+            saved = {k: v[a:b] for k, v in metas[j]["sampler_items"].items()}
+            sampler.restore_piece(gens, saved)
     sizes = np.array([sum(b - a for _, a, b in pieces) for pieces in layout], dtype=np.int64)
     written = np.array(base, dtype=np.int64) + sizes
     sampler.restore_state([m["sampler"] for m in metas], exact, ex.rank, written)
     own = metas[ex.rank] if ex.rank < old else metas[0]
-    parts.runner.restore(own["runner"], sizes, exact)
-    if exact:
-        parts.placement.load_state_dict(own["runner"]["placement"])
-    v = own["versions"]
-    parts.stager.version, parts.stager.publishes = int(v["put"]), int(v["published"])
+    parts.engine.restore(sizes, int(own["engine"]["ingested"]))
+    if exact:  # this rank's own counters and positions
+        for name in ("placement", "ages", "stager", "control"):
+            getattr(parts, name).load_state_dict(own[name])
+    if parts.limiter is not None and "limiter" in own:  # global counts
+        parts.limiter.load_state_dict(own["limiter"])
     received = max(int(m["versions"]["received"]) for m in metas)
-    parts.weights.version = max(parts.weights.version, received)
-    parts.clock.round = int(man["round"])
+    parts.versions.load_state_dict(own["versions"], received=received)
+    parts.weights.load_state_dict(own["weights"])
+    parts.clock.load_state_dict({**own["clock"], "round": int(man["round"])})
     # every rank has read its files: checkpoints of a later round belong to the timeline left
     # behind (they would outrank the ones this run writes next), so rank 0 sets them aside
     ex.barrier("restore: files read", parts.clock.round)

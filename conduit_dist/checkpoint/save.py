@@ -15,8 +15,10 @@ import torch
 
 from conduit_dist.checkpoint import files
 from conduit_dist.checkpoint.snapshot import ShardSnapshot
+from conduit_dist.checkpoint.state import parts_state
 from conduit_dist.checkpoint.writer import Checkpoint
 from conduit_dist.errors import CheckpointError, ConfigError
+from conduit_dist.sampling.base import KeepsItemState
 
 _PLAIN = (int, float, bool, str, type(None), torch.Tensor)
 
@@ -51,10 +53,10 @@ def begin(
             "flush) first, on every rank"
         )
     os.makedirs(root, exist_ok=True)
-    ck = Checkpoint(root, r, int(seen[0, 2]), ex.rank, ex.world, int(parts.shard.size))
+    ck = Checkpoint(root, r, int(seen[0, 2]), ex.rank, ex.world, int(parts.storage.size))
     if ck.complete:  # this round was checkpointed already (e.g. just restored)
         return ck
-    snap = ShardSnapshot(parts.shard)
+    snap = ShardSnapshot(parts.storage)
     try:
         meta = _meta(parts, spec, snap, extra, r)
     except BaseException:
@@ -65,31 +67,26 @@ def begin(
 
 
 def _meta(parts, spec, snap: ShardSnapshot, extra, r: int) -> dict:
-    """This rank's small state at the snapshot (copied: the caller goes on changing its own)."""
-    ex = parts.exchange
+    """This rank's small state at the snapshot: its parts' state dicts (as ``state_dict``
+    gives them, without the items), where its items are, per-item sampler state and the
+    caller's ``extra`` (copied: the caller goes on changing its own)."""
+    ex, storage, sampler = parts.exchange, parts.storage, parts.sampler
     gens = torch.arange(snap.oldest, snap.oldest + snap.count, dtype=torch.int64)
-    shard = parts.shard
-    items = parts.sampler.item_state(gens)  # first: it brings the sampler up to date
+    # first: it brings the sampler up to date (received priority updates applied)
+    items = sampler.item_state(gens) if isinstance(sampler, KeepsItemState) else {}
     return {
+        **parts_state(parts, spec, storage=False),
         "format": files.FORMAT,
         "round": r,
         "rank": ex.rank,
         "world": ex.world,
         "oldest": snap.oldest,
         "count": snap.count,
-        "written": int(shard.written),
-        "capacity": int(shard.capacity),
-        "record_bytes": int(shard.tiers[0].record_bytes),
-        "layout": [[t.kind, int(t.slots)] for t in shard.tiers],
-        "spec": spec.state_dict(),
-        "runner": parts.runner.state_dict(),
-        "sampler": parts.sampler.state_dict(),
+        "written": int(storage.written),
+        "capacity": int(storage.capacity),
+        "record_bytes": int(storage.tiers[0].record_bytes),
+        "layout": [[t.kind, int(t.slots)] for t in storage.tiers],
         "sampler_items": items,
-        "versions": {
-            "put": parts.stager.version,
-            "published": parts.stager.publishes,
-            "received": parts.weights.version,
-        },
         "extra": _copy(extra),
     }
 

@@ -1,6 +1,8 @@
-"""A plane's state between rounds: what ``DataPlane.state_dict`` saves and how it is restored.
+"""A plane's state as its parts' state dicts: what ``DataPlane.state_dict`` returns and what a
+checkpoint's small state holds (one format), and loading it back in memory (same world size).
 
-Tensors, ints and plain dicts only (loads with ``torch.load(..., weights_only=True)``).
+Tensors, ints, floats, strings and plain dicts only (loads with
+``torch.load(..., weights_only=True)``).
 """
 
 from __future__ import annotations
@@ -8,11 +10,32 @@ from __future__ import annotations
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.spec import ExperienceSpec
 
 
-def save(parts, spec: ExperienceSpec) -> dict[str, object]:
-    """This rank's state; the caller has waited for its running round.
+def parts_state(parts, spec, storage: bool = True) -> dict[str, object]:
+    """``{part: part.state_dict()}`` of this rank (``storage``: with the shard's items; a
+    checkpoint writes those itself); the caller has waited for its running round."""
+    out: dict[str, object] = {
+        "spec": spec.state_dict(),
+        "clock": parts.clock.state_dict(),
+        "engine": parts.engine.state_dict(),
+        "sampler": parts.sampler.state_dict(),
+        "placement": parts.placement.state_dict(),
+        "versions": parts.versions.state_dict(),
+        "weights": parts.weights.state_dict(),
+        "ages": parts.ages.state_dict(),
+        "stager": parts.stager.state_dict(),
+        "control": parts.control.state_dict(),
+    }
+    if parts.limiter is not None:
+        out["limiter"] = parts.limiter.state_dict()
+    if storage:
+        out["storage"] = parts.storage.state_dict()
+    return out
+
+
+def save(parts, spec) -> dict[str, object]:
+    """This rank's state (see :func:`parts_state`).
 
     Raises:
         RuntimeError: if items were put since the last round was prepared.
@@ -22,21 +45,10 @@ def save(parts, spec: ExperienceSpec) -> dict[str, object]:
             f"state_dict: {parts.stager.pending} items were put since the last round was "
             "prepared; run a round (fetch or flush) first, on every rank"
         )
-    return {
-        "round": parts.clock.round,
-        "runner": parts.runner.state_dict(),
-        "shard": parts.shard.state_dict(),
-        "spec": spec.state_dict(),
-        # policy versions: the one this rank's puts carry, its publications, the received one
-        "versions": {
-            "put": parts.stager.version,
-            "published": parts.stager.publishes,
-            "received": parts.weights.version,
-        },
-    }
+    return parts_state(parts, spec)
 
 
-def load(parts, spec: ExperienceSpec, state: dict[str, object]) -> None:
+def load(parts, spec, state: dict[str, object]) -> None:
     """Restore ``state`` on every rank (collective: the ranks check they agree on the round).
 
     Raises:
@@ -44,11 +56,11 @@ def load(parts, spec: ExperienceSpec, state: dict[str, object]) -> None:
     """
     if state["spec"] != spec.state_dict():
         raise ConfigError(f"spec: checkpoint has {state['spec']}, plane has {spec.state_dict()}")
-    world = state["runner"]["sizes"].shape[0]
+    world = state["engine"]["sizes"].shape[0]
     if world != parts.exchange.world:
         raise ConfigError(f"world size: checkpoint has {world}, plane has {parts.exchange.world}")
     quiet_for_restore(parts, "load_state_dict")
-    r = int(state["round"])
+    r = int(state["clock"]["round"])
     mine = torch.tensor([r], dtype=torch.int64)
     rounds = parts.exchange.all_gather_start(mine, parts.clock.round).wait()[:, 0].tolist()
     if len(set(rounds)) != 1:
@@ -56,14 +68,13 @@ def load(parts, spec: ExperienceSpec, state: dict[str, object]) -> None:
             f"load_state_dict: ranks restored different rounds {rounds} (by rank); load the "
             "checkpoint every rank saved at the same point"
         )
-    parts.shard.load_state_dict(state["shard"])
-    parts.runner.load_state_dict(state["runner"])
-    versions = state.get("versions")
-    if versions is not None:
-        parts.stager.version = int(versions["put"])
-        parts.stager.publishes = int(versions["published"])
-        parts.weights.version = max(parts.weights.version, int(versions["received"]))
-    parts.clock.round = r
+    parts.storage.load_state_dict(state["storage"])
+    for name in ("engine", "sampler", "placement", "weights", "ages", "stager", "control"):
+        getattr(parts, name).load_state_dict(state[name])
+    parts.versions.load_state_dict(state["versions"])
+    if parts.limiter is not None and "limiter" in state:
+        parts.limiter.load_state_dict(state["limiter"])
+    parts.clock.load_state_dict(state["clock"])
 
 
 def quiet_for_restore(parts, what: str) -> None:

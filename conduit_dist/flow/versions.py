@@ -22,6 +22,7 @@ Two guards, neither silent:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from conduit_dist.errors import ConfigError, StaleDataError
 from conduit_dist.records.spec import VERSION, ExperienceSpec
@@ -42,6 +43,89 @@ def check_max_age(name: str, value: object) -> int | None:
     return value
 
 
+class PolicyVersions:
+    """The one owner of a rank's policy version numbers.
+
+    ``tag`` is what this rank's puts carry unless told otherwise (what ``publish_weights`` or
+    ``pull_weights`` last returned); ``publishes`` counts ``publish_weights`` calls; the weights
+    (a :class:`~conduit_dist.flow.weights.WeightsState`) hold the newest version published or
+    received. A round's ticket records :attr:`newest`, the reference of ``max_policy_age``.
+
+    Args:
+        weights: the plane's weights state.
+        rank: this rank.
+        learners: the learner ranks (the first one's weights are broadcast).
+    """
+
+    def __init__(self, weights, rank: int = 0, learners: tuple[int, ...] = (0,)) -> None:
+        self.weights, self.rank, self.learners = weights, rank, tuple(learners)
+        self.tag = 0
+        self.publishes = 0
+
+    @property
+    def newest(self) -> int:
+        """The newest version this rank knows (published or received)."""
+        return max(self.tag, self.weights.version)
+
+    def publish(self, module: nn.Module) -> int:
+        """Stage ``module``'s weights for the next round's broadcast (``publish_weights``).
+
+        The first learner packs them (one more version); the other learners count their calls
+        (learners publish in step, as under DDP, so that is the version of the weights they
+        hold). A DDP wrapper is unwrapped.
+
+        Returns:
+            The version this rank's puts carry from now on.
+
+        Raises:
+            ConfigError: on an actor (actors pull).
+            SpecError: if the module has no state or a tensor of an unsupported dtype.
+        """
+        if self.rank not in self.learners:
+            raise ConfigError(
+                f"publish_weights: rank {self.rank} is an actor; learners "
+                f"{list(self.learners)} publish, actors pull_weights"
+            )
+        self.publishes += 1
+        if self.rank == self.learners[0]:
+            self.weights.publish(_unwrap(module))
+            self.tag = self.weights.version
+        else:
+            self.tag = self.publishes
+        return self.tag
+
+    def pull(self, module: nn.Module) -> int:
+        """Load the newest weights received into ``module`` (``pull_weights``; a DDP wrapper is
+        unwrapped).
+
+        Returns:
+            Their version (0: none received yet), which this rank's puts carry from now on.
+
+        Raises:
+            SpecError: if their names, shapes or dtypes differ from the module's (nothing is
+                copied then).
+        """
+        version = self.weights.pull(_unwrap(module))
+        if version:
+            self.tag = version
+        return version
+
+    def state_dict(self) -> dict[str, int]:
+        """The put tag, the publications and the newest version received."""
+        return {"put": self.tag, "published": self.publishes, "received": self.weights.version}
+
+    def load_state_dict(self, state: dict[str, int], received: int | None = None) -> None:
+        """Restore :meth:`state_dict` (``received``: the newest over every old rank, after a
+        restore onto another world size)."""
+        self.tag, self.publishes = int(state["put"]), int(state["published"])
+        newest = int(state["received"]) if received is None else int(received)
+        self.weights.version = max(self.weights.version, newest)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
 class AgeBound:
     """Evicts a shard's stale oldest items at round start.
 
@@ -59,6 +143,14 @@ class AgeBound:
         self._col = spec.offsets[VERSION] // 8  # int64 column of the version in a record
         self._rows = torch.empty(_CHUNK, spec.record_bytes, dtype=torch.uint8, device=device)
 
+    def state_dict(self) -> dict[str, int]:
+        """Items this shard evicted as stale."""
+        return {"evicted": self.evicted}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.evicted = int(state["evicted"])
+
     def evict(self, shard, newest: int) -> int:
         """Take the oldest items whose version is below ``newest - max_age`` out of ``shard``;
         returns how many (call after the shard settled: no background demotion running)."""
@@ -69,7 +161,7 @@ class AgeBound:
             k = min(_CHUNK, shard.size - gone)
             gens = torch.arange(shard.oldest + gone, shard.oldest + gone + k, dtype=torch.int64)
             rows = self._rows[:k]
-            shard.gather(shard.index_of(gens), rows)
+            shard.gather(gens, rows)
             fresh = (rows.view(torch.int64)[:, self._col] >= bound).nonzero().cpu()
             if fresh.numel():
                 gone += int(fresh[0, 0])
@@ -88,14 +180,14 @@ class AgeBound:
         if self.max_age is None or not n or newest - self.max_age <= 0:
             return n
         bound = newest - self.max_age
-        skip, views = shard.direct_views(0, n)
+        skip, views = shard.reserve(0, n)  # the rows put wrote (the same until the commit)
         cols = [v.view(torch.int64)[:, self._col] for v in views]
         if skip or all(bool((c >= bound).all()) for c in cols):
             return n  # (more than the ring holds: the newest are kept as they are)
         fresh = torch.cat([v[c >= bound] for v, c in zip(views, cols, strict=True)])
         k = fresh.shape[0]
         at = 0
-        for v in shard.direct_views(0, k)[1]:
+        for v in shard.reserve(0, k)[1]:
             v.copy_(fresh[at : at + v.shape[0]])
             at += v.shape[0]
         self.evicted += n - k

@@ -17,7 +17,6 @@ import math
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -241,20 +240,18 @@ class WeightsState:
         self.buf = _encode(_state(module))
         self.version += 1
 
-    def exchange(
-        self, ex: Exchange, meta: np.ndarray, src: int, r: int, snap: WeightsSnapshot
-    ) -> None:
+    def exchange(self, ex: Exchange, src: int, version: int, nbytes: int, r: int, snap) -> None:
         """Broadcast from ``src`` if its version is newer than the last broadcast (all ranks).
 
         Args:
             ex: the plane's collectives.
-            meta: the round's meta rows; ``meta[src, 2]`` is the version, ``meta[src, 3]`` the
-                byte count of ``src``'s buffer.
             src: the publishing rank.
+            version: ``src``'s version, from the round's meta (the same on every rank).
+            nbytes: the byte count of ``src``'s buffer, from the meta.
             r: the round number.
-            snap: this rank's snapshot (the buffer sent when this rank is ``src``).
+            snap: this rank's :class:`WeightsSnapshot` (the buffer sent when this rank is
+                ``src``).
         """
-        version, nbytes = int(meta[src, 2]), int(meta[src, 3])
         if version <= self.broadcast:
             return
         buf = snap.buf if ex.rank == src else torch.empty(nbytes, dtype=torch.uint8)
@@ -262,6 +259,15 @@ class WeightsState:
         self.broadcast = version
         if ex.rank != src:
             self.buf, self.version = buf, version
+
+    def state_dict(self) -> dict[str, int]:
+        """The last version broadcast (the same on every rank; versions are owned by
+        ``flow.versions.PolicyVersions``, the weights themselves by the caller's checkpoint)."""
+        return {"broadcast": self.broadcast}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict` (a version already broadcast is not sent again)."""
+        self.broadcast = int(state["broadcast"])
 
     def pull(self, module: nn.Module) -> int:
         """Copy the latest weights into ``module`` after checking their layout against its

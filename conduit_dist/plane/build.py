@@ -1,6 +1,7 @@
 """Building a plane's components: one function that checks the arguments, discovers the topology,
-picks the bandwidth model, builds storage, sampler, placement, transport, rounds and scheduling,
-and releases everything it created (process group, disk files, threads) if a step fails."""
+picks the bandwidth model, builds storage, sampler, placement, flow control, the round engine and
+scheduling, and releases everything it created (process group, disk files, threads) if a step
+fails."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from conduit_dist.collectives.topology import Topology, discover
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.ratelimit import RateLimiter
-from conduit_dist.flow.versions import check_max_age
+from conduit_dist.flow.versions import AgeBound, PolicyVersions, check_max_age
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.placement import Placement, PlacementContext
 from conduit_dist.plane.producer import Stager
@@ -31,16 +32,23 @@ from conduit_dist.registry import (
     SAMPLERS,
     SCHEDULES,
     check_choice,
+    default_placement,
     resolve,
 )
-from conduit_dist.rounds.engine import RoundRunner
-from conduit_dist.sampling import Sampler, SamplerContext
+from conduit_dist.rounds.engine import RoundEngine
+from conduit_dist.sampling import (
+    ReportsMeta,
+    RoutesFeedback,
+    Sampler,
+    SamplerContext,
+    WritesRows,
+)
 from conduit_dist.sched import Timeline
 from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
 from conduit_dist.sched.overlap import OverlapController
 from conduit_dist.sched.scheduler import Scheduler
-from conduit_dist.tiers import Tiers
+from conduit_dist.tiers import Storage, Tiers
 
 log = logging.getLogger("conduit_dist")
 _plane_ids = itertools.count()
@@ -57,22 +65,35 @@ class Parts:
     bandwidth: BandwidthModel
     calibration_s: float
     learner_ranks: tuple[int, ...]
-    shard: object
+    storage: Storage
     sampler: Sampler
     placement: Placement
-    runner: RoundRunner
+    ages: AgeBound
+    limiter: RateLimiter | None
+    engine: RoundEngine
     sched: Scheduler
     weights: WeightsState
+    versions: PolicyVersions
     timeline: Timeline
     stager: Stager
     clock: RoundClock
     control: OverlapController
 
-    def store_stats(self) -> dict[str, object]:
+    def store_stats(self, **extra: int) -> dict[str, object]:
         """The shard's stats now (a running round is not waited for: it may need peers that
-        are busy elsewhere), evictions counting items dropped at staging."""
-        stats, dropped = self.shard.stats(), self.stager.dropped
-        return {**stats, "evictions": stats["evictions"] + dropped, "dropped_at_staging": dropped}
+        are busy elsewhere), evictions counting items dropped at staging, the sampler's and the
+        flow control's counters, and ``extra`` ones."""
+        stats, dropped = self.storage.stats(), self.stager.dropped
+        out = {**stats, "evictions": stats["evictions"] + dropped, "dropped_at_staging": dropped}
+        out.update(self.sampler.stats(), stale_evicted=self.ages.evicted, **extra)
+        if self.limiter is not None:
+            lim = self.limiter
+            out.update(
+                rate_inserted=lim.inserted, rate_sampled=lim.sampled,
+                rate_blocked_sample_s=lim.blocked_s["sample"],
+                rate_blocked_insert_s=lim.blocked_s["insert"],
+            )  # fmt: skip
+        return out
 
 
 def release(parts: Parts) -> None:
@@ -94,7 +115,7 @@ def release(parts: Parts) -> None:
     finally:
         if parts.sched.close(abandon=parts.clock.failed is not None):
             parts.exchange.close()
-            parts.shard.close()
+            parts.storage.close()
         else:
             log.warning(
                 "rank %d: the round worker is still inside a failed round; the plane's group "
@@ -146,24 +167,21 @@ def _unbound(obj, field: str):
     return obj
 
 
-def _check_reduce(
-    numel: int, runner: RoundRunner, schedule: str, sampler, placement, device: torch.device
-) -> None:
-    """``reduce_numel`` needs a fused round on ``sync`` (at world size 1 nothing is averaged).
+def _check_reduce(numel: int, world: int, schedule: str, device: torch.device) -> None:
+    """``reduce_numel`` payloads ride a round's header exchange (parsed on the host), in rounds
+    that run inside ``fetch`` (at world size 1 nothing is averaged).
 
     Raises:
         ConfigError: naming what is missing.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ConfigError(f"reduce_numel: expected an int >= 0, got {numel!r}")
-    if not numel or runner.world == 1:
+    if not numel or world == 1:
         return
-    if not runner.fusable:
+    if device.type != "cpu":
         raise ConfigError(
-            "reduce_numel: payloads are averaged inside a one-exchange round, which needs a "
-            "placement that keeps items local ('local'), a speculative sampler ('uniform') and "
-            f"device 'cpu'; got placement={placement.name!r}, sampler={sampler.name!r}, "
-            f"device={device.type!r}"
+            "reduce_numel: payloads are averaged in the round's header exchange, which is parsed "
+            f"on the host: expected device 'cpu', got {device.type!r}"
         )
     if schedule != "sync":
         raise ConfigError(
@@ -172,34 +190,18 @@ def _check_reduce(
         )
 
 
-def _host_sampler(sampler: Sampler) -> bool:
-    """Whether ``sampler`` tags rows, routes updates or composes windows (host-side work)."""
-    return bool(sampler.trailer_bytes or sampler.routes_updates or sampler.windowed)
-
-
 def _check_sampler_device(sampler: Sampler, device: torch.device) -> None:
-    """Samplers doing host-side work deliver on the host.
+    """Samplers that compose rows, report shard values or route feedback do that work on the
+    host, and deliver there.
 
     Raises:
         ConfigError: naming the sampler and the device.
     """
-    if _host_sampler(sampler) and device.type != "cpu":
+    host = isinstance(sampler, WritesRows | ReportsMeta | RoutesFeedback)
+    if host and device.type != "cpu":
         raise ConfigError(
-            f"sampler: {sampler.name!r} keeps its trees and windows on the host and delivers on "
-            f"device 'cpu'; got device={device.type!r}"
-        )
-
-
-def _check_sampler(sampler: Sampler, runner: RoundRunner, placement) -> None:
-    """Samplers that tag rows or route updates run on one-exchange rounds (or one rank).
-
-    Raises:
-        ConfigError: naming what is missing.
-    """
-    if _host_sampler(sampler) and runner.world > 1 and not runner.fusable:
-        raise ConfigError(
-            f"sampler: {sampler.name!r} runs on one-exchange rounds, which need a placement "
-            f"that keeps items local ('local'); got placement={placement.name!r}"
+            f"sampler: {sampler.name!r} keeps its trees and windows on the host and composes "
+            f"the delivered rows there: expected device 'cpu', got {device.type!r}"
         )
 
 
@@ -209,7 +211,7 @@ def assemble(
     seed: int,
     *,
     sampler: str | Sampler,
-    placement: str | Placement,
+    placement: str | Placement | None,
     storage: Tiers | None,
     learner_ranks: Sequence[int] | None,
     device: str | torch.device,
@@ -247,15 +249,10 @@ def assemble(
         )
     spec = spec.with_version()  # every item stores its producer's policy version
     sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
-    placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
+    if placement is not None:
+        placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
     device = torch.device(device)
     _check_sampler_device(sampler, device)
-    if max_policy_age is not None and (sampler.windowed or sampler.routes_updates):
-        raise ConfigError(
-            f"max_policy_age: the {sampler.name!r} sampler keeps per-item state (priorities, "
-            "episode links) that evicting stale items would break; use it with 'uniform', "
-            "'stratified', 'queue' or 'without_replacement'"
-        )
     storage = storage if storage is not None else Tiers()
     if not isinstance(storage, Tiers):
         raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")
@@ -263,8 +260,13 @@ def assemble(
         ex = Exchange(timeout_s, name=str(next(_plane_ids)))
         undo.callback(ex.close)
         learners = _learners(learner_ranks, ex.world)
+        if placement is None:
+            placement = PLACEMENTS[default_placement(sampler, learners, ex.world)]()
+        _check_reduce(reduce_numel, ex.world, schedule, device)
         # rows carry the sampler's trailer (e.g. a prioritized item's address and mass)
-        stored, wire_bytes = sampler.layout(spec)
+        stored, wire_bytes = (
+            sampler.layout(spec) if isinstance(sampler, WritesRows) else (spec, spec.record_bytes)
+        )
         shard = storage.build(capacity, stored.record_bytes, device)
         undo.callback(shard.close)
         topo = discover(ex)
@@ -273,20 +275,18 @@ def assemble(
         is_learner = np.zeros(ex.world, dtype=bool)
         is_learner[list(learners)] = True
         sampler.bind(SamplerContext(int(seed), ex.rank, ex.world, links))
+        undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
         sampler.attach(shard, stored)
         placement.bind(
             PlacementContext(ex.world, links, is_learner, stored.record_bytes, model, sampler)
         )
-        undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
         undo.callback(setattr, placement, "ctx", None)
         transport = Transport(ex, topo, model, strategy)
-        runner = RoundRunner(
-            stored, shard, ex, sampler, placement, learners[0], device, transport,
-            tuple(learners), reduce_numel, wire_bytes, max_policy_age,
+        ages = AgeBound(stored, max_policy_age, device)
+        engine = RoundEngine(
+            stored, shard, ex, sampler, placement, transport, (ages, rate_limiter), learners,
+            device, wire_bytes, reduce_numel,
         )  # fmt: skip
-        runner.limiter = rate_limiter
-        _check_sampler(sampler, runner, placement)
-        _check_reduce(reduce_numel, runner, schedule, sampler, placement, device)
         # one CPU rank has no collective to wait for: a background round would only add a
         # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
         can_overlap = ex.world > 1 or device.type == "cuda"
@@ -297,37 +297,23 @@ def assemble(
         trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
         overlap = schedule == "overlap" and can_overlap
         weights = WeightsState()
+        versions = PolicyVersions(weights, ex.rank, learners)
         mode = "overlap" if (overlap or trial) else "sync"
-        sched = Scheduler(mode, runner, weights, device, timeout_s)
+        sched = Scheduler(mode, engine, weights, device, timeout_s)
         undo.callback(sched.close, True)
         timeline = Timeline(ex.rank, enabled=trace)
-        limit = capacity * ex.world
+        # items that stay where they were put are written into the shard's slots by put
+        direct = engine.schedule != "general"
         stager = Stager(
-            stored,
-            shard,
-            ex.world,
-            limit,
-            sched,
-            max_lag,
-            timeline,
-            device,
-            # items that stay local are written into the shard's slots by put (a general round
-            # with an age bound filters them there before ingesting)
-            local=runner.fusable or (placement.keeps_local and device.type == "cpu"),
-        )
-        clock = RoundClock(stager, weights, sched, timeline, device)
+            stored, shard, ex.world, capacity * ex.world, sched, max_lag, timeline, device,
+            versions, local=direct,
+        )  # fmt: skip
+        clock = RoundClock(stager, weights, versions, sched, timeline, device)
         control = OverlapController(
-            clock,
-            sched,
-            overlap,
-            trial,
-            max_lag,
-            ex.rank,
-            int(seed),
-            ex.rank in learners,
+            clock, sched, overlap, trial, max_lag, ex.rank, int(seed), ex.rank in learners
         )
         undo.pop_all()
     return Parts(
-        ex, topo, model, calibration_s, learners, shard, sampler, placement, runner, sched,
-        weights, timeline, stager, clock, control,
+        ex, topo, model, calibration_s, learners, shard, sampler, placement, ages, rate_limiter,
+        engine, sched, weights, versions, timeline, stager, clock, control,
     )  # fmt: skip

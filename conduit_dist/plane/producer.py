@@ -2,11 +2,12 @@
 
 Items put between two rounds are staged in one of two host buffers (pinned on CUDA machines) that
 the next round ingests, so ``put`` never waits for a collective; on CUDA, items put from GPU
-tensors go to one of two device buffers instead (packed there, no host round trip). At world
-size 1, and where items stay where they were put (one-exchange planes; CPU planes with ``local``
-placement and no age bound), over one tier, ``put`` writes straight into the shard's slots (no
-second copy): the slots count from the next round on, as staged items do. Every item is tagged
-with its policy version (the reserved ``"_version"`` field). Staging is bounded by the global
+tensors go to one of two device buffers instead (packed there, no host round trip). Where items
+stay where they were put (world size 1; the fused schedule), ``put`` writes straight into the
+rows the shard reserves for them (``Storage.reserve``: no second copy; a tiered shard reserves
+free slots of its first tier, and when it has none the items are staged): they count from the
+next round on, as staged items do. Every item is tagged with its policy version (the reserved
+``"_version"`` field, from ``PolicyVersions``). Staging is bounded by the global
 store's capacity: items beyond it would be evicted by the next round anyway, so ``put`` drops
 the oldest staged items first (counted in ``dropped``), and ``staged`` refuses a block that does
 not fit.
@@ -39,8 +40,9 @@ class Stager:
         timeline: where ``put`` spans are recorded.
         device: the plane's device: on CUDA, items put from GPU tensors are staged (and packed,
             with batched device copies) in device memory, host tensors in pinned host memory.
-        local: items stay on this rank's shard (a one-exchange plane): ``put`` writes into the
-            shard's slots as at world size 1.
+        versions: the rank's policy versions (what items are tagged with by default).
+        local: items stay on this rank's shard (world size 1, the fused schedule): ``put``
+            writes into the rows the shard reserves.
     """
 
     def __init__(
@@ -53,16 +55,15 @@ class Stager:
         max_lag: int,
         timeline: Timeline,
         device: torch.device,
+        versions,
         local: bool = False,
     ) -> None:
         self.spec, self.shard, self.sched, self.timeline = spec, shard, sched, timeline
         # what a producer puts: the stored fields but the "_version" the stager writes itself
         self.user_spec = ExperienceSpec([f for f in spec.fields.values() if not f.reserved])
-        self.version = 0  # the policy version items are tagged with unless put says otherwise
-        self.publishes = 0  # publish_weights calls on this rank
+        self.versions = versions
         self.limit, self.max_lag = limit, max_lag
-        writable = getattr(shard, "direct_views", None) is not None
-        self.direct_ok = (world == 1 or local) and writable
+        self.direct_ok = world == 1 or local
         cuda = device.type == "cuda"
         self.buffers = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
         self.device_buffers = DoubleBuffer(spec.record_bytes, device) if cuda else None
@@ -87,17 +88,15 @@ class Stager:
         self, batch: Mapping[str, torch.Tensor], donate: bool = False, version: int | None = None
     ) -> None:
         """Validate ``batch`` and stage it (see :meth:`DataPlane.put`), every item tagged with
-        ``version`` (default: :attr:`version`); a rejected batch leaves staging and storage
+        ``version`` (default: the versions' tag); a rejected batch leaves staging and storage
         exactly as before."""
         t0 = now()
         n = self.user_spec.validate(batch)
-        v = self.version if version is None else check_version(version)
+        v = self.versions.tag if version is None else check_version(version)
         self.check_lag("put")
         first = next(iter(batch.values()))
         batch = {**batch, VERSION: torch.full((n,), v, dtype=torch.int64, device=first.device)}
-        if self.direct_ok and self.sched.pending is None and not self.buffers.current.count:
-            self._put_direct(batch, n)
-        else:
+        if not self._put_direct(batch, n):
             stage = self._stage_for(batch)
             if sum(b.count for b in self._current()) + n > self.limit:  # check, then drop
                 self.spec.check_finite(batch)
@@ -112,10 +111,16 @@ class Stager:
         self.put_seq += 1
         self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
 
-    def _put_direct(self, batch: Mapping[str, torch.Tensor], n: int) -> None:
-        """World size 1 or a one-exchange plane, no round in flight: pack into the slots the
-        items take at the next round."""
-        skip, views = self.shard.direct_views(self.direct, n)
+    def _put_direct(self, batch: Mapping[str, torch.Tensor], n: int) -> bool:
+        """Where items stay local, no round is in flight and nothing is staged: pack into the
+        rows the shard reserves for the next round; returns whether it did (``False``: stage)."""
+        staged = any(b.count for b in self._current())  # written ahead only before any staged
+        if not self.direct_ok or self.sched.pending is not None or staged:
+            return False
+        got = self.shard.reserve(self.direct, n)
+        if got is None:  # e.g. a tiered shard whose first tier has no free slots
+            return False
+        skip, views = got
         # slots that still hold live (or earlier put) items are only written once the batch is
         # known to be finite; free slots take the one-pass pack with its fused check
         check_first = self.shard.overwrites_live(self.direct, n)
@@ -128,12 +133,13 @@ class Stager:
             self.spec.pack(part, view, check=not check_first)
             at += rows
         self.direct += n
+        return True
 
     @contextlib.contextmanager
     def staged(self, n: int, version: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Writable staging rows for ``n`` items (see :meth:`DataPlane.staged`), tagged with
-        ``version`` (default: :attr:`version`)."""
-        v = self.version if version is None else check_version(version)
+        ``version`` (default: the versions' tag)."""
+        v = self.versions.tag if version is None else check_version(version)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"staged: n must be an int >= 1, got {n!r}")
         if self.in_block:
@@ -154,6 +160,15 @@ class Stager:
             self.in_block = False
         self.put_seq += 1
         self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
+
+    def state_dict(self) -> dict[str, int]:
+        """Items dropped at staging so far (nothing is staged between rounds when a state is
+        taken)."""
+        return {"dropped": self.dropped}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.dropped = int(state["dropped"])
 
     def take(self) -> tuple[RecordBuffer, RecordBuffer | None, int]:
         """Hand this round's host and device staging and direct-write count to a round."""

@@ -1,10 +1,26 @@
-"""One round of the data plane: meta exchange, ingestion, sampling allocation, delivery, weights.
+"""The round engine: one sequence of named steps, each written once, run as three schedules.
 
-A :class:`RoundRunner` owns the state every rank keeps identical (shard sizes, items ingested,
-round-robin position) and this rank's shard. ``prepare`` snapshots what the round will move, in the
-calling thread; the returned :class:`RoundTicket` can then run on any thread (inline in ``sync``
-mode, on the scheduler's worker in ``overlap`` mode), as long as rounds run one at a time and in
-the same order on every rank.
+Steps (methods below): ``prepare`` (pack donated puts, wait for demotion, drop and evict items
+older than ``max_policy_age``) -> ``meta`` (the meta row, exchanged) -> ``plan`` (placement) ->
+``ingest`` -> ``headers`` (the header exchange, when needed) -> ``admit`` (rate limiter) ->
+``allocate`` (sampler) -> ``deliver`` (draw/gather and exchange, or a prefix of the candidates)
+-> ``take`` (items that leave the store) -> ``weights`` -> ``after`` (demotion ahead, published
+sizes).
+
+Schedules (chosen once, when the plane is built):
+
+- ``local`` (world size 1): no collective: local ingest, the shard's own meta row, allocation,
+  its own draws;
+- ``fused`` (a placement that keeps items where they were put, host delivery): local ingest,
+  then one header exchange carries every rank's meta, payloads, candidates and update rows;
+  the exact delivery exchange runs only when candidates fall short (or the sampler is not
+  speculative and a learner reads another shard);
+- ``general``: a meta exchange, the plan, the ingestion exchange, the header exchange when the
+  sampler reports values of its shard or routes feedback or a payload rides, then delivery.
+
+Every rank keeps the replicated state (every shard's size, items ingested, candidate sizes) and
+runs rounds one at a time in the same order; a :class:`~conduit_dist.rounds.tickets.RoundTicket`
+prepared on the thread that owns ``put`` can run on any thread.
 """
 
 from __future__ import annotations
@@ -15,386 +31,378 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from conduit_dist.collectives.exchange import Exchange
-from conduit_dist.collectives.transport import Transport
-from conduit_dist.flow.versions import AgeBound
-from conduit_dist.flow.weights import WeightsState
-from conduit_dist.placement.base import Placement
-from conduit_dist.records.buffers import OutputPool, RecordBuffer
-from conduit_dist.records.spec import ExperienceSpec
-from conduit_dist.rounds.fused import FusedRound
+from conduit_dist.rounds import meta as M
+from conduit_dist.rounds.delivery import Delivery
+from conduit_dist.rounds.headers import HeaderExchange
+from conduit_dist.rounds.ingest import Ingest
+from conduit_dist.rounds.meta import MetaLayout
+from conduit_dist.rounds.state import Replicated
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
-from conduit_dist.rounds.wire import META as _META
-from conduit_dist.rounds.wire import check_payload
-from conduit_dist.sampling.base import Sampler
-from conduit_dist.tiers import Shard
+from conduit_dist.rounds.wire import Flight, check_payload
+from conduit_dist.sampling.base import (
+    ReportsMeta,
+    RoutesFeedback,
+    Speculative,
+    Streams,
+    Takes,
+    TracksInflow,
+    WritesRows,
+)
+
+SCHEDULES = ("local", "fused", "general")
 
 
-class RoundRunner:
-    """Runs rounds for one plane.
+def schedule_for(world: int, keeps_local: bool, device: torch.device) -> str:
+    """The schedule a plane's rounds run: ``local`` at world size 1, ``fused`` where items stay
+    where they were put and batches are delivered to host memory (headers are parsed there),
+    else ``general``."""
+    if world == 1:
+        return "local"
+    return "fused" if keeps_local and device.type == "cpu" else "general"
+
+
+class RoundEngine:
+    """Runs one plane's rounds.
 
     Args:
-        spec: the record layout.
-        shard: this rank's shard.
+        spec: the stored records' layout.
+        storage: this rank's shard (a ``Storage``).
         exchange: the plane's collectives.
-        sampler: what each learner gets (bound to the plane).
-        placement: where staged items go (bound to the plane).
-        weights_src: rank whose published weights are broadcast.
-        device: where delivered batches live.
+        sampler: what each learner gets (bound and attached).
+        placement: where staged items go (bound).
         transport: runs each exchange with the strategy the bandwidth model chooses.
-        learners: the learner ranks (fused rounds carry learners' ``reduce`` payloads).
+        flow: ``(ages, limiter)``: the ``max_policy_age`` guard (``versions.AgeBound``) and the
+            rate limiter (or ``None``).
+        learners: the learner ranks (the first publishes weights).
+        device: where delivered batches live.
+        wire_bytes: bytes of a delivered row.
         reduce_numel: float32 elements of a fetch's ``reduce`` payload (0: none).
-        wire_bytes: bytes of a delivered row (``None``: a stored record; samplers that
-            deliver windows or trailers widen it, see ``Sampler.layout``).
-        max_age: ``max_policy_age`` (``None``: none): stale oldest items are evicted at round
-            start (``versions.AgeBound``).
     """
 
     def __init__(
         self,
-        spec: ExperienceSpec,
-        shard: Shard,
-        exchange: Exchange,
-        sampler: Sampler,
-        placement: Placement,
-        weights_src: int,
+        spec,
+        storage,
+        exchange,
+        sampler,
+        placement,
+        transport,
+        flow,
+        learners: tuple[int, ...],
         device: torch.device,
-        transport: Transport,
-        learners: tuple[int, ...] = (),
+        wire_bytes: int,
         reduce_numel: int = 0,
-        wire_bytes: int | None = None,
-        max_age: int | None = None,
     ) -> None:
-        self.spec, self.shard, self.exchange = spec, shard, exchange
-        self.sampler, self.placement, self.transport = sampler, placement, transport
+        self.spec, self.storage, self.ex = spec, storage, exchange
+        self.sampler, self.placement = sampler, placement
+        self.ages, self.limiter = flow
         self.rank, self.world = exchange.rank, exchange.world
-        self.weights_src, self.device = weights_src, device
-        self._requests = np.zeros(self.world, dtype=np.int64)  # this round's fetch sizes
-        self._inflow = np.zeros(self.world, dtype=np.int64)  # items each shard got this round
-        self.sizes = np.zeros(self.world, dtype=np.int64)  # every shard's size, on every rank
-        self.published = self.sizes.copy()  # sizes as of the latest completed round
-        self.ingested = 0  # items ingested over all ranks
-        self.wire_bytes = wb = spec.record_bytes if wire_bytes is None else int(wire_bytes)
-        self._send = RecordBuffer(wb, device)  # delivery
-        self._recv = RecordBuffer(spec.record_bytes, device)  # ingestion
-        self.outputs = OutputPool(wb, device, spec.unpack)
-        self._dev_stage = RecordBuffer(spec.record_bytes, device)  # H2D copy of staged records
-        self._meta_local = torch.zeros(_META + sampler.meta_width, dtype=torch.int64)
-        # one-exchange rounds (see _fused): items stay where they were put and draws are i.i.d.,
-        # so each shard sends every learner a header and candidates in a single all-to-all
-        self.fusable = (
-            self.world > 1
-            and sampler.speculative
-            and placement.keeps_local
-            and self.device.type == "cpu"  # headers are parsed on the host: no device syncs
+        self.device, self.wire_bytes, self.reduce_numel = device, wire_bytes, int(reduce_numel)
+        self.weights_src = learners[0]
+        self.schedule = schedule_for(self.world, placement.keeps_local, device)
+        self.routed = isinstance(sampler, Streams) and self.schedule == "general"
+        width = sampler.meta_width if isinstance(sampler, ReportsMeta) else 0
+        self.layout = MetaLayout(width, self.world if self.routed else 0)
+        self.state = Replicated(self.world)  # every shard's size etc., the same on every rank
+        self.from_candidates = 0  # rounds whose batches came from the header exchange
+        write = sampler.write_rows if isinstance(sampler, WritesRows) else storage.gather
+        self.ingest = Ingest(storage, exchange, transport, spec.record_bytes, device)
+        self.delivery = Delivery(
+            sampler, write, exchange, transport, wire_bytes, device, spec.unpack
         )
-        self.reduce_numel = int(reduce_numel)
-        # the one-exchange round (fused_round.py): layout, candidate and update sizing; its
-        # header: the meta values, the sampler's, this shard's size, whether a payload came
-        self.fused = FusedRound(self, learners, _META + sampler.meta_width + 2)
-        self._tags = sampler.trailer_bytes > 0
-        self.ages = AgeBound(spec, max_age, device)
-        self.limiter = None  # a RateLimiter (set by assembly): admits requests, counts samples
-        self._windowed = sampler.windowed
+        is_learner = np.zeros(self.world, dtype=bool)
+        is_learner[list(learners)] = True
+        self.headers = HeaderExchange(
+            exchange, sampler, write, is_learner, self.layout.width, wire_bytes,
+            self.reduce_numel, device,
+        )  # fmt: skip
+        # the general schedule's header exchange: after ingestion, for what the sampler reports
+        # of its shard, feedback it routes, or a payload
+        self.late_headers = self.schedule == "general" and (
+            width > 0 or isinstance(sampler, RoutesFeedback) or self.reduce_numel > 0
+        )
+        self._row = np.zeros((1, self.layout.width), dtype=np.int64)  # meta row (reused)
+        self._routes: np.ndarray | None = None  # this round's items per destination (routed)
+        self._meta_t = torch.from_numpy(self._row[0])
 
-    @property
-    def fused_rounds(self) -> int:
-        """Rounds that ran as one exchange (and delivered from it)."""
-        return self.fused.rounds
+    def check_payload(self, t: torch.Tensor) -> None:
+        """Check a fetch's ``reduce`` payload (see ``wire.check_payload``)."""
+        check_payload(t, self.reduce_numel)
 
-    def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the records at ``slots`` into ``out``; the sampler writes their trailers (or
-        composes the rows: windows)."""
-        if self._windowed:
-            self.sampler.gather_windows(slots, out)
-            return
-        self.shard.gather(slots, out)
-        if self._tags:
-            self.sampler.tag(slots, out)
+    # ------------------------------------------------------------------ running rounds
 
-    def start(
-        self, t: RoundTicket, weights: WeightsState
-    ) -> Callable[[], tuple[torch.Tensor, RoundStats]]:
-        """Run a one-exchange round up to its exchange, which is left in flight; returns the
-        function that waits for it and finishes the round (``fusable`` planes only). Nothing
-        else may touch the plane's shard or sampler in between (puts are staged meanwhile)."""
+    def run(self, t: RoundTicket, weights) -> tuple[torch.Tensor, RoundStats]:
+        """Run the round; returns this rank's delivered rows (``[n, wire_bytes]``) and stats."""
         cpu0 = time.thread_time()
         stats = RoundStats(round=t.round, newest=t.newest, newest_before=t.newest_before)
-        flight = self.fused.start(t, stats)
+        if self.schedule == "local":
+            out = self._local(t, stats)
+        elif self.schedule == "fused":
+            out = self._finish(self._launch(t, stats), weights)
+        else:
+            out = self._general(t, stats, weights)
+        return out, self._after(stats, cpu0)
+
+    def start(self, t: RoundTicket, weights) -> Callable[[], tuple[torch.Tensor, RoundStats]]:
+        """Run a fused round up to its exchange, left in flight; returns the function that
+        waits for it and finishes the round. Nothing else may touch the shard or sampler in
+        between (puts are staged meanwhile)."""
+        cpu0 = time.thread_time()
+        stats = RoundStats(round=t.round, newest=t.newest, newest_before=t.newest_before)
+        flight = self._launch(t, stats)
         flight.early = True  # the caller works before the finish: its time is not the round's
         spent = time.thread_time() - cpu0
 
         def finish() -> tuple[torch.Tensor, RoundStats]:
             cpu1 = time.thread_time()
-            out = self.fused.finish(flight, weights)
+            out = self._finish(flight, weights)
             return out, self._after(stats, cpu1 - spent)
 
         return finish
 
-    def run(self, t: RoundTicket, weights: WeightsState) -> tuple[torch.Tensor, RoundStats]:
-        """Run the round; returns this rank's delivered records (``[n, record_bytes]``)."""
-        cpu0 = time.thread_time()
-        stats = RoundStats(round=t.round, newest=t.newest, newest_before=t.newest_before)
-        if self.world == 1:
-            t.pack_deferred(self.spec)
-            self.shard.settle()
-            out = self._local(t, stats)
-        elif self.fusable:
-            out = self.fused.finish(self.fused.start(t, stats), weights)
-        else:
-            t0 = time.perf_counter()
-            meta = self._meta(t)
-            self._requests = meta[:, 1]
-            self.sizes = self.sizes - meta[:, 4]  # items each shard evicted as stale
-            self._ingest(t, meta[:, 0], t.round, stats)
-            t1 = time.perf_counter()
-            stats.mark("ingest", t0, t1)
-            requests = self.admit(meta[:, 1], stats)
-            counts = self.sampler.allocate(requests, self.sizes, t.round, meta[:, _META:])
-            self.count_samples(counts)
-            out = self._deliver(counts, t.round, stats, t1)
-            self._take(counts)
-            t3 = time.perf_counter()
-            weights.exchange(self.exchange, meta, self.weights_src, t.round, t.weights)
-            stats.mark("weights", t3, time.perf_counter())
-            self.sampler.feedback(t.round)
-        return out, self._after(stats, cpu0)
-
-    def admit(self, requests: np.ndarray, stats: RoundStats) -> np.ndarray:
-        """The requests the rate limiter lets through (all of them without one); marks the
-        round ``limited`` when this rank's was held back."""
-        lim = self.limiter
-        if lim is None:
-            return requests
-        lim.inserted = self.ingested
-        out = lim.admit(requests, int(self.sizes.sum()))
-        stats.limited = bool(requests[self.rank] > 0 and out[self.rank] == 0)
-        return out
-
-    def count_samples(self, counts: np.ndarray) -> None:
-        """Add the round's allocation to the limiter's replicated sample count."""
-        if self.limiter is not None:
-            self.limiter.sampled += int(counts.sum())
-
-    def _take(self, counts: np.ndarray) -> None:
-        """Items a queue delivered, or a finished rollout's, leave the store on every rank
-        alike (``Sampler.taken``)."""
-        taken = self.sampler.taken(counts)
-        if taken is not None and taken.any():
-            sh = self.shard
-            (sh.take_newest if self.sampler.newest_first else sh.take_oldest)(int(taken[self.rank]))
-            self.sizes = self.sizes - taken
-
-    def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:
-        """After every round: start demotion, publish the sizes, close the stats."""
-        self._demote_ahead()
-        self.published = self.sizes.copy()  # what len(plane) reads: never a half-finished round
-        stats.stored = self.shard.size if self.world == 1 else int(self.published.sum())
-        stats.cpu_ms = (time.thread_time() - cpu0) * 1e3
-        return stats
-
-    def _demote_ahead(self) -> None:
-        """Start the shard's background demotion for the next round; replicate its evictions
-        (the shard says what every rank's demoter evicts; the next round waits for it)."""
-        evicted = self.shard.ahead_evictions(self.sizes, self._inflow)
-        if evicted is not None:
-            self.shard.demote_ahead(int(self._inflow[self.rank]))
-            self.sizes = self.sizes - evicted
+    # ------------------------------------------------------------------ schedules
 
     def _local(self, t: RoundTicket, stats: RoundStats) -> torch.Tensor:
-        """World size 1: the same semantics with no collectives."""
+        """World size 1: the same steps with no collective."""
         t0 = time.perf_counter()
-        n_in = t.count + t.direct
-        if t.direct:
-            self.shard.commit(t.direct)
-        if t.count:
-            self.shard.append(self._staged_rows(t))
-        self.ages.evict(self.shard, t.newest)
-        self.sizes[0] = self.shard.size
-        self._inflow[0] = n_in
-        self.sampler.ingested(self._inflow)
-        self.ingested += n_in
+        stale = self.prepare(t)
+        n_in = self.ingest_local(t)
+        meta = self.meta_row(t, n_in, stale)
+        self.ingested_locally(meta)
         t1 = time.perf_counter()
         stats.mark("ingest", t0, t1)
-        size = self.shard.size
-        local = self._meta_local.numpy()  # the sampler's values: at world size 1, its own
-        local[_META:] = self.sampler.local_meta(self.shard)
-        self._requests[0] = t.request
-        requests = self.admit(self._requests, stats)
-        counts = self.sampler.allocate(requests, self.sizes, t.round, local[None, _META:])
-        self.count_samples(counts)
-        n_out = int(counts[0, 0])
-        out = self.outputs.acquire(n_out)
-        if n_out:
-            self._gather(self.sampler.draw(n_out, size, t.round), out)
-        self._take(counts)
-        self.sampler.feedback(t.round)
-        stats.mark("sample", t1, time.perf_counter())
-        rb = self.spec.record_bytes
-        stats.items_in, stats.items_out, stats.bytes_in, stats.bytes_out = (
-            n_in,
-            n_out,
-            n_in * rb,
-            n_out * self.wire_bytes,
-        )
+        stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
+        counts = self.allocate(meta[:, M.REQUEST], meta, t.round, stats)
+        out = self.delivery.exact(counts, t.round, stats, t1)
+        self.take(counts)
         stats.add_sent([stats.bytes_in + stats.bytes_out])  # all local copies
         return out
 
-    def check_payload(self, t: torch.Tensor) -> None:
-        """Check a fetch's ``reduce`` payload (``ConfigError`` unless a contiguous CPU float32
-        ``[reduce_numel]`` tensor; see ``fused.check_payload``)."""
-        check_payload(t, self.reduce_numel)
+    def _launch(self, t: RoundTicket, stats: RoundStats) -> Flight:
+        """Fused: everything up to the header exchange, which is launched and left in flight."""
+        t0 = time.perf_counter()
+        self.ex.arrive(t.round)
+        stale = self.prepare(t)
+        n_in = self.ingest_local(t)
+        self.meta_row(t, n_in, stale, into=self.headers.head)
+        stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
+        f = self.headers.launch(t, stats, t0)
+        stats.sent[self.rank] += n_in * self.spec.record_bytes  # own items: a local copy
+        return f
 
-    def _meta(self, t: RoundTicket) -> np.ndarray:
-        """Exchange staged counts, requests and weight versions; local round set-up (packing
-        donated batches, waiting for background demotion, the heartbeat) runs meanwhile."""
-        local = self._meta_local.numpy()
-        stale = 0
-        if self.ages.max_age is not None:  # settled first: demotion must not be running
-            t.pack_deferred(self.spec)
-            self.shard.settle()
-            stale = self.ages.evict(self.shard, t.newest)
-            t.direct = self.ages.drop_direct(self.shard, t.direct, t.newest)
-            self.ages.drop_staged(t.staged, t.newest)  # ingested after the meta: fresh only
-            self.ages.drop_staged(t.device_staged, t.newest)
-        n = t.count + t.direct  # direct: written into this shard's slots by put (local placement)
-        local[:_META] = (n, t.request, t.weights.version, t.weights.nbytes, stale)
-        local[_META:] = self.sampler.local_meta(self.shard)
-        pending = self.exchange.all_gather_start(self._meta_local, t.round)
+    def _finish(self, f: Flight, weights) -> torch.Tensor:
+        """Fused: land the header exchange, allocate, deliver, broadcast weights."""
+        t, stats = f.ticket, f.stats
+        t_wait = time.perf_counter()
+        meta = self.headers.land(f)
+        self.ingested_locally(meta)
+        t1 = time.perf_counter()
+        if f.early:
+            stats.mark("ingest", t_wait, t1)  # the span the fetch waited; ms: set-up + wait
+            stats.ingest_ms = (f.launched - f.t0 + t1 - t_wait) * 1e3
+        else:
+            stats.mark("ingest", f.t0, t1)
+        counts = self.allocate(meta[:, M.REQUEST], meta, t.round, stats)
+        out = self.deliver(f, counts, t.round, stats, t1)
+        self.take(counts)
+        self.broadcast_weights(meta, t, weights, stats)
+        return out
+
+    def _general(self, t: RoundTicket, stats: RoundStats, weights) -> torch.Tensor:
+        """Meta exchange, plan, ingestion, (header exchange,) delivery, weights."""
+        t0 = time.perf_counter()
+        meta = self.exchange_meta(t)
+        requests = meta[:, M.REQUEST].copy()
+        self.state.remove(meta[:, M.STALE])
+        plan = self.plan(meta, requests)
+        n_in = self.ingest.exchange(t, plan, stats)
+        self.ingested_by_plan(plan)
+        stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
+        f = None
+        if self.late_headers:  # what the sampler reports now that the round's items are in
+            self.meta_row(t, n_in, 0, into=self.headers.head)
+            f = self.headers.launch(t, stats, t0)
+            meta = self.headers.land(f)
+        t1 = time.perf_counter()
+        stats.mark("ingest", t0, t1)
+        counts = self.allocate(requests, meta, t.round, stats)
+        out = self.deliver(f, counts, t.round, stats, t1)
+        self.take(counts)
+        self.broadcast_weights(meta, t, weights, stats)
+        return out
+
+    # ------------------------------------------------------------------ steps
+
+    def prepare(self, t: RoundTicket) -> int:
+        """Pack donated puts, wait for background demotion, and with ``max_policy_age`` drop
+        staged items below the bound and evict the shard's stale oldest items; returns how
+        many were evicted (the meta says it to every rank)."""
+        t.pack_deferred(self.spec)
+        self.storage.settle()
+        ages = self.ages
+        if ages.max_age is None:
+            return 0
+        t.direct = ages.drop_direct(self.storage, t.direct, t.newest)
+        ages.drop_staged(t.staged, t.newest)
+        ages.drop_staged(t.device_staged, t.newest)
+        return ages.evict(self.storage, t.newest)
+
+    def meta_row(self, t: RoundTicket, n_in: int, stale: int, into=None) -> np.ndarray:
+        """This rank's meta row (``into``: a header to fill in place; else ``[1, width]``),
+        with the sampler's values once the round's items are in."""
+        row = self._row[0] if into is None else into
+        routed = self._routes if self.routed else None
+        sampler = self.sampler.local_meta() if self.layout.sampler_width else ()
+        self.layout.fill(
+            row, staged=n_in, request=t.request, version=t.weights.version,
+            wbytes=t.weights.nbytes, stale=stale, size=self.storage.size,
+            payload=t.reduce is not None, sampler=sampler, routed=routed,
+        )  # fmt: skip
+        return self._row
+
+    def exchange_meta(self, t: RoundTicket) -> np.ndarray:
+        """General: exchange every rank's meta row. Without an age bound or routing, the local
+        set-up (packing donated puts, waiting for demotion, the heartbeat) runs while it is in
+        flight."""
+        early = self.ages.max_age is not None or self.routed
+        stale = self.prepare(t) if early else 0
+        if self.routed:
+            self._routes = self.ingest.route(t, self.sampler.stream_keys, self.placement.route)
+        self.layout.fill(
+            self._row[0], staged=t.count + t.direct, request=t.request,
+            version=t.weights.version, wbytes=t.weights.nbytes, stale=stale, size=0,
+            payload=False, routed=self._routes if self.routed else None,
+        )  # fmt: skip
+        pending = self.ex.all_gather_start(self._meta_t, t.round)
         try:
-            self.exchange.arrive(t.round)
-            t.pack_deferred(self.spec)
-            self.shard.settle()
+            self.ex.arrive(t.round)
+            if not early:
+                self.prepare(t)
         finally:  # a started collective is always completed, even if local set-up failed
             meta = pending.wait()
         return meta.numpy().copy()  # the gather's buffer is reused next round
 
-    def _staged_rows(self, t: RoundTicket) -> torch.Tensor:
-        """This round's staged records on the plane's device, as one block of rows.
+    def plan(self, meta: np.ndarray, requests: np.ndarray) -> np.ndarray:
+        """``send[src, dst]`` this round (the same on every rank): the routed counts from the
+        meta, or the placement's plan of the staged counts."""
+        staged = meta[:, M.STAGED].copy()
+        cap = self.storage.capacity
+        if self.routed:
+            self.placement.observe(staged, requests, self.state.sizes, cap)
+            return self.layout.routed(meta).copy()
+        return self.placement.plan(staged, requests, self.state.sizes, cap)
 
-        Host staging (pinned on CUDA machines) is copied to the device on the round's stream;
-        device staging (items put from GPU tensors) is used where it is, or, when both kinds
-        were put, copied after it (FIFO within each kind).
-        """
-        host, dev = t.staged, t.device_staged
-        if dev is None or not dev.count:
-            inp = host.view()
-            if inp.device == self.device:
-                return inp
-            return self._dev_stage.rows(host.count).copy_(inp, non_blocking=True)
-        if not host.count:
-            return dev.view()
-        rows = self._dev_stage.rows(dev.count + host.count)
-        rows[: dev.count].copy_(dev.view())
-        rows[dev.count :].copy_(host.view(), non_blocking=True)
-        return rows
+    def ingest_local(self, t: RoundTicket) -> int:
+        """Fused and local schedules: this shard takes in its own staged items (before its meta
+        row: the sampler's values count them)."""
+        n_in = self.ingest.local(t)
+        if isinstance(self.sampler, Streams):
+            own = np.zeros(self.world, dtype=np.int64)
+            own[self.rank] = n_in
+            self.sampler.arrived(own)
+        return n_in
 
-    def _ingest(self, t: RoundTicket, counts: np.ndarray, r: int, stats: RoundStats) -> None:
-        """Move staged items to their owner shards in one fused all-to-all."""
-        plan = self.placement.plan(counts, self._requests, self.sizes, self.shard.capacity)
+    def ingested_locally(self, meta: np.ndarray) -> None:
+        """Fused and local schedules: every shard took in its own staged items; the headers
+        carry every shard's size."""
+        self._ingested(meta[:, M.STAGED].copy(), meta[:, M.SIZE].copy())
+
+    def ingested_by_plan(self, plan: np.ndarray) -> None:
+        """General: every shard took in its column of the plan."""
         inflow = plan.sum(axis=0)
-        n_in = int(inflow[self.rank])
-        if t.direct:  # put wrote them into the slots (items that stay local): counted now
-            self.shard.commit(t.direct)
-        if plan.any():  # every rank runs the exchange or none does (plan is replicated)
-            stats.add_sent(plan[self.rank] * self.spec.record_bytes)  # own row: kept locally
-            inp = self._staged_rows(t)
-            if not _between_ranks(plan).any():
-                self.shard.append(inp)  # every item stays put (known on every rank): no exchange
-            else:
-                direct = self.shard.receive_region(n_in)
-                out = direct if direct is not None else self._recv.rows(n_in)
-                stats.moves.append(self.transport.move(out, inp, plan, r, "ingest"))
-                if direct is not None:
-                    self.shard.commit(n_in)
-                else:
-                    self.shard.append(out)
-        self.sizes = np.minimum(self.sizes + inflow, self.shard.capacity)
-        self._inflow = inflow
-        self.sampler.ingested(inflow)
-        self.ingested += int(counts.sum())
-        stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
+        if isinstance(self.sampler, Streams):
+            self.sampler.arrived(plan[:, self.rank].copy())
+        self._ingested(inflow, np.minimum(self.state.sizes + inflow, self.storage.capacity))
 
-    def _deliver(self, counts: np.ndarray, r: int, stats: RoundStats, t1: float) -> torch.Tensor:
-        """Sample this shard's share of every learner's batch and deliver it in one exchange.
+    def _ingested(self, inflow: np.ndarray, sizes: np.ndarray) -> None:
+        self.state.ingested_now(inflow, sizes)
+        if isinstance(self.sampler, TracksInflow):
+            self.sampler.ingested(inflow)
 
-        A learner's rows from its own shard are gathered straight into its output (after the
-        rows from other shards) and never enter the exchange; when no learner reads another
-        rank's shard (e.g. ``stratified`` sampling over local placement) no collective runs.
-        """
-        if not counts.any():  # nobody fetches this round (actors' flushes, an empty store)
-            stats.mark("sample", t1, t1)
-            stats.mark("deliver", t1, t1)
-            return self.outputs.acquire(0)
-        me = self.rank
-        to_learners = counts[:, me]  # rows this shard gives each learner
-        mine = int(counts[me, me])
-        first = int(to_learners[:me].sum())  # this learner's rows among this shard's draws
-        n_draw, n_recv = int(to_learners.sum()), int(counts[me].sum())
-        remote = n_recv - mine
-        stats.add_sent(to_learners * self.wire_bytes)  # the own learner's rows: copied locally
-        out = self.outputs.acquire(n_recv)
-        send = self._send.rows(n_draw - mine)
-        if n_draw:
-            slots = self.sampler.draw(n_draw, int(self.shard.size), r)
-            if mine:
-                self._gather(slots[first : first + mine], out[remote:])
-            if n_draw > mine:
-                others = torch.cat([slots[:first], slots[first + mine :]]) if mine else slots
-                self._gather(others, send)
+    def allocate(
+        self, requests: np.ndarray, meta: np.ndarray, round: int, stats: RoundStats
+    ) -> np.ndarray:
+        """The round's ``[learner, shard]`` counts (identical on every rank) of the requests the
+        rate limiter admits (marking the round ``limited`` when this rank's was held back);
+        sizes the next round's candidates and update rows."""
+        sizes, lim, sampler_meta = self.state.sizes, self.limiter, self.layout.sampler(meta)
+        admitted = requests
+        if lim is not None:
+            lim.inserted = self.state.ingested
+            admitted = lim.admit(requests, int(sizes.sum()))
+            stats.limited = bool(requests[self.rank] > 0 and admitted[self.rank] == 0)
+        counts = self.sampler.allocate(admitted, sizes, round, sampler_meta)
+        if lim is not None:
+            lim.sampled += int(counts.sum())
+        if self.schedule == "fused" or self.late_headers:
+            spec = isinstance(self.sampler, Speculative)
+            shares = self.sampler.shares(sizes, sampler_meta) if spec else None
+            self.headers.allocated(counts, requests, shares)
+        return counts
+
+    def deliver(
+        self, f: Flight | None, counts: np.ndarray, round: int, stats: RoundStats, t1: float
+    ) -> torch.Tensor:
+        """This learner's batch: a prefix of each peer's candidates and its own shard's share
+        when the header exchange covered the allocation, else the exact delivery."""
+        if f is None or not self.headers.covers(f, counts):
+            return self.delivery.exact(counts, round, stats, t1)
+        self.from_candidates += 1
+        n = int(counts[self.rank].sum())
+        out = self.delivery.outputs.acquire(n)
+        at = self.headers.take(f, counts, out)
+        self.delivery.own(counts, round, out, at)
+        stats.sent[self.rank] += (n - at) * self.wire_bytes  # the own share: a local copy
         t2 = time.perf_counter()
         stats.mark("sample", t1, t2)
-        rows = _between_ranks(counts.T)  # rows[shard, learner], own-shard rows already placed
-        if rows.any():  # the same on every rank: all run the exchange or none does
-            stats.moves.append(self.transport.move(out[:remote], send, rows, r, "deliver"))
-        stats.mark("deliver", t2, time.perf_counter())
-        stats.items_out, stats.bytes_out = n_recv, n_recv * self.wire_bytes
+        stats.mark("deliver", t2, t2)  # the rows arrived with the headers
+        stats.items_out, stats.bytes_out = n, n * self.wire_bytes
         return out
 
-    def state_dict(self) -> dict[str, object]:
-        """Sizes of every shard, items ingested, the sampler's and the placement's state, and
-        what the next one-exchange round sizes its candidates and update rows from."""
-        return {
-            **self.fused.state_dict(),
-            "requests": torch.from_numpy(self._requests.copy()),
-            "sizes": torch.from_numpy(self.sizes.copy()),
-            "ingested": self.ingested,
-            "sampler": self.sampler.state_dict(),
-            "placement": self.placement.state_dict(),
-            "stale_evicted": self.ages.evicted,
-            **({"limiter": self.limiter.state_dict()} if self.limiter is not None else {}),
-        }
+    def take(self, counts: np.ndarray) -> None:
+        """Items a queue delivered, or a finished rollout's, leave the store on every rank
+        alike (``Takes``)."""
+        if not isinstance(self.sampler, Takes):
+            return
+        taken = self.sampler.taken(counts)
+        if taken is not None and taken.any():
+            st = self.storage
+            (st.take_newest if self.sampler.newest_first else st.take_oldest)(int(taken[self.rank]))
+            self.state.remove(taken)
 
-    def restore(self, state: dict[str, object], sizes: np.ndarray, exact: bool) -> None:
-        """After a checkpoint restore (``checkpoint/restore.py``): every shard's new size, the
-        items ingested and the rate limiter's counts (global), the stale evictions (this
-        rank's, on the same world size); the next round sizes its candidates afresh."""
-        self.sizes, self.published = sizes.copy(), sizes.copy()
-        self.ingested = int(state["ingested"])
-        self._requests = np.zeros(self.world, dtype=np.int64)
-        self._inflow = np.zeros(self.world, dtype=np.int64)
-        self.fused.cand = np.zeros((self.world, self.world), dtype=np.int64)
-        self.fused.alloc = None
-        self.ages.evicted = int(state.get("stale_evicted", 0)) if exact else 0
-        if self.limiter is not None and "limiter" in state:
-            self.limiter.load_state_dict(state["limiter"])
+    def broadcast_weights(self, meta: np.ndarray, t: RoundTicket, weights, stats) -> None:
+        """Broadcast the first learner's weights if it published a newer version."""
+        t3 = time.perf_counter()
+        src = self.weights_src
+        version, nbytes = int(meta[src, M.VERSION]), int(meta[src, M.WBYTES])
+        weights.exchange(self.ex, src, version, nbytes, t.round, t.weights)
+        stats.mark("weights", t3, time.perf_counter())
+
+    def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:
+        """After every round: start demotion, publish the sizes, close the stats."""
+        st = self.state
+        evicted = self.storage.ahead_evictions(st.sizes, st.inflow)
+        if evicted is not None:  # every rank knows what every shard's demoter evicts
+            self.storage.demote_ahead(int(st.inflow[self.rank]))
+            st.remove(evicted)
+        stats.stored = st.publish()  # what len(plane) reads: never a half-finished round
+        stats.cpu_ms = (time.thread_time() - cpu0) * 1e3
+        return stats
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, object]:
+        """The replicated store state and what the next header exchange sizes its candidates
+        and update rows from."""
+        return {**self.state.state_dict(), "headers": self.headers.state_dict()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore from :meth:`state_dict` (same world size; checked by the caller)."""
-        self.sizes = state["sizes"].numpy().astype(np.int64).copy()
-        self.published = self.sizes.copy()
-        self.ingested = int(state["ingested"])
-        self.fused.load_state_dict(state)
-        self._requests = state["requests"].numpy().astype(np.int64).copy()
-        self.sampler.load_state_dict(state["sampler"])
-        self.placement.load_state_dict(state["placement"])
-        self.ages.evicted = int(state.get("stale_evicted", 0))
-        if self.limiter is not None and "limiter" in state:
-            self.limiter.load_state_dict(state["limiter"])
+        """Restore :meth:`state_dict` (same world size; checked by the caller)."""
+        self.state.load_state_dict(state)
+        self.headers.load_state_dict(state["headers"])
 
-
-def _between_ranks(matrix: np.ndarray) -> np.ndarray:
-    """A copy of a ``[src, dst]`` count matrix without its diagonal (what a rank keeps itself)."""
-    out = matrix.copy()
-    np.fill_diagonal(out, 0)
-    return out
+    def restore(self, sizes: np.ndarray, ingested: int) -> None:
+        """After a checkpoint restore onto any world size: every shard's new size and the items
+        ingested; the next round sizes its candidates afresh."""
+        self.state.restore(sizes, ingested)
+        self.headers.reset()

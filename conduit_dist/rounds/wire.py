@@ -1,22 +1,22 @@
-"""The one-exchange round's wire layout: headers, payloads and candidate rows in one all-to-all.
+"""The header exchange's wire layout: headers, payloads, candidates and update rows in one
+all-to-all (``rounds/headers.py``).
 
-A fused round (``RoundRunner.fusable``: a placement that keeps items local, a speculative
-sampler, host delivery) sends each peer one block of record rows::
+Each rank sends each peer one block of record rows::
 
     [header rows][payload rows][candidate rows][update rows]
 
-- header: the round's meta values (staged count, request, weights version and bytes, the
-  sampler's values), this shard's size and whether a payload follows, as int64 packed into
-  ``ceil(8 * n / record_bytes)`` rows;
+- header: this rank's meta row (``rounds/meta.py``), int64 packed into
+  ``ceil(8 * width / record_bytes)`` rows;
 - payload: a learner's ``reduce`` tensor (float32 bytes), sent from every learner to every other
-  learner in every round, so the splits never depend on this round's values;
-- candidates: rows drawn i.i.d. from this shard for the peer (0 for actors), as many as
-  ``candidates()`` sizes from the previous round: the peer's request times this shard's share
-  of the draws then, plus a margin of 6 standard deviations of that binomial share (a round
-  whose share exceeds it, e.g. the first or after a jump in a shard's share, falls back to the
-  ordinary delivery, which every rank sees from the headers);
-- updates (samplers that route them, e.g. priority updates): from a learner to a shard, room for
-  as many ``(generation, value)`` pairs as the learner drew from that shard in the previous
+  learner in every round, so the splits never depend on this round's values (the header's
+  ``PAYLOAD`` column says whether one follows);
+- candidates (speculative samplers): rows drawn i.i.d. from this shard for the peer (0 for
+  actors), as many as ``candidates()`` sizes from the previous round: the peer's request times
+  this shard's share of the draws then, plus a margin of 6 standard deviations of that binomial
+  share (a round whose share exceeds it, e.g. the first or after a jump in a shard's share,
+  delivers with the exact exchange instead, which every rank sees from the headers);
+- updates (samplers that route feedback, e.g. priority updates): from a learner to a shard, room
+  for as many ``(generation, value)`` pairs as the learner drew from that shard in the previous
   round, after a count (int64 pairs packed into rows; 0 rows when there is no room).
 
 Every split depends only on values every rank already holds (the previous round's requests,
@@ -34,15 +34,12 @@ import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.buffers import RecordBuffer
+from conduit_dist.rounds.meta import PAYLOAD
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
-# every round's meta values: staged items, fetch size, weights version, weights bytes, items
-# evicted as stale at round start (versions.AgeBound)
-META = 5
 
-
-class FusedLayout:
-    """Buffers and splits of fused rounds on one rank.
+class WireLayout:
+    """Buffers and splits of the header exchange on one rank.
 
     Args:
         record_bytes: bytes per record row.
@@ -196,7 +193,7 @@ class FusedLayout:
             if p == self.rank:
                 continue
             mb[p] = rows[at : at + self.h].reshape(-1)[:nb]
-            if pay[p] and meta[p, -1]:
+            if pay[p] and meta[p, PAYLOAD]:
                 payloads[p] = self._as_floats(recv[at + self.h : at + self.h + pay[p]], p)
             u = self.up_recv[p]
             end = at + out_splits[p] - u
@@ -237,7 +234,7 @@ class FusedLayout:
 
 @dataclass
 class Flight:
-    """A fused round between its launch and its finish."""
+    """A header exchange between its launch and its landing."""
 
     ticket: RoundTicket
     stats: RoundStats
@@ -247,6 +244,7 @@ class Flight:
     work: object  # the exchange's pending all-to-all (``.wait()``)
     launched: float = 0.0  # perf_counter when the exchange was launched
     early: bool = False  # started by fetch_start: the caller's work runs before the finish
+    blocks: dict[int, torch.Tensor] | None = None  # each peer's candidate rows, once landed
 
 
 def short(alloc: np.ndarray, cand: np.ndarray) -> bool:

@@ -1,19 +1,34 @@
-"""The sampler protocol: what a round asks of a sampler, at fixed points, on every rank.
+"""The sampler protocol: a narrow core every sampler implements, and small capability
+protocols the round engine checks by type.
 
-A round calls its sampler at four points:
+Core (:class:`Sampler`), called on every rank:
 
-1. ``local_meta(shard)`` before the meta exchange: ``meta_width`` int64 values this shard adds to
-   it (e.g. a priority mass later; nothing for uniform sampling, whose shard sizes every rank
-   already replicates).
-2. ``allocate(requests, sizes, round, meta)`` after ingestion: the ``[learner, shard]`` counts of
-   the round. Every rank calls it with the same inputs, so every rank gets the same counts with no
-   extra round trip; a sampler reseeds its generators from ``(seed, round)`` to keep it so.
-3. ``draw(count, size, round)`` on each shard: the shard-local slots of its share.
-4. ``feedback(...)`` after delivery (priority updates, items taken from a queue): nothing by
-   default.
+- ``bind(ctx)`` and ``attach(storage, spec)`` once, when the plane is built;
+- ``allocate(requests, sizes, round, meta)`` each round, after ingestion: the ``[learner,
+  shard]`` counts. Every rank calls it with the same inputs and gets the same counts, with no
+  extra round trip (a sampler seeds its streams from ``(seed, round)``);
+- ``draw(count, round, stream)`` on each shard: the *generations* of its share (the storage
+  gathers them, wherever they are stored);
+- ``expected(requests, sizes)``: the mean allocation (placement prices plans with it);
+- ``state_dict`` / ``load_state_dict``.
 
-``expected(requests, sizes)`` gives the mean allocation, for placement's pricing. Streams derive
-from ``(seed, round, rank)``, so samplers carry no random state between rounds.
+Capabilities (a sampler subclasses the ones it has; legal combinations follow from the types):
+
+- :class:`Speculative`: draws are i.i.d. whatever the allocation, so a shard may send a learner
+  candidates before the allocation is known (one-exchange rounds);
+- :class:`ReportsMeta`: adds values of its shard to the round's meta (e.g. priority masses),
+  computed after the round's items are in;
+- :class:`WritesRows`: composes the delivered rows itself (trailers, windows) and reads them back
+  at the learner;
+- :class:`RoutesFeedback`: learners queue updates (priorities) that rounds carry to the owners;
+- :class:`Takes`: all or nothing per learner, and delivered items leave the store (queues);
+- :class:`TracksInflow`: sees every shard's inflow each round (epochs over generations);
+- :class:`Streams`: items form streams whose consecutive items must share a shard (windows);
+- :class:`KeepsItemState`: per-item state a checkpoint saves and a restore rebuilds.
+
+Streams derive from ``(seed, round, rank)``, so the built-in samplers carry no random state
+between rounds. Samplers see the storage only through the :class:`~conduit_dist.tiers.base.Storage`
+protocol (size, generations, ``gather``).
 """
 
 from __future__ import annotations
@@ -96,55 +111,72 @@ class SamplerContext:
 
 
 class Sampler(ABC):
-    """Decides what each learner gets; see the module docstring for when a round calls what."""
+    """Decides what each learner gets (the core protocol; see the module docstring).
+
+    Attributes:
+        name: the sampler's name (``registry.SAMPLERS``; checked when a checkpoint is loaded).
+        ctx: the plane's context, set by :meth:`bind`.
+        storage: this rank's shard (a ``Storage``), set by :meth:`attach`.
+    """
 
     name: str = "abstract"
-    meta_width: int = 0  # int64 values local_meta adds to the round's meta exchange
-    # True when a shard's draws for a learner do not depend on the allocation (i.i.d. draws,
-    # an allocation from requests, sizes and meta alone): a shard may then send a learner
-    # candidates before the allocation is known, and the round fuses meta and delivery
-    speculative: bool = False
-    # bytes the sampler writes after each delivered record (tag) and reads back at the learner
-    # (entries): what it returns beside the fields, e.g. prioritized replay's _index and _weight
-    trailer_bytes: int = 0
-    # learners queue updates for other shards (outgoing), which rounds carry to them (incoming)
-    routes_updates: bool = False
 
     def __init__(self) -> None:
         self.ctx: SamplerContext | None = None
-        self._alloc_gen = torch.Generator()
-        self._draw_gen = torch.Generator()
-        self._slots = torch.empty(256, dtype=torch.int64)  # reused by the native draw
-        self.shard = None  # set by attach
+        self.storage = None
+        self._values = torch.empty(256, dtype=torch.int64)  # reused by the native draw
 
     def bind(self, ctx: SamplerContext) -> None:
         """Attach to a plane (called once, when the plane is built)."""
         self.ctx = ctx
 
-    def drawable(self) -> bool:
-        """Whether this shard can draw now (a non-empty shard always can by default)."""
-        return True
+    def attach(self, storage, spec) -> None:
+        """Called once the plane's shard is built, with the stored records' spec."""
+        self.storage = storage
 
-    def shares(self, sizes: np.ndarray, meta: np.ndarray) -> np.ndarray:
-        """``[world]`` each shard's probability of a draw in the round just allocated (sizes
-        proportional by default; all 0 on an empty store): sizes the next one-exchange round's
-        candidates."""
-        total = sizes.sum()
-        return sizes / total if total else np.zeros(sizes.shape[0])
+    @abstractmethod
+    def allocate(
+        self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
+    ) -> np.ndarray:
+        """``int64 [learner, shard]`` counts of a round; each row sums to the learner's request,
+        or to 0 (it gets nothing this round).
 
-    windowed: bool = False  # delivered rows are composed by gather_windows (several items)
-    # all or nothing per learner, and items leave the store (queues, rollouts): see taken()
-    takes: bool = False
-    newest_first: bool = False  # taken() counts items at the newest end (a LIFO)
+        Args:
+            requests: ``[world]`` batch size of each rank (0: not fetching).
+            sizes: ``[world]`` items on each shard after this round's ingestion.
+            round: the round number.
+            meta: ``[world, meta_width]`` what every shard's ``local_meta`` gave
+                (:class:`ReportsMeta`; ``[world, 0]`` otherwise).
+        """
 
-    def taken(self, counts: np.ndarray) -> np.ndarray | None:
-        """``int64 [world]`` oldest items each shard gives up after this round's delivery
-        (``counts``: the round's allocation; the same on every rank); ``None``: none."""
-        return None
+    @abstractmethod
+    def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """``float [learner, shard]``: the mean of :meth:`allocate` over rounds."""
 
-    def ingested(self, inflow: np.ndarray) -> None:  # noqa: B027 (default hook)
-        """``[world]`` items each shard took in this round (general and world-size-1 rounds;
-        the same on every rank)."""
+    def draw(self, count: int, round: int, stream: int = 0) -> torch.Tensor:
+        """``count`` generations of this shard's live items (default: uniform, with
+        replacement), valid until the next draw.
+
+        The stream is keyed by ``(seed, round, rank)`` (``stream=1``: a second stream of the
+        round, ``(seed, round, OWN_KEY + rank)``, for draws made after the first's).
+        """
+        st = self.storage
+        key = self.ctx.rank + stream * OWN_KEY
+        return self.uniform(count, st.size, round, key, offset=st.oldest)
+
+    def uniform(self, count: int, size: int, round: int, key: int, offset: int = 0) -> torch.Tensor:
+        """``count`` int64 values uniform in ``offset + [0, size)`` from the stream ``(seed,
+        round, key)``, in a reused buffer (valid until the next call). The native stream
+        (splitmix64) costs ~1 us where ``torch.randint`` with a reseeded generator cost ~9 us
+        a round here; without the extension, ``torch.randint`` with the same keys."""
+        if _native is None:
+            gen = seeded(torch.Generator(), self.ctx.seed, round, key)
+            return torch.randint(size, (count,), generator=gen, dtype=torch.int64) + offset
+        if self._values.shape[0] < count:
+            self._values = torch.empty(max(count, 2 * self._values.shape[0]), dtype=torch.int64)
+        out = self._values[:count]
+        _native.uniform_slots(out.data_ptr(), count, size, self.ctx.seed, round, key, offset)
+        return out
 
     def empty_reason(self, batch_size: int, stored: int) -> str:
         """Why a learner got nothing while ``stored`` items are in the store."""
@@ -153,112 +185,14 @@ class Sampler(ABC):
             "sampler's windows are not complete yet, or every priority is 0)"
         )
 
-    def layout(self, spec) -> tuple[object, int]:
-        """``(stored spec, delivered row bytes)``: by default rows are delivered as stored;
-        ``trailer_bytes`` widen both (``spec.with_trailer``)."""
-        if self.trailer_bytes:
-            spec = spec.with_trailer(self.trailer_bytes)
-        return spec, spec.record_bytes
-
-    def attach(self, shard, spec) -> None:
-        """Called once the plane's shard is built, with the stored records' spec."""
-        self.shard = shard
-
-    def gather_windows(self, index: torch.Tensor, out: torch.Tensor) -> None:
-        """Compose delivered rows for draws ``index`` into ``out`` (``windowed`` samplers)."""
-        raise NotImplementedError
-
-    def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A learner's delivered rows as fields and entries (``windowed`` samplers)."""
-        raise NotImplementedError
-
-    def tag(self, index: torch.Tensor, out: torch.Tensor) -> None:  # noqa: B027
-        """Write the trailers of rows just gathered from ``index`` (when ``trailer_bytes``)."""
-
-    def entries(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What a learner returns beside the fields, from its rows' trailers."""
-        return {}
-
-    def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Queued updates to send, at most ``budgets[peer]`` rows per peer (``routes_updates``)."""
-        return {}
-
-    def incoming(self, rows: torch.Tensor) -> None:  # noqa: B027
-        """Updates a peer sent this shard (``routes_updates``)."""
-
     def stats(self) -> dict[str, int]:
         """Counters for ``store_stats`` (none by default)."""
         return {}
 
-    def local_meta(self, shard: object) -> Sequence[int]:
-        """This shard's ``meta_width`` values for the meta exchange."""
-        return ()
-
-    @abstractmethod
-    def allocate(
-        self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
-    ) -> np.ndarray:
-        """``int64 [learner, shard]`` counts of a round; rows sum to ``requests``.
-
-        Args:
-            requests: ``[world]`` batch size of each rank (0: not fetching).
-            sizes: ``[world]`` items on each shard after this round's ingestion.
-            round: the round number.
-            meta: ``[world, meta_width]`` what every shard's ``local_meta`` gave.
-        """
-
-    @abstractmethod
-    def expected(self, requests: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        """``float [learner, shard]``: the mean of :meth:`allocate` over rounds."""
-
-    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
-        """``count`` shard-local slots from ``[0, size)`` (default: uniform, with replacement).
-
-        The stream is keyed by ``(seed, round, rank)`` (``stream=1``: a second stream of the
-        round, ``(seed, round, OWN_KEY + rank)``, for draws made after the first's); the native
-        draw (a splitmix64 stream) costs ~1 us where ``torch.randint`` with a reseeded generator
-        cost ~9 us per round here.
-        The returned tensor is valid until the next draw.
-        """
-        out = self.uniform(count, size, round, self.ctx.rank + stream * OWN_KEY)
-        return out if self.shard is None else self.shard.live(out)
-
-    def uniform(self, count: int, size: int, round: int, key: int) -> torch.Tensor:
-        """``count`` int64 values uniform in ``[0, size)`` from the stream ``(seed, round, key)``
-        (keys below ``world`` are the ranks' draw streams), in a reused buffer: valid until the
-        next call."""
-        if _native is None:
-            gen = seeded(self._draw_gen, self.ctx.seed, round, key)
-            return torch.randint(size, (count,), generator=gen, dtype=torch.int64)
-        if self._slots.shape[0] < count:
-            self._slots = torch.empty(max(count, 2 * self._slots.shape[0]), dtype=torch.int64)
-        out = self._slots[:count]
-        _native.uniform_slots(out.data_ptr(), count, size, self.ctx.seed, round, key)
-        return out
-
-    def feedback(self, round: int) -> None:  # noqa: B027 (default hook)
-        """After delivery: nothing by default."""
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def item_state(self, generations: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-item state a checkpoint keeps for the shard's live items ``generations`` (oldest
-        first), e.g. priorities: none by default."""
-        return {}
-
-    def restore_begin(self, base: int) -> None:  # noqa: B027 (default hook)
-        """A restore emptied the shard; its next item gets generation ``base``."""
-
-    def restore_piece(  # noqa: B027 (default hook)
-        self, generations: torch.Tensor, items: dict[str, torch.Tensor]
-    ) -> None:
-        """A restore appended one old shard's items (now ``generations``) with their
-        :meth:`item_state`; pieces of different old shards are not linked."""
-
     def restore_state(
         self, states: list[dict[str, object]], exact: bool, rank: int, written: np.ndarray
     ) -> None:
-        """Take the old shards' :meth:`state_dict` s after a restore.
+        """Take the old shards' :meth:`state_dict` s after a checkpoint restore.
 
         Args:
             states: every old rank's state.
@@ -273,7 +207,7 @@ class Sampler(ABC):
         return {"name": self.name}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Check the checkpoint was taken with the same kind of sampler.
+        """Check the state was saved by the same kind of sampler.
 
         Raises:
             ValueError: on another sampler's state.
@@ -282,3 +216,120 @@ class Sampler(ABC):
             raise ValueError(
                 f"sampler: checkpoint has {state.get('name')!r}, plane has {self.name!r}"
             )
+
+
+# ---------------------------------------------------------------------- capabilities
+
+
+class Speculative(ABC):  # noqa: B024 (a capability: its methods have defaults)
+    """A shard's draws for a learner do not depend on the allocation (i.i.d. draws, an
+    allocation from requests, sizes and meta alone): a shard may send a learner candidates
+    before the allocation is known, and a prefix of them is a valid share."""
+
+    def shares(self, sizes: np.ndarray, meta: np.ndarray) -> np.ndarray:
+        """``[world]`` each shard's probability of a draw in the round just allocated (sizes
+        proportional by default; all 0 on an empty store): sizes the next round's candidates."""
+        total = sizes.sum()
+        return sizes / total if total else np.zeros(sizes.shape[0])
+
+    def drawable(self) -> bool:
+        """Whether this shard can draw candidates now."""
+        return True
+
+
+class ReportsMeta(ABC):
+    """Adds ``meta_width`` int64 values of its shard to every round's meta, computed after the
+    round's items are in (rounds whose items arrive through a collective exchange them after
+    ingestion)."""
+
+    meta_width: int = 0
+
+    @abstractmethod
+    def local_meta(self) -> Sequence[int]:
+        """This shard's ``meta_width`` values now."""
+
+
+class WritesRows(ABC):
+    """Composes delivered rows from its shard (trailers, windows) and reads them back at the
+    learner."""
+
+    @abstractmethod
+    def layout(self, spec) -> tuple[object, int]:
+        """``(stored spec, delivered row bytes)``."""
+
+    @abstractmethod
+    def write_rows(self, generations: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the delivered rows of draws ``generations`` into ``out``."""
+
+    @abstractmethod
+    def read_rows(self, rows: torch.Tensor, unpack) -> dict[str, torch.Tensor]:
+        """A learner's delivered ``rows`` as fields and reserved entries (``unpack``: the plane's
+        pooled field views of plain records)."""
+
+
+class RoutesFeedback(ABC):
+    """Learners queue updates for items of any shard (``DataPlane.update_priorities``); rounds
+    carry them to the owners (one-exchange and header exchanges' update rows)."""
+
+    @abstractmethod
+    def queue_updates(self, index: torch.Tensor, value: torch.Tensor) -> None:
+        """Check and queue updates (``ConfigError`` on bad values, nothing queued then)."""
+
+    @abstractmethod
+    def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Queued updates to send, at most ``budgets[peer]`` pairs per peer."""
+
+    @abstractmethod
+    def incoming(self, rows: torch.Tensor) -> None:
+        """Updates a peer sent this shard."""
+
+
+class Takes(ABC):
+    """All or nothing per learner, and delivered items leave the store on every rank alike."""
+
+    newest_first: bool = False  # taken items are the newest (a LIFO), else the oldest
+
+    @abstractmethod
+    def taken(self, counts: np.ndarray) -> np.ndarray | None:
+        """``int64 [world]`` items each shard gives up after this round's delivery (``counts``:
+        the round's allocation; the same on every rank); ``None``: none."""
+
+
+class TracksInflow(ABC):
+    """Sees every shard's inflow each round (replicated)."""
+
+    @abstractmethod
+    def ingested(self, inflow: np.ndarray) -> None:
+        """``[world]`` items each shard took in this round."""
+
+
+class Streams(ABC):
+    """Items form streams (a producer's env, or the rank) whose consecutive items must share a
+    shard: placements route each stream to one shard, and every shard learns which rank sent
+    its new items."""
+
+    @abstractmethod
+    def stream_keys(self, records: torch.Tensor) -> torch.Tensor:
+        """``int64 [n]`` the stream of each staged record (within the putting rank)."""
+
+    @abstractmethod
+    def arrived(self, sources: np.ndarray) -> None:
+        """``[world]`` how many of this round's new items (in arrival order, by source rank)
+        each rank sent this shard."""
+
+
+class KeepsItemState(ABC):
+    """Per-item state (priorities, stream links) a checkpoint saves and a restore rebuilds."""
+
+    @abstractmethod
+    def item_state(self, generations: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-item state of the live items ``generations`` (oldest first)."""
+
+    @abstractmethod
+    def restore_begin(self, base: int) -> None:
+        """A restore emptied the shard; its next item gets generation ``base``."""
+
+    @abstractmethod
+    def restore_piece(self, generations: torch.Tensor, items: dict[str, torch.Tensor]) -> None:
+        """A restore appended one old shard's items (now ``generations``) with their
+        :meth:`item_state`; pieces of different old shards are not linked."""

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.sampling.base import Sampler, mix, proportional
+from conduit_dist.sampling.base import Sampler, Takes, TracksInflow, mix, proportional
 
 SHUFFLES = ("local", "global")  # also algo.ppo.shuffle's values (registry.SHUFFLES)
 
 
-class WithoutReplacement(Sampler):
+class WithoutReplacement(Takes, TracksInflow, Sampler):
     """Epochs over a snapshot of the global store, each item once per epoch.
 
     Args:
@@ -49,7 +49,6 @@ class WithoutReplacement(Sampler):
     """
 
     name = "without_replacement"
-    takes = True  # all or nothing per learner, as a queue
 
     def __init__(self, epochs: int | None = None, shuffle: str = "local") -> None:
         super().__init__()
@@ -208,9 +207,9 @@ class WithoutReplacement(Sampler):
             "for this fetch"
         )
 
-    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
-        """This shard's positions of the round, learner by learner, as slots."""
-        return self.shard.index_of(self._mine[:count])
+    def draw(self, count: int, round: int, stream: int = 0) -> torch.Tensor:
+        """This shard's generations of the round, learner by learner."""
+        return self._mine[:count]
 
     def stats(self) -> dict[str, int]:
         """Passes started, items skipped (overwritten before their turn) and dropped (an

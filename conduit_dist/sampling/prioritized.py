@@ -3,25 +3,31 @@
 Every shard keeps a sum tree (and a min tree) over its slots, keyed by ``generation % capacity``
 so an item's priority follows it whichever tier holds it. An item ``i`` has mass
 ``m_i = (p_i + eps) ** alpha``; a learner's batch of ``b`` items is split over shards by a
-multinomial with probabilities ``M_s / M`` (each shard's total mass travels in the round's meta
-exchange; the split's draws come from a stream keyed by ``(seed, round, learner)``, so every
-rank computes the same split with no further exchange), and each shard draws
-its share i.i.d. in proportion to ``m_i`` from its tree: item ``i`` is drawn with probability
-``m_i / M`` whichever shard holds it, i.i.d. across the batch.
+multinomial with probabilities ``M_s / M`` (each shard's total mass travels in the round's meta;
+the split's draws come from a stream keyed by ``(seed, round, learner)``, so every rank computes
+the same split with no further exchange), and each shard draws its share i.i.d. in proportion
+to ``m_i`` from its tree: item ``i`` is drawn with probability ``m_i / M`` whichever shard holds
+it, i.i.d. across the batch. The masses are taken after the round's items are in, so a round
+whose items arrive through a collective exchanges them once more, after ingestion.
 
 Delivered beside the fields: ``"_index"`` (int64: ``rank << 48 | generation``, an opaque
 address) and ``"_weight"`` (float32), ``(N P(i)) ** -beta / (N P_min) ** -beta``, which equals
-``(m_i / m_min) ** -beta`` with ``m_min`` the smallest mass over the global store (the
-shards' minima also travel in the meta exchange).
+``(m_i / m_min) ** -beta`` with ``m_min`` the smallest mass over the global store (the shards'
+minima also travel in the meta).
 
-``DataPlane.update_priorities`` queues ``(index, priority)`` on the learner; each queued update
-travels to its owner inside a later round's exchange (a learner may send a shard as many updates
-per round as it drew from it in the round before, the usual loop of one update per sampled item;
-more wait for the next round). The owner applies them at the start of its next round, after
-this round's draws: an update whose slot now holds another generation (the item was
-overwritten or evicted) is dropped and counted, never applied to the new item. New items enter
-with the largest priority set so far over the global store (every shard's maximum travels in the
-meta exchange; a shard's own updates count at once, others' one round later).
+With ``alpha > 0`` learners send priorities back (:class:`~conduit_dist.sampling.base.
+RoutesFeedback`): ``DataPlane.update_priorities`` queues ``(index, priority)`` on the learner;
+each update travels to its owner inside a later round's exchange (a learner may send a shard as
+many updates per round as it drew from it in the round before, the usual loop of one update per
+sampled item; more wait for the next round). The owner applies them at the start of its next
+round: an update whose slot now holds another generation is dropped and counted, never applied
+to the new item. New items enter with the largest priority set so far over the global store
+(every shard's maximum travels in the meta; a shard's own updates count at once, others' one
+round later). With a :class:`~conduit_dist.sampling.sequences.Sequence` the sampler draws
+windows (:class:`~conduit_dist.sampling.base.Streams`; ``sequences.Episodes``).
+
+``Prioritized(...)`` builds the variant its arguments call for: priorities routed back or not
+(``alpha > 0``), items or windows (``sequence``); each is a ``Prioritized``.
 """
 
 from __future__ import annotations
@@ -33,38 +39,56 @@ import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.spec import _native
-from conduit_dist.sampling.base import OWN_KEY, Sampler, proportional, splitmix_uniform
-from conduit_dist.sampling.sequences import Episodes, Sequence
+from conduit_dist.sampling.base import (
+    OWN_KEY,
+    KeepsItemState,
+    ReportsMeta,
+    Sampler,
+    Speculative,
+    Streams,
+    WritesRows,
+    proportional,
+    splitmix_uniform,
+)
+from conduit_dist.sampling.sequences import Sequence
 from conduit_dist.sampling.sumtree import SumTree
-from conduit_dist.sampling.updates import RANK_SHIFT, UpdateQueue
+from conduit_dist.sampling.updates import RANK_SHIFT
 
 _KEY = 1 << 41  # allocation streams: (seed, round, _KEY + learner)
+TRAILER = 16  # int64 address, float64 mass per delivered item
 
 
 def _bits(x: float) -> int:
-    """A float64's bit pattern as an int64 (the meta exchange carries int64)."""
+    """A float64's bit pattern as an int64 (the meta carries int64)."""
     return int(np.float64(x).view(np.int64))
 
 
-class Prioritized(Sampler):
+class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler):
     """Each learner's batch i.i.d. with probability ``(p_i + eps)^alpha / sum``, over every shard.
 
     Args:
-        alpha: priority exponent (0: uniform).
+        alpha: priority exponent (0: uniform; then no priority updates are taken).
         beta: importance-weight exponent (may be changed between fetches, e.g. annealed to 1).
         eps: added to every priority (keeps items with a zero TD error sampleable).
         initial_priority: the largest priority before any update (what the first items get).
+        sequence: draw windows (slices or n-step) instead of single items.
 
     Raises:
         ConfigError: on a negative ``alpha``, ``beta`` outside ``[0, 1]``, a negative ``eps``,
-            or a non-positive ``initial_priority``.
+            a non-positive ``initial_priority``, or a ``sequence`` that is not a ``Sequence``
+            (or draws single items).
     """
 
     name = "prioritized"
-    speculative = True  # i.i.d. draws from the tree, the split from the masses in the meta
     meta_width = 3  # total mass, smallest positive mass, largest priority (float64 bits)
-    trailer_bytes = 16  # int64 generation, float64 mass per delivered row
-    routes_updates = True
+
+    def __new__(cls, *args, **kwargs):
+        """The variant the arguments call for (see the module docstring)."""
+        if cls is Prioritized:
+            from conduit_dist.sampling.variants import variant
+
+            cls = variant(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -83,10 +107,6 @@ class Prioritized(Sampler):
             raise ConfigError(
                 "sampler.sequence: length=1 with n_step=1 draws single items; pass sequence=None"
             )
-        self.sequence = sequence
-        self.windowed = sequence is not None
-        self.routes_updates = alpha > 0  # with alpha = 0 every mass is 1: nothing to update
-        self.episodes: Episodes | None = None
         for field, value, ok, want in (
             ("alpha", alpha, alpha >= 0, ">= 0"),
             ("beta", beta, 0 <= beta <= 1, "in [0, 1]"),
@@ -95,41 +115,33 @@ class Prioritized(Sampler):
         ):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
                 raise ConfigError(f"sampler.{field}: expected a number {want}, got {value!r}")
+        self.sequence = sequence
         self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
         self.max_priority = float(initial_priority)  # over the global store, as known here
         self.global_min = math.inf  # smallest mass over the global store, latest round
         self.tree: SumTree | None = None
-        self.updates: UpdateQueue | None = None  # built at bind (it needs the world)
-        self.applied = self.dropped = 0
-
-    def bind(self, ctx) -> None:
-        """Attach to a plane (and make the update queue for its world)."""
-        super().bind(ctx)
-        self.updates = UpdateQueue(ctx.rank, ctx.world)
+        self.applied = self.dropped = 0  # priority updates (routed variants)
 
     def layout(self, spec) -> tuple[object, int]:
-        """Items: stored with a 16-byte trailer, delivered as stored. Windows: stored as put,
-        delivered as ``Sequence.wire_bytes`` rows."""
-        if self.sequence is None:
-            return super().layout(spec)
-        return spec, self.sequence.wire_bytes(spec.record_bytes)
+        """Stored with a 16-byte trailer (written as rows are gathered), delivered as stored."""
+        spec = spec.with_trailer(TRAILER)
+        return spec, spec.record_bytes
 
-    def attach(self, shard, spec) -> None:
-        """Track ``shard``'s items (rows of ``spec``)."""
-        self.shard = shard
-        seq = self.sequence
-        if seq is None:
-            self._col = spec.trailer // 8  # the trailer after the fields, in storage
-        else:
-            self._col = seq.trailer_at(spec.record_bytes) // 8
-        cap = shard.capacity
+    def attach(self, storage, spec) -> None:
+        """Track ``storage``'s items (rows of ``spec``)."""
+        super().attach(storage, spec)
+        self._col = self._trailer_at(spec) // 8
+        cap = storage.capacity
         self.tree = SumTree(cap)
         self._gen = torch.full((cap,), -1, dtype=torch.int64)  # generation in each tree leaf
-        if seq is not None:
-            self.episodes = Episodes(seq, spec, shard, self._gen)
         self._lo = self._hi = 0  # live generations the tree holds: [lo, hi)
-        self._draw = torch.empty(256, dtype=torch.int64)
+        self._leaf = torch.empty(256, dtype=torch.int64)
         self._mass = torch.empty(256, dtype=torch.float64)
+        self._draws = torch.empty(256, dtype=torch.int64)
+
+    def _trailer_at(self, spec) -> int:
+        """Byte offset of the trailer in a delivered row."""
+        return spec.trailer
 
     def mass(self, priority: torch.Tensor) -> torch.Tensor:
         """``(priority + eps) ** alpha`` in float64."""
@@ -139,8 +151,8 @@ class Prioritized(Sampler):
 
     def _sync(self) -> None:
         """Zero the leaves of items gone since the last call, give new items the max priority."""
-        sh, cap = self.shard, self.shard.capacity
-        written, oldest = sh.written, sh.oldest
+        st, cap = self.storage, self.storage.capacity
+        written, oldest = st.written, st.oldest
         # gone and not reused by a newer item (whose write below sets the leaf)
         gone_lo, gone_hi = max(self._lo, written - cap), min(oldest, self._hi)
         if gone_hi > gone_lo:
@@ -150,45 +162,19 @@ class Prioritized(Sampler):
         new_lo = max(self._hi, oldest)
         if written > new_lo:
             gens = torch.arange(new_lo, written)
-            leaf = gens % cap
+            self._gen[gens % cap] = gens
             top = self.mass(torch.tensor([self.max_priority], dtype=torch.float64))
-            self._gen[leaf] = gens
-            if self.episodes is None:  # every item is a start
-                self.tree.set(leaf, top.expand(leaf.numel()))
-            else:  # a start once its window is in
-                self.tree.set(leaf, torch.zeros(leaf.numel(), dtype=torch.float64))
-                starts = self.episodes.ingest(gens)
-                self.tree.set(starts % cap, top.expand(starts.numel()))
+            self._enter(gens, top)
         self._lo, self._hi = oldest, written
 
-    def _apply(self) -> None:
-        """Apply the updates received for this shard (stale generations are dropped)."""
-        upd = self.updates.take_own()
-        if upd is None:
-            return
-        if _native is not None:  # one C loop: check, mass, leaf and ancestors per update
-            upd = upd.contiguous()
-            t = self.tree
-            n_live, top = _native.tree_update(
-                t.sum.data_ptr(), t.min.data_ptr(), t.offs.data_ptr(), t.H, self._gen.data_ptr(),
-                self.shard.capacity, self._lo, upd.data_ptr(), upd.shape[0], self.alpha,
-                self.eps,
-            )  # fmt: skip
-            self.applied += n_live
-            self.dropped += upd.shape[0] - n_live
-            self.max_priority = max(self.max_priority, top)
-            return
-        gens, prio = upd[:, 0], upd[:, 1].view(torch.float64)
-        leaf = gens % self.shard.capacity
-        live = (self._gen[leaf] == gens) & (gens >= self._lo)
-        n_live = int(live.sum())
-        self.dropped += gens.numel() - n_live
-        self.applied += n_live
-        if n_live:
-            self.tree.set(leaf[live], self.mass(prio[live]))
-            self.max_priority = max(self.max_priority, float(prio[live].max()))
+    def _enter(self, gens: torch.Tensor, top: torch.Tensor) -> None:
+        """New items (generations ``gens``) become drawable with mass ``top``."""
+        self.tree.set(gens % self.storage.capacity, top.expand(gens.numel()))
 
-    def local_meta(self, shard: object) -> tuple[int, int, int]:
+    def _apply(self) -> None:
+        """Apply priority updates received for this shard (routed variants)."""
+
+    def local_meta(self) -> tuple[int, int, int]:
         """After this round's items are in: sync the tree, apply received updates, and report
         the shard's total mass, smallest mass and largest priority (as float64 bits)."""
         self._sync()
@@ -199,32 +185,38 @@ class Prioritized(Sampler):
         """Only with a positive mass (a shard of zero mass is allocated nothing)."""
         return self.tree.total > 0
 
-    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
-        """``count`` gather indices drawn in proportion to mass (valid until the next draw;
+    def draw(self, count: int, round: int, stream: int = 0) -> torch.Tensor:
+        """``count`` generations drawn in proportion to mass (valid until the next draw;
         ``stream`` as in ``Sampler.draw``)."""
-        if self._draw.shape[0] < count:
-            self._draw = torch.empty(max(count, 2 * self._draw.shape[0]), dtype=torch.int64)
-            self._mass = torch.empty(self._draw.shape[0], dtype=torch.float64)
-        leaf = self._draw[:count]
+        if self._leaf.shape[0] < count:
+            n = max(count, 2 * self._leaf.shape[0])
+            self._leaf = torch.empty(n, dtype=torch.int64)
+            self._mass = torch.empty(n, dtype=torch.float64)
+            self._draws = torch.empty(n, dtype=torch.int64)
+        leaf, gens = self._leaf[:count], self._draws[:count]
         key = self.ctx.rank + stream * OWN_KEY
         self.tree.sample(count, self.ctx.seed, round, key, leaf, self._mass)
-        return self.shard.index_of_leaf(leaf, self._gen)
+        return torch.index_select(self._gen, 0, leaf, out=gens)
 
-    def tag(self, index: torch.Tensor, out: torch.Tensor) -> None:
-        """Write each gathered row's address and mass into its trailer."""
-        if index.numel() == 0:
+    def write_rows(self, generations: torch.Tensor, out: torch.Tensor) -> None:
+        """Gather the items and write each row's address and mass into its trailer."""
+        self.storage.gather(generations, out)
+        self._tag(generations, out)
+
+    def _tag(self, gens: torch.Tensor, out: torch.Tensor) -> None:
+        if gens.numel() == 0:
             return
-        leaf = self.shard.leaf_of(index)
+        cap, bits = self.storage.capacity, self.ctx.rank << RANK_SHIFT
         if _native is not None and out.stride(0) == out.shape[1] and out.stride(1) == 1:
-            leaf = leaf.contiguous()
+            gens = gens.contiguous()
             _native.tag_rows(
-                out.data_ptr(), out.shape[1], out.shape[0], self._col * 8, leaf.data_ptr(),
-                self._gen.data_ptr(), self.tree.sum.data_ptr(), self.ctx.rank << RANK_SHIFT,
+                out.data_ptr(), out.shape[1], out.shape[0], self._col * 8, gens.data_ptr(), cap,
+                self.tree.sum.data_ptr(), bits,
             )  # fmt: skip
             return
         cols, at = out.view(torch.int64), self._col  # rows are 8-byte multiples
-        cols[:, at] = self._gen[leaf] | (self.ctx.rank << RANK_SHIFT)
-        cols[:, at + 1] = self.tree.sum[leaf].view(torch.int64)
+        cols[:, at] = gens | bits
+        cols[:, at + 1] = self.tree.sum[gens % cap].view(torch.int64)
 
     # ------------------------------------------------------------------ the allocation
 
@@ -275,14 +267,9 @@ class Prioritized(Sampler):
 
     # ------------------------------------------------------------------ the learner's side
 
-    def gather_windows(self, index: torch.Tensor, out: torch.Tensor) -> None:
-        """Delivered rows of drawn starts: their windows, n-step values, address and mass."""
-        self.episodes.compose(self._gen[self.shard.leaf_of(index)], out)
-        self.tag(index, out)
-
-    def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Windows' fields (``[B, T, ...]`` or n-step entries) and ``_index``/``_weight``."""
-        return {**self.episodes.unpack(records), **self.entries(records)}
+    def read_rows(self, rows: torch.Tensor, unpack) -> dict[str, torch.Tensor]:
+        """The fields (``unpack``) and ``_index``/``_weight`` from the trailers."""
+        return {**unpack(rows), **self.entries(rows)}
 
     def entries(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """``_index`` and ``_weight`` of delivered rows from their trailers."""
@@ -302,95 +289,21 @@ class Prioritized(Sampler):
         weight.copy_((mass / self.global_min).pow_(-self.beta))
         return {"_index": index, "_weight": weight}
 
-    def queue_updates(self, index: torch.Tensor, priority: torch.Tensor) -> None:
-        """Check and queue updates (see ``UpdateQueue.queue``; ``ConfigError`` on bad values,
-        including priorities whose masses ``(p + eps) ** alpha`` overflow summed over the global
-        store)."""
-        room = 709.0 - math.log(self.shard.capacity * self.ctx.world)  # log of the largest mass
-        if index.numel() and self.alpha * 709.8 >= room:  # a finite p can overflow it
-            big = float(priority.max())
-            if big + self.eps > 0 and math.log(big + self.eps) * self.alpha >= room:
-                raise ConfigError(
-                    f"update_priorities priority: (p + eps) ** alpha must be finite over the "
-                    f"store's {self.shard.capacity * self.ctx.world} items; got p={big} with "
-                    f"alpha={self.alpha}"
-                )
-        self.updates.queue(index, priority)
-
-    def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Up to ``budgets[peer]`` queued updates per peer, oldest first."""
-        return self.updates.outgoing(budgets)
-
-    def incoming(self, rows: torch.Tensor) -> None:
-        """Updates another learner sent this shard (applied at the next round's start)."""
-        self.updates.incoming(rows)
-
-    def pending(self) -> int:
-        """Updates queued here and not yet sent or applied."""
-        return self.updates.pending()
-
     def stats(self) -> dict[str, int]:
         """Updates applied and dropped (stale: the slot holds another item now) on this shard."""
         return {"priority_updates_applied": self.applied, "priority_updates_dropped": self.dropped}
 
+    # ------------------------------------------------------------------ checkpoints
+
     def state_dict(self) -> dict[str, object]:
-        """The trees' leaves, their generations, the largest priority (sums are derived) and
-        the updates not applied yet (queued for other shards or received for this one)."""
+        """The trees' leaves, their generations and the largest priority (sums are derived)."""
         return {
-            **self.updates.state_dict(),
             "name": self.name,
             "leaves": self.tree.leaves().clone(),
             "generations": self._gen.clone(),
             "live": torch.tensor([self._lo, self._hi]),
             "max_priority": self.max_priority,
-            **({"episodes": self.episodes.state_dict()} if self.episodes is not None else {}),
         }
-
-    def item_state(self, generations: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each live item's mass (0 for a window that cannot start yet), with the updates
-        received for this shard applied first (as the next round would)."""
-        self._sync()
-        self._apply()
-        leaf = generations % self.shard.capacity
-        return {"mass": self.tree.leaves()[leaf].clone()}
-
-    def restore_begin(self, base: int) -> None:
-        """Empty the tree (and the stream links); the next item is generation ``base``."""
-        cap = self.shard.capacity
-        self.tree.load(torch.zeros(cap, dtype=torch.float64))
-        self._gen.fill_(-1)
-        self._lo = self._hi = base
-        if self.episodes is not None:
-            ep = self.episodes
-            ep.prev.fill_(-1), ep.next.fill_(-1), ep.end.fill_(False), ep.term.fill_(False)
-            ep.last = {}
-
-    def restore_piece(self, generations: torch.Tensor, items: dict[str, torch.Tensor]) -> None:
-        """Link the piece's items (not to another piece's) and give each its saved mass."""
-        if self.episodes is not None:
-            self.episodes.last = {}
-        self._sync()
-        live = generations[generations >= self.shard.oldest]
-        mass = items["mass"][generations.numel() - live.numel() :]
-        self.tree.set(live % self.shard.capacity, mass.to(torch.float64))
-
-    def restore_state(self, states, exact, rank, written) -> None:
-        """The largest priority over the old shards; on the same world size also this rank's
-        queued updates (their addresses still hold), else those are dropped and counted (the
-        items were renumbered). Items put after the restore link to no old stream's tail (the
-        producers start new episodes)."""
-        for s in states:
-            if s.get("name") != self.name:
-                raise ConfigError(
-                    f"sampler: checkpoint has {s.get('name')!r}, plane has {self.name!r}"
-                )
-        self.max_priority = max(float(s["max_priority"]) for s in states)
-        if self.episodes is not None:  # new items start new episodes: no link to old tails
-            self.episodes.last = {}
-        if exact:
-            self.updates.load_state_dict(states[rank])
-        elif rank == 0:  # each old update counted once
-            self.dropped += sum(int(s["queued"].shape[0] + s["received"].shape[0]) for s in states)
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore leaves saved by :meth:`state_dict` (same capacity) and rebuild the sums.
@@ -398,25 +311,55 @@ class Prioritized(Sampler):
         Raises:
             ConfigError: on another sampler's state, or leaves / generations of another shape.
         """
-        super().load_state_dict(state)
-        cap = self.shard.capacity
+        Sampler.load_state_dict(self, state)
+        windows = isinstance(self, Streams)
+        if ("episodes" in state) != windows:
+            raise ConfigError(
+                f"sampler sequence: the checkpoint {'has' if 'episodes' in state else 'has no'} "
+                f"stream links, the plane {'has a' if windows else 'has no'} sequence"
+            )
+        cap = self.storage.capacity
         for field in ("leaves", "generations"):
             if tuple(state[field].shape) != (cap,):
                 raise ConfigError(
                     f"sampler {field}: expected [{cap}] (capacity_per_rank), got "
                     f"{list(state[field].shape)}"
                 )
-        if (self.episodes is None) != ("episodes" not in state):
-            raise ConfigError(
-                f"sampler sequence: the checkpoint {'has' if 'episodes' in state else 'has no'} "
-                f"stream links, the plane {'has a' if self.episodes is not None else 'has no'} "
-                "sequence"
-            )
-        leaves = state["leaves"]
-        self.tree.load(leaves)
+        self.tree.load(state["leaves"])
         self._gen.copy_(state["generations"])
         self._lo, self._hi = (int(v) for v in state["live"])
         self.max_priority = float(state["max_priority"])
-        self.updates.load_state_dict(state)
-        if self.episodes is not None:
-            self.episodes.load_state_dict(state["episodes"])
+
+    def item_state(self, generations: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each live item's mass (0 for a window that cannot start yet), with the updates
+        received for this shard applied first (as the next round would)."""
+        self._sync()
+        self._apply()
+        leaf = generations % self.storage.capacity
+        return {"mass": self.tree.leaves()[leaf].clone()}
+
+    def restore_begin(self, base: int) -> None:
+        """Empty the tree; the next item is generation ``base``."""
+        self.tree.load(torch.zeros(self.storage.capacity, dtype=torch.float64))
+        self._gen.fill_(-1)
+        self._lo = self._hi = base
+
+    def restore_piece(self, generations: torch.Tensor, items: dict[str, torch.Tensor]) -> None:
+        """Take the piece's items into the tree and give each its saved mass."""
+        self._sync()
+        live = generations[generations >= self.storage.oldest]
+        mass = items["mass"][generations.numel() - live.numel() :]
+        self.tree.set(live % self.storage.capacity, mass.to(torch.float64))
+
+    def restore_state(self, states, exact, rank, written) -> None:
+        """The largest priority over the old shards.
+
+        Raises:
+            ConfigError: on another sampler's state.
+        """
+        for s in states:
+            if s.get("name") != self.name:
+                raise ConfigError(
+                    f"sampler: checkpoint has {s.get('name')!r}, plane has {self.name!r}"
+                )
+        self.max_priority = max(float(s["max_priority"]) for s in states)

@@ -5,7 +5,7 @@ nothing: a learner gets its whole request (its own shard's oldest items first, t
 shards' in rank order) or, when fewer untaken items remain than it asks, nothing (its fetch then
 raises, and nothing is taken for it). Each shard gives its oldest items, split among the
 learners in rank order, so every learner receives each producer's items in the order they were
-put; the round then takes them out of the store (``Sampler.takes``): sizes drop on every rank
+put; the round then takes them out of the store (``Takes``): sizes drop on every rank
 alike, with no further exchange. Items the ring overwrites before anyone took them are
 evictions (``store_stats()``).
 
@@ -18,14 +18,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conduit_dist.sampling.base import Sampler, proportional
+from conduit_dist.sampling.base import Sampler, Takes, proportional
 
 
-class Queue(Sampler):
+class Queue(Takes, Sampler):
     """First in, first out over every shard; each item to one learner, exactly once."""
 
     name = "queue"
-    takes = True
 
     def allocate(
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
@@ -62,11 +61,10 @@ class Queue(Sampler):
         """Size-proportional (what a queue drains depends on what is left)."""
         return proportional(requests, sizes)
 
-    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
+    def draw(self, count: int, round: int, stream: int = 0) -> torch.Tensor:
         """The ``count`` oldest items (oldest first)."""
-        sh = self.shard
-        gens = torch.arange(sh.oldest, sh.oldest + count, dtype=torch.int64)
-        return sh.index_of(gens)
+        first = self.storage.oldest
+        return torch.arange(first, first + count, dtype=torch.int64)
 
 
 class Lifo(Queue):
@@ -75,9 +73,7 @@ class Lifo(Queue):
     name = "lifo"
     newest_first = True
 
-    def draw(self, count: int, size: int, round: int, stream: int = 0) -> torch.Tensor:
+    def draw(self, count: int, round: int, stream: int = 0) -> torch.Tensor:
         """The ``count`` newest items (newest first)."""
-        sh = self.shard
-        end = sh.oldest + sh.size
-        gens = torch.arange(end - 1, end - 1 - count, -1, dtype=torch.int64)
-        return sh.index_of(gens)
+        end = self.storage.written
+        return torch.arange(end - 1, end - 1 - count, -1, dtype=torch.int64)

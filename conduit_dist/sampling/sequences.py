@@ -1,9 +1,11 @@
 """Sequences and n-step returns drawn from items stored once: windows that never cross an episode.
 
 A *stream* is what one producer puts in order (one environment of a rank's vector env, named by
-an int field of the spec, or the rank itself). Each shard links every item to the previous item
-of its stream as it arrives (``prev``/``next`` generations; O(window) vectorised work per
-ingested batch, nothing per stored item), breaking the link after an item that ends an episode
+an int field of the spec, or the rank itself); its identity is ``(source rank, key)``, so
+streams of different ranks that reach one shard (a placement that routes streams) never mix.
+Each shard links every item to the previous item of its stream as it arrives (``prev``/``next``
+generations; O(window) vectorised work per ingested batch, nothing per stored item), breaking
+the link after an item that ends an episode
 (``done``, or ``truncated`` when the spec has it). An item becomes a *start* (given the largest
 priority, so it can be drawn) once its window is known: the ``length`` (+ ``burn_in``) items
 from it are in, none but the last ending an episode; for n-step targets also when an episode
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
@@ -118,24 +121,62 @@ class Episodes:
     Args:
         seq: the windows.
         spec: the stored records' layout.
-        shard: the shard (its ``index_of`` and ``gather``).
+        storage: the shard (a ``Storage``: ``gather`` by generation).
         gen: the sampler's ``[capacity]`` generation of each leaf (shared, read only here).
     """
 
-    def __init__(self, seq: Sequence, spec, shard, gen: torch.Tensor) -> None:
+    def __init__(self, seq: Sequence, spec, storage, gen: torch.Tensor) -> None:
         seq.check(spec)
-        self.seq, self.spec, self.shard, self.gen = seq, spec, shard, gen
-        cap = shard.capacity
+        self.seq, self.spec, self.storage, self.gen = seq, spec, storage, gen
+        cap = storage.capacity
         self.prev = torch.full((cap,), -1, dtype=torch.int64)
         self.next = torch.full((cap,), -1, dtype=torch.int64)
         self.end = torch.zeros(cap, dtype=torch.bool)  # ends an episode (done or truncated)
         self.term = torch.zeros(cap, dtype=torch.bool)  # terminal (done)
-        self.last: dict[int, int] = {}  # stream -> generation of its newest item
+        self.src = torch.full((cap,), -1, dtype=torch.int64)  # the rank that put each item
+        self.last: dict[tuple[int, int], int] = {}  # (source, key) -> its newest generation
         self.rb = spec.record_bytes
         self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
+        self._arrivals: list[torch.Tensor] = []  # sources of items not linked yet, in order
+
+    def reset(self) -> None:
+        """Forget every item and stream (a restore empties the shard)."""
+        for t in (self.prev, self.next, self.src):
+            t.fill_(-1)
+        self.end.fill_(False)
+        self.term.fill_(False)
+        self.last, self._arrivals = {}, []
+
+    def keys(self, records: torch.Tensor) -> torch.Tensor:
+        """``int64 [n]``: each record's stream key within its rank (the ``stream`` field or 0)."""
+        if self.seq.stream is None:
+            return torch.zeros(records.shape[0], dtype=torch.int64)
+        return self.spec.unpack(records)[self.seq.stream].to(torch.int64)
+
+    def arrived(self, sources: np.ndarray) -> None:
+        """``[world]`` how many of the next new items (in arrival order) each rank sent."""
+        counts = torch.from_numpy(np.ascontiguousarray(sources, dtype=np.int64))
+        self._arrivals.append(torch.repeat_interleave(torch.arange(counts.numel()), counts))
+
+    def arrived_items(self, sources: torch.Tensor) -> None:
+        """The source rank of each of the next new items (a restored piece's)."""
+        self._arrivals.append(sources.to(torch.int64))
+
+    def sources_of(self, gens: torch.Tensor) -> torch.Tensor:
+        """The rank that put each live item ``gens``."""
+        return self.src[gens % self.storage.capacity].clone()
+
+    def _sources(self, n: int) -> torch.Tensor:
+        """Sources of the ``n`` newest arrivals (older ones the ring overwrote are dropped;
+        items with no recorded arrival count as source -1)."""
+        got = torch.cat(self._arrivals) if self._arrivals else torch.zeros(0, dtype=torch.int64)
+        self._arrivals = []
+        if got.numel() >= n:
+            return got[got.numel() - n :]
+        return torch.cat([torch.full((n - got.numel(),), -1, dtype=torch.int64), got])
 
     def _live(self, g: torch.Tensor) -> torch.Tensor:
-        cap = self.shard.capacity
+        cap = self.storage.capacity
         return (g >= 0) & (self.gen[g.clamp(min=0) % cap] == g)
 
     def _gather(self, gens: torch.Tensor) -> torch.Tensor:
@@ -144,13 +185,13 @@ class Episodes:
         if self._rows.shape[0] < n:
             self._rows = torch.empty((max(n, 2 * self._rows.shape[0]), self.rb), dtype=torch.uint8)
         rows = self._rows[:n]
-        self.shard.gather(self.shard.index_of(gens), rows)
+        self.storage.gather(gens, rows)
         return rows
 
     def ingest(self, gens: torch.Tensor) -> torch.Tensor:
-        """Link new items (generations ``gens``, in order, already in ``gen``); returns the
-        generations that became starts."""
-        cap, seq = self.shard.capacity, self.seq
+        """Link new items (generations ``gens``, in order, already in ``gen``; their sources
+        were given by :meth:`arrived`); returns the generations that became starts."""
+        cap, seq = self.storage.capacity, self.seq
         leaf = gens % cap
         rows = self._gather(gens)
         cols = self.spec.unpack(rows)
@@ -158,19 +199,22 @@ class Episodes:
         end = done | cols[seq.truncated] if seq.truncated else done
         self.end[leaf], self.term[leaf] = end, done
         self.next[leaf] = -1
+        sources = self._sources(gens.numel())
+        self.src[leaf] = sources
         if seq.stream is None:
             streams = torch.zeros(gens.numel(), dtype=torch.int64)
         else:
             streams = cols[seq.stream].to(torch.int64)
-        order = torch.argsort(streams, stable=True)
-        s_sorted, g_sorted = streams[order], gens[order]
+        order = torch.argsort(streams, stable=True)  # by (source, key), arrival order within
+        order = order[torch.argsort(sources[order], stable=True)]
+        s_sorted, r_sorted, g_sorted = streams[order], sources[order], gens[order]
         prev_sorted = torch.roll(g_sorted, 1)
         first = torch.ones_like(s_sorted, dtype=torch.bool)
-        first[1:] = s_sorted[1:] != s_sorted[:-1]
+        first[1:] = (s_sorted[1:] != s_sorted[:-1]) | (r_sorted[1:] != r_sorted[:-1])
         firsts = first.nonzero().squeeze(1).tolist()
         ends = [*firsts[1:], s_sorted.numel()]
         for at, stop in zip(firsts, ends):  # per stream (a few per batch), not per item
-            s = int(s_sorted[at])
+            s = (int(r_sorted[at]), int(s_sorted[at]))
             prev_sorted[at] = self.last.get(s, -1)
             self.last[s] = int(g_sorted[stop - 1])
         prev = torch.empty_like(gens)
@@ -186,7 +230,7 @@ class Episodes:
 
     def _back(self, g: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(item, ok)``: the item ``steps`` links before each of ``g``; ``ok`` where it exists."""
-        cap = self.shard.capacity
+        cap = self.storage.capacity
         if _native is not None:
             g = g.contiguous()
             cur = torch.empty_like(g)
@@ -220,7 +264,7 @@ class Episodes:
     def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gens [k, L], m [k])``: each start's window (repeating its last item past its
         end) and its length."""
-        cap, L = self.shard.capacity, self.seq.window
+        cap, L = self.storage.capacity, self.seq.window
         out = torch.empty((starts.numel(), L), dtype=torch.int64)
         if _native is not None:
             starts = starts.contiguous()
@@ -261,7 +305,7 @@ class Episodes:
         inside = steps[None, :] < m[:, None]
         ret = (rewards.double() * scale * inside).sum(dim=1)
         disc = torch.pow(torch.tensor(seq.gamma, dtype=torch.float64), m.double())
-        disc = torch.where(self.term[gens[torch.arange(k), last] % self.shard.capacity], 0, disc)
+        disc = torch.where(self.term[gens[torch.arange(k), last] % self.storage.capacity], 0, disc)
         at = seq.trailer_at(rb) + 16  # after the address and mass
         vals = out[:, at : at + 8].view(torch.float32)
         vals[:, 0] = ret.float()
@@ -284,19 +328,22 @@ class Episodes:
         return out
 
     def state_dict(self) -> dict[str, object]:
-        """Links, episode ends and each stream's newest item."""
+        """Links, episode ends, sources and each stream's newest item."""
         keys = sorted(self.last)
         return {
             "prev": self.prev.clone(),
             "next": self.next.clone(),
             "end": self.end.clone(),
             "term": self.term.clone(),
-            "streams": torch.tensor(keys, dtype=torch.int64),
+            "src": self.src.clone(),
+            "streams": torch.tensor(keys, dtype=torch.int64).reshape(-1, 2),
             "stream_last": torch.tensor([self.last[k] for k in keys], dtype=torch.int64),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict` (same capacity)."""
-        for name in ("prev", "next", "end", "term"):
+        for name in ("prev", "next", "end", "term", "src"):
             getattr(self, name).copy_(state[name])
-        self.last = dict(zip(state["streams"].tolist(), state["stream_last"].tolist()))
+        keys = [tuple(k) for k in state["streams"].tolist()]
+        self.last = dict(zip(keys, state["stream_last"].tolist()))
+        self._arrivals = []

@@ -25,6 +25,10 @@ class Stratified(Sampler):
 
     name = "stratified"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._gen = torch.Generator()  # reseeded from (seed, round) for rounding ties
+
     def allocate(
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
     ) -> np.ndarray:
@@ -38,7 +42,7 @@ class Stratified(Sampler):
         supply = np.floor(exact).astype(np.int64)
         short = demand - int(supply.sum())
         if short:
-            g = seeded(self._alloc_gen, self.ctx.seed, round, 0x57A7)
+            g = seeded(self._gen, self.ctx.seed, round, 0x57A7)
             jitter = torch.rand(world, generator=g, dtype=torch.float64).numpy() * 1e-9
             order = np.argsort(-(exact - supply + jitter), kind="stable")
             supply[order[:short]] += 1

@@ -14,16 +14,16 @@ from __future__ import annotations
 import numpy as np
 
 from conduit_dist.records.spec import _native
-from conduit_dist.sampling.base import Sampler, proportional, splitmix_uniform
+from conduit_dist.sampling.base import Sampler, Speculative, proportional, splitmix_uniform
 
 _KEY = 1 << 40  # allocation streams: (seed, round, _KEY + learner), apart from the draw streams
 
 
-class Uniform(Sampler):
-    """Each learner's batch i.i.d. uniform over every item of every shard."""
+class Uniform(Speculative, Sampler):
+    """Each learner's batch i.i.d. uniform over every item of every shard (a shard's draws are
+    i.i.d. whatever its share: :class:`Speculative`)."""
 
     name = "uniform"
-    speculative = True  # a shard's draws are i.i.d. whatever its share: candidates are exact
 
     def allocate(
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray

@@ -132,6 +132,28 @@ class UpdateQueue:
             self._received = [state["received"].clone()] if state["received"].numel() else []
 
 
+def apply_updates(tree, gen, cap, lo, upd, alpha: float, eps: float) -> tuple[int, float]:
+    """Apply ``upd`` (``[k, 2]``: generation, priority bits) to the leaves of ``tree`` whose
+    generation (``gen[g % cap]``) still matches and is at least ``lo``; returns ``(applied,
+    largest priority applied or -1)``. One native loop (check, mass, leaf and ancestors per
+    update), or the same in torch."""
+    if _native is not None:
+        upd = upd.contiguous()
+        applied, top = _native.tree_update(
+            tree.sum.data_ptr(), tree.min.data_ptr(), tree.offs.data_ptr(), tree.H,
+            gen.data_ptr(), cap, lo, upd.data_ptr(), upd.shape[0], alpha, eps,
+        )  # fmt: skip
+        return int(applied), float(top)
+    gens, prio = upd[:, 0], upd[:, 1].view(torch.float64)
+    leaf = gens % cap
+    live = (gen[leaf] == gens) & (gens >= lo)
+    applied = int(live.sum())
+    if not applied:
+        return 0, -1.0
+    tree.set(leaf[live], (prio[live] + eps).pow_(alpha))
+    return applied, float(prio[live].max())
+
+
 def _group(index, priority, rows, counts) -> int:
     """``queue`` without the extension: the same checks and grouping in torch."""
     bad = ~torch.isfinite(priority) | (priority < 0)

@@ -26,15 +26,17 @@ class RoundClock:
     Args:
         stager: the plane's stager (what a round ingests).
         weights: the plane's weights state (what a round broadcasts).
+        versions: the rank's policy versions (a ticket's ``newest``).
         sched: runs rounds inline or on the worker.
         timeline: where each round's phases are recorded.
         device: the plane's device (CUDA: tickets carry the consumer's stream and an event).
     """
 
     def __init__(
-        self, stager, weights, sched: Scheduler, timeline: Timeline, device: torch.device
+        self, stager, weights, versions, sched: Scheduler, timeline: Timeline, device: torch.device
     ) -> None:
         self.stager, self.weights, self.sched, self.timeline = stager, weights, sched, timeline
+        self.versions = versions
         self.cuda = device if device.type == "cuda" else None
         self.round = 0  # rounds prepared so far (the next round's number)
         self.stats = RoundStats()  # the latest finished round
@@ -49,7 +51,7 @@ class RoundClock:
             self.round, request, staged, direct, self.weights.snapshot(), device_staged
         )
         ticket.reduce = reduce
-        ticket.newest = max(self.stager.version, self.weights.version)
+        ticket.newest = self.versions.newest
         ticket.newest_before, self._newest = self._newest, ticket.newest
         if self.cuda is not None:  # the round's stream starts after what the consumer enqueued
             ticket.consumer = torch.cuda.current_stream(self.cuda)
@@ -73,7 +75,7 @@ class RoundClock:
         except Exception as exc:
             r = self.round - 1
             self.failed = RoundError(
-                f"round {r} failed on rank {self.sched.runner.rank}: {type(exc).__name__}: {exc}", r
+                f"round {r} failed on rank {self.sched.engine.rank}: {type(exc).__name__}: {exc}", r
             )
             raise self.failed from exc
 
@@ -98,6 +100,14 @@ class RoundClock:
         if self.timeline.enabled:
             for phase, (a, b) in stats.spans.items():
                 self.timeline.add(phase, Timeline.PLANE, a, b, round=stats.round)
+
+    def state_dict(self) -> dict[str, int]:
+        """The round number and the newest policy version of the latest ticket."""
+        return {"round": self.round, "newest": self._newest}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.round, self._newest = int(state["round"]), int(state["newest"])
 
     def check(self) -> None:
         """Raise the kept failure, if any.

@@ -16,6 +16,7 @@ from torch import nn
 
 from conduit_dist.errors import ConfigError, EmptyStoreError, RateLimitError
 from conduit_dist.rounds.tickets import RoundStats
+from conduit_dist.sampling.base import Takes
 from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
 from conduit_dist.sched.hooks import BackwardTrigger
@@ -85,19 +86,19 @@ class OverlapController:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         if reduce is not None:
-            self.sched.runner.check_payload(reduce)
+            self.sched.engine.check_payload(reduce)
         t_wait = now()
         records, stats, prefetched, lag = self._fetch_round(batch_size, more, reduce)
         rows = records.shape[0]
-        sampler = self.sched.runner.sampler
-        if rows > batch_size and sampler.takes:
+        sampler = self.sched.engine.sampler
+        if rows > batch_size and isinstance(sampler, Takes):
             raise ConfigError(
                 f"fetch: batch_size {batch_size} is smaller than the {rows} items the "
                 f"{sampler.name!r} sampler delivered to the round launched for it; keep the "
                 "batch size fixed"
             )
         if rows == 0 and stats.limited:
-            lim = self.sched.runner.limiter
+            lim = self.sched.engine.limiter
             raise RateLimitError(
                 f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: held by "
                 + lim.holds("sample", batch_size, stats.stored)
@@ -163,10 +164,11 @@ class OverlapController:
             raise ConfigError(f"fetch_start: rank {self.rank} is an actor; actors call flush()")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-        if not self.sched.runner.fusable:
+        if self.sched.engine.schedule != "fused":
             raise ConfigError(
-                "fetch_start: needs one-exchange rounds (placement 'local', sampler 'uniform', "
-                "device 'cpu', world size > 1)"
+                "fetch_start: needs one-exchange rounds to leave in flight (a placement that keeps "
+                "items where they were put, device 'cpu', world size > 1), got the "
+                f"{self.sched.engine.schedule!r} schedule: its exchanges depend on each other"
             )
         if self.overlap or (self.trial is not None and self.trial.choice is None):
             raise ConfigError(
@@ -176,7 +178,7 @@ class OverlapController:
         if self.sched.pending is not None:
             raise ConfigError("fetch_start: a round is in flight already; fetch its batch first")
         if reduce is not None:
-            self.sched.runner.check_payload(reduce)
+            self.sched.engine.check_payload(reduce)
         ticket = self.clock.prepare(batch_size, reduce)
         self.clock.guard(lambda: self.sched.start(ticket, "prefetch", self.clock.stager.put_seq))
         self._fetched, self._last_batch, self._started = False, batch_size, True
@@ -253,6 +255,17 @@ class OverlapController:
             timeline.add("forward", Timeline.LEARNER, start, end)
 
         self.trigger = BackwardTrigger(module, self._on_backward, forward_span)
+
+    def state_dict(self) -> dict[str, object]:
+        """The schedule in force on this rank and the auto trial's choice."""
+        choice = self.trial.choice if self.trial is not None else None
+        return {"overlap": self.overlap, "choice": choice or ""}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`: a finished auto trial is not run again."""
+        if self.trial is not None and state["choice"]:
+            self.trial.choice = str(state["choice"])
+            self.overlap = self.trial.choice == "overlap"
 
     def detach(self) -> None:
         """Remove the hooks (a launched round still completes at the next call)."""

@@ -17,7 +17,7 @@ import torch
 
 from conduit_dist.errors import RoundError
 from conduit_dist.flow.weights import WeightsState
-from conduit_dist.rounds.engine import RoundRunner
+from conduit_dist.rounds.engine import RoundEngine
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
 MODES = ("overlap", "sync")
@@ -46,7 +46,7 @@ class Scheduler:
 
     Args:
         mode: ``overlap`` or ``sync``.
-        runner: runs one round.
+        engine: runs one round.
         weights: the plane's weights state (broadcast within rounds).
         device: the plane's device (CUDA gets a side stream and events).
         timeout_s: the collectives' timeout; a launched round that has not finished in
@@ -56,13 +56,13 @@ class Scheduler:
     def __init__(
         self,
         mode: str,
-        runner: RoundRunner,
+        engine: RoundEngine,
         weights: WeightsState,
         device: torch.device,
         timeout_s: float,
     ) -> None:
         self.mode = mode
-        self.runner, self.weights = runner, weights
+        self.engine, self.weights = engine, weights
         self.timeout_s = timeout_s
         self.pending: Pending | None = None
         self._pool = (
@@ -75,7 +75,7 @@ class Scheduler:
 
     def _execute(self, ticket: RoundTicket):
         if self._stream is None:
-            out, stats = self.runner.run(ticket, self.weights)
+            out, stats = self.engine.run(ticket, self.weights)
             return out, stats, None
         with torch.cuda.stream(self._stream):
             # explicit ordering, not record_stream: donated tensors and device staging were
@@ -83,8 +83,8 @@ class Scheduler:
             # output is reused only after the consumer's kernels on it (OutputPool.acquire)
             if ticket.ready is not None:
                 self._stream.wait_event(ticket.ready)
-            self.runner.outputs.consumer = ticket.consumer
-            out, stats = self.runner.run(ticket, self.weights)
+            self.engine.delivery.outputs.consumer = ticket.consumer
+            out, stats = self.engine.run(ticket, self.weights)
             event = torch.cuda.Event()
             event.record(self._stream)
         event.synchronize()  # the round's time includes its device work
@@ -105,11 +105,11 @@ class Scheduler:
 
     def start(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
         """Run a one-exchange round up to its exchange on this thread and leave it in flight
-        (``RoundRunner.start``); the call that owns it finishes it, on its own thread."""
+        (``RoundEngine.start``); the call that owns it finishes it, on its own thread."""
         if self.pending is not None:
             raise RuntimeError("start: one launched round at a time")
         self.pending = Pending(
-            kind, ticket, _Started(self.runner.start(ticket, self.weights)), put_seq
+            kind, ticket, _Started(self.engine.start(ticket, self.weights)), put_seq
         )
 
     def launch(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:

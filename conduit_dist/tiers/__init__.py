@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.tiers.base import Tier
+from conduit_dist.tiers.base import Storage, Tier
 from conduit_dist.tiers.disk import DiskTier
 from conduit_dist.tiers.memory import MemoryTier
 from conduit_dist.tiers.shard import Shard
@@ -145,6 +145,7 @@ __all__ = [
     "DiskTier",
     "MemoryTier",
     "Shard",
+    "Storage",
     "Tier",
     "TieredShard",
     "Tiers",

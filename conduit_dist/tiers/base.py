@@ -1,4 +1,12 @@
-"""The tier interface: a fixed number of record slots in one kind of memory.
+"""The storage protocols: :class:`Storage` (one rank's shard, what rounds, samplers and
+checkpoints may ask of it) and :class:`Tier` (a fixed number of record slots in one kind of
+memory).
+
+A shard stores records in FIFO order; the ``g``-th item ever written on it has *generation*
+``g``, and the live items are the generations ``oldest .. written - 1``. Everything outside the
+shard addresses items by generation (samplers draw generations, delivered rows carry them,
+checkpoints record them), so no caller knows where an item sits: a ring slot (``Shard``) or a
+slot in one of several tiers (``TieredShard``).
 
 Every tier keeps its slots as one ``uint8 [slots, record_bytes]`` tensor, ``self.data``, set by
 the subclass (device memory, pinned or pageable host memory, a memory-mapped file); reads and
@@ -8,7 +16,9 @@ writes are tensor ops on it, so they are written once, here.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
@@ -96,8 +106,9 @@ class Tier:
             guard(start, end)
         return self.data[start:end]
 
-    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the records at ``slots`` (int64) into ``out`` (``[len(slots), record_bytes]``).
+    def gather(self, slots: torch.Tensor, out: torch.Tensor, wrap: bool = False) -> None:
+        """Copy the records at ``slots`` (int64) into ``out`` (``[len(slots), record_bytes]``);
+        ``wrap``: at ``slots % self.slots`` (a ring addressed by generation).
 
         In host memory (and memory-mapped files) a native loop copies whole rows, prefetching a
         few rows ahead: random rows of a large store miss the caches, and overlapping the misses
@@ -135,9 +146,12 @@ class Tier:
                 self.slots,
                 slots.data_ptr(),
                 slots.shape[0],
+                wrap,
             )
             return
         idx = slots if slots.device == data.device else slots.to(data.device, non_blocking=True)
+        if wrap:
+            idx = idx.remainder(self.slots)
         torch.index_select(data.view(torch.int64), 0, idx, out=out.view(torch.int64))
 
     def write(self, start: int, records: torch.Tensor) -> None:
@@ -164,3 +178,141 @@ class Tier:
 
     def close(self) -> None:
         """Release the tier's memory or files."""
+
+
+def tier_stats(tier: Tier, items: int) -> dict[str, object]:
+    """One tier's entry in ``Storage.stats()["tiers"]``."""
+    return {
+        "kind": tier.kind,
+        "items": items,
+        "bytes": items * tier.record_bytes,
+        "capacity_bytes": tier.capacity_bytes,
+        "read_gbps": tier.read_gbps,
+        "write_gbps": tier.write_gbps,
+        "bandwidth_source": tier.bandwidth_source,
+    }
+
+
+class Storage(ABC):
+    """One rank's shard of the store: what rounds, samplers and checkpoints may ask of it.
+
+    Items are addressed by generation (see the module docstring). Implemented by
+    :class:`~conduit_dist.tiers.shard.Shard` (one tier, a ring) and
+    :class:`~conduit_dist.tiers.tiered.TieredShard` (several tiers, demotion); a round calls
+    these from one thread at a time (``stats`` may be called from any thread).
+
+    Attributes:
+        capacity: items the shard holds at most.
+    """
+
+    capacity: int
+
+    # ------------------------------------------------------------------ what is stored
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Live items."""
+
+    @property
+    @abstractmethod
+    def written(self) -> int:
+        """Items ever written: the next item's generation."""
+
+    @property
+    def oldest(self) -> int:
+        """Generation of the oldest live item (live: ``oldest .. written - 1``)."""
+        return self.written - self.size
+
+    @property
+    @abstractmethod
+    def tiers(self) -> list[Tier]:
+        """The tiers, fastest first."""
+
+    # ------------------------------------------------------------------ writes
+
+    @abstractmethod
+    def append(self, records: torch.Tensor) -> None:
+        """Write ``records`` (oldest first) as the newest items; beyond the capacity the oldest
+        items are evicted (or demoted down the tiers)."""
+
+    @abstractmethod
+    def reserve(self, ahead: int, n: int) -> tuple[int, list[torch.Tensor]] | None:
+        """Rows for ``n`` items written ``ahead`` items past the newest, before they count.
+
+        For writes ahead of a round (``put`` writes into the rows; the round calls
+        :meth:`commit`). Asking again for the same ``ahead`` and ``n`` before the commit gives
+        the same rows.
+
+        Returns:
+            ``(skip, views)``: the first ``skip`` items get no row (more than the capacity: only
+            the newest fit), the rest fill ``views`` in order; ``None`` when the shard cannot take
+            writes ahead now (the caller stages the items instead).
+        """
+
+    @abstractmethod
+    def overwrites_live(self, ahead: int, n: int) -> bool:
+        """Whether the rows :meth:`reserve` gives for ``(ahead, n)`` hold live items now."""
+
+    @abstractmethod
+    def receive(self, n: int) -> torch.Tensor | None:
+        """Contiguous rows for the next ``n`` items (a collective receives into them), counted
+        by :meth:`commit`; ``None`` when they would not be contiguous (then :meth:`append`)."""
+
+    @abstractmethod
+    def commit(self, n: int) -> None:
+        """Count ``n`` items written into rows from :meth:`reserve` or :meth:`receive`."""
+
+    @abstractmethod
+    def take_oldest(self, n: int) -> None:
+        """Remove the ``n`` oldest items (a queue delivered them, or they were too old)."""
+
+    @abstractmethod
+    def take_newest(self, n: int) -> None:
+        """Remove the ``n`` newest items (a LIFO delivered them): their generations are reused."""
+
+    # ------------------------------------------------------------------ reads
+
+    @abstractmethod
+    def gather(self, generations: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the live items ``generations`` (int64) into ``out`` (``[n, record_bytes]``)."""
+
+    @abstractmethod
+    def locate(self, generations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tier, slot)`` int64 tensors: where the live items ``generations`` are stored (for a
+        checkpoint's copy-on-write snapshot; call after :meth:`settle`)."""
+
+    # ------------------------------------------------------------------ between rounds
+
+    def settle(self) -> None:  # noqa: B027 (default: nothing runs in the background)
+        """Wait for background work (demotion) to finish."""
+
+    def demote_ahead(self, n: int) -> None:  # noqa: B027 (default: nothing to do)
+        """After a round: make room for ``n`` items in the background."""
+
+    def ahead_evictions(self, sizes: np.ndarray, inflow: np.ndarray) -> np.ndarray | None:
+        """Items every shard's :meth:`demote_ahead` evicts before the next round, from
+        replicated inputs (``[world]`` sizes and inflows); ``None``: nothing runs ahead."""
+        return None
+
+    # ------------------------------------------------------------------ state
+
+    @abstractmethod
+    def reset(self, base: int) -> None:
+        """Empty the shard; the next item written gets generation ``base`` (a restore)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, object]:
+        """Items and bytes per tier, demotions, evictions, items taken, demotion waits."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, object]:
+        """Positions, counters and every tier's contents."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict` (same tiers and sizes)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the tiers (disk files are removed)."""

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.tiers.base import Tier
+from conduit_dist.tiers.base import Storage, Tier, tier_stats
 
 
 @dataclass
@@ -43,7 +43,7 @@ class _Ring:
         return (self.start + self.size) % self.cap
 
 
-class TieredShard:
+class TieredShard(Storage):
     """One rank's shard over ``tiers`` (fastest first).
 
     Args:
@@ -63,7 +63,7 @@ class TieredShard:
             raise ConfigError(f"tiers: expected one record size, got {sorted(sizes)}")
         self.rings = [_Ring(t) for t in tiers]
         self.capacity = sum(t.slots for t in tiers)
-        self.written = 0
+        self._written = 0
         self.demotions = 0
         self.evictions = 0
         self.taken = 0  # items a queue took out
@@ -75,6 +75,8 @@ class TieredShard:
         # held while the rings change (a round's writes, a background demotion): stats read under
         # it from any thread and so never see a ring halfway through a change
         self._lock = threading.Lock()
+
+    written = property(lambda self: self._written, doc="The next item's generation.")
 
     @property
     def size(self) -> int:
@@ -162,13 +164,13 @@ class TieredShard:
             self._append(records)
 
     def _append(self, records: torch.Tensor) -> None:
-        self.written += records.shape[0]  # skipped items count: generations stay FIFO order
+        self._written += records.shape[0]  # skipped items count: generations stay FIFO order
         if records.shape[0] > self.capacity:
             self.evictions += records.shape[0] - self.capacity
             records = records[-self.capacity :]
         self._push(0, records)
 
-    def receive_region(self, n: int) -> torch.Tensor | None:
+    def receive(self, n: int) -> torch.Tensor | None:
         """Contiguous tier-0 slots for the next ``n`` items (after making room), or ``None``."""
         self.settle()
         ring = self.rings[0]
@@ -182,10 +184,10 @@ class TieredShard:
         return ring.tier.region(pos, pos + n)
 
     def commit(self, n: int) -> None:
-        """Account for ``n`` items received into the region from :meth:`receive_region`."""
+        """Account for ``n`` items received into the rows from :meth:`receive`."""
         with self._lock:
             self.rings[0].size += n
-            self.written += n
+            self._written += n
 
     def take_oldest(self, n: int) -> None:
         """Remove the ``n`` oldest items (a queue delivered them), from the last tier up."""
@@ -209,73 +211,54 @@ class TieredShard:
             for ring in self.rings:
                 k = min(n, ring.size)
                 ring.size -= k
-                self.written -= k
+                self._written -= k
                 self.taken += k
                 n -= k
 
-    direct_views = None  # writing ahead of a round across tiers would need a demotion
+    def reserve(self, ahead: int, n: int) -> tuple[int, list[torch.Tensor]] | None:
+        """Free tier-0 slots for ``n`` items ``ahead`` past the newest, or ``None`` when tier 0
+        has fewer free slots (items would first have to be demoted: the caller stages them).
+        A background demotion only frees more slots, so the rows stay valid until the commit."""
+        ring = self.rings[0]
+        with self._lock:
+            free = ring.cap - ring.size
+            if ahead + n > free:
+                return None
+            start = (ring.end() + ahead) % ring.cap
+        first = min(n, ring.cap - start)
+        views = [ring.tier.region(start, start + first)]
+        if first < n:
+            views.append(ring.tier.region(0, n - first))
+        return 0, views
+
+    def overwrites_live(self, ahead: int, n: int) -> bool:
+        """Never: :meth:`reserve` gives free slots only."""
+        return False
 
     # ------------------------------------------------------------------ reads
 
-    @property
-    def oldest(self) -> int:
-        """Generation of the oldest live item (live items: ``oldest .. written - 1``, FIFO
-        across tiers)."""
-        return self.written - self.size
+    def _spans(self) -> list[tuple[_Ring, int, int]]:
+        """``(ring, first generation, end generation)`` of every non-empty tier."""
+        out, end = [], self._written
+        for ring in self.rings:  # newest tier first
+            if ring.size:
+                out.append((ring, end - ring.size, end))
+            end -= ring.size
+        return out
 
-    def _tier_spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per non-empty tier, oldest first: first age position (0: the oldest item), first
-        logical index, and items held."""
-        newer = np.array([r.size for r in self.rings], dtype=np.int64)  # newest tier first
-        logical = np.concatenate([[0], np.cumsum(newer)[:-1]])[::-1].copy()
-        sizes = newer[::-1].copy()  # oldest tier first
-        ages = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        keep = sizes > 0
-        return (
-            torch.from_numpy(ages[keep]),
-            torch.from_numpy(logical[keep]),
-            torch.from_numpy(sizes[keep]),
-        )
-
-    def live(self, index: torch.Tensor) -> torch.Tensor:
-        """Gather indices of the live items at positions ``index`` in ``[0, size)``: logical
-        indices already are."""
-        return index
-
-    def index_of(self, generations: torch.Tensor) -> torch.Tensor:
-        """Logical gather indices of live items by generation (valid until items arrive)."""
-        age = generations - self.oldest
-        ages, logical, _ = self._tier_spans()
-        tier = torch.searchsorted(ages, age, right=True) - 1
-        return age - ages[tier] + logical[tier]
-
-    def generations(self, index: torch.Tensor) -> torch.Tensor:
-        """Generations of the live items at logical indices (inverse of :meth:`index_of`)."""
-        ages, logical, _ = self._tier_spans()
-        order = torch.argsort(logical)  # tiers by logical start
-        lo = logical[order]
-        k = order[torch.searchsorted(lo, index, right=True) - 1]
-        return self.oldest + index - logical[k] + ages[k]
-
-    def leaf_of(self, index: torch.Tensor) -> torch.Tensor:
-        """``generation % capacity`` of the items at logical indices."""
-        return self.generations(index) % self.capacity
-
-    def index_of_leaf(self, leaf: torch.Tensor, generation: torch.Tensor) -> torch.Tensor:
-        """Logical indices of the items at leaves ``leaf`` (generations ``generation[leaf]``)."""
-        return self.index_of(generation[leaf])
-
-    def gather(self, logical: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the items at logical indices (newest tier first) into ``out``."""
+    def gather(self, generations: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the live items ``generations`` (whichever tier holds each) into ``out``."""
         self.settle()
-        offset = 0
-        for ring in self.rings:
-            if ring.size == 0:
-                continue
-            mask = (logical >= offset) & (logical < offset + ring.size)
+        spans = self._spans()
+        if len(spans) == 1:  # one tier holds every live item: no scatter needed
+            ring, lo, _ = spans[0]
+            ring.tier.gather((generations - lo + ring.start) % ring.cap, out)
+            return
+        for ring, lo, hi in spans:
+            mask = (generations >= lo) & (generations < hi)
             pos = mask.nonzero().squeeze(1)
             if pos.numel():
-                phys = (logical[pos] - offset + ring.start) % ring.cap
+                phys = (generations[pos] - lo + ring.start) % ring.cap
                 rows = torch.empty(
                     (pos.numel(), out.shape[1]), dtype=out.dtype, device=ring.tier.data.device
                 )
@@ -284,7 +267,6 @@ class TieredShard:
                 to_host = out.device.type == "cpu"
                 rows = rows.to(out.device, non_blocking=not to_host)
                 out.index_copy_(0, pos.to(out.device), rows)
-            offset += ring.size
 
     @property
     def tiers(self) -> list[Tier]:
@@ -294,14 +276,12 @@ class TieredShard:
     def locate(self, generations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tier, slot)`` int64 tensors: where the live items ``generations`` are stored
         (after :meth:`settle`)."""
-        logical = self.index_of(generations)
-        tier, slot = torch.empty_like(logical), torch.empty_like(logical)
-        offset = 0
+        tier, slot = torch.empty_like(generations), torch.empty_like(generations)
         for k, ring in enumerate(self.rings):
-            mask = (logical >= offset) & (logical < offset + ring.size)
+            lo = self._written - sum(r.size for r in self.rings[: k + 1])
+            mask = (generations >= lo) & (generations < lo + ring.size)
             tier[mask] = k
-            slot[mask] = (logical[mask] - offset + ring.start) % ring.cap
-            offset += ring.size
+            slot[mask] = (generations[mask] - lo + ring.start) % ring.cap
         return tier, slot
 
     def reset(self, base: int) -> None:
@@ -310,7 +290,7 @@ class TieredShard:
         with self._lock:
             for ring in self.rings:
                 ring.start = ring.size = 0
-            self.written, self.taken = base, 0
+            self._written, self.taken = base, 0
 
     def stats(self) -> dict[str, object]:
         """Items and bytes per tier, demotions and evictions so far.
@@ -323,20 +303,8 @@ class TieredShard:
             return self._stats()
 
     def _stats(self) -> dict[str, object]:
-        tiers = [
-            {
-                "kind": r.tier.kind,
-                "items": r.size,
-                "bytes": r.size * r.tier.record_bytes,
-                "capacity_bytes": r.tier.capacity_bytes,
-                "read_gbps": r.tier.read_gbps,
-                "write_gbps": r.tier.write_gbps,
-                "bandwidth_source": r.tier.bandwidth_source,
-            }
-            for r in self.rings
-        ]
         return {
-            "tiers": tiers,
+            "tiers": [tier_stats(r.tier, r.size) for r in self.rings],
             "demotions": self.demotions,
             "evictions": self.evictions,
             "taken": self.taken,
@@ -350,7 +318,7 @@ class TieredShard:
             "rings": [
                 {"start": r.start, "size": r.size, "tier": r.tier.state_dict()} for r in self.rings
             ],
-            "written": self.written,
+            "written": self._written,
             "demotions": self.demotions,
             "evictions": self.evictions,
             "taken": self.taken,
@@ -366,7 +334,7 @@ class TieredShard:
         for ring, saved in zip(self.rings, state["rings"]):
             ring.tier.load_state_dict(saved["tier"])
             ring.start, ring.size = int(saved["start"]), int(saved["size"])
-        self.written = int(state["written"])
+        self._written = int(state["written"])
         self.demotions, self.evictions = int(state["demotions"]), int(state["evictions"])
         self.taken = int(state.get("taken", 0))
 

@@ -25,7 +25,7 @@ from conduit_dist.integrations.torchrl.unsupported import (
 )
 from conduit_dist.plane import DataPlane
 from conduit_dist.registry import check_count
-from conduit_dist.sampling import Sampler
+from conduit_dist.sampling import RoutesFeedback, Sampler
 
 
 class ShardedReplayBuffer:
@@ -367,7 +367,7 @@ class ShardedReplayBuffer:
         return self.plane
 
     def _routes_updates(self) -> bool:
-        return isinstance(self.sampler, Sampler) and self.sampler.routes_updates
+        return isinstance(self.sampler, RoutesFeedback)
 
     def _sampler_name(self) -> str:
         s = self.sampler

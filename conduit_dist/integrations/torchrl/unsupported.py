@@ -8,7 +8,7 @@ import inspect
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane
-from conduit_dist.sampling import Prioritized, Sampler
+from conduit_dist.sampling import Prioritized, Sampler, Streams
 from conduit_dist.tiers import Tiers
 
 # TorchRL constructor arguments with no meaning here, and what to do instead
@@ -69,7 +69,7 @@ def check_sampler(sampler: str | Sampler) -> str | Sampler:
         raise NotImplementedError(hint)
     if sampler == "prioritized":
         return Prioritized()
-    if isinstance(sampler, Sampler) and sampler.windowed:
+    if isinstance(sampler, Streams):
         raise NotImplementedError(
             "sampler: windowed samplers (sequence=cd.Sequence(...)) deliver composed windows; "
             "ShardedReplayBuffer delivers items: use the DataPlane directly for them"

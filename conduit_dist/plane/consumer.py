@@ -1,0 +1,142 @@
+"""The learner's side of a plane: a fetch's records as fields, checked against the policy-age
+bound, and priority updates sent back to the shards that own the items."""
+
+from __future__ import annotations
+
+import torch
+
+from conduit_dist.errors import ConfigError, StaleDataError
+from conduit_dist.flow.versions import check_ages, check_max_age
+from conduit_dist.plane.waiting import fetch_records
+from conduit_dist.records.spec import VERSION
+from conduit_dist.sampling.base import RoutesFeedback, WritesRows
+
+
+class Consumer:
+    """Turns a learner's delivered rows into its batch.
+
+    Args:
+        parts: the plane's parts (``plane/build.py``).
+        max_policy_age: the plane's bound (``None``: none).
+    """
+
+    def __init__(self, parts, max_policy_age: int | None) -> None:
+        self.p, self.max_age = parts, max_policy_age
+        self.rank = parts.exchange.rank
+        self.all_learn = len(parts.learner_ranks) == parts.exchange.world
+        self.stale_refused = 0  # rows of batches refused by check_ages (taken from the store)
+
+    def fetch(
+        self,
+        batch_size: int,
+        *,
+        more: bool = False,
+        reduce: torch.Tensor | None = None,
+        max_policy_age: int | None = None,
+        wait_s: float = 0.0,
+    ) -> dict[str, torch.Tensor]:
+        """This learner's batch, drawn by the sampler from the global store.
+
+        Args:
+            batch_size: items to return.
+            more: another fetch follows before the next ``put`` (minibatches of one rollout).
+            reduce: a CPU float32 ``[reduce_numel]`` tensor, replaced by its mean over learners.
+            max_policy_age: a bound for this fetch (``None``: the plane's), checked on every
+                row against the newest version this rank knew when the round was prepared
+                (with actors and a bound >= 1: the one it knew a round earlier, what the actors'
+                shards evict by; ``k = 0`` stays strict).
+            wait_s: while nothing can be delivered (``EmptyStoreError``), run further rounds for
+                up to this many seconds (e.g. a learner waiting for actors).
+
+        Returns:
+            ``name -> [batch_size, *shape]`` views of one pooled buffer (rows grouped by shard),
+            with ``"_version"`` (the producer's policy version) and the sampler's entries
+            (``_index``/``_weight``; windows ``[B, T, ...]`` or n-step values).
+
+        Raises:
+            ConfigError: on an actor, a bad ``batch_size``, or one above its launched round's.
+            RoundError: if the round failed or timed out on some rank (names the rank).
+            EmptyStoreError: if nothing can be delivered (after ``wait_s``; the rounds
+                themselves completed).
+            StaleDataError: if a row is older than the bound (the batch is not returned).
+            RateLimitError: held by the rate limiter longer than its ``timeout_s``.
+        """
+        p = self.p
+        bound = check_max_age("fetch max_policy_age", max_policy_age)
+        if not isinstance(wait_s, int | float) or not wait_s >= 0 or wait_s == float("inf"):
+            raise ConfigError(f"fetch wait_s: expected a finite number >= 0, got {wait_s!r}")
+        if p.limiter is not None and isinstance(batch_size, int):
+            p.limiter.check_size("sample", batch_size)
+        bound = self.max_age if bound is None else bound
+        records = fetch_records(p.control, batch_size, more, reduce, wait_s, p.limiter)
+        unpack = p.engine.delivery.outputs.unpack
+        if isinstance(p.sampler, WritesRows):  # trailers (_index, _weight), windows
+            out = p.sampler.read_rows(records, unpack)
+        else:
+            out = unpack(records)
+        if bound is not None:
+            st = p.clock.stats
+            try:
+                # with actors, a version learners publish reaches them (and the bound their
+                # shards evict by) one round later: a window (bound >= 1) is checked against
+                # what every rank knew; bound 0 (on-policy) stays strict
+                ref = st.newest if self.all_learn or bound == 0 else st.newest_before
+                check_ages(out[VERSION], ref, bound, self.rank, st.round)
+            except StaleDataError:
+                self.stale_refused += int(out[VERSION].numel())
+                raise
+        return out
+
+    def update_priorities(self, index: torch.Tensor, priority: torch.Tensor) -> None:
+        """Set the priorities of fetched items (learners; ``Prioritized`` with ``alpha > 0``).
+
+        Each update travels to the shard that holds the item in a later round; an update whose
+        item was overwritten meanwhile is dropped and counted (``store_stats()``).
+
+        Args:
+            index: the ``"_index"`` entries of fetched batches (int64 ``[k]``, any device).
+            priority: new priorities (``[k]``, finite, ``>= 0``; e.g. ``|TD error|``).
+
+        Raises:
+            ConfigError: without a sampler that takes updates, on an actor, on shapes, dtypes
+                or addresses that do not match, or on NaN/inf/negative priorities (nothing is
+                queued then).
+        """
+        p = self.p
+        if self.rank not in p.learner_ranks:
+            raise ConfigError(
+                f"update_priorities: rank {self.rank} is an actor; learners update what they "
+                "fetched"
+            )
+        if not isinstance(p.sampler, RoutesFeedback):
+            raise ConfigError(
+                f"update_priorities: the {p.sampler.name!r} sampler takes no priority updates "
+                "(its draws do not depend on them); build the plane with "
+                "sampler=cd.Prioritized(alpha > 0)"
+            )
+        p.sampler.queue_updates(*_check_updates(index, priority))
+
+
+def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
+    """``update_priorities``' arguments as contiguous CPU int64 and float64 ``[k]`` tensors
+    (their values are checked by the sampler).
+
+    Raises:
+        ConfigError: naming the argument, the expected and the received type or shape.
+    """
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
+        got = f"{index.dtype} {list(index.shape)}" if isinstance(index, torch.Tensor) else index
+        raise ConfigError(f"update_priorities index: expected an int64 [k] tensor, got {got}")
+    if not isinstance(priority, torch.Tensor) or not priority.dtype.is_floating_point:
+        got = priority.dtype if isinstance(priority, torch.Tensor) else type(priority).__name__
+        raise ConfigError(
+            f"update_priorities priority: expected a floating-point tensor, got {got}"
+        )
+    if priority.shape != index.shape:
+        raise ConfigError(
+            f"update_priorities priority: expected shape {list(index.shape)} (one per index), "
+            f"got {list(priority.shape)}"
+        )
+    index = index.detach().to("cpu", torch.int64).contiguous()
+    priority = priority.detach().to("cpu", torch.float64).contiguous()
+    return index, priority

@@ -1,0 +1,82 @@
+"""Delivery: a shard's share of every learner's batch, gathered and moved to the learners.
+
+Every learner's rows land in a pooled output buffer (``records.buffers.OutputPool``), grouped
+by shard: other shards' rows first (in rank order), its own shard's last. A learner's rows from
+its own shard are written straight into its output and never enter an exchange; when no
+learner reads another rank's shard, no collective runs. Rows are written by the sampler when it
+composes them (``WritesRows``: trailers, windows), else gathered from the storage.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from conduit_dist.records.buffers import OutputPool, RecordBuffer
+from conduit_dist.rounds.tickets import RoundStats
+
+
+class Delivery:
+    """This rank's side of every round's delivery.
+
+    Args:
+        sampler: draws this shard's share.
+        write: ``write(generations, out)``: the delivered rows of draws.
+        exchange: the plane's collectives (rank, world).
+        transport: runs the delivery exchange.
+        wire_bytes: bytes of a delivered row.
+        device: where batches are delivered.
+        unpack: records -> field views (the spec's ``unpack``), for the output pool.
+    """
+
+    def __init__(self, sampler, write, exchange, transport, wire_bytes, device, unpack) -> None:
+        self.sampler, self.write, self.transport = sampler, write, transport
+        self.rank, self.world = exchange.rank, exchange.world
+        self.wire = wire_bytes
+        self.outputs = OutputPool(wire_bytes, device, unpack)
+        self._send = RecordBuffer(wire_bytes, device)
+
+    def exact(self, counts: np.ndarray, round: int, stats: RoundStats, t1: float) -> torch.Tensor:
+        """Draw this shard's share of every learner's batch (``counts[learner, shard]``), write
+        its own learner's rows into its output and deliver the rest in one exchange."""
+        me = self.rank
+        to_learners = counts[:, me]  # rows this shard gives each learner
+        n_recv = int(counts[me].sum())
+        out = self.outputs.acquire(n_recv)
+        if self.world == 1:  # one shard: its draws are the batch
+            if n_recv:
+                self.write(self.sampler.draw(n_recv, round), out)
+            stats.mark("sample", t1, time.perf_counter())
+            stats.items_out, stats.bytes_out = n_recv, n_recv * self.wire
+            return out
+        mine = int(counts[me, me])
+        first = int(to_learners[:me].sum())  # this learner's rows among this shard's draws
+        n_draw = int(to_learners.sum())
+        remote = n_recv - mine
+        stats.add_sent(to_learners * self.wire)  # the own learner's rows: copied locally
+        send = self._send.rows(n_draw - mine)
+        if n_draw:
+            gens = self.sampler.draw(n_draw, round)
+            if mine:
+                self.write(gens[first : first + mine], out[remote:])
+            if n_draw > mine:
+                others = torch.cat([gens[:first], gens[first + mine :]]) if mine else gens
+                self.write(others, send)
+        t2 = time.perf_counter()
+        stats.mark("sample", t1, t2)
+        rows = counts.T.copy()  # rows[shard, learner], own-shard rows already placed
+        np.fill_diagonal(rows, 0)
+        if rows.any():  # the same on every rank: all run the exchange or none does
+            stats.moves.append(self.transport.move(out[:remote], send, rows, round, "deliver"))
+        stats.mark("deliver", t2, time.perf_counter())
+        stats.items_out, stats.bytes_out = n_recv, n_recv * self.wire
+        return out
+
+    def own(self, counts: np.ndarray, round: int, out: torch.Tensor, at: int) -> None:
+        """Draw and write this learner's own-shard share after ``at`` rows of ``out`` (a
+        second stream of the round: candidates already used the first)."""
+        own = int(counts[self.rank, self.rank])
+        if own:
+            self.write(self.sampler.draw(own, round, stream=1), out[at : at + own])

@@ -1,0 +1,111 @@
+"""Ingestion: a round's staged items into their owner shards.
+
+Items that stay where they were put (the fused and world-size-1 schedules) are committed (written
+ahead into the shard by ``put``) or appended locally. Otherwise the placement's plan
+``send[src, dst]`` (replicated from the meta) moves the staged rows in one exchange whose
+strategy the bandwidth model picks; the receiving shard receives straight into its slots when
+they do not wrap. Samplers whose windows need a stream's items on one shard (``Streams``) have
+each staged item routed by its stream key (``Placement.route``, a stable function), and the
+per-destination counts travel in the meta so every rank holds the whole plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conduit_dist.records.buffers import RecordBuffer
+from conduit_dist.rounds.tickets import RoundStats, RoundTicket
+
+
+class Ingest:
+    """Moves a rank's staged records into the store.
+
+    Args:
+        storage: this rank's shard.
+        exchange: the plane's collectives (rank, world).
+        transport: runs an exchange with the strategy the bandwidth model picks.
+        record_bytes: bytes of a stored record.
+        device: the plane's device (staged records are copied there first).
+    """
+
+    def __init__(self, storage, exchange, transport, record_bytes: int, device) -> None:
+        self.storage, self.transport = storage, transport
+        self.rank, self.world = exchange.rank, exchange.world
+        self.rb, self.device = record_bytes, device
+        self._recv = RecordBuffer(record_bytes, device)
+        self._dev_stage = RecordBuffer(record_bytes, device)  # H2D copy of staged records
+        self._routed = RecordBuffer(record_bytes, device)  # staged rows in destination order
+        self._order: torch.Tensor | None = None  # this round's destination order (routed)
+
+    def staged_rows(self, t: RoundTicket) -> torch.Tensor:
+        """This round's staged records on the plane's device, as one block of rows.
+
+        Host staging (pinned on CUDA machines) is copied to the device on the round's stream;
+        device staging (items put from GPU tensors) is used where it is, or, when both kinds
+        were put, copied after it (FIFO within each kind).
+        """
+        host, dev = t.staged, t.device_staged
+        if dev is None or not dev.count:
+            inp = host.view()
+            if inp.device == self.device:
+                return inp
+            return self._dev_stage.rows(host.count).copy_(inp, non_blocking=True)
+        if not host.count:
+            return dev.view()
+        rows = self._dev_stage.rows(dev.count + host.count)
+        rows[: dev.count].copy_(dev.view())
+        rows[dev.count :].copy_(host.view(), non_blocking=True)
+        return rows
+
+    def local(self, t: RoundTicket) -> int:
+        """Commit what ``put`` wrote ahead into the shard, append the staged rows; returns the
+        items this shard took in."""
+        if t.direct:
+            self.storage.commit(t.direct)
+        if t.count:
+            self.storage.append(self.staged_rows(t))
+        return t.count + t.direct
+
+    def route(self, t: RoundTicket, keys_of, route) -> np.ndarray:
+        """Order this round's staged rows by destination (stable: a stream's items keep their
+        order) and return the items to each shard (``[world]``, the meta's routed columns).
+
+        Args:
+            keys_of: ``records -> int64 [n]`` stream keys (``Streams.stream_keys``).
+            route: ``(src, keys) -> [n]`` destination shards (``Placement.route``).
+        """
+        if not t.count:
+            self._order = None
+            return np.zeros(self.world, dtype=np.int64)
+        rows = self.staged_rows(t)
+        dest = np.asarray(route(self.rank, keys_of(rows).numpy()), dtype=np.int64)
+        self._order = torch.from_numpy(np.argsort(dest, kind="stable"))
+        return np.bincount(dest, minlength=self.world).astype(np.int64)
+
+    def exchange(self, t: RoundTicket, plan: np.ndarray, stats: RoundStats) -> int:
+        """Move the staged rows to their owners by ``plan[src, dst]`` (replicated: every rank
+        runs the exchange or none does); returns the items this shard took in."""
+        me = self.rank
+        n_in = int(plan[:, me].sum())
+        if not plan.any():
+            return 0
+        stats.add_sent(plan[me] * self.rb)  # own row: kept locally
+        inp = self.staged_rows(t)
+        if self._order is not None:
+            out = self._routed.rows(inp.shape[0])
+            torch.index_select(inp, 0, self._order.to(inp.device), out=out)
+            inp, self._order = out, None
+        between = plan.copy()
+        np.fill_diagonal(between, 0)
+        if not between.any():
+            self.storage.append(inp)  # every item stays put (known on every rank): no exchange
+            return n_in
+        direct = self.storage.receive(n_in)
+        out = direct if direct is not None else self._recv.rows(n_in)
+        stats.moves.append(self.transport.move(out, inp, plan, t.round, "ingest"))
+        if direct is not None:
+            self.storage.commit(n_in)
+        else:
+            self.storage.append(out)
+        return n_in
