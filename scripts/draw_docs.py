@@ -7,8 +7,8 @@ Two steps:
    Chrome traces (``DataPlane(trace=True)``, ``plane.export_trace``), aligned on one clock
    (open it in https://ui.perfetto.dev), and under ``otherData`` every iteration's
    ``plane.last_fetch`` (exposed / hidden ms) and wall time. The job: every rank puts 128
-   items of 16 KB per iteration and fetches 256 (library defaults: ``round_robin`` placement,
-   ``uniform`` sampler, general rounds), learns with a small MLP whose backward also waits
+   items of 16 KB per iteration and fetches 256 (``round_robin`` placement, the library's
+   default ``uniform`` sampler, general rounds), learns with a small MLP whose backward also waits
    ``--backward-ms`` with the host CPU idle (``time.sleep`` in an autograd function: a stand-in
    for a GPU backward, as ``bench latency``'s off-CPU learner), ``plane.attach(model)``; blocks
    of ``sync`` and ``overlap`` iterations alternate.
@@ -84,7 +84,9 @@ def _job(a: argparse.Namespace) -> None:
     runs, load = [], os.getloadavg()
     for block in range(a.blocks):
         for mode in MODES:
-            plane = cd.DataPlane(spec, 8 * a.put, seed=block, schedule=mode, trace=True)
+            plane = cd.DataPlane(
+                spec, 8 * a.put, seed=block, schedule=mode, trace=True, placement="round_robin"
+            )
             plane.attach(model)
             line = plane.timeline
             records = []
@@ -268,32 +270,34 @@ def draw_loop(plt, path: Path) -> None:
 
 
 GENERAL = [
-    ("ingest", "1 meta exchange, one small all_to_all_single: [staged, request, weights\n"
-     "   version + bytes, stale, sampler meta]; meanwhile pack donated puts, settle", COLLECTIVE),
-    ("ingest", "2 placement.plan -> send[src, dst]  (replicated: no message)", LOCAL),
+    ("ingest", "1 prepare + meta exchange, one small all_to_all_single: the meta row\n"
+     "   (rounds/meta.py); meanwhile pack donated puts, settle the demoter", COLLECTIVE),
+    ("ingest", "2 placement.plan (or route: whole streams) -> send[src, dst]  (no message)", LOCAL),
     ("ingest", "3 ingest staged rows into their owner shards  (Transport.move:\n"
      "   all_to_all / p2p / chunked4 / gather, as the bandwidth model prices them)", COLLECTIVE),
-    ("sample", "4 sampler.allocate -> counts[learner, shard]  (the same on every rank)", LOCAL),
-    ("sample", "5 sampler.draw + shard.gather; own-shard rows go straight into the batch", LOCAL),
-    ("deliver", "6 deliver the other shards' rows to each learner  (Transport.move)", COLLECTIVE),
-    ("weights", "7 weights broadcast, if learner_ranks[0] published a newer version", COLLECTIVE),
-    ("", "8 sampler.feedback; start background demotion; publish sizes (len(plane))", LOCAL),
+    ("ingest", "4 header exchange, when the sampler reports shard values (priority\n"
+     "   masses), routes feedback or a payload rides: headers | candidates | updates", COLLECTIVE),
+    ("sample", "5 sampler.allocate -> counts[learner, shard]  (the same on every rank)", LOCAL),
+    ("deliver", "6 candidates' prefixes + own share; or draw, gather and deliver the other\n"
+     "   shards' rows to each learner  (Transport.move)", COLLECTIVE),
+    ("weights", "7 take (queues); weights broadcast, if a newer version was published", COLLECTIVE),
+    ("", "8 start background demotion; publish sizes (len(plane))", LOCAL),
 ]  # fmt: skip
 FUSED = [
-    ("ingest", "1 commit puts written into the shard's slots, append staged rows;\n"
-     "   evict stale items (max_policy_age)", LOCAL),
-    ("ingest", "2 header = [staged, request, weights version + bytes, stale,\n"
-     "   sampler meta, shard size, payload?]", LOCAL),
-    ("ingest", "3 draw candidates for every peer learner: its last request x this\n"
-     "   shard's last share + 6 sd + 1% + 4  (fused.candidates)", LOCAL),
+    ("ingest", "1 prepare; commit puts written into the storage's reserved rows, append\n"
+     "   staged rows (stale items dropped and evicted: max_policy_age)", LOCAL),
+    ("ingest", "2 header = the meta row: [staged, request, weights version + bytes,\n"
+     "   stale, size, payload?, sampler values]", LOCAL),
+    ("ingest", "3 speculative samplers: draw candidates for every peer learner: its last\n"
+     "   request x this shard's last share + 6 sd + 1% + 4  (wire.candidates)", LOCAL),
     ("ingest", "4 ONE all_to_all_single, per peer:\n"
      "   [header | payload (reduce=) | candidate rows | priority updates]", COLLECTIVE),
     ("ingest", "5 every header -> shard sizes, requests; priority updates received", LOCAL),
     ("sample", "6 sampler.allocate (the same on every rank); take the first k of each\n"
-     "   shard's candidates, draw the own share (a share above its candidates:\n"
-     "   every rank runs the general delivery exchange)", LOCAL),
-    ("weights", "7 weights broadcast, if a newer version was published", COLLECTIVE),
-    ("", "8 sampler.feedback; start background demotion; publish sizes", LOCAL),
+     "   shard's candidates, draw the own share (short, or not speculative:\n"
+     "   every rank runs the exact delivery exchange)", LOCAL),
+    ("weights", "7 take (queues); weights broadcast, if a newer version was published", COLLECTIVE),
+    ("", "8 start background demotion; publish sizes", LOCAL),
 ]  # fmt: skip
 
 
@@ -315,21 +319,22 @@ def _steps(ax, x, steps, title, sub):
 
 
 def draw_round(plt, path: Path) -> None:
-    """A round as RoundRunner.run and FusedRound run it, steps grouped by their trace phase."""
+    """A round's steps as RoundEngine runs them on its two multi-rank schedules, grouped by
+    their trace phase."""
     fig, ax = _canvas(plt, 12, 5.6, "")
     _steps(
         ax,
         0.01,
         GENERAL,
-        "the general round (rounds.py: RoundRunner.run)",
-        "round_robin / bandwidth_aware placement, stratified, queues, epochs, CUDA delivery",
+        "the general schedule (rounds/engine.py: RoundEngine._general)",
+        "round_robin / bandwidth_aware placement (any sampler), CUDA delivery",
     )
     _steps(
         ax,
         0.53,
         FUSED,
-        "the one-exchange round (fused_round.py: FusedRound)",
-        "placement='local' + a speculative sampler (uniform, prioritized), CPU delivery",
+        "the fused schedule (rounds/engine.py: RoundEngine._launch/_finish)",
+        "placement='local' (any sampler), CPU delivery",
     )
     for color, text, x in (
         (COLLECTIVE, "collective on the plane's own group", 0.55),
