@@ -159,3 +159,30 @@ def test_tier_bandwidths_are_measured_or_declared(tmp_path):
             spec(), 128, storage=cd.Tiers(tiers, disk_dir=str(tmp_path), gbps={"disk": (0, 1)})
         )
     assert not os.listdir(tmp_path)  # the failed plane left no file behind
+
+
+def test_puts_write_ahead_into_free_first_tier_slots_and_stage_when_there_are_none():
+    """A tiered shard reserves free slots of its first tier for puts (Storage.reserve); a put
+    that does not fit is staged, and so is every put after it until the next round."""
+    storage = cd.Tiers([("host", 8), ("host", 16)], gbps={"host": (1.0, 1.0)})
+    plane = cd.DataPlane(spec(), 24, seed=0, storage=storage)
+    stager = plane._p.stager
+    plane.put(make_batch(torch.arange(5)))
+    assert (stager.direct, stager.buffers.current.count) == (5, 0)  # written ahead
+    plane.put(make_batch(torch.arange(5, 9)))  # 5 + 4 > 8 free slots: staged
+    plane.put(make_batch(torch.arange(9, 10)))  # staged too: nothing jumps the queue
+    assert (stager.direct, stager.buffers.current.count) == (5, 5)
+    batch = plane.fetch(64)
+    assert_intact(batch)
+    assert set(batch["id"].tolist()) <= set(range(10))
+    assert len(plane) == 10
+    for k in range(6):  # the demoter makes room after every round: puts go ahead again
+        plane.put(make_batch(torch.arange(10 + 4 * k, 14 + 4 * k)))
+        assert stager.direct == 4
+        assert_intact(plane.fetch(16))
+    # full: the demoter made room for the next round's 4 items ahead (capacity - 4 held)
+    assert len(plane) == 20 and plane.store_stats()["demotions"] > 0
+    plane.shard.settle()
+    held = [i for tier in reversed(_ids(plane.shard)) for i in tier]
+    assert held == list(range(34 - 20, 34)), held  # FIFO across both tiers, the oldest evicted
+    plane.close()

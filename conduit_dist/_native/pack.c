@@ -532,16 +532,17 @@ static PyObject* tree_set(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-/* tree_sample(sum, offs, H, n, seed, round, key, out, mass): n leaves drawn i.i.d. with
- * probability leaf / root, from the splitmix64 stream (seed, round, key); their indices (int64)
- * into out and their values (float64) into mass. The descent never enters a child of zero mass,
+/* tree_sample(sum, offs, H, n, seed, round, key, out, mass[, gen]): n leaves drawn i.i.d. with
+ * probability leaf / root, from the splitmix64 stream (seed, round, key); their indices (int64;
+ * with gen, the generations gen[leaf] they hold) into out and their values (float64) into mass. The descent never enters a child of zero mass,
  * so rounding cannot land on a dead leaf. The root must be > 0. */
 static PyObject* tree_sample(PyObject* self, PyObject* args) {
-    unsigned long long sum_p, offs_p, seed, round, key, out_p, mass_p;
+    unsigned long long sum_p, offs_p, seed, round, key, out_p, mass_p, gen_p = 0;
     long long H, n;
-    if (!PyArg_ParseTuple(args, "KKLLKKKKK", &sum_p, &offs_p, &H, &n, &seed, &round, &key, &out_p,
-                          &mass_p))
+    if (!PyArg_ParseTuple(args, "KKLLKKKKK|K", &sum_p, &offs_p, &H, &n, &seed, &round, &key,
+                          &out_p, &mass_p, &gen_p))
         return NULL;
+    const int64_t* gen = (const int64_t*)(uintptr_t)gen_p; /* optional: leaf -> generation */
     const double* s = (const double*)(uintptr_t)sum_p;
     const int64_t* offs = (const int64_t*)(uintptr_t)offs_p;
     double total = s[offs[H]];
@@ -586,7 +587,7 @@ static PyObject* tree_sample(PyObject* self, PyObject* args) {
             }
         }
         for (int g = 0; g < g_n; g++) {
-            out[at + g] = j[g];
+            out[at + g] = gen ? gen[j[g]] : j[g];
             mass[at + g] = s[j[g]];
         }
     }
@@ -848,9 +849,9 @@ static PyMethodDef methods[] = {
      "tree_set(sum, min, offs, H, idx, val, n): set n leaves of float64 8-ary sum/min trees "
      "and recompute their ancestors."},
     {"tree_sample", tree_sample, METH_VARARGS,
-     "tree_sample(sum, offs, H, n, seed, round, key, out, mass): n leaves drawn in proportion to "
-     "their "
-     "mass from the stream (seed, round, key)."},
+     "tree_sample(sum, offs, H, n, seed, round, key, out, mass[, gen]): n leaves (with gen: "
+     "their generations gen[leaf]) drawn in proportion to their mass from the stream "
+     "(seed, round, key)."},
     {"tree_update", tree_update, METH_VARARGS,
      "tree_update(sum, min, offs, H, gen, cap, lo, upd, n, alpha, eps): apply live priority "
      "updates; "

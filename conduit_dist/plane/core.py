@@ -236,7 +236,8 @@ class DataPlane:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the DataPlane is closed")
-        self._ckpt.raise_failure()
+        if self._ckpt.current is not None:
+            self._ckpt.raise_failure()
         if self._p.stager.in_block:
             raise ConfigError("this call cannot run inside a staged() block: leave the block first")
         self._p.clock.check()

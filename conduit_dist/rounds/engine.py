@@ -1,26 +1,14 @@
 """The round engine: one sequence of named steps, each written once, run as three schedules.
 
-Steps (methods below): ``prepare`` (pack donated puts, wait for demotion, drop and evict items
-older than ``max_policy_age``) -> ``meta`` (the meta row, exchanged) -> ``plan`` (placement) ->
-``ingest`` -> ``headers`` (the header exchange, when needed) -> ``admit`` (rate limiter) ->
-``allocate`` (sampler) -> ``deliver`` (draw/gather and exchange, or a prefix of the candidates)
--> ``take`` (items that leave the store) -> ``weights`` -> ``after`` (demotion ahead, published
-sizes).
-
-Schedules (chosen once, when the plane is built):
-
-- ``local`` (world size 1): no collective: local ingest, the shard's own meta row, allocation,
-  its own draws;
-- ``fused`` (a placement that keeps items where they were put, host delivery): local ingest,
-  then one header exchange carries every rank's meta, payloads, candidates and update rows;
-  the exact delivery exchange runs only when candidates fall short (or the sampler is not
-  speculative and a learner reads another shard);
-- ``general``: a meta exchange, the plan, the ingestion exchange, the header exchange when the
-  sampler reports values of its shard or routes feedback or a payload rides, then delivery.
-
-Every rank keeps the replicated state (every shard's size, items ingested, candidate sizes) and
-runs rounds one at a time in the same order; a :class:`~conduit_dist.rounds.tickets.RoundTicket`
-prepared on the thread that owns ``put`` can run on any thread.
+Steps: ``prepare`` -> ``meta`` -> ``plan`` -> ``ingest`` -> ``headers`` (when needed) ->
+``allocate`` (with the rate limiter's admission) -> ``deliver`` -> ``take`` -> ``weights`` ->
+``after``. Schedules, chosen once: ``local`` (world size 1: no collective), ``fused`` (items stay
+where they were put, host delivery: one header exchange carries every rank's meta, payloads,
+candidates and update rows) and ``general`` (meta exchange, plan, ingestion exchange, the header
+exchange when the sampler reports shard values, routes feedback or a payload rides, delivery).
+docs/round.md and docs/architecture.md draw and describe each step. Every rank keeps the
+replicated state and runs rounds one at a time, in the same order; a ``RoundTicket`` prepared on
+the thread that owns ``put`` can run on any thread.
 """
 
 from __future__ import annotations
@@ -48,9 +36,6 @@ from conduit_dist.sampling.base import (
     TracksInflow,
     WritesRows,
 )
-
-SCHEDULES = ("local", "fused", "general")
-
 
 def schedule_for(world: int, keeps_local: bool, device: torch.device) -> str:
     """The schedule a plane's rounds run: ``local`` at world size 1, ``fused`` where items stay
@@ -100,7 +85,11 @@ class RoundEngine:
         self.device, self.wire_bytes, self.reduce_numel = device, wire_bytes, int(reduce_numel)
         self.weights_src = learners[0]
         self.schedule = schedule_for(self.world, placement.keeps_local, device)
-        self.routed = isinstance(sampler, Streams) and self.schedule == "general"
+        # the sampler's capabilities, checked once (isinstance on a protocol costs ~1 us)
+        self._streams, self._takes = isinstance(sampler, Streams), isinstance(sampler, Takes)
+        self._tracks = isinstance(sampler, TracksInflow)
+        self._shares = isinstance(sampler, Speculative)
+        self.routed = self._streams and self.schedule == "general"
         width = sampler.meta_width if isinstance(sampler, ReportsMeta) else 0
         self.layout = MetaLayout(width, self.world if self.routed else 0)
         self.state = Replicated(self.world)  # every shard's size etc., the same on every rank
@@ -296,7 +285,7 @@ class RoundEngine:
         """Fused and local schedules: this shard takes in its own staged items (before its meta
         row: the sampler's values count them)."""
         n_in = self.ingest.local(t)
-        if isinstance(self.sampler, Streams):
+        if self._streams:
             own = np.zeros(self.world, dtype=np.int64)
             own[self.rank] = n_in
             self.sampler.arrived(own)
@@ -310,13 +299,13 @@ class RoundEngine:
     def ingested_by_plan(self, plan: np.ndarray) -> None:
         """General: every shard took in its column of the plan."""
         inflow = plan.sum(axis=0)
-        if isinstance(self.sampler, Streams):
+        if self._streams:
             self.sampler.arrived(plan[:, self.rank].copy())
         self._ingested(inflow, np.minimum(self.state.sizes + inflow, self.storage.capacity))
 
     def _ingested(self, inflow: np.ndarray, sizes: np.ndarray) -> None:
         self.state.ingested_now(inflow, sizes)
-        if isinstance(self.sampler, TracksInflow):
+        if self._tracks:
             self.sampler.ingested(inflow)
 
     def allocate(
@@ -335,8 +324,7 @@ class RoundEngine:
         if lim is not None:
             lim.sampled += int(counts.sum())
         if self.schedule == "fused" or self.late_headers:
-            spec = isinstance(self.sampler, Speculative)
-            shares = self.sampler.shares(sizes, sampler_meta) if spec else None
+            shares = self.sampler.shares(sizes, sampler_meta) if self._shares else None
             self.headers.allocated(counts, requests, shares)
         return counts
 
@@ -362,7 +350,7 @@ class RoundEngine:
     def take(self, counts: np.ndarray) -> None:
         """Items a queue delivered, or a finished rollout's, leave the store on every rank
         alike (``Takes``)."""
-        if not isinstance(self.sampler, Takes):
+        if not self._takes:
             return
         taken = self.sampler.taken(counts)
         if taken is not None and taken.any():

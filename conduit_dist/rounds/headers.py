@@ -57,11 +57,7 @@ class HeaderExchange:
         # candidate rows [shard, learner] of the next round (sized from this one's)
         self.cand = np.zeros((world, world), dtype=np.int64)
         self.alloc: np.ndarray | None = None  # last round's allocation (update rows' room)
-
-    @property
-    def head(self) -> np.ndarray:
-        """This rank's header row (written in place before :meth:`launch`)."""
-        return self.layout.head.numpy()
+        self.head = self.layout.head.numpy()  # this rank's header (written before launch)
 
     def launch(self, t: RoundTicket, stats: RoundStats, t0: float) -> Flight:
         """Draw this round's candidates (after the round's items are in), pack header, payload,

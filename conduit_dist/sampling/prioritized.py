@@ -135,7 +135,6 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         self.tree = SumTree(cap)
         self._gen = torch.full((cap,), -1, dtype=torch.int64)  # generation in each tree leaf
         self._lo = self._hi = 0  # live generations the tree holds: [lo, hi)
-        self._leaf = torch.empty(256, dtype=torch.int64)
         self._mass = torch.empty(256, dtype=torch.float64)
         self._draws = torch.empty(256, dtype=torch.int64)
 
@@ -188,15 +187,14 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
     def draw(self, count: int, round: int, stream: int = 0) -> torch.Tensor:
         """``count`` generations drawn in proportion to mass (valid until the next draw;
         ``stream`` as in ``Sampler.draw``)."""
-        if self._leaf.shape[0] < count:
-            n = max(count, 2 * self._leaf.shape[0])
-            self._leaf = torch.empty(n, dtype=torch.int64)
+        if self._draws.shape[0] < count:
+            n = max(count, 2 * self._draws.shape[0])
             self._mass = torch.empty(n, dtype=torch.float64)
             self._draws = torch.empty(n, dtype=torch.int64)
-        leaf, gens = self._leaf[:count], self._draws[:count]
+        gens = self._draws[:count]
         key = self.ctx.rank + stream * OWN_KEY
-        self.tree.sample(count, self.ctx.seed, round, key, leaf, self._mass)
-        return torch.index_select(self._gen, 0, leaf, out=gens)
+        self.tree.sample(count, self.ctx.seed, round, key, gens, self._mass, labels=self._gen)
+        return gens
 
     def write_rows(self, generations: torch.Tensor, out: torch.Tensor) -> None:
         """Gather the items and write each row's address and mass into its trailer."""

@@ -98,10 +98,18 @@ class SumTree:
             self.min[hi : hi + n] = self.min[lo:hi].view(n, FAN).min(dim=1).values
 
     def sample(
-        self, n: int, seed: int, round: int, key: int, out: torch.Tensor, mass: torch.Tensor
+        self,
+        n: int,
+        seed: int,
+        round: int,
+        key: int,
+        out: torch.Tensor,
+        mass: torch.Tensor,
+        labels: torch.Tensor | None = None,
     ) -> None:
         """Draw ``n`` leaves i.i.d. with probability ``leaf / total`` from the stream
-        ``(seed, round, key)`` into ``out`` (int64) and their masses into ``mass`` (float64).
+        ``(seed, round, key)`` into ``out`` (int64; with ``labels``, ``labels[leaf]``, e.g. the
+        generation each leaf holds) and their masses into ``mass`` (float64).
 
         Raises:
             ValueError: if the total mass is not positive.
@@ -111,7 +119,7 @@ class SumTree:
         if _native is not None:
             _native.tree_sample(
                 self.sum.data_ptr(), self.offs.data_ptr(), self.H, n, seed, round, key,
-                out.data_ptr(), mass.data_ptr(),
+                out.data_ptr(), mass.data_ptr(), 0 if labels is None else labels.data_ptr(),
             )  # fmt: skip
             return
         total = self.total
@@ -133,5 +141,5 @@ class SumTree:
             )
             u = (u - before).clamp(min=0)
             node = node * FAN + pick
-        out[:n] = node
+        out[:n] = node if labels is None else labels[node]
         mass[:n] = self.sum[node]

@@ -203,21 +203,15 @@ class Storage(ABC):
 
     Attributes:
         capacity: items the shard holds at most.
+        size: live items.
+        written: items ever written: the next item's generation.
     """
 
     capacity: int
+    size: int
+    written: int
 
     # ------------------------------------------------------------------ what is stored
-
-    @property
-    @abstractmethod
-    def size(self) -> int:
-        """Live items."""
-
-    @property
-    @abstractmethod
-    def written(self) -> int:
-        """Items ever written: the next item's generation."""
 
     @property
     def oldest(self) -> int:

@@ -23,14 +23,11 @@ class Shard(Storage):
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
         self.capacity = tier.slots
-        self._size = 0
-        self._written = 0  # items ever written (the next item's generation)
+        self.size = 0
+        self.written = 0  # items ever written (the next item's generation)
         self.taken = 0  # items a queue took out
         self.retracted = 0  # of those, taken at the newest end (their generations are reused)
         self.base = 0  # generation of the first item written (a restore starts past 0)
-
-    size = property(lambda self: self._size, doc="Live items.")
-    written = property(lambda self: self._written, doc="The next item's generation.")
 
     @property
     def tiers(self) -> list[Tier]:
@@ -40,14 +37,14 @@ class Shard(Storage):
     @property
     def write_pos(self) -> int:
         """The slot the next item goes to."""
-        return self._written % self.capacity
+        return self.written % self.capacity
 
     # ------------------------------------------------------------------ writes
 
     def commit(self, n: int) -> None:
         """Count ``n`` items already written at the write position."""
-        self._written += n
-        self._size = min(self.capacity, self._size + n)
+        self.written += n
+        self.size = min(self.capacity, self.size + n)
 
     def append(self, records: torch.Tensor) -> None:
         """Write records in order; if more than the capacity arrive, only the newest are kept."""
@@ -56,7 +53,7 @@ class Shard(Storage):
             return
         skip = max(0, n - self.capacity)
         if skip:
-            self._written += skip
+            self.written += skip
             records = records[skip:]
             n = records.shape[0]
         pos = self.write_pos
@@ -72,7 +69,7 @@ class Shard(Storage):
         newest ``capacity`` get rows, as if written in order."""
         cap = self.capacity
         keep = min(n, cap)
-        start = (self._written + ahead + n - keep) % cap
+        start = (self.written + ahead + n - keep) % cap
         first = min(keep, cap - start)
         views = [self.tier.region(start, start + first)]
         if first < keep:
@@ -81,7 +78,7 @@ class Shard(Storage):
 
     def overwrites_live(self, ahead: int, n: int) -> bool:
         """Whether writing ``n`` items ``ahead`` past the write position reaches live items."""
-        return self._size + ahead + n > self.capacity
+        return self.size + ahead + n > self.capacity
 
     def receive(self, n: int) -> torch.Tensor | None:
         """The next ``n`` slots as one view, if they do not wrap (else ``None``: append)."""
@@ -92,18 +89,18 @@ class Shard(Storage):
 
     def take_oldest(self, n: int) -> None:
         """Remove the ``n`` oldest items (a queue delivered them)."""
-        if not 0 <= n <= self._size:
-            raise ValueError(f"take_oldest: expected 0..{self._size} items, got {n}")
-        self._size -= n
+        if not 0 <= n <= self.size:
+            raise ValueError(f"take_oldest: expected 0..{self.size} items, got {n}")
+        self.size -= n
         self.taken += n
 
     def take_newest(self, n: int) -> None:
         """Remove the ``n`` newest items (a LIFO delivered them): the write position moves
         back, so their slots and generations are reused."""
-        if not 0 <= n <= self._size:
-            raise ValueError(f"take_newest: expected 0..{self._size} items, got {n}")
-        self._size -= n
-        self._written -= n
+        if not 0 <= n <= self.size:
+            raise ValueError(f"take_newest: expected 0..{self.size} items, got {n}")
+        self.size -= n
+        self.written -= n
         self.taken += n
         self.retracted += n
 
@@ -121,9 +118,9 @@ class Shard(Storage):
 
     def stats(self) -> dict[str, object]:
         """Items and bytes in the tier (one tier: nothing is demoted; overwrites are evictions)."""
-        evictions = self._written - self.base + self.retracted - self._size - self.taken
+        evictions = self.written - self.base + self.retracted - self.size - self.taken
         return {
-            "tiers": [tier_stats(self.tier, self._size)],
+            "tiers": [tier_stats(self.tier, self.size)],
             "demotions": 0,
             "evictions": evictions,
             "taken": self.taken,
@@ -136,13 +133,13 @@ class Shard(Storage):
 
     def reset(self, base: int) -> None:
         """Empty the shard; the next item written gets generation ``base`` (a restore)."""
-        self._written, self._size, self.taken, self.retracted, self.base = base, 0, 0, 0, base
+        self.written, self.size, self.taken, self.retracted, self.base = base, 0, 0, 0, base
 
     def state_dict(self) -> dict[str, object]:
         """Size, counters and the tier's contents."""
         return {
-            "size": self._size,
-            "written": self._written,
+            "size": self.size,
+            "written": self.written,
             "taken": self.taken,
             "retracted": self.retracted,
             "base": self.base,
@@ -158,6 +155,6 @@ class Shard(Storage):
         if not 0 <= int(state["size"]) <= self.capacity:
             raise ConfigError(f"shard size: expected 0..{self.capacity}, got {state['size']}")
         self.tier.load_state_dict(state["tier"])
-        self._size, self._written = int(state["size"]), int(state["written"])
+        self.size, self.written = int(state["size"]), int(state["written"])
         self.taken, self.retracted = int(state["taken"]), int(state["retracted"])
         self.base = int(state["base"])

@@ -63,7 +63,7 @@ class TieredShard(Storage):
             raise ConfigError(f"tiers: expected one record size, got {sorted(sizes)}")
         self.rings = [_Ring(t) for t in tiers]
         self.capacity = sum(t.slots for t in tiers)
-        self._written = 0
+        self.written = 0
         self.demotions = 0
         self.evictions = 0
         self.taken = 0  # items a queue took out
@@ -75,8 +75,6 @@ class TieredShard(Storage):
         # held while the rings change (a round's writes, a background demotion): stats read under
         # it from any thread and so never see a ring halfway through a change
         self._lock = threading.Lock()
-
-    written = property(lambda self: self._written, doc="The next item's generation.")
 
     @property
     def size(self) -> int:
@@ -164,7 +162,7 @@ class TieredShard(Storage):
             self._append(records)
 
     def _append(self, records: torch.Tensor) -> None:
-        self._written += records.shape[0]  # skipped items count: generations stay FIFO order
+        self.written += records.shape[0]  # skipped items count: generations stay FIFO order
         if records.shape[0] > self.capacity:
             self.evictions += records.shape[0] - self.capacity
             records = records[-self.capacity :]
@@ -187,7 +185,7 @@ class TieredShard(Storage):
         """Account for ``n`` items received into the rows from :meth:`receive`."""
         with self._lock:
             self.rings[0].size += n
-            self._written += n
+            self.written += n
 
     def take_oldest(self, n: int) -> None:
         """Remove the ``n`` oldest items (a queue delivered them), from the last tier up."""
@@ -211,7 +209,7 @@ class TieredShard(Storage):
             for ring in self.rings:
                 k = min(n, ring.size)
                 ring.size -= k
-                self._written -= k
+                self.written -= k
                 self.taken += k
                 n -= k
 
@@ -239,7 +237,7 @@ class TieredShard(Storage):
 
     def _spans(self) -> list[tuple[_Ring, int, int]]:
         """``(ring, first generation, end generation)`` of every non-empty tier."""
-        out, end = [], self._written
+        out, end = [], self.written
         for ring in self.rings:  # newest tier first
             if ring.size:
                 out.append((ring, end - ring.size, end))
@@ -278,7 +276,7 @@ class TieredShard(Storage):
         (after :meth:`settle`)."""
         tier, slot = torch.empty_like(generations), torch.empty_like(generations)
         for k, ring in enumerate(self.rings):
-            lo = self._written - sum(r.size for r in self.rings[: k + 1])
+            lo = self.written - sum(r.size for r in self.rings[: k + 1])
             mask = (generations >= lo) & (generations < lo + ring.size)
             tier[mask] = k
             slot[mask] = (generations[mask] - lo + ring.start) % ring.cap
@@ -290,7 +288,7 @@ class TieredShard(Storage):
         with self._lock:
             for ring in self.rings:
                 ring.start = ring.size = 0
-            self._written, self.taken = base, 0
+            self.written, self.taken = base, 0
 
     def stats(self) -> dict[str, object]:
         """Items and bytes per tier, demotions and evictions so far.
@@ -318,7 +316,7 @@ class TieredShard(Storage):
             "rings": [
                 {"start": r.start, "size": r.size, "tier": r.tier.state_dict()} for r in self.rings
             ],
-            "written": self._written,
+            "written": self.written,
             "demotions": self.demotions,
             "evictions": self.evictions,
             "taken": self.taken,
@@ -334,7 +332,7 @@ class TieredShard(Storage):
         for ring, saved in zip(self.rings, state["rings"]):
             ring.tier.load_state_dict(saved["tier"])
             ring.start, ring.size = int(saved["start"]), int(saved["size"])
-        self._written = int(state["written"])
+        self.written = int(state["written"])
         self.demotions, self.evictions = int(state["demotions"]), int(state["evictions"])
         self.taken = int(state.get("taken", 0))
 
