@@ -37,6 +37,7 @@ from conduit_dist.sampling.base import (
     WritesRows,
 )
 
+
 def schedule_for(world: int, keeps_local: bool, device: torch.device) -> str:
     """The schedule a plane's rounds run: ``local`` at world size 1, ``fused`` where items stay
     where they were put and batches are delivered to host memory (headers are parsed there),
