@@ -15,7 +15,7 @@ import numpy as np
 from conduit_dist.collectives.strategies import NAMES as STRATEGY_NAMES
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
-from conduit_dist.sampling import Prioritized, Sampler, SamplerContext, Uniform
+from conduit_dist.sampling import Prioritized, Sampler, SamplerContext, Takes, Uniform
 from conduit_dist.sampling.epochs import SHUFFLES as _SHUFFLES
 from conduit_dist.sampling.epochs import WithoutReplacement
 from conduit_dist.sampling.queue import Lifo, Queue
@@ -75,13 +75,18 @@ def check_count(field: str, value: object, low: int) -> None:
 
 
 def default_placement(sampler: Sampler, learners: tuple[int, ...], world: int) -> str:
-    """The placement of a plane built without one: ``local`` when every rank learns (a
-    learner's items stay on its shard: rounds of speculative samplers run as one exchange,
-    stratified sampling, queues and epochs read their own shard first, windows keep their
-    streams), ``round_robin`` with actors (the learners' shards store items too, so the store
-    holds the whole job's capacity; streams are dealt whole). Every sampler runs on every
-    placement; this is the cheaper default for the roles."""
-    return "local" if len(learners) == world else "round_robin"
+    """The placement of a plane built without one.
+
+    ``local`` when every rank learns (a learner's items stay on its shard: rounds are one
+    exchange, stratified sampling and queues read their own shard first, windows keep their
+    streams), and for samplers that read each item once (``Takes``: queues, epochs), whose items
+    a move at ingestion would only move twice; ``round_robin`` for replay with actors (the
+    learners' shards store items too, so the store holds the whole job's capacity; streams are
+    dealt whole). Every sampler runs on every placement: this is the cheaper default.
+    """
+    if len(learners) == world or isinstance(sampler, Takes):
+        return "local"
+    return "round_robin"
 
 
 def bound_sampler(name: str, links: np.ndarray, seed: int = 0) -> Sampler:

@@ -427,3 +427,25 @@ def test_uniform_allocation_is_the_same_with_and_without_the_native_extension(mo
     for a, b, (req, _) in zip(native, fallback, cases):
         assert (a == b).all()
         assert (a.sum(axis=1) == np.array(req)).all()
+
+
+def _defaults(rank, world):
+    names = {}
+    for sampler in ("uniform", "queue"):
+        for learners in (None, [0]):
+            plane = cd.DataPlane(spec(), 10, sampler=sampler, learner_ranks=learners)
+            names[(sampler, learners is None)] = (plane.placement.name, plane.schedule)
+            plane.close()
+    return names
+
+
+def test_default_placement_follows_the_roles_and_the_sampler():
+    """Every rank learns: local (one exchange a round); replay with actors: round_robin (the
+    learners' shards store too); a sampler that reads each item once: local either way."""
+    got = run_ranks(_defaults, 2)[0]
+    assert got == {
+        ("uniform", True): ("local", "fused"),
+        ("uniform", False): ("round_robin", "general"),
+        ("queue", True): ("local", "fused"),
+        ("queue", False): ("local", "fused"),
+    }

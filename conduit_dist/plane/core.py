@@ -48,8 +48,8 @@ class DataPlane:
         seed: run seed; with the round number it fixes every sample drawn.
         sampler: a ``Sampler`` or a name from ``registry.SAMPLERS``.
         placement: a ``Placement`` or a name from ``registry.PLACEMENTS``; ``None``:
-            ``registry.default_placement`` (``local`` when every rank learns, else
-            ``round_robin``).
+            ``registry.default_placement`` (``local`` when every rank learns or the sampler
+            reads each item once, else ``round_robin``).
         storage: a :class:`~conduit_dist.tiers.Tiers` (default: one memory tier on ``device``).
         learner_ranks: ranks that fetch (``None``: all); the others are actors and ``flush``.
         device: where batches are delivered (``cpu`` or ``cuda``).

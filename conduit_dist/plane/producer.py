@@ -114,8 +114,9 @@ class Stager:
     def _put_direct(self, batch: Mapping[str, torch.Tensor], n: int) -> bool:
         """Where items stay local, no round is in flight and nothing is staged: pack into the
         rows the shard reserves for the next round; returns whether it did (``False``: stage)."""
-        staged = any(b.count for b in self._current())  # written ahead only before any staged
-        if not self.direct_ok or self.sched.pending is not None or staged:
+        if not self.direct_ok or self.sched.pending is not None or self.buffers.current.count:
+            return False  # written ahead only before anything is staged
+        if self.device_buffers is not None and self.device_buffers.current.count:
             return False
         got = self.shard.reserve(self.direct, n)
         if got is None:  # e.g. a tiered shard whose first tier has no free slots

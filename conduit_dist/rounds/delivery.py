@@ -42,15 +42,17 @@ class Delivery:
         """Draw this shard's share of every learner's batch (``counts[learner, shard]``), write
         its own learner's rows into its output and deliver the rest in one exchange."""
         me = self.rank
-        to_learners = counts[:, me]  # rows this shard gives each learner
-        n_recv = int(counts[me].sum())
-        out = self.outputs.acquire(n_recv)
         if self.world == 1:  # one shard: its draws are the batch
+            n_recv = int(counts[0, 0])
+            out = self.outputs.acquire(n_recv)
             if n_recv:
                 self.write(self.sampler.draw(n_recv, round), out)
             stats.mark("sample", t1, time.perf_counter())
             stats.items_out, stats.bytes_out = n_recv, n_recv * self.wire
             return out
+        to_learners = counts[:, me]  # rows this shard gives each learner
+        n_recv = int(counts[me].sum())
+        out = self.outputs.acquire(n_recv)
         mine = int(counts[me, me])
         first = int(to_learners[:me].sum())  # this learner's rows among this shard's draws
         n_draw = int(to_learners.sum())

@@ -243,10 +243,10 @@ class RoundEngine:
         row = self._row[0] if into is None else into
         routed = self._routes if self.routed else None
         sampler = self.sampler.local_meta() if self.layout.sampler_width else ()
+        w = t.weights
         self.layout.fill(
-            row, staged=n_in, request=t.request, version=t.weights.version,
-            wbytes=t.weights.nbytes, stale=stale, size=self.storage.size,
-            payload=t.reduce is not None, sampler=sampler, routed=routed,
+            row, n_in, t.request, w.version, w.nbytes, stale, self.storage.size,
+            t.reduce is not None, sampler, routed,
         )  # fmt: skip
         return self._row
 
@@ -258,11 +258,11 @@ class RoundEngine:
         stale = self.prepare(t) if early else 0
         if self.routed:
             self._routes = self.ingest.route(t, self.sampler.stream_keys, self.placement.route)
+        w, routes = t.weights, self._routes if self.routed else None
+        staged = t.count + t.direct
         self.layout.fill(
-            self._row[0], staged=t.count + t.direct, request=t.request,
-            version=t.weights.version, wbytes=t.weights.nbytes, stale=stale, size=0,
-            payload=False, routed=self._routes if self.routed else None,
-        )  # fmt: skip
+            self._row[0], staged, t.request, w.version, w.nbytes, stale, 0, False, (), routes
+        )
         pending = self.ex.all_gather_start(self._meta_t, t.round)
         try:
             self.ex.arrive(t.round)

@@ -56,7 +56,6 @@ class MetaLayout:
     def fill(
         self,
         row: np.ndarray,
-        *,
         staged: int,
         request: int,
         version: int,
@@ -67,8 +66,8 @@ class MetaLayout:
         sampler=(),
         routed: np.ndarray | None = None,
     ) -> None:
-        """Write one rank's row in place."""
-        row[:BASE] = (staged, request, version, wbytes, stale, size, int(payload))
+        """Write one rank's row in place (the columns in :data:`NAMES` order)."""
+        row[:BASE] = (staged, request, version, wbytes, stale, size, payload)
         if self.sampler_width:  # unused in a general round's first exchange: zeros
             row[BASE : BASE + self.sampler_width] = sampler if len(sampler) else 0
         if self.routes:

@@ -162,7 +162,7 @@ class Sampler(ABC):
         """
         st = self.storage
         key = self.ctx.rank + stream * OWN_KEY
-        return self.uniform(count, st.size, round, key, offset=st.oldest)
+        return self.uniform(count, st.size, round, key, offset=st.written - st.size)
 
     def uniform(self, count: int, size: int, round: int, key: int, offset: int = 0) -> torch.Tensor:
         """``count`` int64 values uniform in ``offset + [0, size)`` from the stream ``(seed,

@@ -133,7 +133,7 @@ class Episodes:
         self.next = torch.full((cap,), -1, dtype=torch.int64)
         self.end = torch.zeros(cap, dtype=torch.bool)  # ends an episode (done or truncated)
         self.term = torch.zeros(cap, dtype=torch.bool)  # terminal (done)
-        self.src = torch.full((cap,), -1, dtype=torch.int64)  # the rank that put each item
+        self.src = torch.full((cap,), -1, dtype=torch.int32)  # the rank that put each item
         self.last: dict[tuple[int, int], int] = {}  # (source, key) -> its newest generation
         self.rb = spec.record_bytes
         self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
@@ -200,7 +200,7 @@ class Episodes:
         self.end[leaf], self.term[leaf] = end, done
         self.next[leaf] = -1
         sources = self._sources(gens.numel())
-        self.src[leaf] = sources
+        self.src[leaf] = sources.to(torch.int32)
         if seq.stream is None:
             streams = torch.zeros(gens.numel(), dtype=torch.int64)
         else:
