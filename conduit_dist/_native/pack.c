@@ -322,30 +322,41 @@ static int gather_impl(uint8_t* restrict dst, const uint8_t* restrict src, size_
     return -1;
 }
 
-/* gather_rows(dst, src, row_bytes, src_rows, idx, n[, wrap]): dst[i] = src[idx[i]] for n int64
- * indices; with wrap, dst[i] = src[idx[i] % src_rows] (a ring addressed by generation). IndexError
- * naming the first index outside [0, src_rows) (or negative, with wrap). */
+/* gather_rows(dst, src, row_bytes, src_rows, idx, n[, base]): dst[i] = src[idx[i]] for n int64
+ * indices; with base >= 0, idx holds generations of a ring of src_rows slots and
+ * dst[i] = src[idx[i] - base], less src_rows when that passes the end (base: the first
+ * generation of the lap the oldest live item is in, so every live generation is within
+ * [base, base + 2 * src_rows): no division per row). IndexError naming the first index whose
+ * slot falls outside [0, src_rows). */
 static int wrap_impl(uint8_t* restrict dst, const uint8_t* restrict src, size_t row_bytes,
-                     size_t src_rows, const int64_t* idx, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (idx[i] < 0) return (int)(i < INT32_MAX ? i : INT32_MAX);
+                     size_t src_rows, const int64_t* idx, size_t n, int64_t base) {
+    const int64_t rows = (int64_t)src_rows;
+    for (size_t i = 0; i < n; i++) {
+        int64_t k = idx[i] - base;
+        if (k >= rows) k -= rows;
+        if (k < 0 || k >= rows) return (int)(i < INT32_MAX ? i : INT32_MAX);
+    }
     for (size_t i = 0; i < n; i++) {
 #if defined(__GNUC__)
         if (i + PREFETCH_AHEAD < n) {
-            const uint8_t* ahead = src + ((uint64_t)idx[i + PREFETCH_AHEAD] % src_rows) * row_bytes;
+            int64_t a = idx[i + PREFETCH_AHEAD] - base;
+            if (a >= rows) a -= rows;
+            const uint8_t* ahead = src + (size_t)a * row_bytes;
             for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
         }
 #endif
-        memcpy(dst + i * row_bytes, src + ((uint64_t)idx[i] % src_rows) * row_bytes, row_bytes);
+        int64_t k = idx[i] - base;
+        if (k >= rows) k -= rows;
+        memcpy(dst + i * row_bytes, src + (size_t)k * row_bytes, row_bytes);
     }
     return -1;
 }
 
 static PyObject* gather_rows(PyObject* self, PyObject* args) {
     unsigned long long dst, src, idx;
-    long long row_bytes, src_rows, n;
-    int bad, wrap = 0;
-    if (!PyArg_ParseTuple(args, "KKLLKL|p", &dst, &src, &row_bytes, &src_rows, &idx, &n, &wrap))
+    long long row_bytes, src_rows, n, base = -1;
+    int bad;
+    if (!PyArg_ParseTuple(args, "KKLLKL|L", &dst, &src, &row_bytes, &src_rows, &idx, &n, &base))
         return NULL;
     if (check_rows("gather_rows", row_bytes, n) || check_rows("gather_rows", row_bytes, src_rows))
         return NULL;
@@ -354,10 +365,10 @@ static PyObject* gather_rows(PyObject* self, PyObject* args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (wrap)
+    if (base >= 0)
         bad = wrap_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src,
                         (size_t)row_bytes, (size_t)src_rows, (const int64_t*)(uintptr_t)idx,
-                        (size_t)n);
+                        (size_t)n, (int64_t)base);
     else
         bad = gather_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src,
                           (size_t)row_bytes, (size_t)src_rows, (const int64_t*)(uintptr_t)idx,
@@ -880,8 +891,9 @@ static PyMethodDef methods[] = {
      "uniform_slots(out, n, size, seed, round, rank[, offset]): n int64 values uniform in "
      "offset + [0, size) into out, from a stream keyed by (seed, round, rank)."},
     {"gather_rows", gather_rows, METH_VARARGS,
-     "gather_rows(dst, src, row_bytes, src_rows, idx, n[, wrap]): copy rows src[idx[i]] (wrap: "
-     "src[idx[i] % src_rows]) into n contiguous rows of dst (int64 indices, each checked)."},
+     "gather_rows(dst, src, row_bytes, src_rows, idx, n[, base]): copy rows src[idx[i]] (base >= "
+     "0: generations of a ring, slot idx[i] - base wrapped once) into n contiguous rows of dst "
+     "(int64 indices, each checked)."},
     {"rows_nonfinite", rows_nonfinite, METH_VARARGS,
      "rows_nonfinite(addr, row_bytes, n, sizes, offsets, kinds): first field of n records "
      "holding NaN/inf (float kinds only), scanned in place, or -1."},

@@ -106,9 +106,11 @@ class Tier:
             guard(start, end)
         return self.data[start:end]
 
-    def gather(self, slots: torch.Tensor, out: torch.Tensor, wrap: bool = False) -> None:
+    def gather(self, slots: torch.Tensor, out: torch.Tensor, base: int = -1) -> None:
         """Copy the records at ``slots`` (int64) into ``out`` (``[len(slots), record_bytes]``);
-        ``wrap``: at ``slots % self.slots`` (a ring addressed by generation).
+        ``base >= 0``: ``slots`` are generations of a ring over this tier, whose oldest live
+        one is in the lap starting at generation ``base`` (slot ``g % self.slots``, computed
+        without a division per row).
 
         In host memory (and memory-mapped files) a native loop copies whole rows, prefetching a
         few rows ahead: random rows of a large store miss the caches, and overlapping the misses
@@ -146,11 +148,11 @@ class Tier:
                 self.slots,
                 slots.data_ptr(),
                 slots.shape[0],
-                wrap,
+                base,
             )
             return
         idx = slots if slots.device == data.device else slots.to(data.device, non_blocking=True)
-        if wrap:
+        if base >= 0:
             idx = idx.remainder(self.slots)
         torch.index_select(data.view(torch.int64), 0, idx, out=out.view(torch.int64))
 

@@ -108,7 +108,8 @@ class Shard(Storage):
 
     def gather(self, generations: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the items ``generations`` into ``out`` (slot ``g % capacity``)."""
-        self.tier.gather(generations, out, wrap=True)
+        oldest = self.written - self.size
+        self.tier.gather(generations, out, base=oldest - oldest % self.capacity)
 
     def locate(self, generations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tier, slot)``: tier 0, slot ``g % capacity``."""
