@@ -122,16 +122,14 @@ class Stager:
         if got is None:  # e.g. a tiered shard whose first tier has no free slots
             return False
         skip, views = got
-        # slots that still hold live (or earlier put) items are only written once the batch is
-        # known to be finite; free slots take the one-pass pack with its fused check
-        check_first = self.shard.overwrites_live(self.direct, n)
-        if check_first:
-            self.spec.check_finite(batch)
+        # the rows are written only once the batch is known to be finite: a rejected put leaves
+        # the storage as it was, the live items it would overwrite and the free rows alike
+        self.spec.check_finite(batch)
         at = skip
         for view in views:
             rows = view.shape[0]
             part = batch if rows == n else {k: v[at : at + rows] for k, v in batch.items()}
-            self.spec.pack(part, view, check=not check_first)
+            self.spec.pack(part, view, check=False)
             at += rows
         self.direct += n
         return True
