@@ -355,3 +355,53 @@ def test_checkpoint_bench_runs_every_mode(tmp_path):
     assert set(modes) == {"ours", "ours_checksum_limited", "dcp_async", "stop_world"}
     assert all(f"{m}_cost" in res["summary"] for m in modes)
     assert modes["ours"]["write_s"] > 0 and modes["stop_world"]["blocked_s"] > 0
+
+
+def test_a_state_of_another_sampler_or_variant_is_refused_before_anything_changes():
+    """alpha = 0 and alpha > 0 are different Prioritized variants (one routes updates), and a
+    uniform plane's state is not a stratified one's: refused, the store left as it was."""
+    saved = {}
+    for name, sampler in (("flat", cd.Prioritized(alpha=0.0)), ("uniform", "uniform")):
+        plane = cd.DataPlane(spec(), 16, seed=1, sampler=sampler, placement="local")
+        plane.put(make_batch(torch.arange(8)))
+        plane.flush()
+        saved[name] = plane.state_dict()
+        plane.close()
+    for name, sampler, match in (
+        ("flat", cd.Prioritized(alpha=0.6), "plane has a RoutedPrioritized"),
+        ("uniform", "stratified", "the plane has 'stratified'"),
+    ):
+        plane = cd.DataPlane(spec(), 16, seed=1, sampler=sampler, placement="local")
+        plane.put(make_batch(torch.arange(100, 104)))
+        plane.flush()
+        with pytest.raises(cd.ConfigError, match=match):
+            plane.load_state_dict(saved[name])
+        assert len(plane) == 4 and sorted(plane.fetch(64)["id"].unique().tolist()) == list(
+            range(100, 104)
+        )
+        plane.close()
+
+
+def _weights_after_load(rank, world):
+    net = torch.nn.Linear(2, 2)
+    plane = cd.DataPlane(spec(), 16, seed=1, schedule="sync", learner_ranks=[0])
+    if rank == 0:
+        plane.publish_weights(net)
+    plane.flush()  # version 1 broadcast
+    if rank == 0:
+        plane.publish_weights(net)  # version 2: not broadcast before the state is taken
+    saved = plane.state_dict()
+    plane.close()
+    fresh = cd.DataPlane(spec(), 16, seed=1, schedule="sync", learner_ranks=[0])
+    fresh.load_state_dict(saved)
+    fresh.flush()  # the restored learner holds no buffer for version 2: nothing to broadcast
+    if rank == 0:
+        fresh.publish_weights(net)  # version 3, broadcast in the next round
+    fresh.flush()
+    got = fresh.pull_weights(torch.nn.Linear(2, 2)) if rank else fresh.policy_version
+    fresh.close()
+    return got
+
+
+def test_rounds_after_a_load_broadcast_only_weights_that_exist():
+    assert run_ranks(_weights_after_load, 2) == {0: 3, 1: 3}

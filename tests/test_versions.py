@@ -146,3 +146,31 @@ def test_disaggregated_actors_one_round_behind_are_not_refused(schedule):
     ages = run_ranks(_disaggregated, 3, schedule, timeout_s=120)[0]
     assert len(ages) == 37 * 4 and min(ages) >= 0, "a fetch was refused"
     assert max(ages) <= 3
+
+
+def _full_ring(rank: int, world: int, placement: str) -> tuple[int, int]:
+    """A full ring, items put in version order (every rank learns and publishes in step), put
+    written ahead over the oldest slots: the shards evict every stale item, no fetch refuses."""
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(SPEC), 300, seed=2, placement=placement, schedule="sync",
+        max_policy_age=1,
+    )  # fmt: skip
+    net, refused = torch.nn.Linear(2, 2), 0
+    for it in range(30):
+        if it % 2 == 0:
+            plane.publish_weights(net)  # 128 items a version; the ring holds ~2.3 versions
+        plane.put({"id": torch.arange(64) + 1000 * it + 1_000_000 * rank})
+        try:
+            plane.fetch(32)
+        except StaleDataError:
+            refused += 1
+    evicted = plane.store_stats()["stale_evicted"]
+    plane.close()
+    return refused, evicted
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_full_ring_written_ahead_evicts_its_stale_items(world):
+    res = run_ranks(_full_ring, 2, "local") if world == 2 else {0: _full_ring(0, 1, "local")}
+    for refused, evicted in res.values():
+        assert refused == 0 and evicted > 0, res

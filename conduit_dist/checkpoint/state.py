@@ -59,6 +59,7 @@ def load(parts, spec, state: dict[str, object]) -> None:
     world = state["engine"]["sizes"].shape[0]
     if world != parts.exchange.world:
         raise ConfigError(f"world size: checkpoint has {world}, plane has {parts.exchange.world}")
+    _check_parts(parts, state)
     quiet_for_restore(parts, "load_state_dict")
     r = int(state["clock"]["round"])
     mine = torch.tensor([r], dtype=torch.int64)
@@ -75,6 +76,21 @@ def load(parts, spec, state: dict[str, object]) -> None:
     if parts.limiter is not None and "limiter" in state:
         parts.limiter.load_state_dict(state["limiter"])
     parts.clock.load_state_dict(state["clock"])
+
+
+def _check_parts(parts, state: dict[str, object]) -> None:
+    """Refuse, before anything is loaded, the state of another sampler or placement.
+
+    Raises:
+        ConfigError: naming the part, what the state holds and what the plane has.
+    """
+    parts.sampler.check_state(state["sampler"])
+    want, have = sorted(parts.placement.state_dict()), sorted(state["placement"])
+    if want != have:
+        raise ConfigError(
+            f"placement: the state holds {have}, the plane's {parts.placement.name!r} keeps "
+            f"{want}: load it into a plane built with the same placement"
+        )
 
 
 def quiet_for_restore(parts, what: str) -> None:

@@ -173,11 +173,14 @@ class AgeBound:
         return gone
 
     def drop_direct(self, shard, n: int, newest: int) -> int:
-        """Of ``n`` items ``put`` wrote straight into the slots ahead of ``shard``'s write
-        position, keep those at or above the bound, moved to the front in order; returns how
-        many remain (a general round ingests only those). Reads only the version column unless
-        one is stale."""
+        """Of ``n`` items ``put`` wrote straight into the rows the storage reserved, keep those
+        at or above the bound, moved to the front in order; returns how many remain. Reads only
+        the version column unless one is stale. Rows that overwrote live items are kept as they
+        are (compacting them would leave live items' slots holding dropped rows): those stale
+        items sit at the newest end, where the learner's check refuses them."""
         if self.max_age is None or not n or newest - self.max_age <= 0:
+            return n
+        if shard.overwrites_live(0, n):
             return n
         bound = newest - self.max_age
         skip, views = shard.reserve(0, n)  # the rows put wrote (the same until the commit)

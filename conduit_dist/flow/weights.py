@@ -227,7 +227,10 @@ class WeightsState:
         self._decoded: tuple[torch.Tensor, _Layout] | None = None  # the last buffer pulled
 
     def snapshot(self) -> WeightsSnapshot:
-        """The current version and buffer (taken when a round is prepared)."""
+        """The current version and buffer (taken when a round is prepared); without a buffer
+        (restored, not published since) the last version broadcast: nothing new to send."""
+        if self.buf is None:
+            return WeightsSnapshot(min(self.version, self.broadcast), None)
         return WeightsSnapshot(self.version, self.buf)
 
     def publish(self, module: nn.Module) -> None:

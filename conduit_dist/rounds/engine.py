@@ -155,9 +155,9 @@ class RoundEngine:
     def _local(self, t: RoundTicket, stats: RoundStats) -> torch.Tensor:
         """World size 1: the same steps with no collective."""
         t0 = time.perf_counter()
-        stale = self.prepare(t)
+        self.prepare(t)
         n_in = self.ingest_local(t)
-        meta = self.meta_row(t, n_in, stale)
+        meta = self.meta_row(t, n_in, self.evict(t))
         self.ingested_locally(meta)
         t1 = time.perf_counter()
         stats.mark("ingest", t0, t1)
@@ -172,9 +172,9 @@ class RoundEngine:
         """Fused: everything up to the header exchange, which is launched and left in flight."""
         t0 = time.perf_counter()
         self.ex.arrive(t.round)
-        stale = self.prepare(t)
+        self.prepare(t)
         n_in = self.ingest_local(t)
-        self.meta_row(t, n_in, stale, into=self.headers.head)
+        self.meta_row(t, n_in, self.evict(t), into=self.headers.head)
         stats.items_in, stats.bytes_in = n_in, n_in * self.spec.record_bytes
         f = self.headers.launch(t, stats, t0)
         stats.sent[self.rank] += n_in * self.spec.record_bytes  # own items: a local copy
@@ -223,19 +223,22 @@ class RoundEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def prepare(self, t: RoundTicket) -> int:
+    def prepare(self, t: RoundTicket) -> None:
         """Pack donated puts, wait for background demotion, and with ``max_policy_age`` drop
-        staged items below the bound and evict the shard's stale oldest items; returns how
-        many were evicted (the meta says it to every rank)."""
+        staged (and written-ahead) items below the bound before they are ingested."""
         t.pack_deferred(self.spec)
         self.storage.settle()
         ages = self.ages
-        if ages.max_age is None:
-            return 0
-        t.direct = ages.drop_direct(self.storage, t.direct, t.newest)
-        ages.drop_staged(t.staged, t.newest)
-        ages.drop_staged(t.device_staged, t.newest)
-        return ages.evict(self.storage, t.newest)
+        if ages.max_age is not None:
+            t.direct = ages.drop_direct(self.storage, t.direct, t.newest)
+            ages.drop_staged(t.staged, t.newest)
+            ages.drop_staged(t.device_staged, t.newest)
+
+    def evict(self, t: RoundTicket) -> int:
+        """With ``max_policy_age``: take the shard's stale oldest items out; returns how many
+        (the meta says it to every rank). Where items are ingested locally this runs after
+        the commit: rows written ahead over the oldest slots have replaced those items."""
+        return self.ages.evict(self.storage, t.newest) if self.ages.max_age is not None else 0
 
     def meta_row(self, t: RoundTicket, n_in: int, stale: int, into=None) -> np.ndarray:
         """This rank's meta row (``into``: a header to fill in place; else ``[1, width]``),
@@ -255,7 +258,10 @@ class RoundEngine:
         set-up (packing donated puts, waiting for demotion, the heartbeat) runs while it is in
         flight."""
         early = self.ages.max_age is not None or self.routed
-        stale = self.prepare(t) if early else 0
+        stale = 0
+        if early:
+            self.prepare(t)
+            stale = self.evict(t)
         if self.routed:
             self._routes = self.ingest.route(t, self.sampler.stream_keys, self.placement.route)
         w, routes = t.weights, self._routes if self.routed else None

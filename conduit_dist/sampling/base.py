@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conduit_dist.errors import ConfigError
 from conduit_dist.records.spec import _native
 
 _MASK = (1 << 63) - 1
@@ -201,6 +202,18 @@ class Sampler(ABC):
             written: ``[world]`` the new shards' generation counters.
         """
         self.load_state_dict(states[rank] if exact else states[0])
+
+    def check_state(self, state: dict[str, object]) -> None:
+        """Refuse, before anything is loaded, a state this sampler cannot take.
+
+        Raises:
+            ConfigError: on another sampler's state (by default: another name).
+        """
+        if state.get("name") != self.name:
+            raise ConfigError(
+                f"sampler: the state is a {state.get('name')!r} sampler's, the plane has "
+                f"{self.name!r}"
+            )
 
     def state_dict(self) -> dict[str, object]:
         """Streams derive from ``(seed, round, rank)``: only the name is kept by default."""

@@ -297,6 +297,7 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         """The trees' leaves, their generations and the largest priority (sums are derived)."""
         return {
             "name": self.name,
+            "variant": type(self).__name__,  # routed feedback, windows: what the state holds
             "leaves": self.tree.leaves().clone(),
             "generations": self._gen.clone(),
             "live": torch.tensor([self._lo, self._hi]),
@@ -309,7 +310,7 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         Raises:
             ConfigError: on another sampler's state, or leaves / generations of another shape.
         """
-        Sampler.load_state_dict(self, state)
+        self.check_state(state)
         windows = isinstance(self, Streams)
         if ("episodes" in state) != windows:
             raise ConfigError(
@@ -327,6 +328,21 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         self._gen.copy_(state["generations"])
         self._lo, self._hi = (int(v) for v in state["live"])
         self.max_priority = float(state["max_priority"])
+
+    def check_state(self, state: dict[str, object]) -> None:
+        """Refuse another sampler's state, or another variant's (``alpha > 0`` or not, windows
+        or items).
+
+        Raises:
+            ConfigError: naming both.
+        """
+        super().check_state(state)
+        got, mine = state.get("variant"), type(self).__name__
+        if got != mine:
+            raise ConfigError(
+                f"sampler: checkpoint has a {got} (alpha > 0 routes priority updates, a sequence "
+                f"draws windows), plane has a {mine}; build the plane's Prioritized as it was"
+            )
 
     def item_state(self, generations: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each live item's mass (0 for a window that cannot start yet), with the updates
@@ -360,4 +376,5 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
                 raise ConfigError(
                     f"sampler: checkpoint has {s.get('name')!r}, plane has {self.name!r}"
                 )
+            self.check_state(s)
         self.max_priority = max(float(s["max_priority"]) for s in states)

@@ -247,6 +247,11 @@ class Storage(ABC):
         """
 
     @abstractmethod
+    def overwrites_live(self, ahead: int, n: int) -> bool:
+        """Whether the rows :meth:`reserve` gives for ``(ahead, n)`` held live items (a ring
+        writes ahead over its oldest items once full; they leave when the rows are committed)."""
+
+    @abstractmethod
     def receive(self, n: int) -> torch.Tensor | None:
         """Contiguous rows for the next ``n`` items (a collective receives into them), counted
         by :meth:`commit`; ``None`` when they would not be contiguous (then :meth:`append`)."""

@@ -76,6 +76,10 @@ class Shard(Storage):
             views.append(self.tier.region(0, keep - first))
         return n - keep, views
 
+    def overwrites_live(self, ahead: int, n: int) -> bool:
+        """Whether ``n`` items ``ahead`` past the write position reach live items' slots."""
+        return self.size + ahead + n > self.capacity
+
     def receive(self, n: int) -> torch.Tensor | None:
         """The next ``n`` slots as one view, if they do not wrap (else ``None``: append)."""
         pos = self.write_pos

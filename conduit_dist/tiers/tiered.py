@@ -229,6 +229,10 @@ class TieredShard(Storage):
             views.append(ring.tier.region(0, n - first))
         return 0, views
 
+    def overwrites_live(self, ahead: int, n: int) -> bool:
+        """Never: :meth:`reserve` gives free slots only."""
+        return False
+
     # ------------------------------------------------------------------ reads
 
     def _spans(self) -> list[tuple[_Ring, int, int]]:
