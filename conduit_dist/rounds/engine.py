@@ -66,19 +66,9 @@ class RoundEngine:
     """
 
     def __init__(
-        self,
-        spec,
-        storage,
-        exchange,
-        sampler,
-        placement,
-        transport,
-        flow,
-        learners: tuple[int, ...],
-        device: torch.device,
-        wire_bytes: int,
-        reduce_numel: int = 0,
-    ) -> None:
+        self, spec, storage, exchange, sampler, placement, transport, flow,
+        learners: tuple[int, ...], device: torch.device, wire_bytes: int, reduce_numel: int = 0,
+    ) -> None:  # fmt: skip
         self.spec, self.storage, self.ex = spec, storage, exchange
         self.sampler, self.placement = sampler, placement
         self.ages, self.limiter = flow
