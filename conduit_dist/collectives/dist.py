@@ -33,6 +33,64 @@ def _env_int(name: str) -> int | None:
         ) from None
 
 
+def device_ordinal(local_rank: int | None, visible: int) -> int:
+    """The CUDA device index of this process among the ``visible`` devices.
+
+    One visible device per process (SLURM's ``--gpus-per-task=1``, or several ranks sharing one
+    GPU) is index 0 whatever ``LOCAL_RANK`` says; with several visible devices the local rank
+    picks one.
+
+    Raises:
+        ConfigError: with no visible device, or a local rank past the visible devices.
+    """
+    if visible < 1:
+        raise ConfigError(
+            "device: expected a visible CUDA device, got none (torch.cuda.device_count() == 0; "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    if visible == 1:
+        return 0
+    local = local_rank or 0
+    if not 0 <= local < visible:
+        raise ConfigError(
+            f"LOCAL_RANK: expected 0 <= LOCAL_RANK < {visible} visible CUDA devices, got {local} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    return local
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The one device this process delivers to: ``cpu``, or ``cuda:<index>`` (bare ``"cuda"``
+    resolved once, by :func:`device_ordinal`, never left to mean "the current device").
+
+    Raises:
+        ConfigError: on another device type, CUDA on a machine without it, or an index past
+            the visible devices.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"device: expected 'cpu', 'cuda' or 'cuda:<index>', got {device!r}"
+        ) from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ConfigError(f"device: expected 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device: got {str(device)!r}, but CUDA is not available here (torch "
+            f"{torch.__version__}, built with CUDA {torch.version.cuda}); install a CUDA build "
+            "of torch (see the README) or pass device='cpu'"
+        )
+    visible = torch.cuda.device_count()
+    if dev.index is None:
+        return torch.device("cuda", device_ordinal(_env_int("LOCAL_RANK"), visible))
+    if not 0 <= dev.index < visible:
+        raise ConfigError(f"device: expected cuda:0..cuda:{visible - 1}, got {dev}")
+    return dev
+
+
 def init_distributed(
     device: str | torch.device = "cpu", timeout_s: float = 120.0, backend: str | None = None
 ) -> None:
@@ -56,9 +114,9 @@ def init_distributed(
         return
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device: got {device}, but CUDA is not available on this machine")
+    device = resolve_device(device)
+    if device.type == "cuda":  # before the group exists: NCCL binds to the current device
+        torch.cuda.set_device(device)
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -78,9 +136,6 @@ def init_distributed(
         raise ConfigError(
             "MASTER_ADDR and MASTER_PORT must be set with RANK/WORLD_SIZE (launch with torchrun)"
         )
-    if device.type == "cuda":
-        local = _env_int("LOCAL_RANK") or 0
-        torch.cuda.set_device(local)
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT")
     if attempt:  # a group torchrun restarted: keys of the dead attempt are still in its store
         store = _attempt_store(rank, world, attempt, timeout)
