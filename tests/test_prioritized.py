@@ -164,9 +164,12 @@ def test_prioritized_rejects_bad_input():
         cd.Prioritized(beta=2.0)
 
 
-def test_prioritized_refuses_cuda_delivery_naming_the_device():
-    """Trees, trailers and windows are composed on the host (before any tier is built)."""
-    with pytest.raises(ConfigError, match="expected device 'cpu', got 'cuda'"):
+def test_prioritized_on_cuda_without_a_gpu_names_the_missing_cuda():
+    """CUDA delivery is not refused for any sampler (rows composed on the host land on the
+    GPU); on a machine without CUDA the error says so, before anything is built."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="CUDA is not available here"):
         cd.DataPlane(cd.ExperienceSpec(SPEC), 16, sampler=cd.Prioritized(), device="cuda")
 
 
@@ -236,9 +239,7 @@ def test_a_shard_whose_mass_falls_to_zero_is_drawn_from_no_more():
         assert drawn[-3:] == [0, 0, 0], drawn
 
 
-def test_prioritized_refuses_cuda_delivery_and_overflowing_masses():
-    with pytest.raises(ConfigError, match="device 'cpu'"):
-        cd.DataPlane(cd.ExperienceSpec(SPEC), 8, sampler=cd.Prioritized(), device="cuda")
+def test_prioritized_refuses_overflowing_masses():
     plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 8, sampler=cd.Prioritized(alpha=2.0))
     plane.put(_items(0, 2))
     b = plane.fetch(2)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model import BandwidthModel, build
 from conduit_dist.collectives.topology import Topology, discover
@@ -35,10 +36,9 @@ from conduit_dist.registry import (
     default_placement,
     resolve,
 )
+from conduit_dist.rounds.devices import round_devices, rows_on_host
 from conduit_dist.rounds.engine import RoundEngine
 from conduit_dist.sampling import (
-    ReportsMeta,
-    RoutesFeedback,
     Sampler,
     SamplerContext,
     WritesRows,
@@ -167,9 +167,10 @@ def _unbound(obj, field: str):
     return obj
 
 
-def _check_reduce(numel: int, world: int, schedule: str, device: torch.device) -> None:
-    """``reduce_numel`` payloads ride a round's header exchange (parsed on the host), in rounds
-    that run inside ``fetch`` (at world size 1 nothing is averaged).
+def _check_reduce(numel: int, world: int, schedule: str) -> None:
+    """``reduce_numel`` payloads ride a round's header exchange (host rows, see
+    ``rounds.devices.rows_on_host``), in rounds that run inside ``fetch`` (at world size 1
+    nothing is averaged).
 
     Raises:
         ConfigError: naming what is missing.
@@ -178,30 +179,10 @@ def _check_reduce(numel: int, world: int, schedule: str, device: torch.device) -
         raise ConfigError(f"reduce_numel: expected an int >= 0, got {numel!r}")
     if not numel or world == 1:
         return
-    if device.type != "cpu":
-        raise ConfigError(
-            "reduce_numel: payloads are averaged in the round's header exchange, which is parsed "
-            f"on the host: expected device 'cpu', got {device.type!r}"
-        )
     if schedule != "sync":
         raise ConfigError(
             "reduce_numel: expected schedule='sync' (a round launched at backward would run "
             f"before the payload it averages exists), got {schedule!r}"
-        )
-
-
-def _check_sampler_device(sampler: Sampler, device: torch.device) -> None:
-    """Samplers that compose rows, report shard values or route feedback do that work on the
-    host, and deliver there.
-
-    Raises:
-        ConfigError: naming the sampler and the device.
-    """
-    host = isinstance(sampler, WritesRows | ReportsMeta | RoutesFeedback)
-    if host and device.type != "cpu":
-        raise ConfigError(
-            f"sampler: {sampler.name!r} keeps its trees and windows on the host and composes "
-            f"the delivered rows there: expected device 'cpu', got {device.type!r}"
         )
 
 
@@ -251,23 +232,44 @@ def assemble(
     sampler = _unbound(resolve("sampler", sampler, SAMPLERS, Sampler), "sampler")
     if placement is not None:
         placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
-    device = torch.device(device)
-    _check_sampler_device(sampler, device)
-    storage = storage if storage is not None else Tiers()
-    if not isinstance(storage, Tiers):
+    device = resolve_device(device)  # once: cuda:<index>, never a bare "cuda"
+    if storage is not None and not isinstance(storage, Tiers):
         raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")
     with contextlib.ExitStack() as undo:
-        ex = Exchange(timeout_s, name=str(next(_plane_ids)))
+        ex = Exchange(
+            timeout_s,
+            name=str(next(_plane_ids)),
+            device=device,
+            tiers=getattr(storage, "tiers", None),
+        )
         undo.callback(ex.close)
         learners = _learners(learner_ranks, ex.world)
         if placement is None:
             placement = PLACEMENTS[default_placement(sampler, learners, ex.world)]()
-        _check_reduce(reduce_numel, ex.world, schedule, device)
+        _check_reduce(reduce_numel, ex.world, schedule)
+        # one CPU rank has no collective to wait for: a background round would only add a
+        # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
+        can_overlap = ex.world > 1 or device.type == "cuda"
+        if schedule != "sync" and not can_overlap:
+            log.info(
+                "schedule=%s: one CPU rank has nothing to overlap; rounds run inline", schedule
+            )
+        trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
+        overlap = schedule == "overlap" and can_overlap
+        mode = "overlap" if (overlap or trial) else "sync"
         # rows carry the sampler's trailer (e.g. a prioritized item's address and mass)
         stored, wire_bytes = (
             sampler.layout(spec) if isinstance(sampler, WritesRows) else (spec, spec.record_bytes)
         )
-        shard = storage.build(capacity, stored.record_bytes, device)
+        if storage is None:  # one memory tier where the rounds compose rows (round_devices)
+            _, rows = round_devices(
+                ex.world, False, device, device, rows_on_host(sampler, reduce_numel),
+                mode == "sync",
+            )  # fmt: skip
+            storage, where = Tiers(), rows
+        else:
+            where = device
+        shard = storage.build(capacity, stored.record_bytes, where)
         undo.callback(shard.close)
         topo = discover(ex)
         model, calibration_s = _bandwidth(bandwidth, ex, topo, bandwidth_cache)
@@ -282,23 +284,13 @@ def assemble(
         )
         undo.callback(setattr, placement, "ctx", None)
         transport = Transport(ex, topo, model, strategy)
-        ages = AgeBound(stored, max_policy_age, device)
+        ages = AgeBound(stored, max_policy_age, shard.tiers[0].data.device)
         engine = RoundEngine(
             stored, shard, ex, sampler, placement, transport, (ages, rate_limiter), learners,
-            device, wire_bytes, reduce_numel,
+            device, wire_bytes, reduce_numel, sync=mode == "sync",
         )  # fmt: skip
-        # one CPU rank has no collective to wait for: a background round would only add a
-        # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
-        can_overlap = ex.world > 1 or device.type == "cuda"
-        if schedule != "sync" and not can_overlap:
-            log.info(
-                "schedule=%s: one CPU rank has nothing to overlap; rounds run inline", schedule
-            )
-        trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
-        overlap = schedule == "overlap" and can_overlap
         weights = WeightsState()
         versions = PolicyVersions(weights, ex.rank, learners)
-        mode = "overlap" if (overlap or trial) else "sync"
         sched = Scheduler(mode, engine, weights, device, timeout_s)
         undo.callback(sched.close, True)
         timeline = Timeline(ex.rank, enabled=trace)

@@ -130,11 +130,12 @@ def _use_count(t: torch.Tensor) -> int | None:
 class _Pooled:
     """One pooled buffer, the field views built once for it, and its idle storage use count."""
 
-    __slots__ = ("buf", "idle", "views")
+    __slots__ = ("buf", "idle", "read", "views")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf, self.views = buf, None
         self.idle = _use_count(buf)
+        self.read = None  # pinned host buffers: the CUDA event of the last copy reading them
 
     def free(self) -> bool:
         """Nobody outside the pool holds a tensor on the buffer's storage (every tensor handed
@@ -165,15 +166,24 @@ class OutputPool:
     reading the previous batch finishes first. ``record_stream`` would not help here: it guards
     memory the caching allocator frees, and the pool never frees.
 
+    A pinned host pool (rows composed on the host for a CUDA learner, see
+    ``rounds.delivery.Landing``) is written by the host: a buffer is handed out again only after
+    the device copy that last read it has finished (its event, :meth:`read_by`).
+
     Args:
         record_bytes: bytes per record.
         device: where buffers live.
         unpack: records -> field views (the spec's ``unpack``).
         size: buffers kept.
+        pin_memory: page-locked host buffers (the source of non-blocking copies to a GPU).
     """
 
-    def __init__(self, record_bytes: int, device: torch.device, unpack, size: int = 3) -> None:
+    def __init__(
+        self, record_bytes: int, device: torch.device, unpack, size: int = 3,
+        pin_memory: bool = False,
+    ) -> None:  # fmt: skip
         self.record_bytes, self.device, self.size, self._unpack = record_bytes, device, size, unpack
+        self.pin_memory = pin_memory
         self._pool: list[_Pooled] = []
         self._empty: torch.Tensor | None = None
         self.consumer = None  # the consumer's CUDA stream, set by the round that acquires
@@ -190,14 +200,30 @@ class OutputPool:
             if e.buf.shape[0] >= rows and e.free():
                 if self.consumer is not None:  # the consumer's kernels on it come first
                     torch.cuda.current_stream(self.device).wait_stream(self.consumer)
+                if e.read is not None:  # the host writes it next: the last copy out is done
+                    e.read.synchronize()
+                    e.read = None
                 return e.buf if e.buf.shape[0] == rows else e.buf[:rows]
-        buf = torch.empty((rows, self.record_bytes), dtype=torch.uint8, device=self.device)
+        buf = torch.empty(
+            (rows, self.record_bytes), dtype=torch.uint8, device=self.device,
+            pin_memory=self.pin_memory,
+        )  # fmt: skip
         if _use_count(buf) is not None:
             if len(self._pool) >= self.size:
                 self._pool.sort(key=lambda e: e.buf.shape[0])
                 self._pool.pop(0)
             self._pool.append(_Pooled(buf))
         return buf
+
+    def read_by(self, records: torch.Tensor, event) -> None:
+        """A device copy (finished when ``event`` is) reads the pooled buffer ``records`` is
+        on; it is not handed out again before then. A buffer not pooled (no use counts) is
+        released by torch's pinned allocator only once that copy's stream has passed it."""
+        ptr = records.untyped_storage().data_ptr()
+        for e in self._pool:
+            if e.buf.untyped_storage().data_ptr() == ptr:
+                e.read = event
+                return
 
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """Field views of delivered ``records`` (cached per pooled buffer)."""

@@ -2,8 +2,9 @@
 
 Steps: ``prepare`` -> ``meta`` -> ``plan`` -> ``ingest`` -> ``headers`` (when needed) ->
 ``allocate`` (with the rate limiter's admission) -> ``deliver`` -> ``take`` -> ``weights`` ->
-``after``. Schedules, chosen once: ``local`` (world size 1: no collective), ``fused`` (items stay
-where they were put, host delivery: one header exchange carries every rank's meta, payloads,
+``after``, then ``land`` (rows composed on the host move to a CUDA learner). Schedules and the rows
+device, chosen once (``round_devices``): ``local`` (world size 1: no collective), ``fused`` (items
+stay where they were put, host rows: one header exchange carries every rank's meta, payloads,
 candidates and update rows) and ``general`` (meta exchange, plan, ingestion exchange, the header
 exchange when the sampler reports shard values, routes feedback or a payload rides, delivery).
 docs/round.md and docs/architecture.md draw and describe each step. Every rank keeps the
@@ -21,6 +22,7 @@ import torch
 
 from conduit_dist.rounds import meta as M
 from conduit_dist.rounds.delivery import Delivery
+from conduit_dist.rounds.devices import round_devices, rows_on_host
 from conduit_dist.rounds.headers import HeaderExchange
 from conduit_dist.rounds.ingest import Ingest
 from conduit_dist.rounds.meta import MetaLayout
@@ -36,15 +38,6 @@ from conduit_dist.sampling.base import (
     TracksInflow,
     WritesRows,
 )
-
-
-def schedule_for(world: int, keeps_local: bool, device: torch.device) -> str:
-    """The schedule a plane's rounds run: ``local`` at world size 1, ``fused`` where items stay
-    where they were put and batches are delivered to host memory (headers are parsed there),
-    else ``general``."""
-    if world == 1:
-        return "local"
-    return "fused" if keeps_local and device.type == "cpu" else "general"
 
 
 class RoundEngine:
@@ -63,11 +56,13 @@ class RoundEngine:
         device: where delivered batches live.
         wire_bytes: bytes of a delivered row.
         reduce_numel: float32 elements of a fetch's ``reduce`` payload (0: none).
+        sync: rounds run on the thread that calls ``fetch`` (``round_devices``).
     """
 
     def __init__(
         self, spec, storage, exchange, sampler, placement, transport, flow,
         learners: tuple[int, ...], device: torch.device, wire_bytes: int, reduce_numel: int = 0,
+        sync: bool = True,
     ) -> None:  # fmt: skip
         self.spec, self.storage, self.ex = spec, storage, exchange
         self.sampler, self.placement = sampler, placement
@@ -75,7 +70,11 @@ class RoundEngine:
         self.rank, self.world = exchange.rank, exchange.world
         self.device, self.wire_bytes, self.reduce_numel = device, wire_bytes, int(reduce_numel)
         self.weights_src = learners[0]
-        self.schedule = schedule_for(self.world, placement.keeps_local, device)
+        self.schedule, self.rows_device = round_devices(
+            self.world, placement.keeps_local, device, storage.tiers[0].data.device,
+            rows_on_host(sampler, self.reduce_numel), sync,
+        )  # fmt: skip
+        rows = self.rows_device
         # the sampler's capabilities, checked once (isinstance on a protocol costs ~1 us)
         self._streams, self._takes = isinstance(sampler, Streams), isinstance(sampler, Takes)
         self._tracks = isinstance(sampler, TracksInflow)
@@ -86,15 +85,15 @@ class RoundEngine:
         self.state = Replicated(self.world)  # every shard's size etc., the same on every rank
         self.from_candidates = 0  # rounds whose batches came from the header exchange
         write = sampler.write_rows if isinstance(sampler, WritesRows) else storage.gather
-        self.ingest = Ingest(storage, exchange, transport, spec.record_bytes, device)
+        self.ingest = Ingest(storage, exchange, transport, spec.record_bytes, rows)
         self.delivery = Delivery(
-            sampler, write, exchange, transport, wire_bytes, device, spec.unpack
+            sampler, write, exchange, transport, wire_bytes, (rows, device), spec.unpack
         )
         is_learner = np.zeros(self.world, dtype=bool)
         is_learner[list(learners)] = True
         self.headers = HeaderExchange(
             exchange, sampler, write, is_learner, self.layout.width, wire_bytes,
-            self.reduce_numel, device,
+            self.reduce_numel, rows,
         )  # fmt: skip
         # the general schedule's header exchange: after ingestion, for what the sampler reports
         # of its shard, feedback it routes, or a payload
@@ -121,7 +120,7 @@ class RoundEngine:
             out = self._finish(self._launch(t, stats), weights)
         else:
             out = self._general(t, stats, weights)
-        return out, self._after(stats, cpu0)
+        return self.delivery.landing.land(out), self._after(stats, cpu0)
 
     def start(self, t: RoundTicket, weights) -> Callable[[], tuple[torch.Tensor, RoundStats]]:
         """Run a fused round up to its exchange, left in flight; returns the function that
@@ -136,7 +135,7 @@ class RoundEngine:
         def finish() -> tuple[torch.Tensor, RoundStats]:
             cpu1 = time.thread_time()
             out = self._finish(flight, weights)
-            return out, self._after(stats, cpu1 - spent)
+            return self.delivery.landing.land(out), self._after(stats, cpu1 - spent)
 
         return finish
 
@@ -334,7 +333,7 @@ class RoundEngine:
             return self.delivery.exact(counts, round, stats, t1)
         self.from_candidates += 1
         n = int(counts[self.rank].sum())
-        out = self.delivery.outputs.acquire(n)
+        out = self.delivery.rows.acquire(n)
         at = self.headers.take(f, counts, out)
         self.delivery.own(counts, round, out, at)
         stats.sent[self.rank] += (n - at) * self.wire_bytes  # the own share: a local copy

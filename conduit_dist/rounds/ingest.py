@@ -26,7 +26,8 @@ class Ingest:
         exchange: the plane's collectives (rank, world).
         transport: runs an exchange with the strategy the bandwidth model picks.
         record_bytes: bytes of a stored record.
-        device: the plane's device (staged records are copied there first).
+        device: the round's rows device (staged records are copied there first; the exchange
+            runs there, received straight into the shard's slots only when they are on it).
     """
 
     def __init__(self, storage, exchange, transport, record_bytes: int, device) -> None:
@@ -39,11 +40,11 @@ class Ingest:
         self._order: torch.Tensor | None = None  # this round's destination order (routed)
 
     def staged_rows(self, t: RoundTicket) -> torch.Tensor:
-        """This round's staged records on the plane's device, as one block of rows.
+        """This round's staged records on the rows device, as one block of rows.
 
-        Host staging (pinned on CUDA machines) is copied to the device on the round's stream;
-        device staging (items put from GPU tensors) is used where it is, or, when both kinds
-        were put, copied after it (FIFO within each kind).
+        Host staging (pinned on CUDA machines) is used where it is for host rows, or copied to
+        the GPU on the round's stream; device staging (items put from GPU tensors) likewise,
+        copied to the host for host rows (FIFO within each kind: device staging first).
         """
         host, dev = t.staged, t.device_staged
         if dev is None or not dev.count:
@@ -51,7 +52,7 @@ class Ingest:
             if inp.device == self.device:
                 return inp
             return self._dev_stage.rows(host.count).copy_(inp, non_blocking=True)
-        if not host.count:
+        if not host.count and dev.view().device == self.device:
             return dev.view()
         rows = self._dev_stage.rows(dev.count + host.count)
         rows[: dev.count].copy_(dev.view())
@@ -79,7 +80,7 @@ class Ingest:
             self._order = None
             return np.zeros(self.world, dtype=np.int64)
         rows = self.staged_rows(t)
-        dest = np.asarray(route(self.rank, keys_of(rows).numpy()), dtype=np.int64)
+        dest = np.asarray(route(self.rank, keys_of(rows).cpu().numpy()), dtype=np.int64)
         self._order = torch.from_numpy(np.argsort(dest, kind="stable"))
         return np.bincount(dest, minlength=self.world).astype(np.int64)
 
@@ -102,6 +103,8 @@ class Ingest:
             self.storage.append(inp)  # every item stays put (known on every rank): no exchange
             return n_in
         direct = self.storage.receive(n_in)
+        if direct is not None and direct.device != self.device:
+            direct = None  # the exchange runs on the rows device: received there, then appended
         out = direct if direct is not None else self._recv.rows(n_in)
         stats.moves.append(self.transport.move(out, inp, plan, t.round, "ingest"))
         if direct is not None:

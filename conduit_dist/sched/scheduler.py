@@ -2,7 +2,8 @@
 
 Rounds run one at a time, in the same order on every rank. In ``overlap`` mode a single worker
 thread executes them: gloo moves the bytes on its own threads, and on CUDA the round runs on a side
-stream whose completion is published as an event the consumer's stream waits on.
+stream whose completion is published as an event the consumer's stream waits on. The worker
+thread's current CUDA device is set to the plane's (the current device is per thread).
 """
 
 from __future__ import annotations
@@ -65,17 +66,28 @@ class Scheduler:
         self.engine, self.weights = engine, weights
         self.timeout_s = timeout_s
         self.pending: Pending | None = None
+        cuda = device.type == "cuda"  # resolved once by the build: cuda:<index>
         self._pool = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-round")
+            ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="conduit-round",
+                initializer=torch.cuda.set_device if cuda else None,
+                initargs=(device,) if cuda else (),
+            )
             if mode == "overlap"
             else None
         )
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(device) if cuda else None
         self._last: Future | None = None  # the latest launched round (maybe timed out in wait)
 
     def _execute(self, ticket: RoundTicket):
+        return self._on_stream(ticket, lambda: self.engine.run(ticket, self.weights))
+
+    def _on_stream(self, ticket: RoundTicket, run):
+        """``run()`` (a round, or a started round's finish) on the side stream, after what the
+        consumer enqueued before the round was prepared; returns ``(out, stats, event)``."""
         if self._stream is None:
-            out, stats = self.engine.run(ticket, self.weights)
+            out, stats = run()
             return out, stats, None
         with torch.cuda.stream(self._stream):
             # explicit ordering, not record_stream: donated tensors and device staging were
@@ -84,7 +96,7 @@ class Scheduler:
             if ticket.ready is not None:
                 self._stream.wait_event(ticket.ready)
             self.engine.delivery.outputs.consumer = ticket.consumer
-            out, stats = self.engine.run(ticket, self.weights)
+            out, stats = run()
             event = torch.cuda.Event()
             event.record(self._stream)
         event.synchronize()  # the round's time includes its device work
@@ -108,8 +120,9 @@ class Scheduler:
         (``RoundEngine.start``); the call that owns it finishes it, on its own thread."""
         if self.pending is not None:
             raise RuntimeError("start: one launched round at a time")
+        finish = self.engine.start(ticket, self.weights)  # host work: headers, gloo
         self.pending = Pending(
-            kind, ticket, _Started(self.engine.start(ticket, self.weights)), put_seq
+            kind, ticket, _Started(lambda: self._on_stream(ticket, finish)), put_seq
         )
 
     def launch(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
@@ -194,8 +207,7 @@ class _Started:
             return
         self._done = True
         try:
-            out, stats = self._finish()
-            self._result = (out, stats, None)
+            self._result = self._finish()
         except BaseException as exc:
             self._error = exc
 
@@ -208,7 +220,7 @@ class _Started:
         return self._error
 
     def result(self, timeout: float | None = None):
-        """``(out, stats, None)``, finishing it first; raises its error (the exchange itself
+        """``(out, stats, event)``, finishing it first; raises its error (the exchange itself
         waits with the plane's timeout, so ``timeout`` is not needed)."""
         self.finish()
         if self._error is not None:

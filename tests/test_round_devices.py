@@ -1,0 +1,100 @@
+"""Where a round composes its rows, which schedule runs, and how rows land on the learner's
+device: every sampler delivers to CUDA, composed on the GPU where everything the round touches is
+there, else on the host and landed (``rounds.engine.round_devices``, ``rounds.delivery.Landing``).
+
+These are the decisions; no GPU is needed to check them (``torch.device("cuda", 0)`` is a plain
+value). The copies themselves run in ``scripts/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conduit_dist as cd
+from conduit_dist.records.buffers import OutputPool
+from conduit_dist.rounds.delivery import Landing
+from conduit_dist.rounds.devices import round_devices, rows_on_host
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+
+HOST_ROWS = {  # sampler -> composes or reports on the host
+    "uniform": (lambda: cd.Uniform(), False),
+    "stratified": (lambda: cd.Stratified(), False),
+    "queue": (lambda: cd.Queue(), False),
+    "lifo": (lambda: cd.Lifo(), False),
+    "without_replacement": (lambda: cd.WithoutReplacement(), False),
+    "prioritized": (lambda: cd.Prioritized(), True),
+    "n_step": (lambda: cd.Prioritized(sequence=cd.Sequence(n_step=3, stream="env")), True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOST_ROWS))
+def test_rows_on_host_follows_the_samplers_capabilities(kind):
+    make, host = HOST_ROWS[kind]
+    assert rows_on_host(make(), 0) is host
+    assert rows_on_host(make(), 4) is True  # a reduce payload rides host headers
+
+
+def test_cpu_planes_keep_the_schedules_they_had():
+    for sync in (True, False):
+        assert round_devices(1, True, CPU, CPU, False, sync) == ("local", CPU)
+        assert round_devices(2, True, CPU, CPU, True, sync) == ("fused", CPU)
+        assert round_devices(2, False, CPU, CPU, False, sync) == ("general", CPU)
+
+
+def test_gpu_rows_only_where_everything_the_round_touches_is_on_the_gpu():
+    # storage on the learner's GPU, a sampler with no host work, rounds on fetch's thread
+    assert round_devices(2, False, GPU, GPU, False, True) == ("general", GPU)
+    assert round_devices(2, True, GPU, GPU, False, True) == ("general", GPU)
+    assert round_devices(1, True, GPU, GPU, False, False) == ("local", GPU)  # no collective
+    # host work (prioritized trees, windows, headers): composed on the host, landed
+    assert round_devices(2, True, GPU, GPU, True, True) == ("fused", CPU)
+    assert round_devices(2, False, GPU, GPU, True, True) == ("general", CPU)
+    assert round_devices(1, True, GPU, GPU, True, True) == ("local", CPU)
+    # storage on the host (or on another GPU)
+    assert round_devices(2, False, GPU, CPU, False, True) == ("general", CPU)
+    assert round_devices(2, False, GPU, torch.device("cuda", 1), False, True)[1] == CPU
+
+
+def test_overlapped_rounds_never_enqueue_nccl_from_the_worker_thread():
+    """Above one rank, a round on the overlap worker moves host rows over gloo: the plane's
+    NCCL kernels are only ever enqueued by the thread that calls fetch, in program order with
+    the caller's own (DDP's), so two communicators never meet in different orders."""
+    for keeps_local in (True, False):
+        schedule, rows = round_devices(4, keeps_local, GPU, GPU, False, False)
+        assert rows == CPU
+        assert schedule == ("fused" if keeps_local else "general")
+
+
+def test_landing_on_the_same_device_is_the_rows_themselves():
+    land = Landing(16, CPU, CPU, lambda r: {"x": r})
+    assert not land.moves and land.rows is land.outputs
+    rows = land.rows.acquire(5)
+    assert land.land(rows) is rows
+    assert land.land(land.rows.acquire(0)).shape == (0, 16)
+
+
+def test_landing_only_from_the_host_to_a_gpu():
+    with pytest.raises(ValueError, match="land on a GPU from the host only"):
+        Landing(16, GPU, CPU, lambda r: {"x": r})
+
+
+def test_a_pooled_host_buffer_waits_for_the_copy_that_read_it():
+    """The pinned pool hands a buffer to the host again only after the event of the device
+    copy that last read it (an object with ``synchronize`` stands for the CUDA event here)."""
+    pool = OutputPool(16, CPU, lambda r: {"x": r})
+    first = pool.acquire(4)
+    waited = []
+
+    class Event:
+        def synchronize(self):
+            waited.append(True)
+
+    pool.read_by(first, Event())
+    del first
+    again = pool.acquire(4)
+    assert waited == [True]
+    del again
+    pool.acquire(4)
+    assert waited == [True]  # once: the event is cleared after the wait
