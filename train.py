@@ -3,6 +3,7 @@
 torchrun --standalone --nproc_per_node=2 train.py experiment=smoke
 torchrun --standalone --nproc_per_node=2 train.py experiment=cartpole_ppo
 python train.py                       # world size 1
+python train.py device=cuda           # on a GPU (torchrun: one GPU per rank, cuda:<LOCAL_RANK>)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import conduit_dist as cd
 from conduit_dist.logging import log_rank_zero
+from conduit_dist.train import setup
 from conduit_dist.train.config import TrainConfig, register, validate
 from conduit_dist.train.launch import prepare_hydra_argv
 from conduit_dist.train.metrics import make_logger
@@ -29,8 +31,9 @@ def main(dcfg: DictConfig) -> None:
     """Compose, initialise, build, run, close (also on failure)."""
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
     validate(cfg)
+    device = setup.device(cfg)  # once, before anything is built: no CUDA here fails now
     run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
-    cd.init_distributed(device=cfg.device, timeout_s=cfg.plane.timeout_s)
+    cd.init_distributed(device=device, timeout_s=cfg.plane.timeout_s)
     logger = trainer = None
     try:
         logger = make_logger(
@@ -42,7 +45,7 @@ def main(dcfg: DictConfig) -> None:
             run_dir,
             run_id(cfg.checkpoint) if cd.is_rank_zero() else None,
         )
-        trainer = (PPOTrainer if cfg.algo.name == "ppo" else Trainer)(cfg, logger)
+        trainer = (PPOTrainer if cfg.algo.name == "ppo" else Trainer)(cfg, logger, device)
         summary = trainer.run()
         log_rank_zero(
             "done: %s",

@@ -216,22 +216,36 @@ class AgeBound:
 def check_ages(version: torch.Tensor, newest: int, max_age: int, rank: int, round: int) -> None:
     """Raise unless every delivered row's version is within ``max_age`` of ``newest``.
 
-    Raises:
-        StaleDataError: naming how many rows are stale, their versions and the bound.
-
     ``newest`` is the reference of the round that delivered the rows (what its rank knew when
     it was prepared), so a version published while the round ran does not age its batch.
+
+    One host read per fetch (the oldest version, one reduction on the rows' device): the
+    versions are a column of the delivered rows, which the host does not hold on a CUDA plane
+    (the round's meta carries how many items each shard evicted, not the versions it delivered),
+    and a stale batch must never be returned, so the verdict has to be on the host before
+    ``fetch`` returns. No read at all while the bound is vacuous (``newest - max_age <= 0``).
+
+    Args:
+        version: the delivered rows' ``"_version"`` column (any device).
+        newest: the reference version.
+        max_age: the bound.
+        rank: this rank (named in the error).
+        round: the round that delivered the rows (named in the error).
+
+    Raises:
+        StaleDataError: naming how many rows are stale, their versions and the bound.
     """
     bound = newest - max_age
-    if bound <= 0:
+    if bound <= 0 or not version.numel():
+        return
+    if int(version.min()) >= bound:  # the one host read
         return
     stale = version < bound
-    if bool(stale.any()):
-        bad = version[stale]
-        raise StaleDataError(
-            f"fetch on rank {rank} in round {round}: {int(stale.sum())} of {version.numel()} "
-            f"items carry policy versions {int(bad.min())}..{int(bad.max())}, older than the "
-            f"newest version {newest} minus max_policy_age={max_age}; the batch was not "
-            "returned (a shard evicts only its oldest stale items: keep each shard's items in "
-            "version order, e.g. local placement, or pull weights in step)"
-        )
+    bad = version[stale]
+    raise StaleDataError(
+        f"fetch on rank {rank} in round {round}: {int(stale.sum())} of {version.numel()} "
+        f"items carry policy versions {int(bad.min())}..{int(bad.max())}, older than the "
+        f"newest version {newest} minus max_policy_age={max_age}; the batch was not "
+        "returned (a shard evicts only its oldest stale items: keep each shard's items in "
+        "version order, e.g. local placement, or pull weights in step)"
+    )

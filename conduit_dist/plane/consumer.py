@@ -120,7 +120,7 @@ class Consumer:
 
 def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
     """``update_priorities``' arguments as contiguous CPU int64 and float64 ``[k]`` tensors
-    (their values are checked by the sampler).
+    (their values are checked by the sampler); from one GPU, in one device-to-host copy.
 
     Raises:
         ConfigError: naming the argument, the expected and the received type or shape.
@@ -138,6 +138,10 @@ def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
             f"update_priorities priority: expected shape {list(index.shape)} (one per index), "
             f"got {list(priority.shape)}"
         )
-    index = index.detach().to("cpu", torch.int64).contiguous()
-    priority = priority.detach().to("cpu", torch.float64).contiguous()
-    return index, priority
+    index, priority = index.detach(), priority.detach().to(torch.float64)
+    if index.device == priority.device and index.device.type != "cpu":
+        # one device-to-host copy (one sync) for both: the float64 priorities ride as raw
+        # int64 bits beside the indices
+        both = torch.stack([index, priority.view(torch.int64)]).cpu()
+        return both[0].contiguous(), both[1].view(torch.float64).contiguous()
+    return index.to("cpu").contiguous(), priority.to("cpu").contiguous()

@@ -13,8 +13,7 @@ with the fields' definition and the batch validation.
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -32,6 +31,39 @@ _Layout = TypeVar("_Layout", bound="RecordLayout")
 def align(n: int) -> int:
     """``n`` rounded up to the record alignment (8 bytes)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def nonfinite(tensors: Sequence[torch.Tensor], accumulate: Sequence[torch.dtype]) -> list[int]:
+    """The indices of ``tensors`` that hold NaN or inf, with one host read per device.
+
+    Each tensor is summed on its own device (in its ``accumulate`` dtype); the sums of one
+    device are stacked and read to the host at once (one ``tolist``: on CUDA, one sync for all
+    the fields). NaN or inf anywhere makes a sum non-finite; a non-finite sum of finite values
+    (an overflow) is told apart by an exact check of that tensor alone, which only then costs
+    another read.
+
+    Args:
+        tensors: floating tensors, on any devices.
+        accumulate: the dtype each tensor's sum accumulates in (``float32`` or ``float64``).
+
+    Returns:
+        The indices, ascending (empty: every value is finite).
+
+    Example:
+        >>> nonfinite([torch.zeros(3), torch.tensor([1.0, float("nan")])], [torch.float32] * 2)
+        [1]
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    bad = []
+    for idx in by_device.values():
+        sums = torch.stack([tensors[i].sum(dtype=accumulate[i]).double() for i in idx])
+        finite = torch.isfinite(sums).tolist()  # the one host read of this device
+        for i, ok in zip(idx, finite, strict=True):
+            if not ok and not bool(torch.isfinite(tensors[i]).all()):  # not just an overflow
+                bad.append(i)
+    return sorted(bad)
 
 
 class RecordLayout:
@@ -190,35 +222,33 @@ class RecordLayout:
     def check_finite(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Raise if a checked floating field of a validated ``batch`` holds NaN or inf.
 
-        One sum per field and a single host sync: NaN/inf in any field makes the total non-finite.
-        Only then (or when a sum of finite values overflowed) is each field checked exactly, to
-        name the offender.
+        CPU fields are scanned in place by the C extension (no torch op, no copy). Every other
+        field (CUDA, or CPU without the extension) goes through :func:`nonfinite`: one sum per
+        field queued on its device and **one host read for all of them**, so a put from the GPU
+        costs one host sync whatever its number of float fields. One sync per put is the floor:
+        a rejected put must store nothing, so the verdict has to be on the host before any row
+        is committed, and a check deferred to the round could no longer refuse the put.
 
         Raises:
             SpecError: naming the field and the number of non-finite values.
         """
         if not self._checked:
             return
-        if _native is not None:  # one tensor per call: no field table to outgrow
-            for name, _ in self._checked:
-                t = batch[name]
-                if t.is_cpu:
-                    t = t.contiguous()
-                    bad = _native.any_nonfinite(t.data_ptr(), t.numel(), KIND[t.dtype])
-                else:
-                    bad = not bool(torch.isfinite(t).all())
-                if bad:
-                    self._reject(name, t)
-            return
-        total = None
+        names, tensors, accs = [], [], []
         for name, acc in self._checked:
-            s = batch[name].sum(dtype=acc)
-            total = s if total is None else total + s
-        if math.isfinite(float(total)):
-            return
-        for name, _ in self._checked:
-            if not bool(torch.isfinite(batch[name]).all()):
-                self._reject(name, batch[name])
+            t = batch[name]
+            if t.is_cpu and _native is not None:
+                t = t.contiguous()
+                if _native.any_nonfinite(t.data_ptr(), t.numel(), KIND[t.dtype]):
+                    self._reject(name, t)
+            else:
+                names.append(name)
+                tensors.append(t)
+                accs.append(acc)
+        if tensors:
+            bad = nonfinite(tensors, accs)
+            if bad:
+                self._reject(names[bad[0]], tensors[bad[0]])
 
     def check_records_finite(self, records: torch.Tensor) -> None:
         """Raise if a checked floating field of ``records`` (``uint8 [B, record_bytes]``) holds

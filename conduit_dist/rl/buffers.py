@@ -21,20 +21,30 @@ class SimpleBuffer:
         example: a batch whose fields give shapes and dtypes.
         capacity: items held.
         seed: sampling seed.
+        device: where the items are stored and batches delivered (the indices are drawn on the
+            host from the CPU generator, the same on any device).
 
     Raises:
         ConfigError: when used with more than one rank.
     """
 
-    def __init__(self, example: Mapping[str, torch.Tensor], capacity: int, seed: int) -> None:
+    def __init__(
+        self,
+        example: Mapping[str, torch.Tensor],
+        capacity: int,
+        seed: int,
+        device: torch.device | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
                 f"plane.kind: 'simple' is single-process, got world size {dist.get_world_size()}"
             )
+        self.device = device if device is not None else torch.device("cpu")
         self.data = {
-            k: torch.empty((capacity, *v.shape[1:]), dtype=v.dtype) for k, v in example.items()
+            k: torch.empty((capacity, *v.shape[1:]), dtype=v.dtype, device=self.device)
+            for k, v in example.items()
         }
         self.capacity, self.pos, self.size = capacity, 0, 0
         self.gen = torch.Generator().manual_seed(seed)
@@ -69,7 +79,7 @@ class SimpleBuffer:
         if self.size == 0:
             raise EmptyStoreError("fetch: the buffer is empty")
         t0 = time.perf_counter()
-        idx = torch.randint(self.size, (batch_size,), generator=self.gen)
+        idx = torch.randint(self.size, (batch_size,), generator=self.gen).to(self.device)
         out = {k: v.index_select(0, idx) for k, v in self.data.items()}
         self.stats.sample_ms = (time.perf_counter() - t0) * 1e3
         self.stats.stored = self.size

@@ -13,6 +13,8 @@ from conduit_dist.rl.grad_sync import GradSync
 from conduit_dist.rl.grad_sync import flat_grads as flat_buffer
 from conduit_dist.train.config import AlgoConfig
 
+CPU = torch.device("cpu")
+
 
 class QNetwork(nn.Module):
     """An MLP from observations to one Q-value per action.
@@ -46,9 +48,12 @@ class DQN:
         obs_dim: observation size.
         n_actions: number of actions.
         ddp_group: average gradients over this group with DistributedDataParallel (``None``: a
-            single learner, no DDP); buckets are averaged by :class:`GradSync` (``cfg.grad_sync``).
+            single learner, no DDP); buckets are averaged by :class:`GradSync` (``cfg.grad_sync``),
+            on the device (NCCL for a network on the GPU).
         flat_grads: keep the gradients as views of one flat buffer, :attr:`flat` (for
             ``grad_sync=round``: the data plane averages it inside a round).
+        device: where the networks live and learn, resolved once (``cpu`` or ``cuda:<index>``,
+            ``train.setup.device``); batches arrive there from the plane.
     """
 
     def __init__(
@@ -58,15 +63,22 @@ class DQN:
         n_actions: int,
         ddp_group: dist.ProcessGroup | None = None,
         flat_grads: bool = False,
+        device: torch.device = CPU,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.device = cfg, device
         self.n_actions = n_actions
-        self.q = QNetwork(obs_dim, n_actions, list(cfg.hidden))
+        # built on the CPU (the same initial weights from the same seed whatever the device),
+        # then moved once
+        self.q = QNetwork(obs_dim, n_actions, list(cfg.hidden)).to(device)
         self.target = copy.deepcopy(self.q).requires_grad_(False)
         self.learner: nn.Module = self.q
         self.grad_sync: GradSync | None = None
         if ddp_group is not None:
-            self.learner = nn.parallel.DistributedDataParallel(self.q, process_group=ddp_group)
+            self.learner = nn.parallel.DistributedDataParallel(
+                self.q,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=ddp_group,
+            )
             self.grad_sync = GradSync(ddp_group, cfg.grad_sync)
             self.learner.register_comm_hook(self.grad_sync, GradSync.hook)
         self.opt = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
@@ -83,10 +95,23 @@ class DQN:
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, epsilon: float, gen: torch.Generator) -> torch.Tensor:
-        """Epsilon-greedy actions for a batch of observations."""
-        greedy = self.q(obs).argmax(dim=1)
+        """Epsilon-greedy actions for a batch of observations.
+
+        Args:
+            obs: ``[B, obs_dim]`` on the host (the environments').
+            epsilon: the exploration rate.
+            gen: the CPU generator of the exploration draws (the same draws on any device).
+
+        Returns:
+            ``[B]`` int64 actions on the host. On the GPU: one host-to-device copy of ``obs``
+            and one device-to-host copy of the greedy actions (none when every action
+            explores).
+        """
         explore = torch.rand(obs.shape[0], generator=gen) < epsilon
         random = torch.randint(self.n_actions, (obs.shape[0],), generator=gen)
+        if bool(explore.all()):
+            return random
+        greedy = self.q(obs.to(self.device)).argmax(dim=1).cpu()
         return torch.where(explore, random, greedy)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

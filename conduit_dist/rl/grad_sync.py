@@ -24,8 +24,29 @@ SMALL_BUCKET_BYTES = 1 << 20  # auto: buckets up to this size (per rank) go thro
 
 def flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
     """One zeroed buffer holding every parameter's ``.grad`` as a view (backward accumulates into
-    it in place), for averaging all gradients in one collective."""
-    flat = torch.zeros(sum(p.numel() for p in params))
+    it in place), for averaging all gradients in one collective.
+
+    The buffer lives where the parameters do (on the GPU for a network on the GPU: the
+    collective then runs on the device, NCCL under the default ``cpu:gloo,cuda:nccl`` group),
+    in their dtype.
+
+    Args:
+        params: the parameters, all on one device and of one dtype.
+
+    Returns:
+        The flat buffer.
+
+    Raises:
+        ConfigError: on parameters spread over devices or dtypes, or none.
+    """
+    kinds = {(p.device, p.dtype) for p in params}
+    if len(kinds) != 1:
+        raise ConfigError(
+            "flat_grads: expected parameters on one device, of one dtype, got "
+            f"{sorted(map(str, kinds))}"
+        )
+    device, dtype = kinds.pop()
+    flat = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
     at = 0
     for p in params:
         p.grad = flat[at : at + p.numel()].view_as(p)

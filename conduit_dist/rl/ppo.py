@@ -19,6 +19,10 @@ from torch import nn
 from conduit_dist.rl.grad_sync import GradSync, flat_grads
 from conduit_dist.train.config import AlgoConfig
 
+CPU = torch.device("cpu")
+TERMS = ("pg", "v", "entropy", "clipfrac")
+"""The loss terms :func:`ppo_loss` returns, in order."""
+
 
 def _layer(n_in: int, n_out: int, std: float) -> nn.Linear:
     layer = nn.Linear(n_in, n_out)
@@ -97,9 +101,11 @@ def ppo_loss(
     vf_coef: float,
     norm_adv: bool = True,
     clip_vloss: bool = True,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped-surrogate loss of a minibatch (CleanRL's ``ppo.py`` terms): policy, value
-    (clipped around the old values) and entropy; returns the loss and its terms.
+    (clipped around the old values) and entropy; returns the loss and its terms, a detached
+    ``[4]`` tensor in the order of :data:`TERMS` (left on the loss's device: reading them is a
+    host sync, done once per log, not per minibatch).
 
     Args:
         logits: ``[B, n_actions]`` from the current policy.
@@ -127,10 +133,7 @@ def ppo_loss(
         v_loss = 0.5 * ((value - ret) ** 2).mean()
     with torch.no_grad():
         clipfrac = ((ratio - 1).abs() > clip).float().mean()
-    terms = {
-        "pg": float(pg.detach()), "v": float(v_loss.detach()),
-        "entropy": float(entropy.detach()), "clipfrac": float(clipfrac),
-    }  # fmt: skip
+        terms = torch.stack([pg, v_loss, entropy, clipfrac])
     return pg - ent_coef * entropy + vf_coef * v_loss, terms
 
 
@@ -145,7 +148,10 @@ class PPO:
         cfg: hyperparameters (``cfg.ppo`` the PPO-specific ones).
         obs_dim: observation size.
         n_actions: number of actions.
-        ddp_group: average gradients over this group (``None``: a single learner).
+        ddp_group: average gradients over this group (``None``: a single learner); the flat
+            gradient buffer lives on ``device``, so the collective runs there (NCCL on the GPU).
+        device: where the network lives and learns, resolved once (``cpu`` or
+            ``cuda:<index>``); rollouts are collected and GAE computed on the host.
     """
 
     def __init__(
@@ -154,9 +160,12 @@ class PPO:
         obs_dim: int,
         n_actions: int,
         ddp_group: dist.ProcessGroup | None = None,
+        device: torch.device = CPU,
     ) -> None:
-        self.cfg, self.p = cfg, cfg.ppo
-        self.net = ActorCritic(obs_dim, n_actions, list(cfg.hidden))
+        self.cfg, self.p, self.device = cfg, cfg.ppo, device
+        # built on the CPU (the same initial weights from the same seed whatever the device),
+        # then moved once
+        self.net = ActorCritic(obs_dim, n_actions, list(cfg.hidden)).to(device)
         self.learner: nn.Module = self.net
         self.grad_sync: GradSync | None = None
         self.flat = flat_grads(list(self.net.parameters()))
@@ -165,7 +174,7 @@ class PPO:
             self.grad_sync = GradSync(ddp_group, mode)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=cfg.lr, eps=1e-5)
         self.steps = 0
-        self.last: dict[str, float] = {}  # the latest update's loss terms
+        self.last: torch.Tensor | None = None  # the latest update's loss terms (TERMS)
 
     def set_lr(self, frac_left: float) -> None:
         """Anneal the learning rate linearly to 0 (``ppo.anneal_lr``)."""
@@ -174,9 +183,22 @@ class PPO:
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """Sampled actions with their log-probabilities and the observations' values."""
-        logits, value = self.net(obs)
+        """Sampled actions with their log-probabilities and the observations' values.
+
+        Args:
+            obs: ``[B, obs_dim]`` on the host (the environments').
+            gen: the CPU generator of the action draws (the same draws on any device).
+
+        Returns:
+            ``action``, ``logp`` and ``value``, ``[B]`` each, on the host. On the GPU: one
+            host-to-device copy of ``obs`` and one device-to-host copy of the probabilities
+            and values together.
+        """
+        logits, value = self.net(obs.to(self.device))
         probs = torch.softmax(logits, dim=-1)
+        if probs.device.type != "cpu":
+            both = torch.cat([probs, value[:, None]], dim=1).cpu()
+            probs, value = both[:, :-1], both[:, -1]
         action = torch.multinomial(probs, 1, generator=gen).squeeze(1)
         logp = torch.log(probs.gather(1, action[:, None]).squeeze(1).clamp_min(1e-12))
         return {"action": action, "logp": logp, "value": value}
@@ -186,11 +208,17 @@ class PPO:
         """The rollout's items ``[T * E]`` with advantages and returns (GAE, actor side).
 
         Args:
-            steps: per step, the env's transition batch joined with :meth:`act`'s output.
+            steps: per step, the env's transition batch joined with :meth:`act`'s output (on
+                the host).
+
+        Returns:
+            ``obs``, ``action``, ``logp``, ``value``, ``adv`` and ``ret`` on the host.
         """
         cat = {k: torch.stack([s[k] for s in steps]) for k in steps[0]}
         t, e = cat["reward"].shape
-        _, next_value = self.net(cat["next_obs"].reshape(t * e, -1))
+        # one copy each way on the GPU: the next observations in, their values out
+        _, next_value = self.net(cat["next_obs"].reshape(t * e, -1).to(self.device))
+        next_value = next_value.cpu()
         end = cat["done"] | cat["truncated"]
         adv, ret = gae(
             cat["reward"], cat["value"], next_value.view(t, e), cat["done"], end,

@@ -281,7 +281,11 @@ class TrainConfig:
 
     Attributes:
         seed: run seed (envs, networks, sampling).
-        device: ``cpu`` or ``cuda``.
+        device: ``cpu``, ``cuda`` (this rank's GPU: the only visible one, else
+            ``cuda:<LOCAL_RANK>``) or ``cuda:<index>``; resolved once at start-up
+            (``setup.device``), refused at once where CUDA is not available. On a GPU the
+            networks, the delivered batches and the learners' gradient averaging live there
+            (``algo.grad_sync=round`` is CPU-only); environments step on the host.
         total_env_steps: env steps over all ranks before stopping.
         target_return: stop early once the mean return of the last 100 episodes reaches this
             (``null``: never).

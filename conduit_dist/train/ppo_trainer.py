@@ -34,7 +34,8 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.plane import RoundStats
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.rl.env import VectorEnv
-from conduit_dist.rl.ppo import PPO, rollout_spec_example
+from conduit_dist.rl.host_weights import HostWeights
+from conduit_dist.rl.ppo import PPO, TERMS, rollout_spec_example
 from conduit_dist.train import setup
 from conduit_dist.train.config import TrainConfig
 from conduit_dist.train.metrics import (
@@ -55,6 +56,9 @@ class PPOTrainer:
     Args:
         cfg: the validated run config (``algo.name == "ppo"``).
         logger: where rank 0 logs.
+        device: the resolved device (``setup.device``; ``None``: resolved here): the network
+            lives and learns there, the plane delivers minibatches there, the learners average
+            the flat gradients there; rollouts are collected on the host.
 
     Raises:
         ConfigError: when the rollout does not split into equal minibatches per learner, on
@@ -63,9 +67,12 @@ class PPOTrainer:
             built from ``algo.ppo``), or on settings the plane refuses.
     """
 
-    def __init__(self, cfg: TrainConfig, logger: Logger) -> None:
+    def __init__(
+        self, cfg: TrainConfig, logger: Logger, device: torch.device | None = None
+    ) -> None:
         self.cfg, self.logger, p = cfg, logger, cfg.algo.ppo
         setup.check_ppo(cfg)
+        self.device = device if device is not None else setup.device(cfg)
         sampler = setup.sampler(cfg)  # before anything is built: refuses other samplers
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -97,12 +104,16 @@ class PPOTrainer:
         ddp = None
         if len(learners) > 1:  # collective: every rank calls new_group
             ddp = dist.group.WORLD if len(learners) == self.world else dist.new_group(learners)
-        self.agent = PPO(cfg.algo, obs_dim, n_actions, ddp if self.is_learner else None)
+        self.agent = PPO(
+            cfg.algo, obs_dim, n_actions, ddp if self.is_learner else None, self.device
+        )
+        self.weights = HostWeights(self.agent.net, self.device)  # published, pulled on the host
         self.plane = setup.build_plane(
             cfg,
             ExperienceSpec.from_batch(rollout_spec_example(obs_dim)),
             learners,
             sampler,
+            dev=self.device,
             max_policy_age=p.max_policy_age,
         )
         if self.is_learner:
@@ -120,7 +131,7 @@ class PPOTrainer:
         summary: dict[str, object] = {"return_100": float("nan"), "reached_target": False}
         if cfg.mode == "disaggregated":  # the actors' first weights
             if self.is_learner:
-                self.version = self.plane.publish_weights(self.agent.net)
+                self.version = self.weights.publish(self.plane)
             self._hand_over(1)
         it = 0
         for it in range(1, iters + 1):
@@ -150,7 +161,7 @@ class PPOTrainer:
         self.env_steps += self.rollout
         if self.is_learner:
             self._learn(window)
-            self.version = self.plane.publish_weights(self.agent.net)
+            self.version = self.weights.publish(self.plane)
         if self.cfg.mode == "disaggregated":
             self._hand_over(it + 1)
         window.iteration_ms.append((time.perf_counter() - t0) * 1e3)
@@ -168,7 +179,7 @@ class PPOTrainer:
         self.plane.flush()  # ingests the rollout (the learner's first fetch waits for it)
         self.plane.wait()  # every actor pulls after the same round: rollouts arrive together
         self._window.add_round(self.plane.stats)
-        while self.plane.pull_weights(self.agent.net) < version:
+        while self.weights.pull(self.plane) < version:
             self.plane.flush()
             self.plane.wait()
             self._window.add_round(self.plane.stats)
@@ -192,9 +203,8 @@ class PPOTrainer:
             timing = self.plane.last_fetch
             window.hidden_ms.append(timing.hidden_ms if timing is not None else 0.0)
             window.add_round(self.plane.stats)
-            ages = (self.version - batch["_version"]).tolist()  # against this learner's own
-            window.ages += ages
-            self.max_age = max(self.max_age, *ages)
+            # against this learner's own version; read at the log (no host sync per minibatch)
+            window.ages.append(self.version - batch["_version"])
             loss = self.agent.loss(batch)
             loss.backward()
             self.agent.step()
@@ -205,15 +215,18 @@ class PPOTrainer:
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         returns = list(self.env.returns) if self.env is not None else []
         recent = returns[-math.ceil(100 / self.n_actors) :]
-        losses, iters = window.losses, max(window.iterations, 1)
+        iters = max(window.iterations, 1)
+        ages = window.policy_ages()  # one host read of the window's ages, one of its losses
+        self.max_age = max(self.max_age, max(ages, default=0))
+        terms = window.loss_terms()
         store = self.plane.store_stats()
         local = {
             "ret_sum": sum(recent), "ret_n": len(recent),
             "exposed_ms": _mean(window.exposed_ms), "iteration_ms": _mean(window.iteration_ms),
-            "hidden_ms": _mean(window.hidden_ms), "age_max": max(window.ages, default=0),
+            "hidden_ms": _mean(window.hidden_ms), "age_max": max(ages, default=0),
             "iter_exposed": sum(window.exposed_ms) / iters,
             "iter_hidden": sum(window.hidden_ms) / iters,
-            **{k: _mean([d[k] for d in losses]) for k in ("pg", "v", "entropy", "clipfrac")},
+            **terms,
             **link_bytes(window.sent, self.plane.topology.link_matrix()[self.rank]),
             **store_values(store),
         }  # fmt: skip
@@ -239,7 +252,7 @@ class PPOTrainer:
             **link_metrics(agg, self.world),
             **store_metrics(agg, store, self.world),
         }
-        hists = {"path/policy_age_hist": window.ages, "path/exposed_ms_hist": window.exposed_ms}
+        hists = {"path/policy_age_hist": ages, "path/exposed_ms_hist": window.exposed_ms}
         self.logger.log(metrics, self.env_steps, hists)
         return {"return_100": ret100, **metrics}
 
@@ -263,8 +276,20 @@ class _Window:
         self.sent: np.ndarray | None = None  # bytes the rounds sent each rank
         self._round = -1
         self.iteration_ms: list[float] = []
-        self.ages: list[int] = []
-        self.losses: list[dict[str, float]] = []
+        self.ages: list[torch.Tensor] = []  # per minibatch, on the learner's device
+        self.losses: list[torch.Tensor] = []  # per minibatch, [len(TERMS)], likewise
+
+    def policy_ages(self) -> list[int]:
+        """The fetched items' policy ages, in order (one host read)."""
+        return torch.cat(self.ages).tolist() if self.ages else []
+
+    def loss_terms(self) -> dict[str, float]:
+        """The mean of each of ``rl.ppo.TERMS`` over the window's minibatches (one host read;
+        0.0 without any)."""
+        if not self.losses:
+            return dict.fromkeys(TERMS, 0.0)
+        means = torch.stack(self.losses).double().mean(0).tolist()
+        return dict(zip(TERMS, means, strict=True))
 
     def add_round(self, stats: RoundStats) -> None:
         """Count a finished round's bytes sent (once per round)."""

@@ -1,13 +1,15 @@
-"""What a ``TrainConfig`` asks of the data plane: learner ranks, placement, sampler, how
-learners average gradients, and the plane itself (functions of the config and the world, the
+"""What a ``TrainConfig`` asks of the data plane: the device, learner ranks, placement, sampler,
+how learners average gradients, and the plane itself (functions of the config and the world, the
 same on every rank). Both trainers build their plane with :func:`build_plane`; what differs
 between them (the items' spec, the sampler, ``max_policy_age``, DQN's in-round gradient
-averaging) is passed in."""
+averaging) is passed in. The device is resolved once, by :func:`device`, and passed on as a
+``torch.device``."""
 
 from __future__ import annotations
 
 import torch
 
+from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane
@@ -16,6 +18,23 @@ from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.sampling import Prioritized, Sampler, Sequence, WithoutReplacement
 from conduit_dist.tiers import Tiers
 from conduit_dist.train.config import TrainConfig
+
+
+def device(cfg: TrainConfig) -> torch.device:
+    """``cfg.device`` resolved once: ``cpu`` or ``cuda:<index>`` (``resolve_device``), the
+    ``torch.device`` every part of the job is then given.
+
+    Args:
+        cfg: the run config.
+
+    Returns:
+        The device.
+
+    Raises:
+        ConfigError: on a device that is not ``cpu``/``cuda``/``cuda:<index>``, or CUDA on a
+            machine (or a torch build) without it, naming the torch build.
+    """
+    return resolve_device(cfg.device)
 
 
 def learner_ranks(cfg: TrainConfig, world: int) -> list[int]:
@@ -147,26 +166,45 @@ def check_ppo(cfg: TrainConfig) -> None:
         )
 
 
-def grad_sync(cfg: TrainConfig, learners: list[int]) -> str:
+def grad_sync(cfg: TrainConfig, learners: list[int], dev: torch.device | None = None) -> str:
     """``algo.grad_sync`` resolved (``none`` with a single learner). ``auto`` is ``round``
-    where the round is one exchange anyway (``local`` placement), else ``all_to_all``.
+    where the round is one exchange anyway (``local`` placement, on the CPU), else
+    ``all_to_all`` (DDP, on the network's device: NCCL on the GPU).
+
+    On the GPU the flat gradients live on the device, and a payload that rides a round is
+    averaged on the host (the round's header exchange): a device-to-host and a host-to-device
+    copy of the gradients every update, behind a host sync. So ``round`` is refused there, not
+    silently replaced: the device path is DDP (``all_to_all``, ``allreduce`` or ``auto``).
+
+    Args:
+        cfg: the run config.
+        learners: the learner ranks.
+        dev: the resolved device (:func:`device`; ``None``: read from ``cfg.device``).
+
+    Returns:
+        ``none``, ``round``, ``all_to_all`` or ``allreduce``.
 
     Raises:
         ConfigError: on ``round`` where the rounds cannot carry the gradients: they ride the
-            header exchange, parsed on the host, in rounds run inside ``fetch``.
+            header exchange, parsed on the host, in rounds run inside ``fetch``; naming the
+            settings received and those it needs.
     """
     pc = cfg.plane
     if len(learners) < 2:
         return "none"
-    can = pc.kind == "conduit" and cfg.device == "cpu" and pc.schedule in ("sync", "auto")
+    where = dev if dev is not None else torch.device(cfg.device)
+    on_cpu = where.type == "cpu"
+    can = pc.kind == "conduit" and on_cpu and pc.schedule in ("sync", "auto")
     if cfg.algo.grad_sync == "auto":
         return "round" if can and placement(cfg) == "local" else "all_to_all"
     if cfg.algo.grad_sync == "round" and not can:
         raise ConfigError(
             "algo.grad_sync: 'round' averages the gradients in the round's header exchange "
-            "(parsed on the host, in rounds run inside fetch): expected plane.kind=conduit, "
+            "(parsed on the host, in rounds run inside fetch; on a GPU the flat gradients "
+            "would cross to the host and back every update): expected plane.kind=conduit, "
             f"device=cpu and plane.schedule sync (or auto); got kind={pc.kind!r}, "
-            f"device={cfg.device!r}, schedule={pc.schedule!r}"
+            f"device={str(where)!r}, schedule={pc.schedule!r}. On a GPU use "
+            "algo.grad_sync=auto, all_to_all or allreduce (DDP on the device)"
         )
     return cfg.algo.grad_sync
 
@@ -204,6 +242,7 @@ def build_plane(
     learners: list[int],
     sampler: str | Sampler,
     *,
+    dev: torch.device | None = None,
     reduce_numel: int = 0,
     max_policy_age: int | None = None,
 ) -> DataPlane:
@@ -218,6 +257,7 @@ def build_plane(
         spec: the fields of the trainer's items.
         learners: the learner ranks (:func:`learner_ranks`).
         sampler: the trainer's sampler (:func:`sampler`).
+        dev: where batches are delivered, resolved (:func:`device`; ``None``: resolved here).
         reduce_numel: floats each round averages over the learners (DQN's
             ``algo.grad_sync=round``; 0: none). Non-zero runs the rounds ``sync`` inside fetch
             whatever ``plane.schedule`` says: a round launched at backward would run before
@@ -240,7 +280,7 @@ def build_plane(
         placement=placement(cfg),
         storage=storage(cfg),
         learner_ranks=learners,
-        device=cfg.device,
+        device=dev if dev is not None else device(cfg),
         schedule="sync" if reduce_numel else pc.schedule,
         max_lag=pc.max_lag,
         timeout_s=pc.timeout_s,
@@ -254,7 +294,12 @@ def build_plane(
 
 
 def make_plane(
-    cfg: TrainConfig, obs_dim: int, learners: list[int], sync: str, reduce_numel: int
+    cfg: TrainConfig,
+    obs_dim: int,
+    learners: list[int],
+    sync: str,
+    reduce_numel: int,
+    dev: torch.device | None = None,
 ) -> DataPlane | SimpleBuffer:
     """DQN's ``DataPlane`` (:func:`build_plane`), or the single-process ``SimpleBuffer``
     baseline, for transitions of ``obs_dim`` observations.
@@ -266,6 +311,7 @@ def make_plane(
         sync: the resolved ``grad_sync`` (:func:`grad_sync`); ``round`` averages
             ``reduce_numel`` floats inside the rounds.
         reduce_numel: the flat gradient's size.
+        dev: where batches are delivered, resolved (:func:`device`; ``None``: resolved here).
 
     Returns:
         The plane, or the baseline for ``plane.kind=simple``.
@@ -284,18 +330,19 @@ def make_plane(
     if cfg.algo.n_step > 1:  # streams: the plane links each env's transitions
         example["env"] = torch.zeros(1, dtype=torch.int64)
         example["truncated"] = torch.zeros(1, dtype=torch.bool)
-    pc = cfg.plane
+    pc, dev = cfg.plane, dev if dev is not None else device(cfg)
     if pc.kind == "simple":
         if sampler_name(cfg) != "uniform" or cfg.algo.n_step > 1:
             raise ConfigError(
                 "plane.kind: 'simple' samples single transitions uniformly; got "
                 f"plane.sampler={pc.sampler!r}, algo.n_step={cfg.algo.n_step}"
             )
-        return SimpleBuffer(example, pc.capacity_per_rank, cfg.seed)
+        return SimpleBuffer(example, pc.capacity_per_rank, cfg.seed, dev)
     return build_plane(
         cfg,
         ExperienceSpec.from_batch(example),
         learners,
         sampler(cfg),
+        dev=dev,
         reduce_numel=reduce_numel if sync == "round" else 0,
     )

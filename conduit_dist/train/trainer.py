@@ -17,6 +17,7 @@ from conduit_dist.plane import DataPlane
 from conduit_dist.records.spec import VERSION
 from conduit_dist.rl.dqn import DQN
 from conduit_dist.rl.env import VectorEnv
+from conduit_dist.rl.host_weights import HostWeights
 from conduit_dist.train import setup
 from conduit_dist.train.breakdown import PARTS, Breakdown
 from conduit_dist.train.config import TrainConfig
@@ -33,13 +34,19 @@ class Trainer:
     Args:
         cfg: the validated run config.
         logger: where rank 0 logs (a no-op logger on other ranks).
+        device: the resolved device (``setup.device``; ``None``: resolved here): the networks
+            live and learn there and the plane delivers there; environments step on the host.
 
     Raises:
-        ConfigError: on an inconsistent mode / learner ranks / world size.
+        ConfigError: on an inconsistent mode / learner ranks / world size, or a device or
+            gradient averaging that cannot work together (``setup.grad_sync``).
     """
 
-    def __init__(self, cfg: TrainConfig, logger: Logger) -> None:
+    def __init__(
+        self, cfg: TrainConfig, logger: Logger, device: torch.device | None = None
+    ) -> None:
         self.cfg, self.logger = cfg, logger
+        self.device = device if device is not None else setup.device(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         learners = setup.learner_ranks(cfg, self.world)
@@ -64,9 +71,10 @@ class Trainer:
             if self.is_actor
             else None
         )
-        self.grad_sync = setup.grad_sync(cfg, learners)
+        self.grad_sync = setup.grad_sync(cfg, learners, self.device)
         ddp = self._ddp_group(learners) if self.grad_sync != "round" else None
-        self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp, flat_grads=self.grad_sync == "round")
+        self.agent = DQN(cfg.algo, obs_dim, n_actions, ddp, self.grad_sync == "round", self.device)
+        self.weights = HostWeights(self.agent.q, self.device)  # published and pulled on the host
         self._grads_pending = False  # grad_sync=round: gradients waiting for the next fetch
         # grad_sync=round: start each round after the backward, finish it at the next fetch
         self.early = cfg.plane.early_start
@@ -80,6 +88,7 @@ class Trainer:
             learners,
             self.grad_sync,
             self.agent.flat.numel() if self.agent.flat is not None else 0,
+            self.device,
         )
         self.prioritized = setup.sampler_name(cfg) == "prioritized" and self.is_learner
         if isinstance(self.plane, DataPlane) and self.is_learner:
@@ -119,7 +128,7 @@ class Trainer:
         summary = {"return_100": float("nan"), "reached_target": False}
         first = self._resume() + 1
         if cfg.mode == "disaggregated" and self.is_learner:
-            self.plane.publish_weights(self.agent.q)
+            self.weights.publish(self.plane)
         for it in range(first, iters + 1):
             try:
                 self._iteration(window)
@@ -235,7 +244,7 @@ class Trainer:
                 else:
                     self._update(bd)
                 window.learner_steps += 1
-                window.losses.append(float(loss.detach()))
+                window.losses.append(loss.detach())  # read at the log: no sync per step
             else:
                 t0 = time.perf_counter()
                 self.plane.flush()
@@ -243,7 +252,7 @@ class Trainer:
                 bd.lap("exposed")
             bd.add("round_cpu", getattr(self.plane.stats, "cpu_ms", 0.0))
         if cfg.mode == "disaggregated" and not self.is_learner:
-            self.policy_version = self.plane.pull_weights(self.agent.q)
+            self.policy_version = self.weights.pull(self.plane)
             bd.lap("publish")
         if self.agent.grad_sync is not None:
             bd.add("ddp", self.agent.grad_sync.take_ms())
@@ -260,7 +269,7 @@ class Trainer:
         self.agent.step()
         bd.lap("optimizer")
         if self.cfg.mode == "disaggregated" and self.agent.steps % self.cfg.algo.publish_every == 0:
-            self.policy_version = self.plane.publish_weights(self.agent.q)
+            self.policy_version = self.weights.publish(self.plane)
             bd.lap("publish")
 
     def _log(self, window: Window) -> dict[str, float]:

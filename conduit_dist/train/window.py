@@ -48,7 +48,7 @@ class Window:
     iterations: int = 0
     learning_iterations: int = 0
     breakdown: Breakdown = field(default_factory=Breakdown)
-    losses: list[float] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)  # 0-d, on the learner's device
     sent: np.ndarray | None = None  # bytes the rounds sent each rank (RoundStats.sent)
     ages: list[torch.Tensor] = field(default_factory=list)  # fetched items' policy ages
 
@@ -88,7 +88,7 @@ class Window:
         """
         local = {
             "learner_steps_per_s": self.learner_steps / elapsed,
-            "loss": sum(self.losses) / len(self.losses) if self.losses else 0.0,
+            "loss": float(torch.stack(self.losses).double().mean()) if self.losses else 0.0,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "age_max": max(ages, default=0),
