@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,17 @@ import torch.distributed.nn.functional
 from conduit_dist.errors import ConfigError
 
 _ENV_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+# The one table of backends for CUDA tensors in the package's groups (CPU tensors always go to
+# gloo): read by the validation, the error message and docs/multinode.md.
+CUDA_BACKENDS: dict[str, str] = {
+    "nccl": "NCCL: one GPU per rank (NCCL refuses two ranks on one GPU)",
+    "gloo": "gloo over CUDA tensors: slower, but several ranks may share one GPU",
+}
+CUDA_BACKEND_ENV = "CONDUIT_CUDA_BACKEND"
+_chosen_cuda_backend: str | None = None  # what init_distributed(cuda_backend=...) was given
+# NCCL's watchdog ends the process this long after the plane's own timeout at the earliest
+_WATCHDOG_MARGIN = timedelta(seconds=30)
 
 
 def _env_int(name: str) -> int | None:
@@ -91,25 +103,176 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def resolve_cuda_backend(explicit: str | None, env: Mapping[str, str]) -> str:
+    """The backend for CUDA tensors: ``explicit`` if given, else ``env[CONDUIT_CUDA_BACKEND]``,
+    else ``"nccl"``.
+
+    Args:
+        explicit: the value passed in code (``init_distributed(cuda_backend=...)``), or ``None``.
+        env: the environment to read (``os.environ``).
+
+    Returns:
+        A key of :data:`CUDA_BACKENDS`.
+
+    Raises:
+        ConfigError: naming the argument or the variable, the allowed values and the received one.
+
+    Example::
+
+        resolve_cuda_backend(None, {"CONDUIT_CUDA_BACKEND": "gloo"})  # "gloo"
+    """
+    if explicit is not None:
+        field, value = "cuda_backend", explicit
+    elif CUDA_BACKEND_ENV in env:
+        field, value = f"environment variable {CUDA_BACKEND_ENV}", env[CUDA_BACKEND_ENV]
+    else:
+        return "nccl"
+    if value not in CUDA_BACKENDS:
+        raise ConfigError(f"{field}: expected one of {list(CUDA_BACKENDS)}, got {value!r}")
+    return value
+
+
+def chosen_cuda_backend() -> str:
+    """The backend for CUDA tensors in the package's groups now: what ``init_distributed`` was
+    given, else ``CONDUIT_CUDA_BACKEND``, else ``"nccl"``.
+
+    Raises:
+        ConfigError: on a value of ``CONDUIT_CUDA_BACKEND`` outside :data:`CUDA_BACKENDS`.
+    """
+    return resolve_cuda_backend(_chosen_cuda_backend, os.environ)
+
+
+def plane_backend(uses_cuda: bool, cuda_backend: str = "nccl") -> str:
+    """The backend string of a group: ``gloo`` alone when no CUDA tensor will pass through it,
+    else gloo for CPU tensors and ``cuda_backend`` for CUDA ones.
+
+    Never copied from another group: a plane whose group copied a user's ``nccl`` default
+    group could run none of its CPU collectives (host discovery, meta, weights).
+
+    Args:
+        uses_cuda: whether CUDA tensors go through the group (a CUDA device, or a device tier).
+        cuda_backend: a key of :data:`CUDA_BACKENDS`.
+
+    Returns:
+        ``"gloo"`` or ``"cpu:gloo,cuda:<cuda_backend>"``.
+
+    Raises:
+        ConfigError: on a ``cuda_backend`` outside :data:`CUDA_BACKENDS`.
+
+    Example::
+
+        plane_backend(True, "nccl")  # "cpu:gloo,cuda:nccl"
+    """
+    if cuda_backend not in CUDA_BACKENDS:
+        raise ConfigError(
+            f"cuda_backend: expected one of {list(CUDA_BACKENDS)}, got {cuda_backend!r}"
+        )
+    return f"cpu:gloo,cuda:{cuda_backend}" if uses_cuda else "gloo"
+
+
+def uses_cuda(device: str | torch.device, tiers: Sequence[tuple[str, int]] | None) -> bool:
+    """Whether CUDA tensors pass through a plane's group: its device is CUDA, or one of its
+    storage tiers is a ``device`` tier (a CUDA tier, also on a CPU plane).
+
+    Args:
+        device: the plane's device.
+        tiers: the plane's ``Tiers.tiers`` (``(kind, items)`` pairs), or ``None``.
+
+    Returns:
+        ``True`` when the group needs a backend for CUDA tensors.
+    """
+    return torch.device(device).type == "cuda" or any(k == "device" for k, _ in tiers or ())
+
+
+def watchdog_timeout(timeout: timedelta) -> timedelta:
+    """The timeout given to an NCCL group whose waits give up after ``timeout``: twice that plus
+    30 s, so the plane's :class:`~conduit_dist.errors.RoundError` is raised (and can be caught,
+    logged, checkpointed around) well before NCCL's watchdog, which aborts a collective older
+    than its group's timeout and with it, by default, the process.
+
+    Args:
+        timeout: the plane's timeout of one collective.
+
+    Returns:
+        The group's timeout.
+    """
+    return 2 * timeout + _WATCHDOG_MARGIN
+
+
+def plane_group(
+    timeout: timedelta, cuda: torch.device | None, cuda_backend: str = "nccl"
+) -> dist.ProcessGroup:
+    """A new group over all ranks for one plane (a collective call), with the backend of
+    :func:`plane_backend`, never the default group's.
+
+    With NCCL for CUDA tensors, the group's timeout is :func:`watchdog_timeout` of the plane's,
+    and ``device_id`` binds it to ``cuda`` (torch then creates the NCCL communicator at once,
+    on this thread, instead of inside the first collective).
+
+    Args:
+        timeout: the plane's timeout of one collective.
+        cuda: the CUDA device of the tensors passing through the group (``None``: CPU only).
+        cuda_backend: a key of :data:`CUDA_BACKENDS`.
+
+    Returns:
+        The group.
+
+    Raises:
+        ConfigError: on a ``cuda_backend`` outside :data:`CUDA_BACKENDS`, or a default group bound
+            to another CUDA device than ``cuda``.
+    """
+    backend = plane_backend(cuda is not None, cuda_backend)
+    if cuda is None or cuda_backend != "nccl":
+        return dist.new_group(timeout=timeout, backend=backend)
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    if bound is not None and bound != cuda:  # torch would refuse with a bare AssertionError
+        raise ConfigError(
+            f"device: the default process group is bound to {bound} (init_process_group("
+            f"device_id=...)), but this rank's plane uses {cuda}: expected the same device"
+        )
+    return dist.new_group(timeout=watchdog_timeout(timeout), backend=backend, device_id=cuda)
+
+
+def backends_of(group_backend: str) -> set[str]:
+    """The backends named in a group's backend string (``"cpu:gloo,cuda:nccl"``: gloo, nccl)."""
+    return {part.rsplit(":", 1)[-1] for part in group_backend.split(",") if part}
+
+
 def init_distributed(
-    device: str | torch.device = "cpu", timeout_s: float = 120.0, backend: str | None = None
+    device: str | torch.device = "cpu",
+    timeout_s: float = 120.0,
+    backend: str | None = None,
+    cuda_backend: str | None = None,
 ) -> None:
     """Initialise the default process group once (a no-op when one exists).
 
     Under ``torchrun`` the rank and world size come from the environment; under plain ``python``
     (no ``RANK``/``WORLD_SIZE``) a one-rank gloo group is created so the same code runs at world
-    size 1. The backend follows the device: ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (NCCL
-    for tensors on the GPU, gloo for CPU-side metadata).
+    size 1. The backend follows the device, by :func:`plane_backend` (the rule of the planes'
+    own groups too): ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (NCCL for tensors on the
+    GPU, gloo for CPU-side metadata).
 
     Args:
-        device: the device experience is delivered to (``"cpu"`` or ``"cuda"``).
+        device: the device experience is delivered to (``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``).
         timeout_s: default timeout of the group's collectives, in seconds.
         backend: override the backend string passed to ``init_process_group``.
+        cuda_backend: the backend for CUDA tensors, here and in every plane's group: ``"nccl"``
+            or ``"gloo"`` (several ranks sharing one GPU); ``None``: ``CONDUIT_CUDA_BACKEND``,
+            else ``"nccl"``. Recorded even when a group already exists.
 
     Raises:
         ConfigError: on malformed or inconsistent ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` values,
-            or a CUDA device on a machine without CUDA.
+            a CUDA device on a machine without CUDA, or a ``cuda_backend`` (or
+            ``CONDUIT_CUDA_BACKEND``) outside :data:`CUDA_BACKENDS`.
+
+    Example::
+
+        init_distributed("cuda", cuda_backend="gloo")  # 2 ranks on one GPU
     """
+    global _chosen_cuda_backend
+    chosen = resolve_cuda_backend(cuda_backend, os.environ)
+    if cuda_backend is not None:
+        _chosen_cuda_backend = chosen
     if dist.is_initialized():
         return
     if timeout_s <= 0:
@@ -119,7 +282,7 @@ def init_distributed(
         torch.cuda.set_device(device)
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if backend is None:
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        backend = plane_backend(device.type == "cuda", chosen)
     timeout = timedelta(seconds=timeout_s)
     if rank is None and world is None:
         dist.init_process_group(
@@ -180,6 +343,9 @@ def is_rank_zero() -> bool:
 
 
 def destroy_distributed() -> None:
-    """Destroy the default process group if one exists."""
+    """Destroy the default process group if one exists (and forget ``init_distributed``'s
+    ``cuda_backend``)."""
+    global _chosen_cuda_backend
+    _chosen_cuda_backend = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -7,6 +7,11 @@ a background thread), waits on every collective with a timeout, and on failure r
 store can still tell, the ranks that never reached that round (``heartbeats.py``). Collectives
 outside the rounds (start-up, metrics) run inside a named :meth:`Exchange.phase` and fail the
 same way, with a :class:`~conduit_dist.errors.PhaseError` naming the phase.
+
+The group's backend is chosen, not copied (``dist.plane_backend``): ``gloo`` on a CPU plane,
+``cpu:gloo,cuda:nccl`` (or ``cuda:gloo``) where CUDA tensors pass through it. On a group with
+NCCL, waits poll on the host against the plane's deadline (``heartbeats.wait_polling``) and the
+NCCL communicator is created during construction, by one warm-up collective.
 """
 
 from __future__ import annotations
@@ -14,22 +19,26 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from conduit_dist.collectives.heartbeats import Heartbeats, _default_store
+from conduit_dist.collectives.dist import (
+    backends_of,
+    chosen_cuda_backend,
+    plane_group,
+    resolve_device,
+    uses_cuda,
+)
+from conduit_dist.collectives.heartbeats import Heartbeats, _default_store, wait_gloo, wait_polling
 from conduit_dist.errors import PhaseError, RoundError
 
 T = TypeVar("T")
 
 _HB_PREFIX = "conduit_dist/hb/"
-# gloo rounds mark their heartbeat lazily: a wait first gives its collective this long, and only a
-# wait that outlasts it writes the mark (a store round trip, ~0.05 ms, is then off the fast path)
-_GRACE = timedelta(milliseconds=50)
 
 
 class Exchange:
@@ -40,12 +49,21 @@ class Exchange:
         group: an existing process group to use; by default a new group over all ranks is created
             (a collective call: every rank must construct its Exchange at the same point).
         name: prefix of the heartbeat keys, unique per plane.
+        device: the plane's device; with ``tiers``, whether CUDA tensors pass through the new
+            group (``dist.uses_cuda``) and on which device.
+        tiers: the plane's storage tiers (``Tiers.tiers``: ``(kind, items)`` pairs), or ``None``.
+
+    The new group's backend is ``dist.plane_backend`` of that: ``gloo``, or
+    ``cpu:gloo,cuda:<dist.chosen_cuda_backend()>``. With NCCL, construction runs one warm-up
+    collective on a CUDA tensor (see :meth:`_warm_up`).
 
     Without a process group under plain ``python`` (no ``RANK``/``WORLD_SIZE``) it is a
     one-rank exchange that runs no collective, so a world-size-1 plane needs no set-up.
 
     Raises:
         RuntimeError: under torchrun without a process group (call ``init_distributed``).
+        ConfigError: CUDA in use on a machine without it, or a bad ``CONDUIT_CUDA_BACKEND``.
+        PhaseError: if the NCCL warm-up fails or times out (naming the ranks that never came).
 
     Example::
 
@@ -54,7 +72,15 @@ class Exchange:
             ex.run(lambda: dist.all_reduce(t, group=ex.group, async_op=True), "all_reduce(t)")
     """
 
-    def __init__(self, timeout_s: float, group: dist.ProcessGroup | None = None, name: str = "0"):
+    def __init__(
+        self,
+        timeout_s: float,
+        group: dist.ProcessGroup | None = None,
+        name: str = "0",
+        *,
+        device: str | torch.device = "cpu",
+        tiers: Sequence[tuple[str, int]] | None = None,
+    ):
         self.timeout = timedelta(seconds=timeout_s)
         if dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -66,11 +92,18 @@ class Exchange:
         else:  # plain python, world size 1: nothing to exchange, no group needed
             self.rank, self.world = 0, 1
         self.group = group
+        # the CUDA device whose tensors pass through the group (None: CPU tensors only)
+        self.cuda: torch.device | None = None
         if group is None and self.world > 1:
-            backend = dist.get_backend()
-            self.group = dist.new_group(timeout=self.timeout, backend=backend)
+            if uses_cuda(device, tiers):  # resolved before any group exists: errors leave none
+                dev = torch.device(device)
+                self.cuda = resolve_device(dev if dev.type == "cuda" else "cuda")
+            self.group = plane_group(self.timeout, self.cuda, chosen_cuda_backend())
+        kinds = backends_of(str(dist.get_backend(self.group))) if self.world > 1 else set()
         # gloo's work.wait(t) raises when t expires and can be waited on again: marks can wait
-        self._lazy = self.world > 1 and dist.get_backend(self.group) == "gloo"
+        self._lazy = kinds == {"gloo"}
+        # NCCL's work.wait() bounds nothing on the host: every wait of the group polls instead
+        self._poll = "nccl" in kinds
         store, missing = _default_store() if self.world > 1 else (None, "")
         self._beats = Heartbeats(store, f"{_HB_PREFIX}{name}/", self.rank, self.world, missing)
         self._phase: tuple[str, int] | None = None  # (name, sequence number) of the open phase
@@ -80,6 +113,28 @@ class Exchange:
         # set to a list to record (op, bytes sent per peer, bytes received per peer) of every
         # all-to-all (benchmarks replay them raw); None: nothing recorded
         self.record: list[tuple[str, list[int], list[int]]] | None = None
+        if self._poll and self.cuda is not None:
+            # NCCL creates a communicator at its group's first CUDA collective. Left to the first
+            # round, that is on the round's worker thread (overlap schedules), under its current
+            # device, inside the round's timeout, while DDP's NCCL work may run on the learner's
+            # thread: a blocking rendezvous of every rank that must not interleave with other
+            # NCCL calls. One all-reduce here creates it on the constructing thread, where every
+            # rank is by contract (creating the group was collective too), on the plane's
+            # device; a rank that never comes fails start-up by name.
+            try:
+                self._warm_up()
+            except BaseException:
+                self.close()
+                raise
+
+    def _warm_up(self) -> None:
+        """One all-reduce of a CUDA tensor as the phase ``start-up: NCCL communicator``."""
+        probe = torch.zeros(1, device=self.cuda)
+        with torch.cuda.device(self.cuda), self.phase("start-up: NCCL communicator"):
+            self.run(
+                lambda: dist.all_reduce(probe, group=self.group, async_op=True),
+                "all_reduce(NCCL warm-up)",
+            )
 
     def heartbeat(self, round: int) -> None:
         """Record in the rendezvous store that this rank has reached ``round``."""
@@ -134,24 +189,22 @@ class Exchange:
         self.run(lambda: dist.barrier(group=self.group, async_op=True), f"barrier({op})", round)
 
     def _wait(self, work: dist.Work | None, op: str, round: int) -> None:
+        """Wait for ``work`` until the timeout: polling on a group with NCCL (``wait_polling``:
+        NCCL's own ``wait()`` bounds nothing on the host), else gloo's ``wait(timeout)``,
+        marking a round's heartbeat only if the wait outlasts a grace (``wait_gloo``)."""
         if work is None:
             return
         start = time.monotonic()
-        if self._lazy and round >= 0:
-            try:
-                if work.wait(_GRACE):
-                    return
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
-                    self._fail(op, round, start, exc)
-            self.heartbeat(round)  # still waiting: say this rank got here
+        mark = (lambda: self.heartbeat(round)) if self._lazy and round >= 0 else None
         try:
-            ok = work.wait(self.timeout)
+            if self._poll:
+                done = wait_polling(work, start + self.timeout.total_seconds())
+            else:
+                done = wait_gloo(work, self.timeout, mark)
         except Exception as exc:
             self._fail(op, round, start, exc)
-        else:
-            if ok is False:
-                self._fail(op, round, start, None)
+        if not done:
+            self._fail(op, round, start, None)
 
     def _fail(self, op: str, round: int, start: float, exc: BaseException | None) -> None:
         waited = time.monotonic() - start

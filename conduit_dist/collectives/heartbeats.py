@@ -1,11 +1,14 @@
-"""Heartbeats: marks in the rendezvous store of the last round (or phase) each rank reached,
-read back after a failure to name the ranks that never arrived."""
+"""Heartbeats and waits: marks in the rendezvous store of the last round (or phase) each rank
+reached, read back after a failure to name the ranks that never arrived; and the two ways a wait on
+a collective gives up at the plane's deadline (gloo's timed ``wait``, marking only if it outlasts a
+grace; polling for NCCL)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -19,6 +22,12 @@ _QUERY_TIMEOUT = timedelta(seconds=2)
 # ("Broken pipe", "Connection was likely closed"), DistStoreError on a store timeout or a
 # FileStore whose file was removed. Anything else (a malformed mark) is a bug and propagates.
 _STORE_DOWN = (dist.DistNetworkError, dist.DistStoreError)
+# gloo rounds mark their heartbeat lazily: a wait first gives its collective this long, and only a
+# wait that outlasts it writes the mark (a store round trip, ~0.05 ms, is then off the fast path)
+_GRACE = timedelta(milliseconds=50)
+# a polled wait sleeps this long at first, doubling up to the cap (a collective is seen done
+# within ~1 ms of finishing, and the waiting thread mostly sleeps)
+_POLL_FIRST_S, _POLL_CAP_S = 20e-6, 1e-3
 
 
 class Heartbeats:
@@ -114,3 +123,78 @@ def _brief(exc: BaseException) -> str:
     """An exception's type and first line (store errors append a C++ stack trace)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def wait_gloo(work: dist.Work, timeout: timedelta, mark: Callable[[], None] | None) -> bool:
+    """Wait for a gloo work with gloo's ``wait(timeout)`` (which raises when it expires, and can
+    be waited on again). With ``mark``, first give it a 50 ms grace and call ``mark()`` only if
+    it outlasts that (a rank blocked in a round has marked it long before any timeout).
+
+    Args:
+        work: the collective's work.
+        timeout: how long the (second) wait may take.
+        mark: writes this rank's heartbeat, or ``None``.
+
+    Returns:
+        ``False`` where the wait reported a timeout without raising.
+
+    Raises:
+        RuntimeError: the work's error, or gloo's timeout.
+    """
+    if mark is not None:
+        try:
+            if work.wait(_GRACE):
+                return True
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+        mark()  # still waiting: say this rank got here
+    return work.wait(timeout) is not False
+
+
+def wait_polling(work: dist.Work, deadline: float) -> bool:
+    """Wait for a work of a group with NCCL: poll ``is_completed()`` until ``deadline``.
+
+    NCCL's ``work.wait()`` makes the current CUDA stream wait for the collective and returns:
+    a peer that never arrives would surface at the next synchronisation (never) or when NCCL's
+    watchdog ends the process. Polling the work's completion (its CUDA event) lets the plane
+    raise its own error first (the group's watchdog waits ``dist.watchdog_timeout``: twice the
+    plane's timeout plus a margin). ``wait()`` after completion orders the current stream after
+    the collective and raises its error, if any. A gloo work of the same group (CPU tensors)
+    is waited on the same way.
+
+    Args:
+        work: the collective's work.
+        deadline: a ``time.monotonic()`` value.
+
+    Returns:
+        Whether the work completed by the deadline.
+
+    Raises:
+        RuntimeError: the work's error.
+    """
+    if not poll_until(work.is_completed, deadline):
+        return False
+    work.wait()
+    return True
+
+
+def poll_until(done: Callable[[], bool], deadline: float) -> bool:
+    """Call ``done()`` until it returns true or ``time.monotonic()`` passes ``deadline``,
+    sleeping 20 us at first, doubling up to 1 ms.
+
+    Args:
+        done: the check (``work.is_completed``).
+        deadline: a ``time.monotonic()`` value.
+
+    Returns:
+        Whether ``done()`` returned true (checked once more at the deadline).
+    """
+    pause = _POLL_FIRST_S
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return bool(done())
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _POLL_CAP_S)
+    return True

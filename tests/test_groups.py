@@ -1,0 +1,206 @@
+"""The plane's process group: backend choice and NCCL-style waits, on CPU.
+
+What runs only with CUDA (the NCCL warm-up, ``device_id``) is kept to a few lines in
+``Exchange``; everything it decides on is tested here: the backend rule, the CUDA backend's
+sources, which planes use CUDA, the watchdog's timeout and the polled wait
+(run on real gloo works of real groups).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+from conduit_dist.collectives.dist import (
+    CUDA_BACKEND_ENV,
+    CUDA_BACKENDS,
+    backends_of,
+    plane_backend,
+    resolve_cuda_backend,
+    uses_cuda,
+    watchdog_timeout,
+)
+from conduit_dist.collectives.heartbeats import poll_until
+from conduit_dist.errors import ConfigError
+
+TIMEOUT_S = 2.0
+
+
+# ------------------------------------------------------------------------------- pure rules
+
+
+def test_plane_backend_is_gloo_on_cpu_and_names_the_cuda_backend_otherwise():
+    assert plane_backend(False) == "gloo"
+    assert plane_backend(False, "gloo") == "gloo"
+    assert plane_backend(True) == "cpu:gloo,cuda:nccl"
+    assert plane_backend(True, "gloo") == "cpu:gloo,cuda:gloo"  # ranks sharing one GPU
+    assert backends_of("cpu:gloo,cuda:nccl") == {"gloo", "nccl"}
+    assert backends_of("gloo") == {"gloo"}
+    with pytest.raises(
+        ConfigError, match=r"cuda_backend: expected one of \['nccl', 'gloo'\], got 'mpi'"
+    ):
+        plane_backend(True, "mpi")
+
+
+def test_cuda_backend_comes_from_the_argument_then_the_environment_then_nccl():
+    assert list(CUDA_BACKENDS) == ["nccl", "gloo"]
+    assert resolve_cuda_backend(None, {}) == "nccl"
+    assert resolve_cuda_backend(None, {CUDA_BACKEND_ENV: "gloo"}) == "gloo"
+    assert resolve_cuda_backend("nccl", {CUDA_BACKEND_ENV: "gloo"}) == "nccl"  # code wins
+    with pytest.raises(ConfigError) as exc:
+        resolve_cuda_backend(None, {CUDA_BACKEND_ENV: "NCCL"})
+    assert str(exc.value) == (
+        "environment variable CONDUIT_CUDA_BACKEND: expected one of ['nccl', 'gloo'], got 'NCCL'"
+    )
+    with pytest.raises(ConfigError, match=r"^cuda_backend: expected one of .*got 'ucc'"):
+        resolve_cuda_backend("ucc", {})
+
+
+def test_a_plane_uses_cuda_with_a_cuda_device_or_any_device_tier():
+    assert not uses_cuda("cpu", None)
+    assert not uses_cuda(torch.device("cpu"), [("host", 10), ("disk", 90)])
+    assert uses_cuda("cpu", [("device", 10), ("host", 90)])  # a CUDA tier on a CPU plane
+    assert uses_cuda("cuda", None)
+    assert uses_cuda(torch.device("cuda", 1), [("pinned", 5)])
+
+
+def test_nccl_watchdog_waits_well_past_the_planes_timeout():
+    for plane_s in (0.5, 60.0, 600.0):
+        plane = timedelta(seconds=plane_s)
+        assert watchdog_timeout(plane) >= 2 * plane + timedelta(seconds=30)
+
+
+def test_poll_until_returns_when_done_and_gives_up_at_the_deadline():
+    done = threading.Event()
+    timer = threading.Timer(0.05, done.set)
+    timer.start()
+    t0 = time.monotonic()
+    assert poll_until(done.is_set, t0 + 5.0)
+    assert time.monotonic() - t0 < 0.5  # seen within the 1 ms cap, not at the deadline
+    never = threading.Event()
+    t0 = time.monotonic()
+    assert not poll_until(never.is_set, t0 + 0.2)
+    assert 0.2 <= time.monotonic() - t0 < 0.4
+
+
+# ------------------------------------------------------------------------------- real ranks
+
+
+def _under_a_cuda_only_default_group(rank: int, world: int, store: str):
+    """A user's own default group that has no CPU backend (``init_process_group("cuda:gloo")``
+    here; ``"nccl"`` on a GPU machine): CPU collectives on it fail, the plane's group works."""
+    import torch.distributed as dist
+    from plane_helpers import assert_intact, make_batch, spec
+
+    import conduit_dist as cd
+    from conduit_dist.collectives.dist import plane_group
+    from conduit_dist.collectives.exchange import Exchange
+
+    dist.destroy_process_group()  # run_ranks' gloo group; the user's own group instead
+    dist.init_process_group(
+        "cuda:gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    try:
+        dist.all_reduce(torch.ones(1))
+        default_cpu = "works"
+    except RuntimeError as exc:
+        default_cpu = str(exc).splitlines()[0]
+    ex = Exchange(TIMEOUT_S * 5, name="groups")
+    backend = str(dist.get_backend(ex.group))
+    ex.close()
+    shared = plane_group(timedelta(seconds=10), torch.device("cuda", 0), "gloo")
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=shared)  # CPU tensors go to its gloo part
+    shared_backend = str(dist.get_backend(shared))
+    dist.destroy_process_group(shared)
+    plane = cd.DataPlane(spec(), 100, seed=1, schedule="sync", placement="round_robin")
+    plane.put(make_batch(rank * 100 + torch.arange(8)))
+    batch = plane.fetch(6)
+    assert_intact(batch)
+    hosts = plane.topology.num_hosts
+    plane.close()
+    return default_cpu, backend, shared_backend, int(flag.item()), hosts
+
+
+def test_the_planes_group_is_gloo_even_under_a_default_group_without_a_cpu_backend(tmp_path):
+    got = run_ranks(_under_a_cuda_only_default_group, 2, str(tmp_path / "store"))
+    for default_cpu, backend, shared_backend, flag, hosts in got.values():
+        assert "No backend type associated with device type cpu" in default_cpu
+        assert backend == "gloo"  # not "cuda:gloo" copied from the default group
+        assert shared_backend == "cpu:gloo,cuda:gloo" and flag == 2
+        assert hosts == 1  # host discovery (a CPU collective) ran on the plane's group
+
+
+def test_init_distributed_records_the_cuda_backend_and_refuses_a_bad_variable(monkeypatch):
+    import torch.distributed as dist
+
+    from conduit_dist.collectives.dist import (
+        chosen_cuda_backend,
+        destroy_distributed,
+        init_distributed,
+    )
+
+    assert not dist.is_initialized() and chosen_cuda_backend() == "nccl"
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "nccl2")
+    with pytest.raises(ConfigError) as exc:
+        init_distributed()
+    assert str(exc.value) == (
+        "environment variable CONDUIT_CUDA_BACKEND: expected one of ['nccl', 'gloo'], got 'nccl2'"
+    )
+    assert not dist.is_initialized()  # refused before any group exists
+    monkeypatch.delenv(CUDA_BACKEND_ENV)
+    try:
+        init_distributed(cuda_backend="gloo")
+        assert dist.get_backend() == "gloo"  # a CPU device: gloo whatever the CUDA backend
+        assert chosen_cuda_backend() == "gloo"
+        init_distributed(cuda_backend="nccl")  # a group exists: only the choice is recorded
+        assert chosen_cuda_backend() == "nccl"
+        init_distributed(cuda_backend="gloo")
+    finally:
+        destroy_distributed()
+    assert chosen_cuda_backend() == "nccl"  # forgotten with the group
+
+
+def _polled_wait(rank: int, world: int):
+    """The wait of a group with NCCL, run on real gloo works: rank 1 comes late to round 5."""
+    import torch.distributed as dist
+
+    from conduit_dist.collectives.exchange import Exchange
+    from conduit_dist.errors import RoundError
+
+    ex = Exchange(TIMEOUT_S, name="poll")
+    ex._poll = True  # the NCCL branch's wait (gloo works complete on the host the same way)
+    ex._lazy = False  # as on a group with NCCL: rounds mark their heartbeat on arrival
+    ok = torch.ones(1)
+    ex.arrive(4)
+    ex.run(lambda: dist.all_reduce(ok, group=ex.group, async_op=True), "all_reduce(ok)", 4)
+    late = torch.ones(1)
+    out = {"ok": int(ok.item())}
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 1.5)  # alive, but past rank 0's deadline
+    ex.arrive(5)
+    t0 = time.monotonic()
+    try:
+        ex.run(lambda: dist.all_reduce(late, group=ex.group, async_op=True), "all_reduce(x)", 5)
+        out["late"] = "no error"
+    except RoundError as exc:
+        out["late"] = (str(exc), exc.round, list(exc.ranks), time.monotonic() - t0)
+    dist.barrier()  # (gloo's own timeout ended rank 0's work: rank 1's fails at once)
+    ex.close()
+    return out
+
+
+def test_polled_wait_raises_the_planes_round_error_naming_rank_and_round_in_time():
+    got = run_ranks(_polled_wait, 2, collective_timeout_s=TIMEOUT_S * 10)
+    assert got[0]["ok"] == got[1]["ok"] == 2  # a completed work passes
+    msg, rnd, ranks, waited = got[0]["late"]
+    assert rnd == 5 and ranks == [1]
+    assert msg.startswith("round 5: all_reduce(x) failed on rank 0 after "), msg
+    assert f"(timeout {TIMEOUT_S:g}s); ranks [1] never reached round 5" in msg, msg
+    assert TIMEOUT_S - 0.05 <= waited < TIMEOUT_S + 1.0
