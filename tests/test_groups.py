@@ -1,13 +1,14 @@
-"""The plane's process group: backend choice and NCCL-style waits, on CPU.
+"""The plane's process group: backend choice, host identity, NCCL-style waits, on CPU.
 
 What runs only with CUDA (the NCCL warm-up, ``device_id``) is kept to a few lines in
 ``Exchange``; everything it decides on is tested here: the backend rule, the CUDA backend's
-sources, which planes use CUDA, the watchdog's timeout and the polled wait
+sources, which planes use CUDA, the watchdog's timeout, the host key, and the polled wait
 (run on real gloo works of real groups).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -26,6 +27,7 @@ from conduit_dist.collectives.dist import (
     watchdog_timeout,
 )
 from conduit_dist.collectives.heartbeats import poll_until
+from conduit_dist.collectives.topology import host_key
 from conduit_dist.errors import ConfigError
 
 TIMEOUT_S = 2.0
@@ -73,6 +75,25 @@ def test_nccl_watchdog_waits_well_past_the_planes_timeout():
     for plane_s in (0.5, 60.0, 600.0):
         plane = timedelta(seconds=plane_s)
         assert watchdog_timeout(plane) >= 2 * plane + timedelta(seconds=30)
+
+
+def test_host_key_prefers_the_launchers_node_index_over_the_hostname():
+    # containers on two nodes with one hostname: the node index tells them apart
+    a, b = host_key({"GROUP_RANK": "0"}, "trainer"), host_key({"GROUP_RANK": "1"}, "trainer")
+    assert (a, b) == ("node0@trainer", "node1@trainer")
+    assert host_key({"SLURM_NODEID": "3"}, "gpu-7") == "slurm-node3@gpu-7"
+    both = {"GROUP_RANK": "1", "SLURM_NODEID": "0"}  # srun launching torchrun: torchrun's wins
+    assert host_key(both, "x") == "node1@x"
+    assert host_key({}, "gpu-7") == "gpu-7"  # plain python, another launcher
+    assert host_key({"LOCAL_RANK": "3", "RANK": "9"}, "h") == "h"  # ranks are not nodes
+    with pytest.raises(ConfigError) as exc:
+        host_key({"GROUP_RANK": "node-1"}, "h")
+    assert str(exc.value) == (
+        "environment variable GROUP_RANK: expected the launcher's node index (an integer "
+        ">= 0), got 'node-1'"
+    )
+    with pytest.raises(ConfigError, match="SLURM_NODEID.*got '-1'"):
+        host_key({"SLURM_NODEID": "-1"}, "h")
 
 
 def test_poll_until_returns_when_done_and_gives_up_at_the_deadline():
@@ -165,6 +186,30 @@ def test_init_distributed_records_the_cuda_backend_and_refuses_a_bad_variable(mo
     finally:
         destroy_distributed()
     assert chosen_cuda_backend() == "nccl"  # forgotten with the group
+
+
+def _node_ranks(rank: int, world: int):
+    """Every rank on this machine, two "nodes" by torchrun's node rank: ranks 0 and 1, rank 2."""
+    import socket
+
+    from conduit_dist.collectives.exchange import Exchange
+    from conduit_dist.collectives.topology import discover
+
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    ex = Exchange(TIMEOUT_S * 5, name="nodes")
+    topo = discover(ex)
+    ex.close()
+    return list(topo.hosts), list(topo.host_of), topo.link_matrix().tolist(), socket.gethostname()
+
+
+def test_discovery_groups_ranks_by_node_rank_on_one_machine():
+    got = run_ranks(_node_ranks, 3)
+    name = got[0][3]
+    for hosts, host_of, links, _ in got.values():
+        assert hosts == [f"node0@{name}"] * 2 + [f"node1@{name}"]
+        assert host_of == [0, 0, 1]
+        # self 0, host 1, net 2: what the bandwidth model prices
+        assert links == [[0, 1, 2], [1, 0, 2], [2, 2, 0]]
 
 
 def _polled_wait(rank: int, world: int):
