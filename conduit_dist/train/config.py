@@ -178,7 +178,9 @@ class AlgoConfig:
             ``plane.schedule`` ``sync`` or ``auto``, which then runs ``sync``), ``all_to_all``
             or ``allreduce`` (DDP, each bucket averaged by one ``all_to_all_single`` or by
             gloo's ring ``all_reduce``), ``auto`` (``round`` where it can run, else DDP with
-            ``all_to_all`` for buckets up to 1 MiB); see ``conduit_dist/rl/grad_sync.py``.
+            ``all_to_all`` for buckets up to 1 MiB); see ``conduit_dist/rl/grad_sync.py``. On
+            a GPU the gradients stay on the device: ``round`` (averaged on the host) is refused
+            there, ``auto`` is DDP.
         lr: Adam learning rate.
         gamma: discount.
         hidden: hidden layer widths of the Q-network.
