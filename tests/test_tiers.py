@@ -108,6 +108,8 @@ def test_bad_tier_configurations_are_named():
     if not torch.cuda.is_available():
         with pytest.raises(cd.ConfigError, match="CUDA"):
             cd.DataPlane(spec(), 10, storage=cd.Tiers([("pinned", 10)]))
+        with pytest.raises(cd.ConfigError, match="CUDA"):
+            cd.DataPlane(spec(), 10, storage=cd.Tiers([("device", 5), ("host", 5)]))
 
 
 def _replicated_sizes(rank, world, placement):
@@ -177,6 +179,9 @@ def test_puts_write_ahead_into_free_first_tier_slots_and_stage_when_there_are_no
     assert set(batch["id"].tolist()) <= set(range(10))
     assert len(plane) == 10
     for k in range(6):  # the demoter makes room after every round: puts go ahead again
+        # once it has run (on its thread; a put does not wait for it: under load it may not
+        # have started yet, and the put is staged instead)
+        plane.shard.settle()
         plane.put(make_batch(torch.arange(10 + 4 * k, 14 + 4 * k)))
         assert stager.direct == 4
         assert_intact(plane.fetch(16))

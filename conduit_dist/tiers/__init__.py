@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.errors import ConfigError
 from conduit_dist.tiers.base import Storage, Tier
 from conduit_dist.tiers.disk import DiskTier
@@ -15,6 +16,52 @@ from conduit_dist.tiers.shard import Shard
 from conduit_dist.tiers.tiered import TieredShard
 
 KINDS = ("device", "pinned", "host", "disk")
+
+
+_NEEDS_CUDA = {
+    "device": "CUDA device memory",
+    "pinned": "CUDA (page-locked host memory is pinned for CUDA copies)",
+}
+
+
+def check_tier(kind: str, slots: object, disk_dir: str | None) -> None:
+    """Refuse a tier that cannot be built here, before anything is allocated.
+
+    Args:
+        kind: the tier's kind.
+        slots: records it would hold.
+        disk_dir: directory of ``disk`` tiers.
+
+    Raises:
+        ConfigError: on an unknown kind, a non-positive size, a disk tier without ``disk_dir``,
+            or a device/pinned tier on a machine without CUDA (naming the kind, what it needs and
+            what was found).
+    """
+    if kind not in KINDS:
+        raise ConfigError(f"tiers: expected kinds from {list(KINDS)}, got {kind!r}")
+    if not isinstance(slots, int) or slots < 1:
+        raise ConfigError(f"tiers: {kind} tier needs an int >= 1 items, got {slots!r}")
+    if kind == "disk" and not disk_dir:
+        raise ConfigError("disk_dir: a disk tier needs a directory, got None")
+    if kind in _NEEDS_CUDA and not torch.cuda.is_available():
+        raise ConfigError(
+            f"tiers: a {kind!r} tier expects {_NEEDS_CUDA[kind]}, found no CUDA here "
+            f"(torch.cuda.is_available() is False; torch {torch.__version__}, built with CUDA "
+            f"{torch.version.cuda}); use 'host' or 'disk' tiers on this machine, or a CUDA build "
+            "of torch"
+        )
+
+
+def tier_cuda(device: torch.device) -> torch.device:
+    """The CUDA device of this rank's device and pinned tiers, resolved once: the plane's own
+    (already ``cuda:<index>``) on a CUDA plane, else ``resolve_device("cuda")``, from the
+    visible devices and ``LOCAL_RANK`` (a bare ``"cuda"`` would put every rank's tier on the
+    current device, GPU 0).
+
+    Raises:
+        ConfigError: without CUDA, or an index past the visible devices.
+    """
+    return resolve_device(device if device.type == "cuda" else "cuda")
 
 
 def make_tier(
@@ -32,27 +79,28 @@ def make_tier(
         kind: ``device``, ``pinned``, ``host`` or ``disk``.
         slots: records it holds.
         record_bytes: bytes per record.
-        device: the plane's device (for ``device`` tiers).
+        device: the plane's device (a ``device`` tier is on it when it is CUDA, else on this
+            rank's GPU: :func:`tier_cuda`).
         disk_dir: directory of ``disk`` tiers.
         gbps: ``kind -> (read, write)`` GB/s from config; kinds not listed are calibrated.
         measure: calibrate when not declared (``False``: leave the bandwidths unknown).
 
+    Returns:
+        The tier, empty.
+
     Raises:
-        ConfigError: on an unknown kind, a non-positive size, a disk tier without ``disk_dir``,
-            or a device/pinned tier without CUDA.
+        ConfigError: as :func:`check_tier`, or on a malformed declared bandwidth.
     """
-    if kind not in KINDS:
-        raise ConfigError(f"tiers: expected kinds from {list(KINDS)}, got {kind!r}")
-    if not isinstance(slots, int) or slots < 1:
-        raise ConfigError(f"tiers: {kind} tier needs an int >= 1 items, got {slots!r}")
+    check_tier(kind, slots, disk_dir)
     if kind == "disk":
-        if not disk_dir:
-            raise ConfigError("disk_dir: a disk tier needs a directory, got None")
         tier: Tier = DiskTier(slots, record_bytes, disk_dir)
     elif kind == "device":
-        tier = MemoryTier(slots, record_bytes, device if device.type == "cuda" else "cuda")
+        tier = MemoryTier(slots, record_bytes, tier_cuda(device))
+    elif kind == "pinned":  # page-locked under this rank's GPU's context, not GPU 0's
+        with torch.cuda.device(tier_cuda(device)):
+            tier = MemoryTier(slots, record_bytes, "cpu", pin_memory=True)
     else:
-        tier = MemoryTier(slots, record_bytes, "cpu", pin_memory=kind == "pinned")
+        tier = MemoryTier(slots, record_bytes, "cpu")
     declared = (gbps or {}).get(kind)
     try:
         if declared is not None:
@@ -84,8 +132,12 @@ def make_shard(
     declared ``kind -> (read, write)`` GB/s; other configured tiers measure theirs at start-up
     (the default single tier does not: nothing would use the numbers, and every plane would pay).
 
+    Returns:
+        A ``Shard`` (no tiers given) or a ``TieredShard``.
+
     Raises:
-        ConfigError: if the tiers' items do not add up to ``capacity``.
+        ConfigError: if the tiers' items do not add up to ``capacity``, or a tier cannot be
+            built here (:func:`check_tier`; checked before any is built).
     """
     if tiers is None:
         kind = "device" if device.type == "cuda" else "host"
@@ -97,15 +149,17 @@ def make_shard(
             f"tiers: items per tier {[n for _, n in tiers]} add up to {total}, expected "
             f"capacity_per_rank={capacity}"
         )
+    for kind, n in tiers:  # every tier checked before any is built: a refusal leaves nothing
+        check_tier(kind, int(n), disk_dir)
     built: list[Tier] = []
     try:
         for kind, n in tiers:
             built.append(make_tier(kind, int(n), record_bytes, device, disk_dir, gbps))
+        return TieredShard(built, background=background)
     except Exception:
         for t in built:
             t.close()
         raise
-    return TieredShard(built, background=background)
 
 
 @dataclass(frozen=True)
@@ -149,6 +203,8 @@ __all__ = [
     "Tier",
     "TieredShard",
     "Tiers",
+    "check_tier",
     "make_shard",
     "make_tier",
+    "tier_cuda",
 ]

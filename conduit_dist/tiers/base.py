@@ -23,6 +23,7 @@ import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.spec import _native
+from conduit_dist.tiers.cuda import upload
 
 
 class Tier:
@@ -45,6 +46,7 @@ class Tier:
         # set while a checkpoint writes this tier in the background (checkpoint/snapshot.py):
         # called with ``(start, end)`` before slots ``[start, end)`` may be overwritten
         self.guard = None
+        self._host_rows: torch.Tensor | None = None  # scratch for gathers into strided host out
 
     def declare(self, read_gbps: float, write_gbps: float) -> None:
         """Take read/write bandwidths from config instead of measuring them.
@@ -72,17 +74,18 @@ class Tier:
         src = src.to(self.data.device)
         out = torch.empty_like(src)
         idx = torch.randint(0, rows, (rows,), dtype=torch.int64)
-        cuda = self.data.device.type == "cuda"
+        # CUDA only: the copies are timed to their end on the current stream (not the device)
+        stream = torch.cuda.current_stream(self.data.device) if self.data.is_cuda else None
         best_w = best_r = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
             self.write(0, src)
-            if cuda:
-                torch.cuda.synchronize(self.data.device)
+            if stream is not None:
+                stream.synchronize()
             t1 = time.perf_counter()
             self.gather(idx, out)
-            if cuda:
-                torch.cuda.synchronize(self.data.device)
+            if stream is not None:
+                stream.synchronize()
             t2 = time.perf_counter()
             best_w, best_r = min(best_w, t1 - t0), min(best_r, t2 - t1)
         self.region(0, rows).zero_()
@@ -100,17 +103,17 @@ class Tier:
         """A writable, contiguous view of slots ``[start, end)`` (received into directly).
 
         Every write into the tier goes through here, so a running checkpoint's ``guard`` first
-        keeps what those slots held (copy-on-write)."""
+        keeps what those slots held (copy-on-write). On a CUDA tier the guard's copy is issued
+        on the caller's current stream, so the write that follows on that stream comes after it
+        (the checkpoint writer waits on an event the guard records: ``checkpoint/snapshot.py``).
+        """
         guard = self.guard  # read once: a finishing checkpoint clears it from its thread
         if guard is not None:
             guard(start, end)
         return self.data[start:end]
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor, base: int = -1) -> None:
-        """Copy the records at ``slots`` (int64) into ``out`` (``[len(slots), record_bytes]``);
-        ``base >= 0``: ``slots`` are generations of a ring over this tier, whose oldest live
-        one is in the lap starting at generation ``base`` (slot ``g % self.slots``, computed
-        without a division per row).
+        """Copy the records at ``slots`` into ``out``, which may be on another device or strided.
 
         In host memory (and memory-mapped files) a native loop copies whole rows, prefetching a
         few rows ahead: random rows of a large store miss the caches, and overlapping the misses
@@ -118,11 +121,24 @@ class Tier:
         rows are moved as int64 words (records are 8-byte multiples): ``index_select`` copies
         element by element, and 8x fewer elements made it ~4x faster for small records.
 
+        Rows are gathered where the tier is, straight into ``out`` when it is contiguous and on
+        the tier's device, else into scratch rows there, then copied into ``out`` once. Into host
+        memory that copy is synchronous (a CUDA tier waits for the current stream only): the
+        caller may read ``out`` on the host when this returns. Into CUDA memory it is ordered on
+        the current stream, and host-built indices go up without a host sync (``tiers/cuda.py``).
+
+        Args:
+            slots: int64 slots (or, with ``base >= 0``, generations), on the host or the tier's
+                device.
+            out: ``uint8 [len(slots), record_bytes]`` on any device, any strides.
+            base: ``>= 0``: ``slots`` are generations of a ring over this tier whose oldest live
+                one is in the lap starting at generation ``base`` (slot ``g % self.slots``,
+                computed without a division per row in host memory).
+
         Raises:
             ValueError: if ``out`` is not ``uint8 [len(slots), record_bytes]``.
-            IndexError: on a slot outside the tier (host memory; checked before any copy).
+            IndexError: on a slot outside the tier (slots on the host; checked before any copy).
         """
-        data = self.data
         if (
             out.dtype != torch.uint8
             or out.dim() != 2
@@ -132,33 +148,72 @@ class Tier:
                 f"{self.kind} tier gather: expected out uint8 [{len(slots)}, {self.record_bytes}], "
                 f"got {out.dtype} {list(out.shape)}"
             )
-        if (
-            _native is not None
-            and data.is_cpu
-            and out.is_cpu
-            and slots.is_cpu
-            and out.is_contiguous()
-            and slots.dtype == torch.int64
-            and slots.is_contiguous()
-        ):
-            _native.gather_rows(
-                out.data_ptr(),
-                data.data_ptr(),
-                self.record_bytes,
-                self.slots,
-                slots.data_ptr(),
-                slots.shape[0],
-                base,
-            )
+        if out.device == self.data.device and out.is_contiguous():
+            self._gather_here(slots, out, base)
             return
-        idx = slots if slots.device == data.device else slots.to(data.device, non_blocking=True)
+        rows = self._scratch(len(slots), pinned=out.is_cuda and self.data.is_cpu)
+        self._gather_here(slots, rows, base)
+        # into host memory: synchronous (see above); into CUDA memory: on the current stream
+        out.copy_(rows, non_blocking=out.is_cuda)
+
+    def _gather_here(self, slots: torch.Tensor, rows: torch.Tensor, base: int) -> None:
+        """:meth:`gather` into contiguous ``rows`` on the tier's device."""
+        data = self.data
+        if data.is_cpu:
+            idx = slots.cpu()  # a no-op for host slots, the contract's case
+            if _native is not None and idx.dtype == torch.int64 and idx.is_contiguous():
+                _native.gather_rows(
+                    rows.data_ptr(),
+                    data.data_ptr(),
+                    self.record_bytes,
+                    self.slots,
+                    idx.data_ptr(),
+                    idx.shape[0],
+                    base,
+                )
+                return
+        else:  # CUDA only: indices checked on the host (a device-side assert is fatal), then up
+            idx = slots
+            if idx.is_cpu and base < 0 and idx.numel():
+                lo, hi = int(idx.min()), int(idx.max())
+                if lo < 0 or hi >= self.slots:
+                    raise IndexError(
+                        f"{self.kind} tier gather: expected slots in [0, {self.slots}), "
+                        f"got {lo}..{hi}"
+                    )
         if base >= 0:
             idx = idx.remainder(self.slots)
-        torch.index_select(data.view(torch.int64), 0, idx, out=out.view(torch.int64))
+        idx = upload(idx, data.device)
+        torch.index_select(data.view(torch.int64), 0, idx, out=rows.view(torch.int64))
+
+    def _scratch(self, n: int, pinned: bool) -> torch.Tensor:
+        """Contiguous rows on the tier's device for a gather that ``out`` cannot take directly.
+
+        A CUDA tier's come from torch's caching allocator on the current stream (reused in
+        stream order); rows for a CUDA ``out`` from a host tier are pinned, from the caching host
+        allocator (kept until the copy out of them has run); host rows for a host ``out`` are
+        one buffer kept on the tier (every use ends before ``gather`` returns), so its pages are
+        touched once, not at every gather.
+        """
+        shape = (n, self.record_bytes)
+        if self.data.is_cuda:  # CUDA only
+            return torch.empty(shape, dtype=torch.uint8, device=self.data.device)
+        if pinned:  # CUDA only
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        if self._host_rows is None or self._host_rows.shape[0] < n:
+            self._host_rows = torch.empty(shape, dtype=torch.uint8)
+        return self._host_rows[:n]
 
     def write(self, start: int, records: torch.Tensor) -> None:
-        """Copy ``records`` into slots ``[start, start + len(records))`` (async from pinned)."""
-        self.region(start, start + records.shape[0]).copy_(records, non_blocking=True)
+        """Copy ``records`` (any device) into slots ``[start, start + len(records))``.
+
+        Into device memory the copy is asynchronous, on the current stream (from pinned host
+        memory: keep ``records`` unchanged until that stream has passed the copy). Into host
+        memory it is synchronous: a copy from CUDA waits for the current stream, not the device
+        (why: ``tiers/cuda.py``), so the host readers of these slots never see them half landed.
+        """
+        dst = self.region(start, start + records.shape[0])
+        dst.copy_(records, non_blocking=dst.is_cuda)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tier's contents."""
@@ -230,7 +285,12 @@ class Storage(ABC):
     @abstractmethod
     def append(self, records: torch.Tensor) -> None:
         """Write ``records`` (oldest first) as the newest items; beyond the capacity the oldest
-        items are evicted (or demoted down the tiers)."""
+        items are evicted (or demoted down the tiers).
+
+        Args:
+            records: ``uint8 [n, record_bytes]`` on any device, copied into the tier
+                (``Tier.write``: into host memory the copy has landed when this returns).
+        """
 
     @abstractmethod
     def reserve(self, ahead: int, n: int) -> tuple[int, list[torch.Tensor]] | None:
@@ -254,7 +314,10 @@ class Storage(ABC):
     @abstractmethod
     def receive(self, n: int) -> torch.Tensor | None:
         """Contiguous rows for the next ``n`` items (a collective receives into them), counted
-        by :meth:`commit`; ``None`` when they would not be contiguous (then :meth:`append`)."""
+        by :meth:`commit`; ``None`` when they would not be contiguous (then :meth:`append`).
+
+        The rows are on the first tier's device (``tiers[0].data.device``): a caller whose
+        collective runs on another device receives elsewhere and calls :meth:`append`."""
 
     @abstractmethod
     def commit(self, n: int) -> None:
@@ -272,7 +335,14 @@ class Storage(ABC):
 
     @abstractmethod
     def gather(self, generations: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the live items ``generations`` (int64) into ``out`` (``[n, record_bytes]``)."""
+        """Copy the live items ``generations`` into ``out``, on any device (``Tier.gather``).
+
+        Args:
+            generations: int64 generations of live items (on the host).
+            out: ``uint8 [n, record_bytes]`` on any device, any strides. In host memory its rows
+                are readable on the host when this returns; in CUDA memory they are ordered on
+                the current stream.
+        """
 
     @abstractmethod
     def locate(self, generations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

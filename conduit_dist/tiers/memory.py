@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.errors import ConfigError
 from conduit_dist.tiers.base import Tier
 
@@ -14,7 +15,8 @@ class MemoryTier(Tier):
     Args:
         slots: number of records.
         record_bytes: bytes per record.
-        device: ``cpu`` for host memory, ``cuda[:i]`` for device memory.
+        device: ``cpu`` for host memory, ``cuda[:i]`` for device memory (a bare ``cuda`` is
+            resolved to this rank's GPU by ``collectives.dist.resolve_device``).
         pin_memory: page-lock host memory (only meaningful, and only allowed, where CUDA exists).
 
     Raises:
@@ -32,6 +34,8 @@ class MemoryTier(Tier):
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"tier device: got {device}, but CUDA is not available")
+        if device.type == "cuda":  # cuda:<index>, once: a bare "cuda" is not "GPU 0 on every rank"
+            device = resolve_device(device)
         if pin_memory and (device.type != "cpu" or not torch.cuda.is_available()):
             raise ConfigError(
                 f"pin_memory: pinned host memory needs device cpu on a CUDA machine, got {device} "

@@ -13,6 +13,12 @@ shard is full this evicts the oldest items of the last tier one round early, exa
 ``max(0, size + n - capacity)`` of them, so every rank can replicate the shard's size; between
 rounds the store then holds ``capacity - n`` items, and ``capacity`` again when the next round's
 items arrive (before it samples). Rounds never overlap a demotion.
+
+On CUDA the demoter thread runs on the tiers' device (set when it starts) and issues its copies on
+a stream of its own: that stream first waits for the stream of the round that handed it the work,
+and every later reader or writer of the tiers (``settle``, ``reserve``) makes its current stream
+wait for an event recorded after the demoter's copies (``tiers/cuda.py``). Copies into a host
+tier are synchronous on the demoter's stream, so the host never reads a row still in flight.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.tiers.base import Storage, Tier, tier_stats
+from conduit_dist.tiers.cuda import WorkerStream, cuda_device, upload
 
 
 @dataclass
@@ -52,7 +59,8 @@ class TieredShard(Storage):
             ``False`` demotes inside the round that needs the room.
 
     Raises:
-        ConfigError: on no tiers, or tiers of different record sizes.
+        ConfigError: on no tiers, tiers of different record sizes, or CUDA tiers on different
+            devices.
     """
 
     def __init__(self, tiers: list[Tier], background: bool = True) -> None:
@@ -70,7 +78,14 @@ class TieredShard(Storage):
         self.demotes_ahead = background and len(tiers) > 1
         self.ahead_limit = self.rings[0].cap  # room made ahead: at most all of tier 0
         self.demotion_wait_ms = 0.0
-        self._worker = ThreadPoolExecutor(1, "conduit-demote") if self.demotes_ahead else None
+        # the tiers' CUDA device (None: all in host memory), resolved once
+        self.device = cuda_device(t.data.device for t in tiers)
+        self._order = WorkerStream(self.device if self.demotes_ahead else None)
+        self._worker = (
+            ThreadPoolExecutor(1, "conduit-demote", **self._order.bind_thread())
+            if self.demotes_ahead
+            else None
+        )
         self._ahead: Future | None = None
         # held while the rings change (a round's writes, a background demotion): stats read under
         # it from any thread and so never see a ring halfway through a change
@@ -88,6 +103,7 @@ class TieredShard(Storage):
         if self._worker is None or n <= 0:
             return
         self.settle()
+        self._order.hand_over()  # CUDA: after what this thread's stream wrote into tier 0
         self._ahead = self._worker.submit(self._room_for, n)
 
     def ahead_evictions(self, sizes: np.ndarray, inflow: np.ndarray) -> np.ndarray | None:
@@ -110,19 +126,22 @@ class TieredShard(Storage):
         return np.maximum(0, sizes + ahead - self.capacity)
 
     def _room_for(self, n: int) -> None:
-        with self._lock:
+        """On the demoter thread: make room, with CUDA copies on the demoter's own stream."""
+        with self._order.use(), self._lock:
             self._make_room(0, min(n, self.rings[0].cap))
-            for ring in self.rings:
-                if ring.tier.data.device.type == "cuda":  # copies done before a round reads them
-                    torch.cuda.synchronize(ring.tier.data.device)
+            # under the lock: whoever sees the slots freed also sees the event after the copies
+            # that read them (no host wait: a copy into a host tier was synchronous already)
+            self._order.finished()
 
     def settle(self) -> None:
-        """Wait for the background demotion, if any (re-raising its error)."""
+        """Wait for the background demotion, if any (re-raising its error); on CUDA the
+        caller's current stream then waits for the demoter's copies (on the device)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             t0 = time.perf_counter()
             ahead.result()
             self.demotion_wait_ms += (time.perf_counter() - t0) * 1e3
+        self._order.join()  # also when another thread took the result: each stream waits
 
     # ------------------------------------------------------------------ writes
 
@@ -133,9 +152,12 @@ class TieredShard(Storage):
         if excess <= 0:
             return
         if k + 1 < len(self.rings):
-            idx = (ring.start + torch.arange(excess)) % ring.cap
-            oldest = ring.tier.data.index_select(0, idx)
-            self._push(k + 1, oldest)
+            data = ring.tier.data
+            # the index is built on the tier's own device (a CPU index into a CUDA tier fails);
+            # index_select copies the oldest rows out, so the next tier's copy never reads
+            # slots that this tier is about to reuse
+            idx = torch.arange(ring.start, ring.start + excess, device=data.device)
+            self._push(k + 1, data.index_select(0, idx.remainder_(ring.cap)))
             self.demotions += excess
         else:
             self.evictions += excess
@@ -223,6 +245,7 @@ class TieredShard(Storage):
             if ahead + n > free:
                 return None
             start = (ring.end() + ahead) % ring.cap
+        self._order.join()  # CUDA: slots a running demotion freed are written after its copies
         first = min(n, ring.cap - start)
         views = [ring.tier.region(start, start + first)]
         if first < n:
@@ -245,7 +268,14 @@ class TieredShard(Storage):
         return out
 
     def gather(self, generations: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the live items ``generations`` (whichever tier holds each) into ``out``."""
+        """Copy the live items ``generations`` (whichever tier holds each) into ``out``.
+
+        Args:
+            generations: int64 generations of live items, on the host (the contract) or on
+                ``out``'s device.
+            out: ``uint8 [n, record_bytes]`` on any device, any strides; when it is in host
+                memory its rows are readable on the host when this returns (``Tier.gather``).
+        """
         self.settle()
         spans = self._spans()
         if len(spans) == 1:  # one tier holds every live item: no scatter needed
@@ -257,14 +287,9 @@ class TieredShard(Storage):
             pos = mask.nonzero().squeeze(1)
             if pos.numel():
                 phys = (generations[pos] - lo + ring.start) % ring.cap
-                rows = torch.empty(
-                    (pos.numel(), out.shape[1]), dtype=out.dtype, device=ring.tier.data.device
-                )
-                ring.tier.gather(phys, rows)
-                # a device tier read into host memory must finish before index_copy_ reads it
-                to_host = out.device.type == "cpu"
-                rows = rows.to(out.device, non_blocking=not to_host)
-                out.index_copy_(0, pos.to(out.device), rows)
+                rows = torch.empty((pos.numel(), out.shape[1]), dtype=out.dtype, device=out.device)
+                ring.tier.gather(phys, rows)  # across devices; into host memory: landed
+                out.index_copy_(0, upload(pos, out.device), rows)
 
     @property
     def tiers(self) -> list[Tier]:

@@ -1,0 +1,155 @@
+"""The CUDA side of the tiers, in one place so that one review can follow it.
+
+On a machine without CUDA, or for tiers that are all in host memory, the shard's CUDA device is
+``None`` and everything here returns at once; the lines past those early returns run only on
+CUDA. The rules every tier follows:
+
+- **Devices are resolved once.** A shard's tiers are on at most one CUDA device
+  (:func:`cuda_device`), a ``cuda:<index>`` resolved when the tier was built, never "the
+  current device" of whichever thread runs.
+- **Copies into host memory are synchronous.** A copy from CUDA rows into a host tier (pinned,
+  pageable or a mapped file) or into a host ``out`` is ``copy_(non_blocking=False)``, which waits
+  for the *current stream* only (``cudaStreamSynchronize``), never the whole device: whatever
+  reads those rows on the host next (the native gather, the demoter, a checkpoint's guard and
+  writer, a sampler tagging delivered rows) sees them landed. Host readers are many and each
+  would have to wait on a pending event; a round reads its rows in the same round anyway.
+- **Copies into device memory are asynchronous**, ordered on the caller's current stream of
+  the tier's device (the round's side stream). Indices built on the host go up through pinned
+  memory from torch's caching host allocator (:func:`upload`), which does not hand that memory
+  out again before the copy reading it has run (it records an event on the stream), so an upload
+  never waits on the host.
+- **Work on another thread has its own stream and events** (:class:`WorkerStream`): the
+  demoter's stream waits for the stream that handed it work, and the streams that read its
+  results wait for an event it records after its copies. These waits are on the device; the host
+  goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from conduit_dist.errors import ConfigError
+
+
+def cuda_device(devices: Iterable[torch.device]) -> torch.device | None:
+    """The one CUDA device among ``devices`` (the tiers' data devices), ``None`` if none is.
+
+    Args:
+        devices: where each tier's slots live.
+
+    Returns:
+        ``cuda:<index>`` shared by every CUDA tier, or ``None`` when every tier is in host memory.
+
+    Raises:
+        ConfigError: if CUDA tiers are on different devices (or one has no index): one shard's
+            copies are ordered on one device's streams.
+    """
+    found = sorted({str(d) for d in devices if d.type == "cuda"})
+    if not found:
+        return None
+    dev = torch.device(found[0])
+    if len(found) > 1 or dev.index is None:
+        raise ConfigError(
+            "tiers: expected every device tier of a shard on one resolved cuda:<index>, "
+            f"got {found}"
+        )
+    return dev
+
+
+def upload(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``idx`` on ``device``: itself when it is there already; from the host to CUDA without a
+    host sync (a copy into pinned memory from torch's caching host allocator, then a
+    non-blocking copy on the current stream; the allocator keeps that pinned block until the
+    stream has passed the copy).
+
+    Args:
+        idx: an index tensor (e.g. int64 slots built on the host).
+        device: where it is used.
+
+    Returns:
+        ``idx`` on ``device``.
+    """
+    if idx.device == device:
+        return idx
+    if not idx.is_cpu or device.type != "cuda":  # CUDA to host or between devices: torch's copy
+        return idx.to(device)
+    # CUDA only from here. A new pinned block, not idx.pin_memory(): that returns idx itself
+    # when it is pinned already, and its owner may change it before the copy has run
+    staged = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+    staged.copy_(idx)
+    return staged.to(device, non_blocking=True)
+
+
+def record(device: torch.device | None) -> torch.cuda.Event | None:
+    """An event recorded on the current stream of ``device`` (``None`` without a device): what
+    that stream has issued so far, for another thread's stream to wait on."""
+    if device is None:
+        return None
+    return torch.cuda.current_stream(device).record_event()
+
+
+def stream_for(device: torch.device | None) -> torch.cuda.Stream | None:
+    """A new stream on ``device`` (``None`` without a device): a background thread's own."""
+    return None if device is None else torch.cuda.Stream(device)
+
+
+def on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Make ``stream`` current (and its device) for the block; nothing when ``None``."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+class WorkerStream:
+    """A background thread's CUDA stream, ordered against the streams of the threads it serves.
+
+    With ``device=None`` (no CUDA tier) every method does nothing.
+
+    1. :meth:`hand_over`, on the thread handing work over: the worker's stream waits for
+       everything the caller's current stream has issued (e.g. the round's writes into the
+       slots the demoter will read).
+    2. :meth:`use`, on the worker thread: its copies go to its own stream.
+    3. :meth:`finished`, on the worker thread after its copies: an event that
+       :meth:`join` waits on.
+    4. :meth:`join`, on any thread before it touches what the worker wrote or freed: its current
+       stream waits for that event (on the device; the host goes on).
+
+    Args:
+        device: the shard's CUDA device, or ``None``.
+    """
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        self.stream = stream_for(device)
+        self.event: torch.cuda.Event | None = None  # after the worker's latest copies
+
+    def hand_over(self) -> None:
+        """The worker's stream waits for the caller's current stream (call before submitting)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        """The worker's stream as the current one for the block."""
+        with on(self.stream):
+            yield
+
+    def finished(self) -> None:
+        """Record the end of the worker's copies issued so far (on the worker thread)."""
+        if self.stream is not None:
+            self.event = self.stream.record_event()
+
+    def join(self) -> None:
+        """The caller's current stream waits for the worker's latest copies (from any thread;
+        waiting again on an event already waited on costs nothing on the device)."""
+        event = self.event
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def bind_thread(self) -> dict[str, object]:
+        """``ThreadPoolExecutor`` keyword arguments that set the worker thread's current device
+        to :attr:`device` when it starts (the current device is per thread)."""
+        if self.device is None:
+            return {}
+        return {"initializer": torch.cuda.set_device, "initargs": (self.device,)}
