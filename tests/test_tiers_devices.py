@@ -1,7 +1,7 @@
 """The device side of the tiers, as far as it runs on a CPU: gathers into ``out`` of any layout
-(the path a tier on another device than ``out`` takes), records from any layout, the one CUDA
-device of a shard, and device/pinned tiers refused on a machine without CUDA before anything is
-built.
+(the path a tier on another device than ``out`` takes), records from any layout, the checkpoint
+guard's (copy, event) pairs read back exactly while writes overwrite, the one CUDA device of a
+shard, and device/pinned tiers refused on a machine without CUDA before anything is built.
 
 What only runs on CUDA (streams, events, pinned staging, the synchronous D2H copies) is listed in
 ``conduit_dist/tiers/cuda.py``; ``scripts/gpu_check.sh`` exercises it on a GPU.
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import conduit_dist as cd
+from conduit_dist.checkpoint.snapshot import ShardSnapshot
 from conduit_dist.tiers import DiskTier, MemoryTier, Shard, TieredShard
 from conduit_dist.tiers.cuda import WorkerStream, cuda_device, upload
 
@@ -87,6 +88,61 @@ def test_shards_take_records_and_gather_into_any_layout(layout, background):
     assert [r.size for r in tiered.rings] == ([1, 8] if background else [4, 8])
     ring.close()
     tiered.close()
+
+
+def _snapshot_reads(shard, rounds_write, block: int = 8) -> tuple[list[int], list[int], int]:
+    """Items the snapshot holds and those it reads back, 8 at a time, while ``rounds_write``
+    overwrites the shard between reads; also the bytes the guard copied."""
+    held = list(range(shard.oldest, shard.written))
+    snap = ShardSnapshot(shard, block=block)
+    out = torch.zeros(8, RB, dtype=torch.uint8)
+    read: list[int] = []
+    pairs_seen = False
+    while snap.read_upto < snap.count:
+        rows = snap.read(8, out)
+        read += (rows.view(torch.int64)[:, 0] // 1000).tolist()
+        assert torch.equal(rows, _records(read[-rows.shape[0] :]))  # every byte, not just ids
+        rounds_write(len(read))
+        # (copy, event) pairs; host tiers: no event. dict() copies at once (in C): the demoter
+        # may add a copy meanwhile
+        for rows_copy, event in dict(snap.copies).values():
+            assert event is None and rows_copy.device.type == "cpu"
+            pairs_seen = True
+    assert pairs_seen, "the writes never reached a block the snapshot still had to read"
+    copied = snap.copied_bytes
+    snap.close()
+    assert all(t.guard is None for t in shard.tiers)
+    return held, read, copied
+
+
+def test_a_snapshot_reads_what_a_ring_held_while_appends_overwrite_it():
+    shard = Shard(MemoryTier(64, RB))
+    shard.append(_records(range(64)))
+    nxt = iter(range(64, 10_000))
+
+    def rounds(_read: int) -> None:  # 16 new items per read of 8: the ring overtakes the reader
+        shard.append(_records([next(nxt) for _ in range(16)]))
+
+    held, read, copied = _snapshot_reads(shard, rounds)
+    assert read == held and copied > 0
+    shard.close()
+
+
+def test_a_snapshot_reads_what_tiers_held_while_the_demoter_rewrites_them():
+    shard = TieredShard([MemoryTier(16, RB), MemoryTier(48, RB)], background=True)
+    shard.append(_records(range(64)))
+    nxt = iter(range(64, 10_000))
+    threads = set()
+
+    def rounds(_read: int) -> None:  # a round's 12 items, then the demoter makes room for 12
+        shard.append(_records([next(nxt) for _ in range(12)]))
+        shard.demote_ahead(12)
+        threads.update(t.name for t in threading.enumerate() if t.name.startswith("conduit-"))
+
+    held, read, copied = _snapshot_reads(shard, rounds)
+    assert read == held and copied > 0
+    assert any(name.startswith("conduit-demote") for name in threads)
+    shard.close()
 
 
 def test_a_shard_has_one_resolved_cuda_device_or_none():
