@@ -8,14 +8,17 @@ sources, which planes use CUDA, the watchdog's timeout, the host key, and the po
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import ROOT, child_env, run_ranks
 
 from conduit_dist.collectives.dist import (
     CUDA_BACKEND_ENV,
@@ -112,50 +115,26 @@ def test_poll_until_returns_when_done_and_gives_up_at_the_deadline():
 # ------------------------------------------------------------------------------- real ranks
 
 
-def _under_a_cuda_only_default_group(rank: int, world: int, store: str):
-    """A user's own default group that has no CPU backend (``init_process_group("cuda:gloo")``
-    here; ``"nccl"`` on a GPU machine): CPU collectives on it fail, the plane's group works."""
-    import torch.distributed as dist
-    from plane_helpers import assert_intact, make_batch, spec
-
-    import conduit_dist as cd
-    from conduit_dist.collectives.dist import plane_group
-    from conduit_dist.collectives.exchange import Exchange
-
-    dist.destroy_process_group()  # run_ranks' gloo group; the user's own group instead
-    dist.init_process_group(
-        "cuda:gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=30),
-    )  # fmt: skip
-    try:
-        dist.all_reduce(torch.ones(1))
-        default_cpu = "works"
-    except RuntimeError as exc:
-        default_cpu = str(exc).splitlines()[0]
-    ex = Exchange(TIMEOUT_S * 5, name="groups")
-    backend = str(dist.get_backend(ex.group))
-    ex.close()
-    shared = plane_group(timedelta(seconds=10), torch.device("cuda", 0), "gloo")
-    flag = torch.ones(1)
-    dist.all_reduce(flag, group=shared)  # CPU tensors go to its gloo part
-    shared_backend = str(dist.get_backend(shared))
-    dist.destroy_process_group(shared)
-    plane = cd.DataPlane(spec(), 100, seed=1, schedule="sync", placement="round_robin")
-    plane.put(make_batch(rank * 100 + torch.arange(8)))
-    batch = plane.fetch(6)
-    assert_intact(batch)
-    hosts = plane.topology.num_hosts
-    plane.close()
-    return default_cpu, backend, shared_backend, int(flag.item()), hosts
-
-
 def test_the_planes_group_is_gloo_even_under_a_default_group_without_a_cpu_backend(tmp_path):
-    got = run_ranks(_under_a_cuda_only_default_group, 2, str(tmp_path / "store"))
-    for default_cpu, backend, shared_backend, flag, hosts in got.values():
-        assert "No backend type associated with device type cpu" in default_cpu
-        assert backend == "gloo"  # not "cuda:gloo" copied from the default group
-        assert shared_backend == "cpu:gloo,cuda:gloo" and flag == 2
-        assert hosts == 1  # host discovery (a CPU collective) ran on the plane's group
+    # a user's own init_process_group under torchrun, with no CPU backend ("cuda:gloo" here,
+    # "nccl" on a GPU machine): the plane's group used to copy it
+    prog = ROOT / "tests" / "cuda_only_default_prog.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    res = subprocess.run(
+        [*cmd, str(prog)],
+        cwd=tmp_path,
+        env=child_env(PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "No backend type associated with device type cpu" in got["default_cpu"]
+        assert got["backend"] == "gloo"  # not "cuda:gloo" copied from the default group
+        assert got["shared_backend"] == "cpu:gloo,cuda:gloo" and got["flag"] == 2
+        assert got["hosts"] == 1  # host discovery (a CPU collective) ran on the plane's group
 
 
 def test_init_distributed_records_the_cuda_backend_and_refuses_a_bad_variable(monkeypatch):
