@@ -148,7 +148,8 @@ class Tier:
                 f"{self.kind} tier gather: expected out uint8 [{len(slots)}, {self.record_bytes}], "
                 f"got {out.dtype} {list(out.shape)}"
             )
-        if out.device == self.data.device and out.is_contiguous():
+        here = out.is_cpu if self.data.is_cpu else out.device == self.data.device
+        if here and out.is_contiguous():
             self._gather_here(slots, out, base)
             return
         rows = self._scratch(len(slots), pinned=out.is_cuda and self.data.is_cpu)
@@ -160,7 +161,7 @@ class Tier:
         """:meth:`gather` into contiguous ``rows`` on the tier's device."""
         data = self.data
         if data.is_cpu:
-            idx = slots.cpu()  # a no-op for host slots, the contract's case
+            idx = slots if slots.is_cpu else slots.cpu()  # host slots: the contract's case
             if _native is not None and idx.dtype == torch.int64 and idx.is_contiguous():
                 _native.gather_rows(
                     rows.data_ptr(),
