@@ -199,11 +199,12 @@ def _polled_wait(rank: int, world: int):
     from conduit_dist.errors import RoundError
 
     ex = Exchange(TIMEOUT_S, name="poll")
-    ex._poll = True  # the NCCL branch's wait (gloo works complete on the host the same way)
+    ex._poll = True  # the NCCL branch's wait (gloo works complete on the host the same way;
+    # cuda=True below marks each work as the group's NCCL one)
     ex._lazy = False  # as on a group with NCCL: rounds mark their heartbeat on arrival
     ok = torch.ones(1)
     ex.arrive(4)
-    ex.run(lambda: dist.all_reduce(ok, group=ex.group, async_op=True), "all_reduce(ok)", 4)
+    ex.run(lambda: dist.all_reduce(ok, group=ex.group, async_op=True), "all_reduce(ok)", 4, True)
     late = torch.ones(1)
     out = {"ok": int(ok.item())}
     if rank == 1:
@@ -211,7 +212,9 @@ def _polled_wait(rank: int, world: int):
     ex.arrive(5)
     t0 = time.monotonic()
     try:
-        ex.run(lambda: dist.all_reduce(late, group=ex.group, async_op=True), "all_reduce(x)", 5)
+        ex.run(
+            lambda: dist.all_reduce(late, group=ex.group, async_op=True), "all_reduce(x)", 5, True
+        )
         out["late"] = "no error"
     except RoundError as exc:
         out["late"] = (str(exc), exc.round, list(exc.ranks), time.monotonic() - t0)

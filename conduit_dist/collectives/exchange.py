@@ -34,6 +34,7 @@ from conduit_dist.collectives.dist import (
     uses_cuda,
 )
 from conduit_dist.collectives.heartbeats import Heartbeats, _default_store, wait_gloo, wait_polling
+from conduit_dist.collectives.pending import PendingGather, PendingWork
 from conduit_dist.errors import PhaseError, RoundError
 
 T = TypeVar("T")
@@ -134,6 +135,7 @@ class Exchange:
             self.run(
                 lambda: dist.all_reduce(probe, group=self.group, async_op=True),
                 "all_reduce(NCCL warm-up)",
+                cuda=True,
             )
 
     def heartbeat(self, round: int) -> None:
@@ -169,18 +171,21 @@ class Exchange:
         finally:
             self._phase = outer
 
-    def run(self, launch: Callable[[], dist.Work | None], op: str, round: int = -1) -> None:
+    def run(
+        self, launch: Callable[[], dist.Work | None], op: str, round: int = -1, cuda: bool = False
+    ) -> None:
         """Launch one collective (``async_op=True``) and wait for it with the timeout.
 
         Args:
             launch: starts the collective on :attr:`group` and returns its work.
             op: the operation's name in errors, e.g. ``"all_reduce(metrics)"``.
             round: the round it belongs to; ``-1`` outside the rounds (in the open phase).
+            cuda: its tensors are on the GPU (its work is NCCL's where the group has NCCL).
 
         Raises:
             RoundError: when it fails or times out in a round; :class:`PhaseError` outside one.
         """
-        self.wait_all(lambda: [launch()], op, round)
+        self.wait_all(lambda: [launch()], op, round, cuda)
 
     def barrier(self, op: str, round: int = -1) -> None:
         """A barrier over :attr:`group`, with the timeout (nothing to wait for at world size 1)."""
@@ -188,16 +193,17 @@ class Exchange:
             return
         self.run(lambda: dist.barrier(group=self.group, async_op=True), f"barrier({op})", round)
 
-    def _wait(self, work: dist.Work | None, op: str, round: int) -> None:
-        """Wait for ``work`` until the timeout: polling on a group with NCCL (``wait_polling``:
-        NCCL's own ``wait()`` bounds nothing on the host), else gloo's ``wait(timeout)``,
-        marking a round's heartbeat only if the wait outlasts a grace (``wait_gloo``)."""
+    def _wait(self, work: dist.Work | None, op: str, round: int, cuda: bool = False) -> None:
+        """Wait for ``work`` until the timeout: an NCCL work (``cuda`` on a group with NCCL)
+        is polled (``wait_polling``: NCCL's own ``wait()`` bounds nothing on the host), a gloo
+        work waited with gloo's ``wait(timeout)``, marking a round's heartbeat only if the wait
+        outlasts a grace (``wait_gloo``)."""
         if work is None:
             return
         start = time.monotonic()
         mark = (lambda: self.heartbeat(round)) if self._lazy and round >= 0 else None
         try:
-            if self._poll:
+            if self._poll and cuda:
                 done = wait_polling(work, start + self.timeout.total_seconds())
             else:
                 done = wait_gloo(work, self.timeout, mark)
@@ -311,12 +317,14 @@ class Exchange:
             RoundError: if the launch fails.
         """
         launch = lambda: self.all_to_all_start(out, inp, out_splits, in_splits, op)  # noqa: E731
-        return PendingWork(self, self._launch(launch, op, round), op, round)
+        work = self._launch(launch, op, round)
+        return PendingWork(self, work, op, round, out.is_cuda or inp.is_cuda)
 
-    def wait_all(self, launch, op: str, round: int) -> None:
-        """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout."""
+    def wait_all(self, launch, op: str, round: int, cuda: bool = False) -> None:
+        """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout
+        (``cuda``: on GPU tensors, see :meth:`_wait`)."""
         for work in self._launch(launch, op, round):
-            self._wait(work, op, round)
+            self._wait(work, op, round, cuda)
 
     def _launch(self, launch: Callable[[], T], op: str, round: int) -> T:
         """``launch()``; a failure to launch raises as :meth:`_fail` does."""
@@ -331,8 +339,9 @@ class Exchange:
     ) -> None:
         """``gather`` of equal-sized tensors to global rank ``dst``."""
         self.run(
-            lambda: dist.gather(send, recv, dst=dst, group=self.group, async_op=True), op, round
-        )
+            lambda: dist.gather(send, recv, dst=dst, group=self.group, async_op=True),
+            op, round, send.is_cuda,
+        )  # fmt: skip
 
     def broadcast(self, buf: torch.Tensor, src: int, round: int) -> None:
         """Broadcast ``buf`` from global rank ``src``."""
@@ -342,6 +351,7 @@ class Exchange:
             lambda: dist.broadcast(buf, src, group=self.group, async_op=True),
             "broadcast(weights)",
             round,
+            buf.is_cuda,
         )
 
     def close(self) -> None:
@@ -350,42 +360,6 @@ class Exchange:
             with contextlib.suppress(Exception):  # the default group may already be gone
                 dist.destroy_process_group(self.group)
             self.group = None
-
-
-class PendingWork:
-    """A collective in flight (see :meth:`Exchange.all_to_all_async`)."""
-
-    def __init__(self, ex: Exchange, work: dist.Work | None, op: str, round: int):
-        self._ex, self._work, self._op, self._round = ex, work, op, round
-
-    def wait(self) -> None:
-        """Block (with the exchange's timeout) until it completed.
-
-        Raises:
-            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
-        """
-        work, self._work = self._work, None
-        self._ex._wait(work, self._op, self._round)
-
-
-class PendingGather(PendingWork):
-    """An all-gather in flight (see :meth:`Exchange.all_gather_start`)."""
-
-    def __init__(self, ex: Exchange, work: dist.Work | None, out: torch.Tensor, round: int):
-        super().__init__(ex, work, "all_gather(meta)", round)
-        self._out = out
-
-    def wait(self) -> torch.Tensor:
-        """Block (with the exchange's timeout) until every rank's tensor arrived.
-
-        Returns:
-            ``[world, len(local)]``.
-
-        Raises:
-            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
-        """
-        super().wait()
-        return self._out
 
 
 def _split_bytes(t: torch.Tensor, splits: list[int], world: int) -> list[int]:

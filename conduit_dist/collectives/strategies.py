@@ -87,7 +87,9 @@ class PointToPoint(Strategy):
             for a, b in self._ranges(o_off[peer], out_splits[peer]):
                 ops.append(dist.P2POp(dist.irecv, out[a:b], peer, group))
         if ops:
-            ex.wait_all(lambda: dist.batch_isend_irecv(ops), f"{op}[{self.name}]", round)
+            ex.wait_all(
+                lambda: dist.batch_isend_irecv(ops), f"{op}[{self.name}]", round, inp.is_cuda
+            )
 
 
 class GatherToOwner(Strategy):

@@ -1,0 +1,44 @@
+"""Collectives in flight: what :class:`~conduit_dist.collectives.exchange.Exchange` returns for
+a launched all-to-all or all-gather, waited on later with the exchange's timeout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class PendingWork:
+    """A collective in flight (see :meth:`Exchange.all_to_all_async`)."""
+
+    def __init__(self, ex, work: dist.Work | None, op: str, round: int, cuda: bool = False):
+        self._ex, self._work, self._op, self._round = ex, work, op, round
+        self._cuda = cuda
+
+    def wait(self) -> None:
+        """Block (with the exchange's timeout) until it completed.
+
+        Raises:
+            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
+        """
+        work, self._work = self._work, None
+        self._ex._wait(work, self._op, self._round, self._cuda)
+
+
+class PendingGather(PendingWork):
+    """An all-gather in flight (see :meth:`Exchange.all_gather_start`)."""
+
+    def __init__(self, ex, work: dist.Work | None, out: torch.Tensor, round: int):
+        super().__init__(ex, work, "all_gather(meta)", round)
+        self._out = out
+
+    def wait(self) -> torch.Tensor:
+        """Block (with the exchange's timeout) until every rank's tensor arrived.
+
+        Returns:
+            ``[world, len(local)]``.
+
+        Raises:
+            RoundError: on a timeout or a failed peer, naming the round and the late ranks.
+        """
+        super().wait()
+        return self._out
