@@ -38,6 +38,7 @@ class Ingest:
         self._dev_stage = RecordBuffer(record_bytes, device)  # H2D copy of staged records
         self._routed = RecordBuffer(record_bytes, device)  # staged rows in destination order
         self._order: torch.Tensor | None = None  # this round's destination order (routed)
+        self._into_storage = storage.tiers[0].data.device == device
 
     def staged_rows(self, t: RoundTicket) -> torch.Tensor:
         """This round's staged records on the rows device, as one block of rows.
@@ -102,9 +103,8 @@ class Ingest:
         if not between.any():
             self.storage.append(inp)  # every item stays put (known on every rank): no exchange
             return n_in
-        direct = self.storage.receive(n_in)
-        if direct is not None and direct.device != self.device:
-            direct = None  # the exchange runs on the rows device: received there, then appended
+        # received straight into the shard's slots only where they are on the rows device
+        direct = self.storage.receive(n_in) if self._into_storage else None
         out = direct if direct is not None else self._recv.rows(n_in)
         stats.moves.append(self.transport.move(out, inp, plan, t.round, "ingest"))
         if direct is not None:

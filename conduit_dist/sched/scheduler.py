@@ -99,7 +99,9 @@ class Scheduler:
             out, stats = run()
             event = torch.cuda.Event()
             event.record(self._stream)
-        event.synchronize()  # the round's time includes its device work
+        # the round's time includes its device work; and the staging buffers the round copied
+        # from (pinned, non-blocking) are written by put again only after this point
+        event.synchronize()
         return out, stats, event
 
     def _adopt(self, out: torch.Tensor, event) -> torch.Tensor:
