@@ -98,3 +98,63 @@ def test_a_pooled_host_buffer_waits_for_the_copy_that_read_it():
     del again
     pool.acquire(4)
     assert waited == [True]  # once: the event is cleared after the wait
+
+
+def test_a_started_round_runs_both_halves_on_the_side_stream(monkeypatch):
+    """``fetch_start``'s half of a round (donated puts packed, the local ingest into a device
+    tier, the header launch) is enqueued on the round's side stream, after the ticket's event,
+    like its finish: on the consumer's stream the finish's gathers and its end event would not
+    be ordered after those copies. Fake stream and events stand for CUDA's here."""
+    from types import SimpleNamespace
+
+    from conduit_dist.rounds.tickets import RoundStats, RoundTicket
+    from conduit_dist.sched.scheduler import Scheduler
+
+    seen = []
+
+    class Stream:
+        current = False
+
+        def wait_event(self, event):
+            seen.append(("wait", event))
+
+    side = Stream()
+
+    class Context:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            self.stream.current = True
+
+        def __exit__(self, *exc):
+            self.stream.current = False
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Engine:
+        delivery = SimpleNamespace(outputs=SimpleNamespace(consumer=None))
+
+        def start(self, ticket, weights):
+            seen.append(("start", side.current))
+
+            def finish():
+                seen.append(("finish", side.current))
+                return torch.empty(0, 8, dtype=torch.uint8), RoundStats()
+
+            return finish
+
+    monkeypatch.setattr(torch.cuda, "stream", Context)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    sched = Scheduler("sync", Engine(), None, CPU, timeout_s=1.0)
+    sched._stream = side  # what a CUDA plane's scheduler holds
+    ticket = RoundTicket(0, 4, None, 0, None, ready="ready")
+    sched.start(ticket, "prefetch", 0)
+    assert seen == [("wait", "ready"), ("start", True)]
+    sched.pending.future.result()
+    assert seen[2:] == [("wait", "ready"), ("finish", True)]

@@ -122,7 +122,16 @@ class Scheduler:
         (``RoundEngine.start``); the call that owns it finishes it, on its own thread."""
         if self.pending is not None:
             raise RuntimeError("start: one launched round at a time")
-        finish = self.engine.start(ticket, self.weights)  # host work: headers, gloo
+        if self._stream is None:
+            finish = self.engine.start(ticket, self.weights)  # host work: headers, gloo
+        else:  # CUDA: on the side stream too, where the finish reads what this half wrote
+            # (the local ingest's copies into a device tier, from pinned staging that put
+            # reuses once the finish's event has passed); on the consumer's stream neither
+            # the finish's gathers nor that event would be ordered after them
+            with torch.cuda.stream(self._stream):
+                if ticket.ready is not None:
+                    self._stream.wait_event(ticket.ready)
+                finish = self.engine.start(ticket, self.weights)
         self.pending = Pending(
             kind, ticket, _Started(lambda: self._on_stream(ticket, finish)), put_seq
         )
