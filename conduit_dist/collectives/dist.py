@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -150,7 +150,7 @@ def plane_backend(uses_cuda: bool, cuda_backend: str = "nccl") -> str:
     group could run none of its CPU collectives (host discovery, meta, weights).
 
     Args:
-        uses_cuda: whether CUDA tensors go through the group (a CUDA device, or a device tier).
+        uses_cuda: whether CUDA tensors go through the group (a CUDA plane device).
         cuda_backend: a key of :data:`CUDA_BACKENDS`.
 
     Returns:
@@ -170,18 +170,18 @@ def plane_backend(uses_cuda: bool, cuda_backend: str = "nccl") -> str:
     return f"cpu:gloo,cuda:{cuda_backend}" if uses_cuda else "gloo"
 
 
-def uses_cuda(device: str | torch.device, tiers: Sequence[tuple[str, int]] | None) -> bool:
-    """Whether CUDA tensors pass through a plane's group: its device is CUDA, or one of its
-    storage tiers is a ``device`` tier (a CUDA tier, also on a CPU plane).
+def uses_cuda(device: str | torch.device) -> bool:
+    """Whether CUDA tensors pass through a plane's group: its device is CUDA. (A ``device`` tier
+    on a CPU plane keeps the rounds' rows on the host, ``rounds.devices.round_devices``: no CUDA
+    tensor reaches the group, which then stays gloo, without an NCCL communicator.)
 
     Args:
         device: the plane's device.
-        tiers: the plane's ``Tiers.tiers`` (``(kind, items)`` pairs), or ``None``.
 
     Returns:
         ``True`` when the group needs a backend for CUDA tensors.
     """
-    return torch.device(device).type == "cuda" or any(k == "device" for k, _ in tiers or ())
+    return torch.device(device).type == "cuda"
 
 
 def watchdog_timeout(timeout: timedelta) -> timedelta:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TypeVar
 
@@ -50,9 +50,8 @@ class Exchange:
         group: an existing process group to use; by default a new group over all ranks is created
             (a collective call: every rank must construct its Exchange at the same point).
         name: prefix of the heartbeat keys, unique per plane.
-        device: the plane's device; with ``tiers``, whether CUDA tensors pass through the new
+        device: the plane's device: whether CUDA tensors pass through the new
             group (``dist.uses_cuda``) and on which device.
-        tiers: the plane's storage tiers (``Tiers.tiers``: ``(kind, items)`` pairs), or ``None``.
 
     The new group's backend is ``dist.plane_backend`` of that: ``gloo``, or
     ``cpu:gloo,cuda:<dist.chosen_cuda_backend()>``. With NCCL, construction runs one warm-up
@@ -80,7 +79,6 @@ class Exchange:
         name: str = "0",
         *,
         device: str | torch.device = "cpu",
-        tiers: Sequence[tuple[str, int]] | None = None,
     ):
         self.timeout = timedelta(seconds=timeout_s)
         if dist.is_initialized():
@@ -96,9 +94,8 @@ class Exchange:
         # the CUDA device whose tensors pass through the group (None: CPU tensors only)
         self.cuda: torch.device | None = None
         if group is None and self.world > 1:
-            if uses_cuda(device, tiers):  # resolved before any group exists: errors leave none
-                dev = torch.device(device)
-                self.cuda = resolve_device(dev if dev.type == "cuda" else "cuda")
+            if uses_cuda(device):  # resolved before any group exists: errors leave none
+                self.cuda = resolve_device(device)
             self.group = plane_group(self.timeout, self.cuda, chosen_cuda_backend())
         kinds = backends_of(str(dist.get_backend(self.group))) if self.world > 1 else set()
         # gloo's work.wait(t) raises when t expires and can be waited on again: marks can wait

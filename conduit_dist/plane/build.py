@@ -240,7 +240,6 @@ def assemble(
             timeout_s,
             name=str(next(_plane_ids)),
             device=device,
-            tiers=getattr(storage, "tiers", None),
         )
         undo.callback(ex.close)
         learners = _learners(learner_ranks, ex.world)
