@@ -67,6 +67,9 @@ class Stager:
         cuda = device.type == "cuda"
         self.buffers = DoubleBuffer(spec.record_bytes, torch.device("cpu"), pin_memory=cuda)
         self.device_buffers = DoubleBuffer(spec.record_bytes, device) if cuda else None
+        slots = shard.tiers[0].data.device  # where direct writes land
+        # CUDA anywhere: direct writes only from tensors already on the slots' device
+        self._slots_on = slots if cuda or slots.type != "cpu" else None
         self.direct = 0  # items written straight into storage slots, counted at the next round
         self.put_seq = 0  # puts so far (a fetched batch's lag is measured against it)
         self.in_block = False  # inside a staged() block
@@ -79,8 +82,14 @@ class Stager:
         return self.direct + self.buffers.current.count + dev
 
     def _stage_for(self, batch: Mapping[str, torch.Tensor]) -> RecordBuffer:
-        """Device staging for a batch whose tensors are all on the GPU, else host staging."""
-        if self.device_buffers is not None and all(t.is_cuda for t in batch.values()):
+        """Device staging for a batch whose tensors are all on the GPU while nothing is staged
+        on the host this round, else host staging: a round ingests device staging first, so
+        items keep their put order (a stream's windows depend on it)."""
+        if (
+            self.device_buffers is not None
+            and not self.buffers.current.count
+            and all(t.is_cuda for t in batch.values())
+        ):
             return self.device_buffers.current
         return self.buffers.current
 
@@ -116,6 +125,8 @@ class Stager:
         rows the shard reserves for the next round; returns whether it did (``False``: stage)."""
         if not self.direct_ok or self.sched.pending is not None or self.buffers.current.count:
             return False  # written ahead only before anything is staged
+        if self._slots_on is not None and any(t.device != self._slots_on for t in batch.values()):
+            return False  # a copy across devices per field would wait for the GPU: stage it
         if self.device_buffers is not None and self.device_buffers.current.count:
             return False
         got = self.shard.reserve(self.direct, n)

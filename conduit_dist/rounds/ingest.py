@@ -45,7 +45,8 @@ class Ingest:
 
         Host staging (pinned on CUDA machines) is used where it is for host rows, or copied to
         the GPU on the round's stream; device staging (items put from GPU tensors) likewise,
-        copied to the host for host rows (FIFO within each kind: device staging first).
+        copied to the host for host rows. Device staging first: it holds only puts made before
+        any host put of the round (``Stager._stage_for``), so rows keep their put order.
         """
         host, dev = t.staged, t.device_staged
         if dev is None or not dev.count:

@@ -273,19 +273,19 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         """``_index`` and ``_weight`` of delivered rows from their trailers."""
         at = self._col * 8
         n = rows.shape[0]
-        index = torch.empty(n, dtype=torch.int64)
-        weight = torch.empty(n, dtype=torch.float32)
         if _native is not None and rows.is_cpu and rows.stride(1) == 1:
+            index = torch.empty(n, dtype=torch.int64)
+            weight = torch.empty(n, dtype=torch.float32)
             _native.read_trailer(
                 rows.data_ptr(), rows.stride(0), n, at, self.global_min, self.beta,
                 index.data_ptr(), weight.data_ptr(),
             )  # fmt: skip
             return {"_index": index, "_weight": weight}
+        # on the rows' device (a CUDA learner's batch: no copy back to the host)
         cols = rows[:, at : at + 16].contiguous().view(torch.int64)
-        index.copy_(cols[:, 0])
         mass = cols[:, 1].view(torch.float64)
-        weight.copy_((mass / self.global_min).pow_(-self.beta))
-        return {"_index": index, "_weight": weight}
+        weight = (mass / self.global_min).pow_(-self.beta).to(torch.float32)
+        return {"_index": cols[:, 0].clone(), "_weight": weight}
 
     def stats(self) -> dict[str, int]:
         """Updates applied and dropped (stale: the slot holds another item now) on this shard."""

@@ -167,7 +167,7 @@ class OverlapController:
         if self.sched.engine.schedule != "fused":
             raise ConfigError(
                 "fetch_start: needs one-exchange rounds to leave in flight (a placement that keeps "
-                "items where they were put, device 'cpu', world size > 1), got the "
+                "items where they were put, rows composed on the host, world size > 1), got the "
                 f"{self.sched.engine.schedule!r} schedule: its exchanges depend on each other"
             )
         if self.overlap or (self.trial is not None and self.trial.choice is None):
