@@ -55,7 +55,7 @@ def sync_vs_overlap(spec: cd.ExperienceSpec, rank: int) -> None:
                 plane.put(batch)
             b = plane.fetch(128)
             verify(b, plane.device)
-            ids.append(b["id"].cpu())
+            ids.append(b["id"].to("cpu", copy=True))  # a copy: the batch is a pooled view
             model(b["obs"].flatten(1).float()).sum().backward()
             if schedule == "sync" and it > 0:
                 plane.put(batch)

@@ -86,7 +86,7 @@ def overlap_matches_sync(spec: cd.ExperienceSpec) -> None:
                 plane.put(items(torch.arange(512) + 512 * it))
             b = plane.fetch(256)
             verify(b, plane.device)
-            ids.append(b["id"].cpu())
+            ids.append(b["id"].to("cpu", copy=True))  # a copy: the batch is a pooled view
             model(b["obs"].flatten(1).float()).sum().backward()
             if not ahead and it > 0:
                 plane.put(items(torch.arange(512) + 512 * it))
