@@ -158,3 +158,24 @@ def test_a_started_round_runs_both_halves_on_the_side_stream(monkeypatch):
     assert seen == [("wait", "ready"), ("start", True)]
     sched.pending.future.result()
     assert seen[2:] == [("wait", "ready"), ("finish", True)]
+
+
+def test_a_held_batch_is_never_handed_out_again_whatever_held_it_when_its_views_were_built():
+    """The pool's idle count must not absorb a tensor held on the buffer when its field views
+    are first built (the caller's own batch, or a slice an exchange's thread still holds): a
+    buffer would then look free while a caller still reads it, and a later round overwrite it."""
+    spec = cd.ExperienceSpec.from_batch(
+        {"a": torch.zeros(2, 3), "b": torch.zeros(2, dtype=torch.int64)}
+    )
+    pool = OutputPool(spec.record_bytes, CPU, spec.unpack)
+    buf = pool.acquire(8)
+    straggler = buf[:4]  # e.g. the exchange's output slice, not released yet
+    fields = pool.unpack(buf)
+    del straggler, buf
+    kept = fields["b"]  # the caller keeps one field of its batch
+    del fields
+    again = pool.acquire(8)
+    assert again.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+    del kept, again
+    reused = pool.acquire(8)  # once nobody holds it, the buffer is reused
+    assert reused.untyped_storage().data_ptr() == pool._pool[0].buf.untyped_storage().data_ptr()

@@ -134,7 +134,7 @@ class _Pooled:
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf, self.views = buf, None
-        self.idle = _use_count(buf)
+        self.idle = _use_count(buf)  # just allocated: nothing else holds it yet
         self.read = None  # pinned host buffers: the CUDA event of the last copy reading them
 
     def free(self) -> bool:
@@ -147,8 +147,13 @@ class _Pooled:
         field where building them cost ~3 us; a caller's in-place metadata change, such as
         ``unsqueeze_`` or ``requires_grad_``, never reaches a later batch)."""
         if self.views is None:  # the idle count then includes the kept views
+            # by what building them added, not by a fresh count: a tensor someone else still
+            # holds on the buffer right now (the caller's batch, a slice a finished exchange's
+            # thread has not released yet) would be counted as idle, and the buffer handed
+            # out again while that holder still reads it
+            before = _use_count(self.buf)
             self.views = unpack(self.buf)
-            self.idle = _use_count(self.buf)
+            self.idle += _use_count(self.buf) - before
         return {k: v.detach() for k, v in self.views.items()}
 
 
