@@ -137,7 +137,10 @@ def test_the_planes_group_is_gloo_even_under_a_default_group_without_a_cpu_backe
         assert got["hosts"] == 1  # host discovery (a CPU collective) ran on the plane's group
 
 
-def test_init_distributed_records_the_cuda_backend_and_refuses_a_bad_variable(monkeypatch):
+def _init_records_the_cuda_backend() -> str:
+    """In a fresh process (no group left over by an earlier test in this one)."""
+    import os
+
     import torch.distributed as dist
 
     from conduit_dist.collectives.dist import (
@@ -146,15 +149,17 @@ def test_init_distributed_records_the_cuda_backend_and_refuses_a_bad_variable(mo
         init_distributed,
     )
 
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", CUDA_BACKEND_ENV):
+        os.environ.pop(k, None)
     assert not dist.is_initialized() and chosen_cuda_backend() == "nccl"
-    monkeypatch.setenv(CUDA_BACKEND_ENV, "nccl2")
+    os.environ[CUDA_BACKEND_ENV] = "nccl2"
     with pytest.raises(ConfigError) as exc:
         init_distributed()
     assert str(exc.value) == (
         "environment variable CONDUIT_CUDA_BACKEND: expected one of ['nccl', 'gloo'], got 'nccl2'"
     )
     assert not dist.is_initialized()  # refused before any group exists
-    monkeypatch.delenv(CUDA_BACKEND_ENV)
+    del os.environ[CUDA_BACKEND_ENV]
     try:
         init_distributed(cuda_backend="gloo")
         assert dist.get_backend() == "gloo"  # a CPU device: gloo whatever the CUDA backend
@@ -165,6 +170,14 @@ def test_init_distributed_records_the_cuda_backend_and_refuses_a_bad_variable(mo
     finally:
         destroy_distributed()
     assert chosen_cuda_backend() == "nccl"  # forgotten with the group
+    return "ok"
+
+
+def test_init_distributed_records_the_cuda_backend_and_refuses_a_bad_variable():
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_init_records_the_cuda_backend) == "ok"
 
 
 def _node_ranks(rank: int, world: int):
