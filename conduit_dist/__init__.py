@@ -19,6 +19,7 @@ from conduit_dist.collectives import (
 )
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import (
+    CheckpointError,
     ConfigError,
     EmptyStoreError,
     PhaseError,
@@ -40,6 +41,7 @@ from conduit_dist.tiers import Tiers
 __all__ = [
     "BandwidthAware",
     "BandwidthModel",
+    "CheckpointError",
     "ConfigError",
     "DataPlane",
     "EmptyStoreError",

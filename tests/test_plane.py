@@ -281,3 +281,16 @@ def test_bad_constructor_arguments_name_the_field():
         cd.DataPlane(spec(), capacity_per_rank=4, placement="nearest")
     with pytest.raises(cd.ConfigError, match="learner_ranks.*\\[5\\]"):
         cd.DataPlane(spec(), capacity_per_rank=4, learner_ranks=[5])
+
+
+def test_a_plane_is_a_context_manager_that_closes_also_when_the_block_raises():
+    with cd.DataPlane(spec(), capacity_per_rank=16) as plane:
+        plane.put(make_batch(torch.arange(4)))
+        assert plane.fetch(2)["id"].shape == (2,)
+    assert plane.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        plane.put(make_batch(torch.arange(1)))
+    with pytest.raises(KeyError, match="boom"), cd.DataPlane(spec(), 16) as other:
+        raise KeyError("boom")
+    assert other.closed
+    assert issubclass(cd.CheckpointError, RuntimeError)  # exported with the other errors

@@ -48,26 +48,24 @@ class DataPlane:
         seed: run seed; with the round number it fixes every sample drawn.
         sampler: a ``Sampler`` or a name from ``registry.SAMPLERS``.
         placement: a ``Placement`` or a name from ``registry.PLACEMENTS``; ``None``:
-            ``registry.default_placement`` (``local`` when every rank learns or the sampler
-            reads each item once, else ``round_robin``).
-        storage: a :class:`~conduit_dist.tiers.Tiers` (default: one memory tier on ``device``).
+            ``registry.default_placement``.
+        storage: a :class:`~conduit_dist.tiers.Tiers` (default: one memory tier where rounds
+            compose rows, ``rounds/devices.py``).
         learner_ranks: ranks that fetch (``None``: all); the others are actors and ``flush``.
-        device: where batches are delivered (``cpu`` or ``cuda``).
+        device: where batches are delivered (``cpu``, ``cuda``, ``cuda:<i>``; every sampler).
         schedule: ``overlap`` (the next round starts at the attached module's backward),
             ``sync`` (inside ``fetch``) or ``auto`` (each rank times both, keeps the faster).
         max_lag: ``1``: a batch may miss this rank's puts made after its round was launched;
-            ``0``: never (then overlap only between ``fetch(..., more=True)`` minibatches).
+            ``0``: never (docs/architecture.md).
         auto_trial: iterations timed per mode with ``schedule="auto"``.
         timeout_s: seconds any collective may take before it fails with ``RoundError``.
         strategy: ``auto`` (the bandwidth model picks) or a strategy name to force.
-        bandwidth: ``declared``, ``calibrate`` (probe the links once, cached in
-            ``bandwidth_cache``; ``None``: no cache) or a ``BandwidthModel``.
+        bandwidth: ``declared``, ``calibrate`` (cached in ``bandwidth_cache``) or a model.
         trace: record a per-rank timeline for :meth:`export_trace`.
-        reduce_numel: elements of :meth:`fetch`'s ``reduce`` (0: none; CPU, ``sync``).
-        max_policy_age: no learner gets an item whose ``"_version"`` is older than the newest
-            version its rank knows minus this (``None``: no bound; ``flow/versions.py``).
-        rate_limiter: a :class:`~conduit_dist.flow.ratelimit.RateLimiter`; a held fetch or put
-            runs further rounds until it may pass or the limiter's ``timeout_s``.
+        reduce_numel: elements of :meth:`fetch`'s host ``reduce`` tensor (0: none; ``sync``).
+        max_policy_age: no learner gets an item older than the newest version its rank knows
+            minus this (``None``: no bound; ``flow/versions.py``).
+        rate_limiter: a :class:`~conduit_dist.flow.ratelimit.RateLimiter`.
 
     Raises:
         ConfigError: on a bad argument, naming it (nothing is left behind: no group, no files).
@@ -107,11 +105,10 @@ class DataPlane:
         self._p, self.spec, self.capacity_per_rank = p, spec, capacity_per_rank
         self.rate_limiter, self.max_policy_age = rate_limiter, max_policy_age
         self.device, self.rank, self.world = p.engine.device, p.exchange.rank, p.exchange.world
-        self.learner_ranks = p.learner_ranks
+        self.learner_ranks, self.timeline = p.learner_ranks, p.timeline
         self.is_learner = self.rank in self.learner_ranks
         self.shard, self.sampler, self.placement = p.storage, p.sampler, p.placement
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
-        self.timeline = p.timeline
         self._consumer, self._ckpt = Consumer(p, max_policy_age), Checkpoints(p, spec)
         self._versions = p.versions
 
@@ -128,18 +125,16 @@ class DataPlane:
     def put(
         self, batch: Mapping[str, torch.Tensor], *, donate: bool = False, version: int | None = None
     ) -> None:
-        """Validate a batch and stage it for the next round (beyond the global capacity the
-        oldest staged items are dropped, counted as evictions).
+        """Validate a batch and stage it for the next round (past the global capacity the oldest
+        staged are dropped, counted as evictions).
 
         Args:
             batch: ``name -> tensor [B, *shape]`` matching the spec (any device).
             donate: hand the tensors over (packed by the round; leave them until it completed).
-            version: the items' policy version, returned as ``"_version"`` (default: what
-                ``pull_weights`` or ``publish_weights`` last returned here).
+            version: the items' policy version, ``"_version"`` (default: the latest pulled).
 
         Raises:
-            SpecError: on a field, dtype, shape or batch size that does not match, or NaN/inf
-                (nothing is staged or stored then).
+            SpecError: on a field, dtype, shape or size that does not match, or NaN/inf.
             ConfigError: with ``max_lag=0``, when the next fetch's round is in flight already.
         """
         self._check_open()
@@ -173,8 +168,7 @@ class DataPlane:
         self._p.control.flush()
 
     def wait(self) -> None:
-        """Block until no round runs (a round launched at backward stays for the next fetch).
-        ``RoundError`` if that round failed."""
+        """Block until no round runs (one launched at backward stays for the next fetch)."""
         self._check_open()
         self._p.control.wait()
 
@@ -201,8 +195,7 @@ class DataPlane:
         return self._p.store_stats(stale_refused=c.stale_refused, **self._ckpt.counters())
 
     def export_trace(self, path: str) -> str:
-        """Write this rank's timeline as Chrome trace JSON (Perfetto); returns the path.
-        ``ConfigError`` without ``trace=True``."""
+        """Write this rank's timeline as Chrome trace JSON (``trace=True``); returns the path."""
         return self.timeline.export(path)
 
     @property
@@ -223,6 +216,20 @@ class DataPlane:
             self._closed = not self._p.stager.in_block
         if failed is not None:
             raise failed
+
+    def __enter__(self) -> DataPlane:
+        """``with cd.DataPlane(...) as plane:`` closes it when the block ends."""
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """Close (collective); an exception leaving the block propagates, a failed close noted."""
+        try:
+            self.close()
+        except Exception as failed:
+            if exc is None:
+                raise
+            exc.add_note(f"closing the DataPlane also failed: {failed!r}")
+        return False
 
     state_dict = _delegate("_ckpt", Checkpoints.state_dict)
     load_state_dict = _delegate("_ckpt", Checkpoints.load_state_dict)
