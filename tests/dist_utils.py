@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import sys
 import tempfile
 import time
 import traceback
@@ -15,6 +16,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 _STRIPPED = ("WANDB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "GROUP_")
+
+
+# two ranks on this machine, as the tests launch programs under torchrun
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 def child_env(**extra: str) -> dict[str, str]:

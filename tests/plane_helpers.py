@@ -34,3 +34,15 @@ def shard_items(plane) -> torch.Tensor:
     """Ids of the items this rank's shard holds."""
     recs = plane.shard.tier.data[: plane.shard.size]
     return plane.spec.unpack(recs)["id"].clone()
+
+
+def fill(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Give every tensor of ``module``'s state distinct values from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            if t.dtype.is_floating_point:
+                t.copy_(torch.randn(t.shape, generator=g))
+            else:
+                t.copy_(torch.randint(0, 2 if t.dtype == torch.bool else 100, t.shape, generator=g))
+    return module

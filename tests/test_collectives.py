@@ -6,13 +6,12 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from dist_utils import ROOT, child_env, run_ranks
+from dist_utils import ROOT, TORCHRUN, child_env, run_ranks
 
 from conduit_dist.collectives.exchange import Heartbeats
 
@@ -230,9 +229,8 @@ def test_destroy_distributed_frees_the_default_group_after_an_optimizer_is_built
     # whose defaults would hold the default group: its gloo threads then outlive
     # destroy_process_group and can abort the process at exit (CI: an example exited -6).
     prog = ROOT / "tests" / "teardown_prog.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     res = subprocess.run(
-        [*cmd, str(prog)],
+        [*TORCHRUN, str(prog)],
         cwd=tmp_path,
         env=child_env(),
         capture_output=True,

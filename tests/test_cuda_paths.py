@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from dist_utils import ROOT, child_env, run_ranks
+from plane_helpers import fill
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -179,17 +180,6 @@ class Net(nn.Module):
         self.bn = nn.BatchNorm1d(5)
 
 
-def _fill(module: nn.Module, seed: int) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in module.state_dict().values():
-            if t.dtype.is_floating_point:
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randint(0, 100, t.shape, generator=g))
-    return module
-
-
 def _same(a: nn.Module, b: nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
@@ -198,11 +188,11 @@ def _same(a: nn.Module, b: nn.Module) -> None:
 
 
 def test_host_weights_cross_in_one_copy_each_way():
-    src = HostWeights(_fill(Net(), 0), torch.device("cpu"), mirror=True)
-    dst = HostWeights(_fill(Net(), 1), torch.device("cpu"), mirror=True)
+    src = HostWeights(fill(Net(), 0), torch.device("cpu"), mirror=True)
+    dst = HostWeights(fill(Net(), 1), torch.device("cpu"), mirror=True)
     ws = WeightsState()
     for seed in (2, 3):
-        _fill(src.module, seed)
+        fill(src.module, seed)
         with Reads() as r:
             host = src.to_host()
         into_host = [d for d in r.copies if d.data_ptr() == src._flat.data_ptr()]
@@ -225,11 +215,11 @@ def test_host_weights_on_the_cpu_hand_the_network_itself():
 def _publish_pull(rank: int, world: int) -> list[int]:
     spec = ExperienceSpec.from_batch({"x": torch.zeros(1, 2)})
     plane = cd.DataPlane(spec, 32, learner_ranks=[0], schedule="sync", timeout_s=30)
-    w = HostWeights(_fill(Net(), 10 + rank), torch.device("cpu"), mirror=True)
+    w = HostWeights(fill(Net(), 10 + rank), torch.device("cpu"), mirror=True)
     loads, versions = [], []
     for step in range(3):
         if rank == 0 and step < 2:  # versions 1, 2, then nothing new
-            _fill(w.module, 20 + step)
+            fill(w.module, 20 + step)
             w.publish(plane)
         plane.flush()
         if rank == 1:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch
-from dist_utils import ROOT, child_env, run_ranks
+from dist_utils import ROOT, TORCHRUN, child_env, run_ranks
 
 from conduit_dist.collectives.dist import (
     CUDA_BACKEND_ENV,
@@ -119,9 +118,8 @@ def test_the_planes_group_is_gloo_even_under_a_default_group_without_a_cpu_backe
     # a user's own init_process_group under torchrun, with no CPU backend ("cuda:gloo" here,
     # "nccl" on a GPU machine): the plane's group used to copy it
     prog = ROOT / "tests" / "cuda_only_default_prog.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     res = subprocess.run(
-        [*cmd, str(prog)],
+        [*TORCHRUN, str(prog)],
         cwd=tmp_path,
         env=child_env(PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}"),
         capture_output=True,

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from plane_helpers import fill
 from torch import nn
 
 from conduit_dist import SpecError
@@ -31,18 +32,6 @@ class Named(nn.Module):
         super().__init__()
         for name, t in state.items():
             self.register_buffer(name, t.clone())
-
-
-def fill(module: nn.Module, seed: int) -> nn.Module:
-    """Give every tensor of ``module``'s state distinct values from ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in module.state_dict().values():
-            if t.dtype.is_floating_point:
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randint(0, 2 if t.dtype == torch.bool else 100, t.shape, generator=g))
-    return module
 
 
 def assert_same_state(a: nn.Module, b: nn.Module) -> None:
