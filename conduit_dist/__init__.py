@@ -33,8 +33,8 @@ from conduit_dist.integrations.loader import ExperienceLoader, ExperienceWriter
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.plane import DataPlane, RoundStats
 from conduit_dist.records.spec import ExperienceSpec, FieldSpec
-from conduit_dist.sampling import Prioritized, Sampler, Sequence, Uniform, WithoutReplacement
-from conduit_dist.sampling.queue import Lifo, Queue
+from conduit_dist.sampling import Prioritized, Sampler, Uniform, Windows, WithoutReplacement
+from conduit_dist.sampling.queue import Fifo, Lifo
 from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.tiers import Tiers
 
@@ -49,24 +49,24 @@ __all__ = [
     "ExperienceSpec",
     "ExperienceWriter",
     "FieldSpec",
+    "Fifo",
     "Lifo",
     "Local",
     "PhaseError",
     "Placement",
     "Prioritized",
-    "Queue",
     "RateLimitError",
     "RateLimiter",
     "RoundError",
     "RoundRobin",
     "RoundStats",
     "Sampler",
-    "Sequence",
     "SpecError",
     "StaleDataError",
     "Stratified",
     "Tiers",
     "Uniform",
+    "Windows",
     "WithoutReplacement",
     "destroy_distributed",
     "get_rank",

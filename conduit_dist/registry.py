@@ -18,14 +18,14 @@ from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
 from conduit_dist.sampling import Prioritized, Sampler, SamplerContext, Takes, Uniform
 from conduit_dist.sampling.epochs import SHUFFLES as _SHUFFLES
 from conduit_dist.sampling.epochs import WithoutReplacement
-from conduit_dist.sampling.queue import Lifo, Queue
+from conduit_dist.sampling.queue import Fifo, Lifo
 from conduit_dist.sampling.stratified import Stratified
 
 SAMPLERS: dict[str, Callable[[], Sampler]] = {
     "uniform": Uniform,
     "stratified": Stratified,
     "prioritized": Prioritized,
-    "queue": Queue,
+    "queue": Fifo,
     "lifo": Lifo,
     "without_replacement": WithoutReplacement,
 }

@@ -1,7 +1,7 @@
 # torchrun --standalone --nproc_per_node=2 examples/ppo_queue.py --env-steps 100000  # colocated
 # torchrun --standalone --nproc_per_node=3 examples/ppo_queue.py --disaggregated     # 1 + 2 actors
 # python examples/ppo_queue.py --env-steps 100000                                   # one process
-"""PPO on CartPole with rollouts through a queue (`sampler=cd.Queue()`).
+"""PPO on CartPole with rollouts through a queue (`sampler=cd.Fifo()`).
 
 Acting ranks collect `--num-steps` steps of their envs, compute GAE on their side (they hold the
 values they acted with) and `put` the rollout; the queue hands every item to exactly one learner,
@@ -169,7 +169,7 @@ def main():
             cd.ExperienceSpec(SPEC),
             capacity_per_rank=2 * args.num_steps * args.num_envs,
             seed=args.seed,
-            sampler=cd.Queue(),  # every item to exactly one learner, once, oldest first
+            sampler=cd.Fifo(),  # every item to exactly one learner, once, oldest first
             placement="local",
             learner_ranks=learners,
             schedule="sync",  # one fetch per rollout, right after the put: nothing to overlap

@@ -76,10 +76,10 @@ def sampler(kind: str) -> cd.Sampler | str:
         "stratified": lambda: "stratified",
         "prioritized": lambda: cd.Prioritized(ALPHA, BETA, EPS, initial_priority=50.0),
         "n_step": lambda: cd.Prioritized(
-            ALPHA, BETA, EPS, initial_priority=50.0, sequence=cd.Sequence(n_step=N_STEP, **seq)
+            ALPHA, BETA, EPS, initial_priority=50.0, sequence=cd.Windows(n_step=N_STEP, **seq)
         ),
         "slices": lambda: cd.Prioritized(
-            0.0, 0.0, 0.0, sequence=cd.Sequence(length=LENGTH, burn_in=BURN_IN, **seq)
+            0.0, 0.0, 0.0, sequence=cd.Windows(length=LENGTH, burn_in=BURN_IN, **seq)
         ),
         "queue": lambda: "queue",
         "lifo": lambda: "lifo",

@@ -185,7 +185,7 @@ FIELDS = {"id": ((), torch.int64), "env": ((), torch.int64), "done": ((), torch.
 
 
 def _episodes(rank, world, root, phase):
-    seq = cd.Sequence(length=3, stream="env")
+    seq = cd.Windows(length=3, stream="env")
     plane = cd.DataPlane(
         cd.ExperienceSpec(FIELDS), 60 if phase == "save" else 110, seed=5, placement="local",
         schedule="sync",

@@ -176,7 +176,7 @@ def test_prioritized_on_cuda_without_a_gpu_names_the_missing_cuda():
 def test_state_round_trip_keeps_priorities_windows_and_queued_updates(tmp_path):
     """A checkpoint (loaded with weights_only=True) restores the leaves, the stream links and
     the updates not applied yet: the restored plane draws exactly what the original draws."""
-    seq = cd.Sequence(n_step=2, gamma=0.5, done="done", reward="reward", stream="env")
+    seq = cd.Windows(n_step=2, gamma=0.5, done="done", reward="reward", stream="env")
     fields = {
         **SPEC,
         "env": ((), torch.int64),
@@ -247,4 +247,4 @@ def test_prioritized_refuses_overflowing_masses():
         plane.update_priorities(b["_index"], torch.tensor([1e200, 1.0], dtype=torch.float64))
     plane.close()
     with pytest.raises(ConfigError, match="pass sequence=None"):
-        cd.Prioritized(sequence=cd.Sequence(length=1))
+        cd.Prioritized(sequence=cd.Windows(length=1))

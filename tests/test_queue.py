@@ -63,7 +63,7 @@ def test_queue_at_world_size_one_is_fifo_and_all_or_nothing():
 
 def test_queue_takes_the_oldest_across_tiers():
     storage = cd.Tiers([("host", 4), ("host", 8)], gbps={"host": (1.0, 1.0)})
-    plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 12, sampler=cd.Queue(), storage=storage)
+    plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 12, sampler=cd.Fifo(), storage=storage)
     out = []
     for r in range(6):
         plane.put({"id": torch.arange(3 * r, 3 * r + 3)})  # demotes to the second tier

@@ -21,11 +21,11 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 HOST_ROWS = {  # sampler -> composes or reports on the host
     "uniform": (lambda: cd.Uniform(), False),
     "stratified": (lambda: cd.Stratified(), False),
-    "queue": (lambda: cd.Queue(), False),
+    "queue": (lambda: cd.Fifo(), False),
     "lifo": (lambda: cd.Lifo(), False),
     "without_replacement": (lambda: cd.WithoutReplacement(), False),
     "prioritized": (lambda: cd.Prioritized(), True),
-    "n_step": (lambda: cd.Prioritized(sequence=cd.Sequence(n_step=3, stream="env")), True),
+    "n_step": (lambda: cd.Prioritized(sequence=cd.Windows(n_step=3, stream="env")), True),
 }
 
 

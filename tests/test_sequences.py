@@ -63,7 +63,7 @@ def _reference(i: int, n: int) -> tuple[int, float, float]:
     return last, ret, GAMMA**m
 
 
-def _plane(seq: cd.Sequence, capacity: int, storage=None) -> cd.DataPlane:
+def _plane(seq: cd.Windows, capacity: int, storage=None) -> cd.DataPlane:
     return cd.DataPlane(
         cd.ExperienceSpec(FIELDS), capacity, seed=5, storage=storage, placement="local",
         schedule="sync", sampler=cd.Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq),
@@ -71,7 +71,7 @@ def _plane(seq: cd.Sequence, capacity: int, storage=None) -> cd.DataPlane:
 
 
 def _slices(rank: int, world: int) -> list[str]:
-    seq = cd.Sequence(length=4, burn_in=1, stream="env", truncated="truncated")
+    seq = cd.Windows(length=4, burn_in=1, stream="env", truncated="truncated")
     storage = cd.Tiers([("host", 30), ("host", 40)], gbps={"host": (1.0, 1.0)})
     plane = _plane(seq, 70, storage)  # 180 items per shard: the ring wraps, tiers demote
     bad = []
@@ -100,7 +100,7 @@ def test_slices_never_cross_an_episode_end_wrap_tier_or_shard():
 
 
 def _nstep(rank: int, world: int) -> list[str]:
-    seq = cd.Sequence(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
+    seq = cd.Windows(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
     plane = _plane(seq, 64)
     bad = []
     for t in range(STEPS):
@@ -131,7 +131,7 @@ def test_nstep_values_match_a_single_process_reference():
 
 def test_slices_are_uniform_over_valid_starts():
     """One rank: every valid start (a full window inside one episode) is drawn equally often."""
-    seq = cd.Sequence(length=3, stream="env", truncated="truncated")
+    seq = cd.Windows(length=3, stream="env", truncated="truncated")
     plane = _plane(seq, 400)
     for t in range(60):
         plane.put(_step(0, t))
@@ -157,14 +157,14 @@ def test_slices_are_uniform_over_valid_starts():
 def test_sequence_errors_name_the_field():
     spec = cd.ExperienceSpec(FIELDS)
     with pytest.raises(ConfigError, match="sequence.stream"):
-        cd.DataPlane(spec, 8, sampler=cd.Prioritized(sequence=cd.Sequence(length=2, stream="x")))
+        cd.DataPlane(spec, 8, sampler=cd.Prioritized(sequence=cd.Windows(length=2, stream="x")))
     with pytest.raises(ConfigError, match="n_step=3 draws single items"):
-        cd.Sequence(length=4, n_step=3)
+        cd.Windows(length=4, n_step=3)
     with pytest.raises(ConfigError, match="sequence.gamma"):
-        cd.Sequence(n_step=2, gamma=1.5)
+        cd.Windows(n_step=2, gamma=1.5)
     with pytest.raises(ConfigError, match="sequence.done"):
         other = cd.ExperienceSpec({"x": ((), torch.float32)})
-        cd.DataPlane(other, 8, sampler=cd.Prioritized(sequence=cd.Sequence(length=2)))
+        cd.DataPlane(other, 8, sampler=cd.Prioritized(sequence=cd.Windows(length=2)))
 
 
 @pytest.mark.parametrize("mode", ["slices", "nstep"])
@@ -174,9 +174,9 @@ def test_windows_stay_whole_when_a_small_ring_evicts_mid_stream(mode):
     every delivered window is whole (found by review: the walk back once crossed a reused slot)."""
     rng = random.Random(3)
     if mode == "slices":
-        seq = cd.Sequence(length=4, burn_in=1, stream="env", truncated="truncated")
+        seq = cd.Windows(length=4, burn_in=1, stream="env", truncated="truncated")
     else:
-        seq = cd.Sequence(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
+        seq = cd.Windows(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
     plane = _plane(seq, 23)
     steps, ends, bad = [0, 0, 0], {}, []
     for _ in range(200):

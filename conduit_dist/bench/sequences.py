@@ -1,6 +1,6 @@
 """``python -m conduit_dist.bench sequences``: slice sampling cost against the store's size.
 
-conduit: a world-size-1 ``DataPlane`` with ``cd.Prioritized(alpha=0, sequence=cd.Sequence(
+conduit: a world-size-1 ``DataPlane`` with ``cd.Prioritized(alpha=0, sequence=cd.Windows(
 length=T, stream="env"))`` (uniform over valid starts), filled with a small transition (4
 observation floats, action, reward, done, env) from 8 interleaved streams (a vector env's puts,
 episodes of ``T`` to ``4 * episode`` steps), then ``fetch(B)`` timed: ``B`` slices ``[B, T, ...]``
@@ -64,7 +64,7 @@ def _ours(n: int, a: argparse.Namespace) -> float:
         "reward": torch.zeros(1), "done": torch.zeros(1, dtype=torch.bool),
         "env": torch.zeros(1, dtype=torch.int64),
     }  # fmt: skip
-    seq = cd.Sequence(length=a.length, stream="env")
+    seq = cd.Windows(length=a.length, stream="env")
     plane = cd.DataPlane(
         cd.ExperienceSpec.from_batch(example), n, schedule="sync",
         sampler=cd.Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq),

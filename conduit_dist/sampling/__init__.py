@@ -15,27 +15,27 @@ from conduit_dist.sampling.base import (
 )
 from conduit_dist.sampling.epochs import WithoutReplacement
 from conduit_dist.sampling.prioritized import Prioritized
-from conduit_dist.sampling.queue import Lifo, Queue
-from conduit_dist.sampling.sequences import Sequence
+from conduit_dist.sampling.queue import Fifo, Lifo
+from conduit_dist.sampling.sequences import Windows
 from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.sampling.uniform import Uniform
 
 __all__ = [
+    "Fifo",
     "KeepsItemState",
     "Lifo",
     "Prioritized",
-    "Queue",
     "ReportsMeta",
     "RoutesFeedback",
     "Sampler",
     "SamplerContext",
-    "Sequence",
     "Speculative",
     "Stratified",
     "Streams",
     "Takes",
     "TracksInflow",
     "Uniform",
+    "Windows",
     "WithoutReplacement",
     "WritesRows",
 ]

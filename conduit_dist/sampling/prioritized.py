@@ -23,7 +23,7 @@ sampled item; more wait for the next round). The owner applies them at the start
 round: an update whose slot now holds another generation is dropped and counted, never applied
 to the new item. New items enter with the largest priority set so far over the global store
 (every shard's maximum travels in the meta; a shard's own updates count at once, others' one
-round later). With a :class:`~conduit_dist.sampling.sequences.Sequence` the sampler draws
+round later). With a :class:`~conduit_dist.sampling.sequences.Windows` the sampler draws
 windows (:class:`~conduit_dist.sampling.base.Streams`; ``sequences.Episodes``).
 
 ``Prioritized(...)`` builds the variant its arguments call for: priorities routed back or not
@@ -50,7 +50,7 @@ from conduit_dist.sampling.base import (
     proportional,
     splitmix_uniform,
 )
-from conduit_dist.sampling.sequences import Sequence
+from conduit_dist.sampling.sequences import Windows
 from conduit_dist.sampling.sumtree import SumTree
 from conduit_dist.sampling.updates import RANK_SHIFT
 
@@ -75,7 +75,7 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
 
     Raises:
         ConfigError: on a negative ``alpha``, ``beta`` outside ``[0, 1]``, a negative ``eps``,
-            a non-positive ``initial_priority``, or a ``sequence`` that is not a ``Sequence``
+            a non-positive ``initial_priority``, or a ``sequence`` that is not a ``Windows``
             (or draws single items).
     """
 
@@ -96,12 +96,12 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         beta: float = 0.4,
         eps: float = 1e-6,
         initial_priority: float = 1.0,
-        sequence: Sequence | None = None,
+        sequence: Windows | None = None,
     ) -> None:
         super().__init__()
-        if sequence is not None and not isinstance(sequence, Sequence):
+        if sequence is not None and not isinstance(sequence, Windows):
             raise ConfigError(
-                f"sampler.sequence: expected a conduit_dist.Sequence, got {type(sequence).__name__}"
+                f"sampler.sequence: expected a conduit_dist.Windows, got {type(sequence).__name__}"
             )
         if sequence is not None and sequence.window == 1:
             raise ConfigError(

@@ -21,7 +21,7 @@ import torch
 from conduit_dist.sampling.base import Sampler, Takes, proportional
 
 
-class Queue(Takes, Sampler):
+class Fifo(Takes, Sampler):
     """First in, first out over every shard; each item to one learner, exactly once."""
 
     name = "queue"
@@ -67,7 +67,7 @@ class Queue(Takes, Sampler):
         return torch.arange(first, first + count, dtype=torch.int64)
 
 
-class Lifo(Queue):
+class Lifo(Fifo):
     """Last in, first out over every shard; each item to one learner, exactly once."""
 
     name = "lifo"

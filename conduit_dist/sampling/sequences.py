@@ -35,7 +35,7 @@ from conduit_dist.records.spec import _native
 
 
 @dataclass(frozen=True)
-class Sequence:
+class Windows:
     """Windows a sampler draws instead of single items.
 
     Args:
@@ -125,7 +125,7 @@ class Episodes:
         gen: the sampler's ``[capacity]`` generation of each leaf (shared, read only here).
     """
 
-    def __init__(self, seq: Sequence, spec, storage, gen: torch.Tensor) -> None:
+    def __init__(self, seq: Windows, spec, storage, gen: torch.Tensor) -> None:
         seq.check(spec)
         self.seq, self.spec, self.storage, self.gen = seq, spec, storage, gen
         cap = storage.capacity

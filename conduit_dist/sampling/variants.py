@@ -102,7 +102,7 @@ class WindowedPrioritized(Prioritized, Streams):
     """Prioritized (or, with ``alpha = 0``, uniform) draws of windows: slices or n-step."""
 
     def layout(self, spec) -> tuple[object, int]:
-        """Stored as put; delivered as ``Sequence.wire_bytes`` rows."""
+        """Stored as put; delivered as ``Windows.wire_bytes`` rows."""
         return spec, self.sequence.wire_bytes(spec.record_bytes)
 
     def _trailer_at(self, spec) -> int:

@@ -195,7 +195,7 @@ class AlgoConfig:
         max_grad_norm: gradient clipping norm.
         publish_every: learner steps between weight publications (disaggregated mode).
         n_step: n-step returns computed by the data plane at sampling over each env's
-            transitions (never across an episode end; ``cd.Sequence``); 1: one-step targets.
+            transitions (never across an episode end; ``cd.Windows``); 1: one-step targets.
         ppo: PPO's own settings (``algo=ppo``; there ``lr``, ``gamma``, ``hidden``,
             ``max_grad_norm`` and ``grad_sync`` apply too).
     """

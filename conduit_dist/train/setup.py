@@ -15,7 +15,7 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.rl.buffers import SimpleBuffer
-from conduit_dist.sampling import Prioritized, Sampler, Sequence, WithoutReplacement
+from conduit_dist.sampling import Prioritized, Sampler, Windows, WithoutReplacement
 from conduit_dist.tiers import Tiers
 from conduit_dist.train.config import TrainConfig
 
@@ -113,7 +113,7 @@ def sampler(cfg: TrainConfig) -> str | Sampler:
     pc, algo, name = cfg.plane, cfg.algo, sampler_name(cfg)
     seq = None
     if algo.n_step > 1:
-        seq = Sequence(
+        seq = Windows(
             n_step=algo.n_step, gamma=algo.gamma, done="done", truncated="truncated",
             stream="env",
         )  # fmt: skip

@@ -146,9 +146,9 @@ def prioritized(spec: cd.ExperienceSpec, rank: int) -> None:
 def windows(spec: cd.ExperienceSpec, rank: int) -> None:
     """Slices and n-step windows of each env's stream, delivered on the GPU."""
     slices = cd.Prioritized(
-        alpha=0.0, beta=0.0, eps=0.0, sequence=cd.Sequence(length=4, stream="env")
+        alpha=0.0, beta=0.0, eps=0.0, sequence=cd.Windows(length=4, stream="env")
     )
-    seq = cd.Sequence(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
+    seq = cd.Windows(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
     nstep = cd.Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq)
     for name, sampler in (("slices", slices), ("n-step", nstep)):
         plane = cd.DataPlane(

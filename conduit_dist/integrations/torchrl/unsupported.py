@@ -71,7 +71,7 @@ def check_sampler(sampler: str | Sampler) -> str | Sampler:
         return Prioritized()
     if isinstance(sampler, Streams):
         raise NotImplementedError(
-            "sampler: windowed samplers (sequence=cd.Sequence(...)) deliver composed windows; "
+            "sampler: windowed samplers (sequence=cd.Windows(...)) deliver composed windows; "
             "ShardedReplayBuffer delivers items: use the DataPlane directly for them"
         )
     if not isinstance(sampler, str | Sampler):
