@@ -31,7 +31,7 @@ from conduit_dist.errors import (
 from conduit_dist.flow.ratelimit import RateLimiter
 from conduit_dist.integrations.loader import ExperienceLoader, ExperienceWriter
 from conduit_dist.placement import BandwidthAware, Local, Placement, RoundRobin
-from conduit_dist.plane import DataPlane, RoundStats
+from conduit_dist.plane import DataPlane, RoundStats, TransportConfig
 from conduit_dist.records.spec import ExperienceSpec, FieldSpec
 from conduit_dist.sampling import Prioritized, Sampler, Uniform, Windows, WithoutReplacement
 from conduit_dist.sampling.queue import Fifo, Lifo
@@ -65,6 +65,7 @@ __all__ = [
     "StaleDataError",
     "Stratified",
     "Tiers",
+    "TransportConfig",
     "Uniform",
     "Windows",
     "WithoutReplacement",

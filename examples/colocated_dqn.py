@@ -101,7 +101,7 @@ def main():
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(args.seed + rank)
         start = time.perf_counter()
-        plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 50_000, args.seed, placement="local")
+        plane = cd.DataPlane(cd.ExperienceSpec(SPEC), 50_000, seed=args.seed, placement="local")
         try:  # schedule="overlap" is the default
             env_steps, returns = train(plane, rank, world)
         finally:

@@ -245,7 +245,9 @@ def _calibrated_plane(rank, world, cache_dir):
     import conduit_dist as cd
 
     cd.init_distributed()
-    plane = cd.DataPlane(spec(), 100, bandwidth="calibrate", bandwidth_cache=cache_dir)
+    plane = cd.DataPlane(
+        spec(), 100, transport=cd.TransportConfig(bandwidth="calibrate", bandwidth_cache=cache_dir)
+    )
     plane.put(make_batch(torch.arange(10) + 100 * rank))
     plane.fetch(4)
     out = plane.bandwidth.source, plane.calibration_s, [m.strategy for m in plane.stats.moves]

@@ -206,7 +206,7 @@ def _episodes(rank, world, root, phase):
     first = plane._p.engine.spec.unpack(rows)["id"].tolist()
     windows = {}
     if first:
-        b = plane.fetch(200)
+        b = plane.fetch(200, oversample=True)
         windows = {row[0]: row for row in b["id"].tolist()}
     if phase == "save":
         plane.checkpoint(root).wait(60)
@@ -376,9 +376,9 @@ def test_a_state_of_another_sampler_or_variant_is_refused_before_anything_change
         plane.flush()
         with pytest.raises(cd.ConfigError, match=match):
             plane.load_state_dict(saved[name])
-        assert len(plane) == 4 and sorted(plane.fetch(64)["id"].unique().tolist()) == list(
-            range(100, 104)
-        )
+        assert len(plane) == 4 and sorted(
+            plane.fetch(64, oversample=True)["id"].unique().tolist()
+        ) == list(range(100, 104))
         plane.close()
 
 

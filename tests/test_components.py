@@ -47,7 +47,14 @@ def _big(ids: torch.Tensor) -> dict[str, torch.Tensor]:
 def _stats_during_rounds(rank, world, disk_dir):
     big = cd.ExperienceSpec.from_batch(_big(torch.arange(1)))
     storage = cd.Tiers([("host", 64), ("disk", 192)], disk_dir=f"{disk_dir}/{rank}")
-    plane = cd.DataPlane(big, 256, seed=1, storage=storage, schedule="overlap", timeout_s=20)
+    plane = cd.DataPlane(
+        big,
+        256,
+        seed=1,
+        storage=storage,
+        schedule="overlap",
+        transport=cd.TransportConfig(timeout_s=20),
+    )
     model = torch.nn.Linear(4, 1)
     plane.attach(model)
     for it in range(30):
@@ -99,10 +106,10 @@ def test_rejected_put_on_a_full_ring_leaves_the_store_as_it_was():
     bad["obs"][3, 1] = float("nan")
     with pytest.raises(cd.SpecError, match="'obs'.*NaN"):
         plane.put(bad)
-    ids = plane.fetch(400)["id"]
+    ids = plane.fetch(400, oversample=True)["id"]
     assert set(ids.tolist()) == set(range(10)) and len(plane) == 10
     plane.put(make_batch(torch.arange(10, 13)))  # a good put after the rejection
-    batch = plane.fetch(400)
+    batch = plane.fetch(400, oversample=True)
     assert_intact(batch)
     assert set(batch["id"].tolist()) == set(range(3, 13))
     plane.close()
@@ -156,7 +163,13 @@ def test_staging_drops_the_oldest_beyond_the_global_capacity():
 
 def _actor_auto(rank, world):
     plane = cd.DataPlane(
-        spec(), 200, seed=0, learner_ranks=[0], schedule="auto", auto_trial=5, timeout_s=20
+        spec(),
+        200,
+        seed=0,
+        learner_ranks=[0],
+        schedule="auto",
+        auto_trial=5,
+        transport=cd.TransportConfig(timeout_s=20),
     )
     model = Learner()
     if rank == 0:
@@ -179,7 +192,9 @@ def test_auto_schedule_ends_its_trial_on_actors_too():
 
 
 def _failed_prefetch(rank, world):
-    plane = cd.DataPlane(spec(), 100, seed=0, schedule="overlap", timeout_s=3)
+    plane = cd.DataPlane(
+        spec(), 100, seed=0, schedule="overlap", transport=cd.TransportConfig(timeout_s=3)
+    )
     model = Learner()
     plane.attach(model)
     plane.put(make_batch(_ids(rank, 0, 4)))
@@ -227,7 +242,10 @@ def test_close_after_a_failure_leaves_a_busy_worker_its_resources():
 
 
 def _state_on_one_rank(rank, world):
-    plane, model = cd.DataPlane(spec(), 100, seed=2, timeout_s=10), Learner()
+    plane, model = (
+        cd.DataPlane(spec(), 100, seed=2, transport=cd.TransportConfig(timeout_s=10)),
+        Learner(),
+    )
     plane.attach(model)
     seen = []
     for it in range(6):
@@ -262,7 +280,7 @@ def _round_trip(rank, world):
         plane.fetch(4)
     plane.load_state_dict(saved)
     restored = sorted(shard_items(plane).tolist())
-    batch = plane.fetch(64)
+    batch = plane.fetch(64, oversample=True)
     assert_intact(batch)
     assert batch["id"].max() < 1_000_000 * world and (batch["id"] % 1000 < 7).all()
     assert all(int(i) % 1_000_000 // 1000 < 3 for i in batch["id"])  # nothing after the save

@@ -214,7 +214,13 @@ def test_host_weights_on_the_cpu_hand_the_network_itself():
 
 def _publish_pull(rank: int, world: int) -> list[int]:
     spec = ExperienceSpec.from_batch({"x": torch.zeros(1, 2)})
-    plane = cd.DataPlane(spec, 32, learner_ranks=[0], schedule="sync", timeout_s=30)
+    plane = cd.DataPlane(
+        spec,
+        32,
+        learner_ranks=[0],
+        schedule="sync",
+        transport=cd.TransportConfig(timeout_s=30),
+    )
     w = HostWeights(fill(Net(), 10 + rank), torch.device("cpu"), mirror=True)
     loads, versions = [], []
     for step in range(3):

@@ -17,7 +17,7 @@ from conduit_dist.errors import ConfigError
 def _plane(numel: int = 0, **kw):
     import conduit_dist as cd
 
-    args = dict(placement="local", schedule="sync", bandwidth="declared", reduce_numel=numel)
+    args = dict(placement="local", schedule="sync", reduce_numel=numel)
     return cd.DataPlane(spec(), 1000, seed=3, **{**args, **kw})
 
 
@@ -145,7 +145,7 @@ def _replicas(rank, world):
 
     plane = cd.DataPlane(
         cd.ExperienceSpec.from_batch(example), 500, placement="local", schedule="sync",
-        bandwidth="declared", reduce_numel=agent.flat.numel(),
+        reduce_numel=agent.flat.numel(),
     )  # fmt: skip
     pending = False
     for _ in range(30):
@@ -248,7 +248,7 @@ def _small_records(rank, world):
     import conduit_dist as cd
 
     spec_ = cd.ExperienceSpec.from_batch({"x": torch.zeros(1)})  # an 8-byte record: h > 1
-    plane = cd.DataPlane(spec_, 100, placement="local", schedule="sync", bandwidth="declared")
+    plane = cd.DataPlane(spec_, 100, placement="local", schedule="sync")
     vals = []
     for r in range(5):
         plane.put({"x": torch.arange(4, dtype=torch.float32) + 100 * rank + 10 * r})

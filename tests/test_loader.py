@@ -21,7 +21,9 @@ def _ids(rank: int, it: int, n: int = 16) -> torch.Tensor:
 
 def _plane(**kw) -> cd.DataPlane:
     kw.setdefault("schedule", "overlap")
-    return cd.DataPlane(spec(), capacity_per_rank=400, seed=3, timeout_s=30, **kw)
+    return cd.DataPlane(
+        spec(), capacity_per_rank=400, seed=3, transport=cd.TransportConfig(timeout_s=30), **kw
+    )
 
 
 def _train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:

@@ -68,12 +68,12 @@ def _combo(rank: int, world: int, kind: str, placement: str) -> dict[str, object
     for t in range(STEPS):
         plane.put(step(rank, t))
         plane.flush()
-    out: dict[str, object] = {"bad": [], "counts": {}, "stored": len(plane)}
+    out: dict[str, object] = {"bad": [], "counts": {}, "stored": plane.stored}
     got: list[int] = []
     if kind in ("queue", "lifo", "without_replacement"):
         batch = 8
-        for _ in range(200):  # len(plane) is replicated: every rank runs the same rounds
-            if len(plane) < batch:
+        for _ in range(200):  # plane.stored is replicated: every rank runs the same rounds
+            if plane.stored < batch:
                 break
             try:
                 b = plane.fetch(batch)
@@ -81,7 +81,7 @@ def _combo(rank: int, world: int, kind: str, placement: str) -> dict[str, object
                 continue
             out["bad"] += [] if intact(b) else ["corrupted row"]
             got += b["id"].tolist()
-        out["got"], out["left"] = got, len(plane)
+        out["got"], out["left"] = got, plane.stored
     else:
         routed = kind in ROUTED
         for r in range(WARM + ROUNDS):

@@ -35,14 +35,14 @@ def _uneven(rank: int, world: int, rounds: int, batch: int) -> dict[str, object]
     )
     plane.put(_items(rank, 5 + 9 * rank))  # 5, 14, 23 items: uneven shards
     for _ in range(6):  # every item is drawn and given its priority
-        b = plane.fetch(batch)
+        b = plane.fetch(batch, oversample=True)
         plane.update_priorities(b["_index"], _prio(b["id"]))
     counts: dict[int, int] = {}
     weights_ok = True
     all_ids = torch.cat([_items(r, 5 + 9 * r)["id"] for r in range(world)])
     m_min = float(_mass(all_ids).min())
     for _ in range(rounds):
-        b = plane.fetch(batch)
+        b = plane.fetch(batch, oversample=True)
         plane.update_priorities(b["_index"], _prio(b["id"]))
         want = ((_mass(b["id"]) / m_min) ** -BETA).float()
         weights_ok &= torch.allclose(b["_weight"], want, rtol=1e-5)
@@ -87,7 +87,7 @@ def _stale(rank: int, world: int) -> dict[str, int]:
     plane.fetch(16)  # the new items arrive; `old`'s slots now hold other generations
     plane.update_priorities(old["_index"], torch.full((16,), 100.0))
     for _ in range(3):
-        b = plane.fetch(64)
+        b = plane.fetch(64, oversample=True)
     stats = plane.store_stats()
     weights = b["_weight"]
     plane.close()
@@ -113,18 +113,18 @@ def test_priority_follows_items_across_tiers():
     )
     plane.put(_items(0, 6))
     for _ in range(4):
-        b = plane.fetch(32)
+        b = plane.fetch(32, oversample=True)
         plane.update_priorities(b["_index"], _prio(b["id"]))
     for k in range(3):  # 12 newer items push the first 6 into the second tier
         plane.put(_items(1 + k, 4))
-        b = plane.fetch(32)
+        b = plane.fetch(32, oversample=True)
         plane.update_priorities(b["_index"], _prio(b["id"]))
     tiers = plane.store_stats()["tiers"]
     assert tiers[1]["items"] >= 6
     counts = torch.zeros(6)
     n = 0
     for _ in range(40):
-        b = plane.fetch(256)
+        b = plane.fetch(256, oversample=True)
         plane.update_priorities(b["_index"], _prio(b["id"]))
         first = b["id"] < 6
         counts += torch.bincount(b["id"][first], minlength=6)[:6]
@@ -199,14 +199,14 @@ def test_state_round_trip_keeps_priorities_windows_and_queued_updates(tmp_path):
     a.flush()  # an n-step window needs the next item
     for t in range(1, 20):
         a.put(items(t))
-        b = a.fetch(8)
+        b = a.fetch(8, oversample=True)
         a.update_priorities(b["_index"], (b["id"] % 7).double())
     path = tmp_path / "plane.pt"
     torch.save(a.state_dict(), path)
     c = plane()
     c.load_state_dict(torch.load(path, weights_only=True))
     for _ in range(3):
-        x, y = a.fetch(64), c.fetch(64)
+        x, y = a.fetch(64, oversample=True), c.fetch(64, oversample=True)
         for k in x:
             assert torch.equal(x[k], y[k]), k
     assert a.store_stats()["priority_updates_applied"] > 0

@@ -57,7 +57,7 @@ def _off_policy(rank, world, schedule):
         b = plane.fetch(7)
         assert_intact(b)
         got.append(b["id"].tolist())
-        stored.append(len(plane))
+        stored.append(plane.stored)
         if schedule == "sync" and it > 0:
             plane.put(make_batch(_ids(rank, it, 5 + rank)))
         lags.append(plane.last_fetch.lag_rounds if plane.last_fetch else None)

@@ -108,7 +108,7 @@ def _nstep(rank: int, world: int) -> list[str]:
         if t < 6:
             plane.flush()
             continue
-        b = plane.fetch(32)
+        b = plane.fetch(32, oversample=True)
         for i, last, ret, disc in zip(
             b["id"].tolist(), b["_last_id"].tolist(), b["_return"].tolist(),
             b["_discount"].tolist(),
@@ -137,7 +137,7 @@ def test_slices_are_uniform_over_valid_starts():
         plane.put(_step(0, t))
     counts: dict[int, int] = {}
     for _ in range(40):
-        for i in plane.fetch(500)["id"][:, 0].tolist():
+        for i in plane.fetch(500, oversample=True)["id"][:, 0].tolist():
             counts[i] = counts.get(i, 0) + 1
     valid = [
         _item(0, e, t)

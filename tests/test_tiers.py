@@ -55,7 +55,7 @@ def test_capacity_never_exceeded_and_fifo_across_tiers(tmp_path_factory, batches
         size = min(17, size + n)
         if bg:  # room for as many again is made after the round, evicting early once full
             size -= max(0, size + min(n, 5) - 17)
-        assert_intact(plane.fetch(fetch))
+        assert_intact(plane.fetch(fetch, oversample=True))
         plane.shard.settle()
         tiers = _ids(plane.shard)
         assert all(r.size <= r.cap for r in plane.shard.rings)
@@ -82,12 +82,12 @@ def test_sampling_stays_exact_across_tiers(tmp_path, bg):
         storage=cd.Tiers([("host", 8), ("disk", 32)], disk_dir=str(tmp_path), background=bg),
     )
     plane.put(make_batch(torch.arange(50)))  # 10 evicted, 8 on host, 32 demoted to disk
-    first = plane.fetch(200)["id"]
+    first = plane.fetch(200, oversample=True)["id"]
     assert first.min() >= 10
     # in the background, room for 8 more is made after that round: 8 more evicted early
     oldest = 18 if bg else 10
     assert len(plane) == 50 - oldest
-    seen = torch.cat([plane.fetch(200)["id"] for _ in range(40)])
+    seen = torch.cat([plane.fetch(200, oversample=True)["id"] for _ in range(40)])
     counts = np.bincount(seen.numpy() - oldest, minlength=50 - oldest)
     assert seen.min() >= oldest and counts.sum() == 8000
     assert chisquare(counts).pvalue > 1e-3
@@ -174,7 +174,7 @@ def test_puts_write_ahead_into_free_first_tier_slots_and_stage_when_there_are_no
     plane.put(make_batch(torch.arange(5, 9)))  # 5 + 4 > 8 free slots: staged
     plane.put(make_batch(torch.arange(9, 10)))  # staged too: nothing jumps the queue
     assert (stager.direct, stager.buffers.current.count) == (5, 5)
-    batch = plane.fetch(64)
+    batch = plane.fetch(64, oversample=True)
     assert_intact(batch)
     assert set(batch["id"].tolist()) <= set(range(10))
     assert len(plane) == 10
@@ -184,7 +184,7 @@ def test_puts_write_ahead_into_free_first_tier_slots_and_stage_when_there_are_no
         plane.shard.settle()
         plane.put(make_batch(torch.arange(10 + 4 * k, 14 + 4 * k)))
         assert stager.direct == 4
-        assert_intact(plane.fetch(16))
+        assert_intact(plane.fetch(16, oversample=True))
     # full: the demoter made room for the next round's 4 items ahead (capacity - 4 held)
     assert len(plane) == 20 and plane.store_stats()["demotions"] > 0
     plane.shard.settle()

@@ -122,7 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     rank = dist.get_rank()
     pg = dist.new_group(backend="gloo")  # DCP's planning collectives, apart from the plane's
     cap = int(a.gib * (1 << 30)) // RECORD
-    plane = cd.DataPlane(_spec(), cap, seed=0, placement="local", schedule="sync", timeout_s=600)
+    plane = cd.DataPlane(
+        _spec(),
+        cap,
+        seed=0,
+        placement="local",
+        schedule="sync",
+        transport=cd.TransportConfig(timeout_s=600),
+    )
     port = os.environ.get("MASTER_PORT", "0")  # one directory for all ranks (one host)
     base = (
         os.path.join(tempfile.gettempdir(), f"conduit-ckbench-{port}") if a.dir is None else a.dir

@@ -65,7 +65,7 @@ def _plane(spec, a, mode: str, shuffle: str) -> cd.DataPlane:
         placement="local",
         schedule=mode,
         max_lag=0,
-        bandwidth="declared",
+        transport=cd.TransportConfig(bandwidth="declared"),
         max_policy_age=0,
     )
 

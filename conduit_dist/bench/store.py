@@ -76,7 +76,7 @@ class ConduitStore:
         self.plane.flush()
 
     def sample(self, n: int) -> dict[str, torch.Tensor]:
-        return self.plane.fetch(n)
+        return self.plane.fetch(n, oversample=True)  # as the ring buffer: any size
 
     def close(self) -> None:
         self.plane.close()

@@ -42,6 +42,14 @@ T = TypeVar("T")
 _HB_PREFIX = "conduit_dist/hb/"
 
 
+# the likely cause when a rank is named as late for a round
+SKIPPED = (
+    "a rank that crashed shows its own error; one that is alive skipped the round: every rank "
+    "runs one round per fetch (learners) or flush (actors), so a rank that only puts, e.g. "
+    "during a warm-up, must call flush() as often as its peers fetch"
+)
+
+
 class Exchange:
     """Collectives of one data plane, with timeouts and per-round heartbeats.
 
@@ -221,7 +229,7 @@ class Exchange:
                 self.heartbeat(round)
             late = self.laggards(round)
             who = (
-                f"ranks {list(late)} never reached round {round}"
+                f"ranks {list(late)} never reached round {round} ({SKIPPED})"
                 if late
                 else "failing rank unknown"
             )

@@ -89,7 +89,7 @@ class RateLimiter:
 
     def allowed(self, stored: int) -> int:
         """Items the learners may sample now, over all of them (the same on every rank after
-        a round): a colocated loop runs ``allowed(len(plane)) // global_batch`` updates."""
+        a round): a colocated loop runs ``allowed(plane.stored) // global_batch`` updates."""
         if stored < self.min_size:
             return 0
         if self.samples_per_insert is None:

@@ -21,11 +21,15 @@ Two guards, neither silent:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from conduit_dist.errors import ConfigError, StaleDataError
 from conduit_dist.records.spec import VERSION, ExperienceSpec
+
+log = logging.getLogger("conduit_dist")
 
 _CHUNK = 64  # oldest items read per step of the eviction scan
 
@@ -70,9 +74,9 @@ class PolicyVersions:
     def publish(self, module: nn.Module) -> int:
         """Stage ``module``'s weights for the next round's broadcast (``publish_weights``).
 
-        The first learner packs them (one more version); the other learners count their calls
-        (learners publish in step, as under DDP, so that is the version of the weights they
-        hold). A DDP wrapper is unwrapped.
+        The first learner packs them (one more version); the other learners send nothing: they
+        count their calls (learners publish in step, as under DDP, so that is the version of the
+        weights they hold), logged once. A DDP wrapper is unwrapped.
 
         Returns:
             The version this rank's puts carry from now on.
@@ -91,6 +95,12 @@ class PolicyVersions:
             self.weights.publish(_unwrap(module))
             self.tag = self.weights.version
         else:
+            if self.publishes == 1:
+                log.info(
+                    "publish_weights on rank %d: learner %d sends the weights; this learner "
+                    "sends nothing and counts the version its puts carry (learners publish in "
+                    "step)", self.rank, self.learners[0],
+                )  # fmt: skip
             self.tag = self.publishes
         return self.tag
 

@@ -55,7 +55,7 @@ class ExperienceLoader(IterableDataset):
     Iteration ends after ``rounds`` rounds (``None``: no bound; leave with ``break``), or when
     the plane is closed: the next iteration checks it and stops. Every rank must run the same
     number of rounds (actors through :class:`ExperienceWriter` or ``plane.flush()``), so a
-    ``break`` must be decided the same way on every rank (e.g. from ``len(plane)``). Iterating
+    ``break`` must be decided the same way on every rank (e.g. from ``plane.stored``). Iterating
     the loader again continues from the rounds it has run (it counts them in ``rounds_run``).
 
     Args:
@@ -63,7 +63,7 @@ class ExperienceLoader(IterableDataset):
         batch_size: items each learner's batch holds.
         collect: called once per round before the fetch; returns this rank's items to put
             (a batch matching the spec) or ``None`` (nothing this round).
-        min_size: yield only once the global store (``len(plane)``) holds this many items.
+        min_size: yield only once the global store (``plane.stored``) holds this many items.
         rounds: rounds to run in all (warm-up rounds included); ``None``: unbounded.
         model: attach this module for the loop's duration (detached when iteration ends).
         wait_s: passed to ``fetch``: run further rounds for up to this long while nothing can
@@ -140,9 +140,9 @@ class ExperienceLoader(IterableDataset):
                     items = self.collect()
                     if items is not None:
                         plane.put(items, donate=self.donate)
-                if len(plane) < self.min_size:
+                if plane.stored < self.min_size:  # the same on every rank
                     plane.flush()
-                    plane.wait()  # len(plane) then counts this round's items
+                    plane.wait()  # plane.stored then counts this round's items
                     self._count(plane.round - 1)
                     continue
                 batch = plane.fetch(

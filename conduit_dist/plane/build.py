@@ -24,10 +24,10 @@ from conduit_dist.flow.ratelimit import RateLimiter
 from conduit_dist.flow.versions import AgeBound, PolicyVersions, check_max_age
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.placement import Placement, PlacementContext
+from conduit_dist.plane.options import TransportConfig
 from conduit_dist.plane.producer import Stager
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.registry import (
-    BANDWIDTHS,
     MAX_LAGS,
     PLACEMENTS,
     SAMPLERS,
@@ -124,7 +124,7 @@ def release(parts: Parts) -> None:
             )
 
 
-def check_args(spec, capacity: int, schedule: str, max_lag: int, timeout_s: float) -> None:
+def check_args(spec, capacity: int, schedule: str, max_lag: int) -> None:
     """The plain-value arguments of a plane.
 
     Raises:
@@ -136,8 +136,6 @@ def check_args(spec, capacity: int, schedule: str, max_lag: int, timeout_s: floa
         raise ConfigError(f"capacity_per_rank: expected an int >= 1, got {capacity!r}")
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("max_lag", max_lag, MAX_LAGS)
-    if not timeout_s > 0:
-        raise ConfigError(f"timeout_s: expected > 0 seconds, got {timeout_s}")
 
 
 def _learners(ranks: Sequence[int] | None, world: int) -> tuple[int, ...]:
@@ -154,7 +152,6 @@ def _learners(ranks: Sequence[int] | None, world: int) -> tuple[int, ...]:
 def _bandwidth(bandwidth, ex: Exchange, topo: Topology, cache) -> tuple[BandwidthModel, float]:
     if isinstance(bandwidth, BandwidthModel):
         return bandwidth, 0.0
-    check_choice("bandwidth", bandwidth, (*BANDWIDTHS, "a BandwidthModel"))
     declared = BandwidthModel.declared(*DECLARED)
     return build(ex, topo, bandwidth == "calibrate", cache, declared)
 
@@ -199,10 +196,7 @@ def assemble(
     schedule: str,
     max_lag: int,
     auto_trial: int,
-    timeout_s: float,
-    strategy: str,
-    bandwidth: str | BandwidthModel,
-    bandwidth_cache: str | None,
+    transport: TransportConfig,
     trace: bool,
     reduce_numel: int = 0,
     max_policy_age: int | None = None,
@@ -216,7 +210,7 @@ def assemble(
     Raises:
         ConfigError: on a bad argument (nothing is left behind).
     """
-    check_args(spec, capacity, schedule, max_lag, timeout_s)
+    check_args(spec, capacity, schedule, max_lag)
     max_policy_age = check_max_age("max_policy_age", max_policy_age)
     if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
         raise ConfigError(
@@ -237,7 +231,7 @@ def assemble(
         raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")
     with contextlib.ExitStack() as undo:
         ex = Exchange(
-            timeout_s,
+            transport.timeout_s,
             name=str(next(_plane_ids)),
             device=device,
         )
@@ -271,7 +265,7 @@ def assemble(
         shard = storage.build(capacity, stored.record_bytes, where)
         undo.callback(shard.close)
         topo = discover(ex)
-        model, calibration_s = _bandwidth(bandwidth, ex, topo, bandwidth_cache)
+        model, calibration_s = _bandwidth(transport.bandwidth, ex, topo, transport.bandwidth_cache)
         links = topo.link_matrix()
         is_learner = np.zeros(ex.world, dtype=bool)
         is_learner[list(learners)] = True
@@ -282,15 +276,15 @@ def assemble(
             PlacementContext(ex.world, links, is_learner, stored.record_bytes, model, sampler)
         )
         undo.callback(setattr, placement, "ctx", None)
-        transport = Transport(ex, topo, model, strategy)
+        moves = Transport(ex, topo, model, transport.strategy)
         ages = AgeBound(stored, max_policy_age, shard.tiers[0].data.device)
         engine = RoundEngine(
-            stored, shard, ex, sampler, placement, transport, (ages, rate_limiter), learners,
+            stored, shard, ex, sampler, placement, moves, (ages, rate_limiter), learners,
             device, wire_bytes, reduce_numel, sync=mode == "sync",
         )  # fmt: skip
         weights = WeightsState()
         versions = PolicyVersions(weights, ex.rank, learners)
-        sched = Scheduler(mode, engine, weights, device, timeout_s)
+        sched = Scheduler(mode, engine, weights, device, transport.timeout_s)
         undo.callback(sched.close, True)
         timeline = Timeline(ex.rank, enabled=trace)
         # items that stay where they were put are written into the shard's slots by put

@@ -37,6 +37,8 @@ class Consumer:
         reduce: torch.Tensor | None = None,
         max_policy_age: int | None = None,
         wait_s: float = 0.0,
+        meta: bool = True,
+        oversample: bool = False,
     ) -> dict[str, torch.Tensor]:
         """This learner's batch, drawn by the sampler from the global store.
 
@@ -50,17 +52,22 @@ class Consumer:
                 shards evict by; ``k = 0`` stays strict).
             wait_s: while nothing can be delivered (``EmptyStoreError``), run further rounds for
                 up to this many seconds (e.g. a learner waiting for actors).
+            meta: ``False``: leave the reserved ``_``-prefixed entries (``_version``,
+                ``_index``, ``_weight``) out of the batch (e.g. for ``Transition(**batch)``).
+            oversample: ``True``: a replay fetch may ask for more rows than the store holds
+                items (rows repeat); ``False``: such a fetch raises ``EmptyStoreError``.
 
         Returns:
             ``name -> [batch_size, *shape]`` views of one pooled buffer (rows grouped by shard),
             with ``"_version"`` (the producer's policy version) and the sampler's entries
-            (``_index``/``_weight``; windows ``[B, T, ...]`` or n-step values).
+            (``_index``/``_weight``; windows ``[B, T, ...]`` or n-step values) unless ``meta``
+            is ``False``.
 
         Raises:
             ConfigError: on an actor, a bad ``batch_size``, or one above its launched round's.
             RoundError: if the round failed or timed out on some rank (names the rank).
-            EmptyStoreError: if nothing can be delivered (after ``wait_s``; the rounds
-                themselves completed).
+            EmptyStoreError: if nothing can be delivered, or a replay batch is larger than the
+                store without ``oversample`` (after ``wait_s``; the rounds themselves completed).
             StaleDataError: if a row is older than the bound (the batch is not returned).
             RateLimitError: held by the rate limiter longer than its ``timeout_s``.
         """
@@ -68,10 +75,13 @@ class Consumer:
         bound = check_max_age("fetch max_policy_age", max_policy_age)
         if not isinstance(wait_s, int | float) or not wait_s >= 0 or wait_s == float("inf"):
             raise ConfigError(f"fetch wait_s: expected a finite number >= 0, got {wait_s!r}")
+        for name, flag in (("meta", meta), ("oversample", oversample)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"fetch {name}: expected True or False, got {flag!r}")
         if p.limiter is not None and isinstance(batch_size, int):
             p.limiter.check_size("sample", batch_size)
         bound = self.max_age if bound is None else bound
-        records = fetch_records(p.control, batch_size, more, reduce, wait_s, p.limiter)
+        records = fetch_records(p.control, batch_size, more, reduce, wait_s, p.limiter, oversample)
         unpack = p.engine.delivery.outputs.unpack
         # a sampler that composed the rows reads them back (trailers: _index, _weight; windows)
         out = p.sampler.read_rows(records, unpack) if self._reads else unpack(records)
@@ -86,7 +96,7 @@ class Consumer:
             except StaleDataError:
                 self.stale_refused += int(out[VERSION].numel())
                 raise
-        return out
+        return out if meta else {k: v for k, v in out.items() if not k.startswith("_")}
 
     def update_priorities(self, index: torch.Tensor, priority: torch.Tensor) -> None:
         """Set the priorities of fetched items (learners; ``Prioritized`` with ``alpha > 0``).

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from conduit_dist.checkpoint.plane import Checkpoints
-from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.ratelimit import RateLimiter
 from conduit_dist.flow.versions import PolicyVersions
 from conduit_dist.placement import Placement
 from conduit_dist.plane.build import assemble, release
 from conduit_dist.plane.consumer import Consumer
+from conduit_dist.plane.options import TransportConfig
 from conduit_dist.plane.waiting import wait_to_insert
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.sampling import Sampler
@@ -58,9 +58,8 @@ class DataPlane:
         max_lag: ``1``: a batch may miss this rank's puts made after its round was launched;
             ``0``: never (docs/architecture.md).
         auto_trial: iterations timed per mode with ``schedule="auto"``.
-        timeout_s: seconds any collective may take before it fails with ``RoundError``.
-        strategy: ``auto`` (the bandwidth model picks) or a strategy name to force.
-        bandwidth: ``declared``, ``calibrate`` (cached in ``bandwidth_cache``) or a model.
+        transport: a :class:`~conduit_dist.plane.options.TransportConfig` (collective timeout,
+            strategy, bandwidth model and its cache; ``None``: its defaults).
         trace: record a per-rank timeline for :meth:`export_trace`.
         reduce_numel: elements of :meth:`fetch`'s host ``reduce`` tensor (0: none; ``sync``).
         max_policy_age: no learner gets an item older than the newest version its rank knows
@@ -75,8 +74,8 @@ class DataPlane:
         self,
         spec: ExperienceSpec,
         capacity_per_rank: int,
-        seed: int = 0,
         *,
+        seed: int = 0,
         sampler: str | Sampler = "uniform",
         placement: str | Placement | None = None,
         storage: Tiers | None = None,
@@ -85,10 +84,7 @@ class DataPlane:
         schedule: str = "overlap",
         max_lag: int = 1,
         auto_trial: int = 50,
-        timeout_s: float = 60.0,
-        strategy: str = "auto",
-        bandwidth: str | BandwidthModel = "declared",
-        bandwidth_cache: str | None = "~/.cache/conduit_dist",
+        transport: TransportConfig | None = None,
         trace: bool = False,
         reduce_numel: int = 0,
         max_policy_age: int | None = None,
@@ -98,24 +94,28 @@ class DataPlane:
         p = assemble(
             spec, capacity_per_rank, seed, sampler=sampler, placement=placement, storage=storage,
             learner_ranks=learner_ranks, device=device, schedule=schedule, max_lag=max_lag,
-            auto_trial=auto_trial, timeout_s=timeout_s, strategy=strategy, bandwidth=bandwidth,
-            bandwidth_cache=bandwidth_cache, trace=trace, reduce_numel=reduce_numel,
-            max_policy_age=max_policy_age, rate_limiter=rate_limiter,
+            auto_trial=auto_trial, transport=TransportConfig.of(transport), trace=trace,
+            reduce_numel=reduce_numel, max_policy_age=max_policy_age, rate_limiter=rate_limiter,
         )  # fmt: skip
         self._p, self.spec, self.capacity_per_rank = p, spec, capacity_per_rank
         self.rate_limiter, self.max_policy_age = rate_limiter, max_policy_age
         self.device, self.rank, self.world = p.engine.device, p.exchange.rank, p.exchange.world
         self.learner_ranks, self.timeline = p.learner_ranks, p.timeline
-        self.is_learner = self.rank in self.learner_ranks
+        self.is_learner, self._versions = self.rank in self.learner_ranks, p.versions
         self.shard, self.sampler, self.placement = p.storage, p.sampler, p.placement
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
         self._consumer, self._ckpt = Consumer(p, max_policy_age), Checkpoints(p, spec)
-        self._versions = p.versions
 
     def __len__(self) -> int:
-        """Items stored over all shards as of the latest completed round."""
-        return int(self._p.engine.state.published.sum())
+        """:attr:`stored` plus this rank's puts no round has taken yet (at most the capacity): a
+        warm-up ``while len(plane) < n: plane.put(...)`` ends on every rank. Exact at world size
+        1; ranks may differ: decide collective steps by :attr:`stored`."""
+        return min(self.stored + self._p.stager.pending, self.capacity_per_rank * self.world)
 
+    stored = property(
+        lambda s: int(s._p.engine.state.published.sum()),
+        doc="Items over all shards as of the latest completed round (the same on every rank).",
+    )
     sizes = property(lambda s: s._p.engine.state.published.copy(), doc="Items on each shard.")
     round = property(lambda self: self._p.clock.round, doc="Rounds prepared so far.")
     closed = property(lambda self: self._closed, doc="Whether :meth:`close` has run.")
@@ -238,7 +238,7 @@ class DataPlane:
 
     def _wait_to_insert(self, n: int) -> None:
         p = self._p
-        wait_to_insert(p.control, p.stager, self.rate_limiter, n, self.rank, self.__len__)
+        wait_to_insert(p.control, p.stager, self.rate_limiter, n, self.rank, lambda: self.stored)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -12,20 +12,21 @@ from conduit_dist.errors import EmptyStoreError, RateLimitError
 
 
 def fetch_records(
-    control, batch_size: int, more: bool, reduce, wait_s: float, limiter
+    control, batch_size: int, more: bool, reduce, wait_s: float, limiter, oversample: bool = False
 ) -> torch.Tensor:
     """The records of a fetch (``OverlapController.fetch``), running further rounds while it is
     rate limited (up to ``limiter.timeout_s``) or nothing can be delivered (up to ``wait_s``).
 
     Raises:
         RateLimitError: held longer than the limiter's ``timeout_s`` (time blocked is counted).
-        EmptyStoreError: still nothing to deliver after ``wait_s``.
+        EmptyStoreError: still nothing to deliver (or, unless ``oversample``, fewer items than
+            ``batch_size``) after ``wait_s``.
     """
     t0, blocked = time.monotonic(), 0.0
     try:
         while True:
             try:
-                return control.fetch(batch_size, more, reduce)
+                return control.fetch(batch_size, more, reduce, oversample)
             except RateLimitError as e:  # rounds go on, so the actors can insert
                 blocked = time.monotonic() - t0
                 if blocked >= limiter.timeout_s:

@@ -52,7 +52,10 @@ class SimpleBuffer:
         self.round = 0
 
     def __len__(self) -> int:
+        """Items stored (every put is stored at once)."""
         return self.size
+
+    stored = property(__len__, doc="Items stored (as ``DataPlane.stored``).")
 
     def put(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Insert a batch (oldest items overwritten first): at most two slice copies per field."""

@@ -369,7 +369,7 @@ class RoundEngine:
         if evicted is not None:  # every rank knows what every shard's demoter evicts
             self.storage.demote_ahead(int(st.inflow[self.rank]))
             st.remove(evicted)
-        stats.stored = st.publish()  # what len(plane) reads: never a half-finished round
+        stats.stored = st.publish()  # what plane.stored reads: never a half-finished round
         stats.cpu_ms = (time.thread_time() - cpu0) * 1e3
         return stats
 

@@ -1,6 +1,6 @@
 """What every rank keeps identical about the store: every shard's size, each shard's inflow in
 the latest round, the items ingested over all ranks, and the sizes as of the latest completed
-round (what ``len(plane)`` reads). Rounds update it from replicated inputs only (the meta, the
+round (what ``plane.stored`` reads). Rounds update it from replicated inputs only (the meta, the
 plan, the allocation), so no exchange is needed to keep it in step."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Replicated:
         self.sizes = self.sizes - per_shard
 
     def publish(self) -> int:
-        """The round completed: its sizes become what ``len(plane)`` reads; returns the total."""
+        """The round completed: its sizes become what ``plane.stored`` reads; returns the total."""
         self.published = self.sizes.copy()
         return sum(self.published.tolist())  # a few values: Python beats numpy's call cost
 

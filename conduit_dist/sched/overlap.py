@@ -70,12 +70,17 @@ class OverlapController:
         return "overlap" if self.overlap else "sync"
 
     def fetch(
-        self, batch_size: int, more: bool, reduce: torch.Tensor | None = None
+        self,
+        batch_size: int,
+        more: bool,
+        reduce: torch.Tensor | None = None,
+        oversample: bool = False,
     ) -> torch.Tensor:
         """This fetch's ``batch_size`` records (see :meth:`DataPlane.fetch`); accounts its time.
 
         Raises:
-            EmptyStoreError: if nothing is stored yet.
+            EmptyStoreError: if nothing is stored yet, or (unless ``oversample``) fewer items
+                than ``batch_size`` for a sampler that draws with replacement.
             ConfigError: on an actor, a bad ``batch_size``, or more rows than the round launched
                 at backward holds.
         """
@@ -112,6 +117,13 @@ class OverlapController:
             raise EmptyStoreError(
                 f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: the store is "
                 "empty (0 items over all shards); put experience before fetching"
+            )
+        if not oversample and stats.stored < batch_size and not isinstance(sampler, Takes):
+            raise EmptyStoreError(
+                f"fetch({batch_size}) on rank {self.rank} in round {stats.round}: the store "
+                f"holds {stats.stored} item(s) over all shards, fewer than the batch (its rows, "
+                "drawn with replacement, would repeat); put more first, fetch with wait_s= to "
+                "run rounds until it holds enough, or pass oversample=True to allow it"
             )
         if rows < batch_size:
             how = "started by fetch_start" if self._started else "launched for it at backward"

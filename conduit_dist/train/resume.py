@@ -71,7 +71,7 @@ class Resumer:
         self.resumed = {
             "round": self.plane.round,
             "iteration": int(state["iteration"]),
-            "items_restored": len(self.plane),
+            "items_restored": self.plane.stored,
             "env_steps_at_checkpoint": steps,
             "env_steps_lost": max(0, seen - steps),  # put after it by the crashed attempt
         }

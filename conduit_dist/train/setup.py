@@ -12,7 +12,7 @@ import torch
 from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError
-from conduit_dist.plane import DataPlane
+from conduit_dist.plane import DataPlane, TransportConfig
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.sampling import Prioritized, Sampler, Windows, WithoutReplacement
@@ -283,10 +283,12 @@ def build_plane(
         device=dev if dev is not None else device(cfg),
         schedule="sync" if reduce_numel else pc.schedule,
         max_lag=pc.max_lag,
-        timeout_s=pc.timeout_s,
-        strategy=pc.strategy,
-        bandwidth=bandwidth(cfg),
-        bandwidth_cache=pc.bandwidth_cache,
+        transport=TransportConfig(
+            timeout_s=pc.timeout_s,
+            strategy=pc.strategy,
+            bandwidth=bandwidth(cfg),
+            bandwidth_cache=pc.bandwidth_cache,
+        ),
         trace=pc.trace_dir is not None,
         reduce_numel=reduce_numel,
         max_policy_age=max_policy_age,

@@ -284,7 +284,7 @@ class Trainer:
             "ret_sum": sum(recent),
             "ret_n": len(recent),
             "episodes": self.env.episodes if self.env is not None else 0,
-            "items": len(self.plane),
+            "items": self.plane.stored,
             **window.values(elapsed, ages, links),
         }
         store = plane.store_stats() if plane else None

@@ -166,7 +166,8 @@ class ShardedReplayBuffer:
             with the prioritized sampler, ``"index"`` (int64 addresses for
             :meth:`update_priority`), ``"priority_weight"`` (float32 importance weights, the
             key TorchRL's losses read) and ``"_weight"`` (the same, the plane's name). The
-            uniform sampler delivers no addresses, so no ``"index"``.
+            uniform sampler delivers no addresses, so no ``"index"``. As with TorchRL's
+            samplers, a batch may be larger than the buffer (rows repeat).
 
         Raises:
             ConfigError: no batch size, or a bad one.
@@ -178,7 +179,7 @@ class ShardedReplayBuffer:
             raise ConfigError("sample: batch_size: none given and the buffer has none")
         check_count("sample batch_size", batch_size, 1)
         plane = self._require("sample")
-        out = plane.fetch(batch_size)
+        out = plane.fetch(batch_size, oversample=True)  # as TorchRL's samplers: may repeat
         dev = plane.device
         info = {}
         if "_index" in out:  # the prioritized sampler's addresses and importance weights
@@ -355,7 +356,7 @@ class ShardedReplayBuffer:
 
     def _make_plane(self) -> DataPlane:
         return DataPlane(
-            self.layout.spec, self.capacity_per_rank, self.seed, sampler=self._sampler,
+            self.layout.spec, self.capacity_per_rank, seed=self.seed, sampler=self._sampler,
             **self._plane_kwargs,
         )  # fmt: skip
 

@@ -1,0 +1,66 @@
+"""Grouped settings of a :class:`~conduit_dist.plane.DataPlane`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from conduit_dist.collectives.model import BandwidthModel
+from conduit_dist.errors import ConfigError
+from conduit_dist.registry import BANDWIDTHS, STRATEGIES, check_choice
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How a plane's rounds move data between ranks: ``DataPlane(..., transport=...)``.
+
+    Args:
+        timeout_s: seconds any collective of the plane may take before it fails with
+            ``RoundError`` (naming the ranks that did not reach it).
+        strategy: ``auto`` (the bandwidth model picks the cheapest per exchange) or a name from
+            ``registry.STRATEGIES`` to force one.
+        bandwidth: ``declared`` (datasheet-like numbers, no start-up cost), ``calibrate`` (probe
+            the links at start-up, cached in ``bandwidth_cache``) or a ``BandwidthModel``.
+        bandwidth_cache: directory of the calibration cache (``None``: no cache).
+
+    Raises:
+        ConfigError: on a value outside the allowed ones, naming the field.
+    """
+
+    timeout_s: float = 60.0
+    strategy: str = "auto"
+    bandwidth: str | BandwidthModel = "declared"
+    bandwidth_cache: str | None = "~/.cache/conduit_dist"
+
+    def __post_init__(self) -> None:
+        t = self.timeout_s
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, int | float)
+            or not (t > 0 and math.isfinite(t))
+        ):
+            raise ConfigError(f"transport.timeout_s: expected a finite number > 0, got {t!r}")
+        check_choice("transport.strategy", self.strategy, STRATEGIES)
+        if not isinstance(self.bandwidth, BandwidthModel):
+            check_choice("transport.bandwidth", self.bandwidth, (*BANDWIDTHS, "a BandwidthModel"))
+        if self.bandwidth_cache is not None and not isinstance(self.bandwidth_cache, str):
+            raise ConfigError(
+                f"transport.bandwidth_cache: expected a directory path or None, got "
+                f"{self.bandwidth_cache!r}"
+            )
+
+    @classmethod
+    def of(cls, value: TransportConfig | None) -> TransportConfig:
+        """``value``, or the defaults for ``None``.
+
+        Raises:
+            ConfigError: on anything else.
+        """
+        if value is None:
+            return cls()
+        if not isinstance(value, cls):
+            raise ConfigError(
+                f"transport: expected a conduit_dist.TransportConfig or None, got "
+                f"{type(value).__name__}"
+            )
+        return value
