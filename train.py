@@ -4,24 +4,29 @@ torchrun --standalone --nproc_per_node=2 train.py experiment=smoke
 torchrun --standalone --nproc_per_node=2 train.py experiment=cartpole_ppo
 python train.py                       # world size 1
 python train.py device=cuda           # on a GPU (torchrun: one GPU per rank, cuda:<LOCAL_RANK>)
+
+Needs the ``[train]`` extra: ``pip install -e ".[train]"``.
 """
 
 from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
 import conduit_dist as cd
+from conduit_dist.extras import require
 from conduit_dist.logging import log_rank_zero
-from conduit_dist.train import setup
-from conduit_dist.train.config import TrainConfig, register, validate
-from conduit_dist.train.launch import prepare_hydra_argv
-from conduit_dist.train.metrics import make_logger
-from conduit_dist.train.ppo_trainer import PPOTrainer
-from conduit_dist.train.resume import run_id
-from conduit_dist.train.trainer import Trainer, write_summary
+
+with require("train", "train.py"):  # hydra-core, omegaconf, gymnasium (wandb, tqdm: on use)
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    from conduit_dist.train import setup
+    from conduit_dist.train.config import TrainConfig, register, validate
+    from conduit_dist.train.launch import prepare_hydra_argv
+    from conduit_dist.train.metrics import make_logger
+    from conduit_dist.train.ppo_trainer import PPOTrainer
+    from conduit_dist.train.resume import run_id
+    from conduit_dist.train.trainer import Trainer, write_summary
 
 register()
 

@@ -14,7 +14,6 @@ import math
 import time
 from collections import deque
 
-import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -22,6 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import conduit_dist as cd
+from conduit_dist.extras import require
+
+with require("train", "examples/colocated_dqn.py"):  # pip install -e ".[train]"
+    import gymnasium as gym
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--env-steps", type=int, default=100_000, help="over all ranks")

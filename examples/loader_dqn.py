@@ -13,15 +13,18 @@ import json
 import time
 from collections import deque
 
-import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import conduit_dist as cd
+from conduit_dist.extras import require
+
+with require("train", "examples/loader_dqn.py"):  # pip install -e ".[train]"
+    import gymnasium as gym
+    from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--env-steps", type=int, default=100_000, help="over all ranks")

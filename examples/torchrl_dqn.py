@@ -2,7 +2,9 @@
 # torchrun --standalone --nproc_per_node=2 examples/torchrl_dqn.py
 """DQN on CartPole written against TorchRL's public API, learning through conduit_dist.
 
-Needs the extra: ``pip install -e ".[torchrl]"`` (torchrl 0.14.1, tensordict 0.14.3).
+Needs the extras: ``pip install -e ".[train,torchrl]"`` (gymnasium; torchrl 0.14.1, tensordict
+0.14.3).
+
 The structure follows TorchRL's sota-implementations/dqn/dqn_cartpole.py (RewardSum and
 StepCounter transforms, a QValueActor over an MLP [120, 84], EGreedyModule, Collector (0.14's
 name for SyncDataCollector), DQNLoss, a target updater, Adam). The one replaced line is the
@@ -30,18 +32,23 @@ import argparse
 import json
 import time
 
-import gymnasium as gym
 import torch
 import torch.distributed as dist
-from tensordict.nn import TensorDictSequential
-from torchrl.collectors import Collector
-from torchrl.data import Composite
-from torchrl.envs import GymWrapper, RewardSum, StepCounter, TransformedEnv
-from torchrl.modules import MLP, EGreedyModule, QValueActor
-from torchrl.objectives import DQNLoss, SoftUpdate
 
 import conduit_dist as cd
-from conduit_dist.integrations.torchrl import ShardedReplayBuffer
+from conduit_dist.extras import require
+
+with require("train", "examples/torchrl_dqn.py"):  # pip install -e ".[train,torchrl]"
+    import gymnasium as gym
+with require("torchrl", "examples/torchrl_dqn.py"):
+    from tensordict.nn import TensorDictSequential
+    from torchrl.collectors import Collector
+    from torchrl.data import Composite
+    from torchrl.envs import GymWrapper, RewardSum, StepCounter, TransformedEnv
+    from torchrl.modules import MLP, EGreedyModule, QValueActor
+    from torchrl.objectives import DQNLoss, SoftUpdate
+
+    from conduit_dist.integrations.torchrl import ShardedReplayBuffer
 
 CFG = dict(
     num_envs=8, frames_per_batch=32, num_updates=8, batch_size=128, buffer_size=50_000, lr=1e-3,

@@ -5,12 +5,18 @@ from __future__ import annotations
 import statistics
 
 from conduit_dist.bench.latency_workload import MODES, PUTS
+from conduit_dist.extras import require
 
 
 def plot(results: dict[str, dict], path: str) -> None:
     """Write the PNG of per-iteration exposed (red) and hidden (green) time of every (learner,
-    put, mode) setting to ``path``."""
-    import matplotlib
+    put, mode) setting to ``path``.
+
+    Raises:
+        ModuleNotFoundError: without matplotlib (the ``[bench]`` extra), saying so.
+    """
+    with require("bench", "the latency bench's plot"):
+        import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,15 +1,21 @@
-"""Vectorized gymnasium environments that yield clean transitions (final observations kept)."""
+"""Vectorized gymnasium environments that yield clean transitions (final observations kept).
+
+Needs gymnasium (the ``[train]`` extra).
+"""
 
 from __future__ import annotations
 
 from collections import deque
 
-import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.extras import require
+
+with require("train", "conduit_dist.rl.env"):
+    import gymnasium as gym
+    from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 
 class VectorEnv:

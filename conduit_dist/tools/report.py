@@ -4,7 +4,7 @@ Every ``train.py`` run writes, on rank 0, ``RUN_DIR/run.json`` (the resolved con
 start time) and ``RUN_DIR/metrics.jsonl`` (one JSON object per log step: ``env_steps``,
 ``wall_s``, ``time`` and every metric; :class:`MetricsFile`), whatever ``logger.kind`` is, so
 nothing needs a W&B account to be looked at. The report reads them and draws, with matplotlib's
-Agg backend, into ``RUN_DIR/plots`` (or ``--out``):
+Agg backend (the ``[report]`` extra), into ``RUN_DIR/plots`` (or ``--out``):
 
 - ``return.png``: the last-100 episode return vs env steps (and ``target_return``);
 - ``path_time.png``: the experience path's exposed vs hidden milliseconds per learner fetch
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from conduit_dist.collectives.topology import LINKS
+from conduit_dist.extras import require
 
 _QUANTILES = (50, 90, 99)
 Rows = list[dict[str, Any]]
@@ -280,7 +281,7 @@ def report(run_dir: str, out: str | None = None) -> tuple[list[str], list[str]]:
     Raises:
         FileNotFoundError: without ``run_dir/metrics.jsonl`` (naming it).
         ValueError: if it holds no rows, or a row that is not JSON.
-        ImportError: without matplotlib (saying how to install it).
+        ModuleNotFoundError: without matplotlib (the ``[report]`` extra), saying so.
 
     Example::
 
@@ -294,10 +295,8 @@ def _draw(rows: Rows, info: dict[str, Any], run_dir: str, out: str | None):
     """:func:`report` on rows already read."""
     if not rows:
         raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no rows logged yet")
-    try:
+    with require("report", "python -m conduit_dist.report"):
         import matplotlib
-    except ImportError as e:
-        raise ImportError("the report draws with matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg")
     out = os.path.join(run_dir, "plots") if out is None else out
     os.makedirs(out, exist_ok=True)

@@ -1,7 +1,8 @@
 """Structured config schemas, registered in Hydra's ConfigStore (a misspelled key is an error).
 
 ``conf/config.yaml`` lists ``base_config`` first in its defaults, so every YAML group file and
-every command-line override is merged onto these dataclasses in struct mode.
+every command-line override is merged onto these dataclasses in struct mode. The schemas are
+plain dataclasses; only :func:`register` imports Hydra (the ``[train]`` extra).
 """
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-
 from conduit_dist import registry
 from conduit_dist.errors import ConfigError
+from conduit_dist.extras import require
 from conduit_dist.train.progress import check as check_progress
 
 
@@ -359,6 +359,13 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def register() -> None:
-    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    """Register the schemas in Hydra's ConfigStore (idempotent).
+
+    Raises:
+        ModuleNotFoundError: without hydra-core (the ``[train]`` extra), saying so.
+    """
+    with require("train", "conduit_dist.train.config.register"):
+        from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=TrainConfig)

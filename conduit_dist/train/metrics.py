@@ -46,6 +46,7 @@ import torch.distributed as dist
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
+from conduit_dist.extras import require
 from conduit_dist.tools.report import MetricsFile
 from conduit_dist.train.progress import ConsoleLogger
 
@@ -93,6 +94,7 @@ class WandbLogger:
 
     Raises:
         ConfigError: on a bad mode. W&B start-up errors propagate: asked-for W&B fails loudly.
+        ModuleNotFoundError: without wandb (the ``[train]`` extra), saying so.
     """
 
     def __init__(
@@ -107,7 +109,8 @@ class WandbLogger:
     ) -> None:
         if mode not in ("offline", "online", "disabled"):
             raise ConfigError(f"logger.mode: expected offline|online|disabled, got {mode!r}")
-        import wandb
+        with require("train", "the W&B logger (logger=wandb)"):
+            import wandb
 
         os.makedirs(run_dir, exist_ok=True)
         self.run = wandb.init(

@@ -14,6 +14,7 @@ import sys
 from typing import IO, Protocol
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.extras import require
 
 log = logging.getLogger("conduit_dist")
 
@@ -117,8 +118,9 @@ class Bar:
     """
 
     def __init__(self, total_steps: int, stream: IO[str] | None = None) -> None:
-        from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
+        with require("train", "the progress bar (logger.progress=bar)"):
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
         # console log lines (the root logger's) print above the bar instead of through it
         self._redirect = logging_redirect_tqdm([logging.getLogger()])
