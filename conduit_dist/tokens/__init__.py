@@ -1,0 +1,1 @@
+"""Token experience for LLM RL: ragged sequences, prompt groups, token-balanced delivery."""

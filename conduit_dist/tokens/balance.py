@@ -1,0 +1,229 @@
+"""Token-balanced delivery: prompt groups over data-parallel learners, then into micro-batches.
+
+Pure and deterministic (numpy and the standard library only, no ``torch.distributed``): every rank
+that calls :func:`plan` with the same token counts gets the same plan, so no collective is needed
+to agree on it. Groups are never split; every learner runs the same number of micro-batches and
+none is empty.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+_Subset = tuple[int, list[int]]  # (token sum, item indices)
+
+
+def _weights(tokens: Sequence[int] | np.ndarray) -> list[int]:
+    """Token counts as Python ints; ValueError unless a 1-D sequence of positive integers."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(
+            f"tokens: expected a 1-D sequence of integer token counts, "
+            f"got shape {arr.shape} of dtype {arr.dtype}"
+        )
+    bad = np.flatnonzero(arr <= 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"tokens[{i}]: expected a token count >= 1, got {int(arr[i])}")
+    return [int(w) for w in arr]
+
+
+def _positive(name: str, value: int) -> int:
+    """``value`` as an int; ValueError naming ``name`` unless an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _order(subset: _Subset) -> tuple[int, float]:
+    """Sort key: heaviest first, ties by smallest item index (empty subsets last)."""
+    return (-subset[0], min(subset[1]) if subset[1] else math.inf)
+
+
+def _merge(a: list[_Subset], b: list[_Subset]) -> list[_Subset]:
+    """Pair ``a``'s heaviest subset with ``b``'s lightest and so on; result heaviest first."""
+    joined = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
+    return sorted(joined, key=_order)
+
+
+def _repair(subsets: list[_Subset], weights: list[int]) -> list[_Subset]:
+    """Fill empty subsets with the lightest item of the subset holding most items (defensive)."""
+    subsets = [(s, list(items)) for s, items in subsets]
+    for e in range(len(subsets)):
+        if subsets[e][1]:
+            continue
+        d = max(range(len(subsets)), key=lambda j: (len(subsets[j][1]), -j))
+        item = min(subsets[d][1], key=lambda i: (weights[i], i))
+        subsets[d][1].remove(item)
+        subsets[d] = (subsets[d][0] - weights[item], subsets[d][1])
+        subsets[e] = (weights[item], [item])
+    return subsets
+
+
+def partition(tokens: Sequence[int] | np.ndarray, parts: int) -> list[list[int]]:
+    """Divide items into ``parts`` subsets of near-equal token sums (Karmarkar-Karp, k-way).
+
+    Each item starts as a ``parts``-tuple of partial sums ``(w, 0, ..., 0)``; the two tuples with
+    the largest max-min spread are repeatedly merged, heaviest subset of one with lightest of the
+    other, until one tuple is left. Ties break by item index, so the result is deterministic.
+
+    Args:
+        tokens: positive token count of each item (prompt group).
+        parts: number of subsets (learners), >= 1.
+
+    Returns:
+        For each part the sorted list of item indices; parts ordered by their smallest index.
+        Every item appears exactly once and every part is non-empty.
+
+    Raises:
+        ValueError: ``parts < 1``, fewer items than parts, or a token count <= 0.
+    """
+    k = _positive("parts", parts)
+    weights = _weights(tokens)
+    n = len(weights)
+    if n < k:
+        raise ValueError(
+            f"cannot give each of {k} learners a group: the batch has {n}; "
+            f"ask for at least {k} groups"
+        )
+    heap = [(-w, i, [(w, [i])] + [(0, [])] * (k - 1)) for i, w in enumerate(weights)]
+    heapq.heapify(heap)
+    tie = n
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = _merge(a, b)
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], tie, merged))
+        tie += 1
+    subsets = heap[0][2]
+    if any(not items for _, items in subsets):
+        subsets = _repair(subsets, weights)
+    return sorted((sorted(items) for _, items in subsets), key=lambda p: p[0])
+
+
+def _greedy(weights: list[int], indices: list[int], count: int) -> list[list[int]]:
+    """Largest group first into the lightest bin (ties by bin number)."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    heap = [(0, b) for b in range(count)]
+    for i in sorted(indices, key=lambda i: (-weights[i], i)):
+        load, b = heapq.heappop(heap)
+        bins[b].append(i)
+        heapq.heappush(heap, (load + weights[i], b))
+    return bins
+
+
+def _score(weights: list[int], bins: list[list[int]], budget: int) -> tuple[int, int]:
+    """(bins of several groups over the budget, heaviest bin): lower is better."""
+    sums = [sum(weights[i] for i in b) for b in bins]
+    return sum(s > budget and len(b) > 1 for s, b in zip(sums, bins)), max(sums)
+
+
+def micro_batches(
+    tokens: Sequence[int] | np.ndarray, indices: list[int], count: int, budget: int
+) -> list[list[int]]:
+    """Split one learner's groups into exactly ``count`` non-empty micro-batches.
+
+    Both Karmarkar-Karp and greedy largest-first are tried; the one with fewer multi-group
+    micro-batches over ``budget`` wins, then the one with the lighter heaviest micro-batch
+    (Karmarkar-Karp on a tie). A single group over the budget can only be alone, never split.
+
+    Args:
+        tokens: positive token count of every group in the batch.
+        indices: this learner's groups (distinct indices into ``tokens``).
+        count: number of micro-batches, ``1 <= count <= len(indices)``.
+        budget: target token budget per micro-batch, >= 1.
+
+    Returns:
+        ``count`` lists of group indices (each sorted), ordered by their smallest index.
+
+    Raises:
+        ValueError: ``count`` out of range, ``budget < 1``, bad or repeated indices, or a token
+            count <= 0.
+    """
+    weights = _weights(tokens)
+    count, budget = _positive("count", count), _positive("budget", budget)
+    idx = [int(i) for i in indices]
+    if len(set(idx)) != len(idx) or any(not 0 <= i < len(weights) for i in idx):
+        raise ValueError(
+            f"indices: expected distinct indices in [0, {len(weights)}), got {list(indices)}"
+        )
+    if count > len(idx):
+        raise ValueError(
+            f"count: expected at most len(indices) = {len(idx)} so no micro-batch is empty, "
+            f"got {count}"
+        )
+    kk = [[idx[j] for j in part] for part in partition([weights[i] for i in idx], count)]
+    greedy = _greedy(weights, idx, count)
+    best = min((kk, greedy), key=lambda bins: _score(weights, bins, budget))
+    return sorted((sorted(b) for b in best), key=lambda b: b[0])
+
+
+def _fits(weights: list[int], learners: list[list[list[int]]], budget: int) -> bool:
+    """Whether every micro-batch is within the budget or holds a single group."""
+    return all(len(m) == 1 or sum(weights[i] for i in m) <= budget for mbs in learners for m in mbs)
+
+
+def _need(weights: list[int], share: list[int], budget: int) -> int:
+    """Fewest micro-batches for ``share``: one per group over the budget, then the rest's tokens."""
+    big = sum(weights[i] > budget for i in share)
+    rest = sum(weights[i] for i in share if weights[i] <= budget)
+    return big + -(-rest // budget)
+
+
+def plan(tokens: Sequence[int] | np.ndarray, learners: int, budget: int) -> list[list[list[int]]]:
+    """Token-balanced plan: groups over learners, then each learner's share into micro-batches.
+
+    The micro-batch count ``M`` starts at the fewest any learner needs: its groups over the budget
+    one each, plus ``ceil(rest / budget)`` (equal to ``ceil(learner_tokens / budget)`` when no
+    group exceeds the budget). ``M`` is raised until every micro-batch fits the budget or holds a
+    single group, and capped at the smallest group count of any learner so no micro-batch is
+    empty. When the cap binds some micro-batches exceed the budget: groups are never split and
+    every learner runs the same number of micro-batches.
+
+    Args:
+        tokens: positive token count of every prompt group in the global batch.
+        learners: number of data-parallel learners, >= 1.
+        budget: token budget per micro-batch, >= 1.
+
+    Returns:
+        ``plan[learner][micro]``: sorted group indices. Every group appears exactly once, every
+        learner has the same number ``M >= 1`` of micro-batches, none empty.
+
+    Raises:
+        ValueError: ``learners < 1``, fewer groups than learners, ``budget < 1``, or a token
+            count <= 0.
+    """
+    weights = _weights(tokens)
+    budget = _positive("budget", budget)
+    shares = partition(weights, learners)
+    cap = min(len(s) for s in shares)
+    m = max(1, min(cap, max(_need(weights, s, budget) for s in shares)))
+    while True:
+        out = [micro_batches(weights, s, m, budget) for s in shares]
+        if m >= cap or _fits(weights, out, budget):
+            return out
+        m += 1
+
+
+def imbalance(tokens: Sequence[int] | np.ndarray, parts: list[list[int]]) -> float:
+    """Heaviest part's token sum over the mean part sum (1.0 is perfect balance).
+
+    Args:
+        tokens: positive token count of every item.
+        parts: lists of item indices (an empty part counts as 0 tokens).
+
+    Returns:
+        ``max(sums) / mean(sums)``.
+
+    Raises:
+        ValueError: ``parts`` is empty or holds no tokens.
+    """
+    weights = _weights(tokens)
+    sums = [sum(weights[i] for i in p) for p in parts]
+    if not sums or sum(sums) == 0:
+        raise ValueError(f"parts: expected at least one non-empty part, got {parts!r}")
+    return max(sums) / (sum(sums) / len(sums))
