@@ -12,7 +12,7 @@ git clone -q "$SRC" "$DEST" && cd "$DEST"
 python -m venv .venv && . .venv/bin/activate
 stamp "cloned, venv made"
 pip install -q torch==2.13.0 2>&1 | grep -v WARNING || true
-pip install -q -e . 2>&1 | grep -v WARNING || true
+pip install -q -e ".[train,report]" 2>&1 | grep -v WARNING || true  # train.py; report's plots
 stamp "installed"
 torchrun --standalone --nproc_per_node=2 train.py > train.out 2> train.err
 stamp "train.py done"

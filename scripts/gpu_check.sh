@@ -3,7 +3,8 @@
 # with a non-zero exit; one JSON summary line comes last. Sized to run in under 8 minutes on one
 # GPU. Run it whenever a GPU is available:
 #   bash scripts/gpu_check.sh
-# install  the README's line (torch==2.13.0, then the project), offline-safe, failing loudly
+# install  the README's line (torch==2.13.0, then the project with the [train] extra that
+#          train.py needs: hydra-core, omegaconf, gymnasium, wandb, tqdm), failing loudly
 # torch    refuses a CPU build of torch or a machine with no visible GPU, saying what to install
 # (a) scripts/gpu_check/world1.py      world size 1: device tier, pinned staging, H2D, GPU puts
 # (b) scripts/gpu_check/two_ranks.py   2 ranks on one GPU, gloo for CUDA tensors: overlap = sync,
@@ -24,8 +25,8 @@ fi
 if [[ "${CONDUIT_GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]]; then
   # no build isolation: an isolated build would download setuptools (a GPU box is often offline)
   python -m pip install -q --disable-pip-version-check torch==2.13.0
-  python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
-  echo "ok install: torch==2.13.0 and conduit_dist (editable)"
+  python -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[train]"
+  echo "ok install: torch==2.13.0 and conduit_dist[train] (editable)"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
