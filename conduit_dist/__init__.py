@@ -37,6 +37,7 @@ from conduit_dist.sampling import Prioritized, Sampler, Uniform, Windows, Withou
 from conduit_dist.sampling.queue import Fifo, Lifo
 from conduit_dist.sampling.stratified import Stratified
 from conduit_dist.tiers import Tiers
+from conduit_dist.tokens import MicroBatch, Ragged, TokenPlane, TokenSpec
 
 __all__ = [
     "BandwidthAware",
@@ -52,9 +53,11 @@ __all__ = [
     "Fifo",
     "Lifo",
     "Local",
+    "MicroBatch",
     "PhaseError",
     "Placement",
     "Prioritized",
+    "Ragged",
     "RateLimitError",
     "RateLimiter",
     "RoundError",
@@ -65,6 +68,8 @@ __all__ = [
     "StaleDataError",
     "Stratified",
     "Tiers",
+    "TokenPlane",
+    "TokenSpec",
     "TransportConfig",
     "Uniform",
     "Windows",

@@ -138,18 +138,25 @@ def check_args(spec, capacity: int, schedule: str, max_lag: int) -> None:
     check_choice("max_lag", max_lag, MAX_LAGS)
 
 
-def _learners(ranks: Sequence[int] | None, world: int) -> tuple[int, ...]:
+def rank_set(field: str, ranks: Sequence[int] | None, world: int) -> tuple[int, ...]:
+    """``ranks`` sorted and checked (``None``: every rank).
+
+    Raises:
+        ConfigError: naming ``field`` when the set is empty or holds a rank outside the job.
+    """
     if ranks is None:
         return tuple(range(world))
     out = tuple(sorted({int(r) for r in ranks}))
     if not out or any(not 0 <= r < world for r in out):
         raise ConfigError(
-            f"learner_ranks: expected a non-empty subset of 0..{world - 1}, got {list(ranks)}"
+            f"{field}: expected a non-empty subset of 0..{world - 1}, got {list(ranks)}"
         )
     return out
 
 
-def _bandwidth(bandwidth, ex: Exchange, topo: Topology, cache) -> tuple[BandwidthModel, float]:
+def bandwidth_model(bandwidth, ex: Exchange, topo: Topology, cache) -> tuple[BandwidthModel, float]:
+    """The plane's bandwidth model: the one given, the declared numbers, or calibrated (cached
+    under ``cache``); returns it and the seconds calibration took. Collective."""
     if isinstance(bandwidth, BandwidthModel):
         return bandwidth, 0.0
     declared = BandwidthModel.declared(*DECLARED)
@@ -236,7 +243,7 @@ def assemble(
             device=device,
         )
         undo.callback(ex.close)
-        learners = _learners(learner_ranks, ex.world)
+        learners = rank_set("learner_ranks", learner_ranks, ex.world)
         if placement is None:
             placement = PLACEMENTS[default_placement(sampler, learners, ex.world)]()
         _check_reduce(reduce_numel, ex.world, schedule)
@@ -265,7 +272,9 @@ def assemble(
         shard = storage.build(capacity, stored.record_bytes, where)
         undo.callback(shard.close)
         topo = discover(ex)
-        model, calibration_s = _bandwidth(transport.bandwidth, ex, topo, transport.bandwidth_cache)
+        model, calibration_s = bandwidth_model(
+            transport.bandwidth, ex, topo, transport.bandwidth_cache
+        )
         links = topo.link_matrix()
         is_learner = np.zeros(ex.world, dtype=bool)
         is_learner[list(learners)] = True

@@ -52,7 +52,7 @@ class PlaneConfig:
             environment step and ``put`` run while its exchange is in flight, on the main thread
             (a batch then holds items up to the previous iteration's ``put``). Off by default:
             ~7% more env steps/s on 2 cores, but only 1 of 3 seeds reached the target within
-            500k env steps against 3 of 3 without it (issue 12's closing note).
+            500k env steps against 3 of 3 without it (docs/benchmarks.md, the scaling table).
         sampler: ``auto`` or a name from ``registry.SAMPLERS`` (``registry.TRAIN_SAMPLERS``).
             ``auto``: ``uniform`` for DQN, and for PPO ``without_replacement``, built from
             ``algo.ppo`` (``epochs``, ``shuffle``); PPO refuses any other sampler. DQN:

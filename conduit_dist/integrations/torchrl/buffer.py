@@ -41,8 +41,8 @@ class ShardedReplayBuffer:
         priority_key: the key ``update_tensordict_priority`` reads (TorchRL's ``"td_error"``).
         seed: the plane's seed.
         **plane_kwargs: further :class:`DataPlane` arguments (defaults here: ``placement=
-            "local"``: one exchange per round, as every rank learns; and ``schedule="sync"``: no module is
-            attached, so there is no backward to overlap a round with).
+            "local"``: one exchange per round, as every rank learns; and ``schedule="sync"``:
+            no module is attached, so there is no backward to overlap a round with).
 
     Raises:
         ConfigError: on a bad argument, naming it.

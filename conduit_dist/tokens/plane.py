@@ -1,0 +1,395 @@
+"""``TokenPlane``: token experience for LLM RL across torchrun ranks (docs/tokens.md).
+
+Producers ``put`` ragged sequences of prompt groups into their own shard (no copy to another
+rank until a learner takes them); learners ``stream`` (or ``fetch``) a global batch of whole
+groups as token-balanced micro-batches, the same count on every learner; producers call
+``flush`` to take part in the rounds, and ``reserve`` before generating to be paced by the
+learners' policy version instead of having stale output dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from conduit_dist.collectives.dist import resolve_device
+from conduit_dist.collectives.exchange import Exchange
+from conduit_dist.collectives.topology import discover
+from conduit_dist.collectives.transport import Transport
+from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError
+from conduit_dist.flow.versions import check_max_age
+from conduit_dist.flow.weights import WeightsState
+from conduit_dist.plane.build import bandwidth_model, rank_set
+from conduit_dist.plane.options import TransportConfig
+from conduit_dist.tokens.batch import MicroBatch
+from conduit_dist.tokens.checkpoint import load_shares, save_shard
+from conduit_dist.tokens.pacing import Pacer
+from conduit_dist.tokens.round import Request, TokenRound, TokenRoundStats
+from conduit_dist.tokens.spec import TokenSpec, check_batch
+from conduit_dist.tokens.store import GroupStore
+
+log = logging.getLogger("conduit_dist")
+_ids = itertools.count()
+REPLAYS = (None, "uniform", "prioritized")
+
+
+class TokenPlane:
+    """A sharded store of token sequences in prompt groups, delivered as balanced micro-batches.
+
+    Args:
+        spec: the fields (:class:`TokenSpec`: ragged per-token fields, fixed ones, the group
+            field and ``group_size``).
+        capacity_per_rank: sequences one shard holds.
+        tokens_per_rank: tokens one shard holds (every ragged field alike); the oldest groups
+            are evicted whole, and counted, when either capacity binds.
+        learner_ranks: ranks that take micro-batches (default: all).
+        producer_ranks: ranks that generate and ``reserve`` (default: all).
+        max_policy_age: a delivered sequence's oldest token is at most this many versions
+            behind the first learner's (``None``: no bound). With ``reserve`` nothing is ever
+            dropped for age; without it, groups already too old are evicted and counted.
+        groups_per_batch: the global batch, in groups (pacing: producers may run this many
+            groups per version, ``max_policy_age + 1`` versions ahead).
+        replay: ``None`` (each group delivered once: GRPO/PPO), ``"uniform"`` or
+            ``"prioritized"`` (groups drawn again and again, by ``priority ** alpha``).
+        alpha: prioritized replay's exponent.
+        seed: the replay draw's seed.
+        device: where micro-batches land (``"cuda"``: composed on the host, copied once).
+        transport: collectives' timeout, strategy and bandwidth model (:class:`TransportConfig`).
+
+    Raises:
+        ConfigError: on a bad argument, naming it, the expected and the received value.
+        SpecError: on a capacity that cannot hold one group or one longest sequence.
+
+    Example::
+
+        spec = cd.TokenSpec({"tokens": cd.Ragged(torch.int32, 4096),
+                             "reward": ((), torch.float32)}, group_size=8)
+        with cd.TokenPlane(spec, 4096, 1 << 20, max_policy_age=1, groups_per_batch=32) as tp:
+            ...
+    """
+
+    def __init__(
+        self,
+        spec: TokenSpec,
+        capacity_per_rank: int,
+        tokens_per_rank: int,
+        *,
+        learner_ranks: Sequence[int] | None = None,
+        producer_ranks: Sequence[int] | None = None,
+        max_policy_age: int | None = None,
+        groups_per_batch: int | None = None,
+        replay: str | None = None,
+        alpha: float = 0.6,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        transport: TransportConfig | None = None,
+    ) -> None:
+        if not isinstance(spec, TokenSpec):
+            raise ConfigError(f"spec: expected a TokenSpec, got {type(spec).__name__}")
+        if replay not in REPLAYS:
+            raise ConfigError(f"replay: expected one of {list(REPLAYS)}, got {replay!r}")
+        max_age = check_max_age("max_policy_age", max_policy_age)
+        transport = TransportConfig.of(transport)
+        self.spec, self.device = spec, resolve_device(device)
+        self.store = GroupStore(spec, capacity_per_rank, tokens_per_rank)
+        self.ex = Exchange(transport.timeout_s, name=f"tokens{next(_ids)}", device="cpu")
+        try:
+            self.learners = rank_set("learner_ranks", learner_ranks, self.ex.world)
+            producers = rank_set("producer_ranks", producer_ranks, self.ex.world)
+            topo = discover(self.ex)
+            model, _ = bandwidth_model(
+                transport.bandwidth, self.ex, topo, transport.bandwidth_cache
+            )
+        except BaseException:
+            self.ex.close()
+            raise
+        self.rank, self.world = self.ex.rank, self.ex.world
+        moves = Transport(self.ex, topo, model, transport.strategy)
+        self.engine = TokenRound(
+            self.store,
+            self.ex,
+            moves,
+            self.learners,
+            max_age,
+            replay,
+            float(alpha),
+            int(seed),
+            self.device,
+        )
+        self.pacer = Pacer(max_age, groups_per_batch, producers, self.rank)
+        self.weights = WeightsState()
+        self.version = 0  # this rank's: published (learners) or pulled (producers)
+        self.newest = 0  # the first learner's, as of the last round
+        self.closed, self.closed_by = False, -1
+        self.last: TokenRoundStats | None = None
+        self.totals = {"delivered_groups": 0, "wire_bytes": 0, "token_bytes": 0, "rounds": 0}
+        self._sends_weights = any(r not in self.learners for r in range(self.world))
+
+    # ------------------------------------------------------------------ producers
+
+    def put(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        lengths: torch.Tensor | None = None,
+        *,
+        version: int | None = None,
+        token_versions: torch.Tensor | None = None,
+    ) -> None:
+        """Store sequences on this rank's shard (no collective); checked whole first.
+
+        Args:
+            batch: ragged fields packed ``[sum(L), *inner]`` (with ``lengths``) or as jagged
+                nested tensors; fixed fields ``[B, *shape]``, the group field among them.
+            lengths: ``[B]`` sequence lengths (omit with nested tensors).
+            version: the policy version that generated them (default: this rank's).
+            token_versions: ``[sum(L)]`` int64 per-token versions; a sequence counts as old
+                as its oldest token.
+
+        Raises:
+            SpecError: naming the field, expected and received value; nothing is stored.
+            ConfigError: after ``close``.
+        """
+        self._open("put")
+        v = self.version if version is None else int(version)
+        self.store.add(check_batch(self.spec, batch, lengths, v, token_versions))
+
+    def reserve(self, group_ids: Sequence[int], model: nn.Module | None = None) -> int | None:
+        """Ask before generating ``group_ids``: waits (running rounds, as ``flush``) while
+        output generated now could exceed ``max_policy_age`` by the time it is consumed.
+
+        Args:
+            group_ids: the groups about to be generated (new on this rank).
+            model: pulled to the newest weights first (producers that are not learners).
+
+        Returns:
+            The policy version to generate with (tag the sequences with it), or ``None`` once
+            a learner has closed the plane.
+
+        Raises:
+            ConfigError: on a rank not in ``producer_ranks``; SpecError: on a reused group id.
+        """
+        self._open("reserve")
+        ids = [int(g) for g in group_ids]
+        while True:
+            if model is not None and self.rank not in self.learners:
+                self.pull_weights(model)
+            if self.pacer.allows(len(ids), self.version):
+                self.store.reserve(ids, self.version)
+                self.pacer.started += len(ids)
+                return self.version
+            if not self.flush():
+                return None
+
+    def flush(self) -> bool:
+        """Take part in one round without asking for groups (producers, idle learners).
+
+        Returns:
+            ``False`` once a rank has closed the plane (then stop and ``close``).
+        """
+        if self.closed_by >= 0:
+            return False
+        self._round(Request())
+        return self.closed_by < 0
+
+    # ------------------------------------------------------------------ learners
+
+    def stream(
+        self,
+        num_groups: int,
+        token_budget: int,
+        *,
+        produce: Callable[[], None] | None = None,
+        wait_s: float = 600.0,
+    ) -> Iterator[MicroBatch]:
+        """A global batch of ``num_groups`` whole groups, as micro-batches as soon as enough
+        complete groups exist (every learner calls it alike; collective).
+
+        Args:
+            num_groups: groups in the global batch (at least one per learner).
+            token_budget: tokens per micro-batch; each learner gets the same number of
+                micro-batches, none empty, balanced by tokens (a group is never split).
+            produce: called before each round on this rank (colocated generation).
+            wait_s: give up when the batch is not complete after this long.
+
+        Yields:
+            :class:`MicroBatch` es; ``mb.index == (i, count)`` within each delivered piece.
+
+        Raises:
+            ConfigError: on a non-learner rank, fewer groups than learners or a budget < 1.
+            EmptyStoreError: when ``wait_s`` passes first.
+        """
+        yield from self._take(num_groups, token_budget, produce, wait_s, streaming=True)
+
+    def fetch(
+        self,
+        num_groups: int,
+        token_budget: int,
+        *,
+        produce: Callable[[], None] | None = None,
+        wait_s: float = 600.0,
+    ) -> list[MicroBatch]:
+        """The whole global batch at once: rounds run until ``num_groups`` complete groups
+        exist, then one piece is delivered (arguments and errors as :meth:`stream`)."""
+        return list(self._take(num_groups, token_budget, produce, wait_s, streaming=False))
+
+    def _take(self, n: int, budget: int, produce, wait_s: float, streaming: bool):
+        self._open("stream")
+        if self.rank not in self.learners:
+            raise ConfigError(
+                f"stream/fetch: rank {self.rank} is not a learner (learner_ranks="
+                f"{list(self.learners)}); producers call flush()"
+            )
+        for name, v in (("num_groups", n), ("token_budget", budget)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}: expected an int >= 1, got {v!r}")
+        start, left = time.monotonic(), n
+        while left:
+            if time.monotonic() - start > wait_s:
+                raise EmptyStoreError(
+                    f"stream: {n - left} of {n} groups delivered after "
+                    f"{wait_s:.0f} s (wait_s); are the producers putting "
+                    "whole groups and calling flush()?"
+                )
+            if produce is not None:
+                produce()
+            piece = len(self.learners) if streaming else left
+            out, stats = self._round(Request(left, budget, piece))
+            left -= stats.groups
+            yield from out
+            if left and self.closed_by >= 0:
+                raise RoundError(
+                    f"stream: rank {self.closed_by} closed the plane with "
+                    f"{left} of {n} groups undelivered"
+                )
+
+    def update_priorities(self, batch: MicroBatch, priority: torch.Tensor) -> None:
+        """Set the replay priority of each group in ``batch`` (one value per sequence: a group
+        takes its members' mean); applied by the holders in the next round."""
+        gid = batch[self.spec.group].tolist()
+        holder = batch["_holder"].tolist()
+        p = priority.detach().to("cpu", torch.float64).tolist()
+        acc: dict[tuple[int, int], list[float]] = {}
+        for h, g, v in zip(holder, gid, p, strict=True):
+            acc.setdefault((h, g), []).append(v)
+        self.engine.updates += [(h, g, sum(v) / len(v)) for (h, g), v in acc.items()]
+
+    # ------------------------------------------------------------------ versions and weights
+
+    def publish_weights(self, model: nn.Module | None = None) -> int:
+        """Advance the policy version (the first learner); with producer-only ranks, pack
+        ``model``'s weights for the next round's broadcast. Other learners return their count.
+
+        Raises:
+            ConfigError: when producer-only ranks exist and no ``model`` is given.
+        """
+        self._open("publish_weights")
+        if self.rank == self.learners[0] and self._sends_weights:
+            if model is None:
+                raise ConfigError(
+                    "publish_weights: expected the model (producer-only ranks "
+                    "pull its weights), got None"
+                )
+            self.weights.publish(model)
+            self.version = self.weights.version
+        else:
+            self.version += 1
+        return self.version
+
+    def pull_weights(self, model: nn.Module) -> int:
+        """Load the newest weights received into ``model`` (producer-only ranks); returns their
+        version (unchanged when nothing newer arrived)."""
+        v = self.weights.pull(model)
+        self.version = max(self.version, v)
+        return self.version
+
+    # ------------------------------------------------------------------ rounds, state
+
+    def _round(self, req: Request) -> tuple[list[MicroBatch], TokenRoundStats]:
+        if self.closed_by >= 0:
+            raise RoundError(f"token plane: rank {self.closed_by} closed it; no further round")
+        out, stats = self.engine.run(req, self.weights, self.version)
+        self.newest, self.last = stats.newest, stats
+        if stats.closing_rank >= 0:
+            self.closed_by = stats.closing_rank
+        t = self.totals
+        t["delivered_groups"] += stats.groups
+        t["wire_bytes"] += stats.wire_bytes
+        t["token_bytes"] += stats.token_bytes
+        t["rounds"] += 1
+        return out, stats
+
+    def stats(self) -> dict[str, int]:
+        """This shard's counters: groups, sequences and tokens stored, evictions (capacity and
+        age), and what this rank received."""
+        s = self.store
+        return {
+            "groups": len(s.groups),
+            "sequences": s.sequences,
+            "tokens": s.live_tokens,
+            "evicted_groups": s.evicted_groups,
+            "evicted_sequences": s.evicted_sequences,
+            "stale_evicted": self.engine.stale_evicted,
+            **self.totals,
+        }
+
+    def state_dict(self) -> dict[str, object]:
+        """This rank's groups and counters (plain tensors; ``weights_only`` loads them)."""
+        return {
+            "store": self.store.state_dict(),
+            "round": self.engine.round,
+            "version": self.version,
+            "newest": self.newest,
+            "started": self.pacer.started,
+            "world": self.world,
+        }
+
+    def checkpoint(self, root: str) -> None:
+        """Write every rank's buffered, not yet consumed groups under ``root`` (collective)."""
+        self._open("checkpoint")
+        save_shard(
+            root,
+            self.rank,
+            self.world,
+            self.state_dict(),
+            self.ex,
+            self.spec.group,
+            self.spec.group_size,
+        )
+
+    def restore(self, root: str) -> None:
+        """Load the groups a checkpoint under ``root`` holds, dealt whole over this job's ranks
+        (any world size), and the counters (collective)."""
+        self._open("restore")
+        load_shares(root, self.rank, self.world, self, self.ex)
+
+    def _open(self, what: str) -> None:
+        if self.closed:
+            raise ConfigError(f"{what}: the token plane is closed")
+
+    def close(self) -> None:
+        """Run the closing round (unless a peer's already ran) and release the group."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.closed_by < 0:
+                self._round(Request(closing=True))
+        finally:
+            with contextlib.suppress(Exception):
+                self.ex.close()
+
+    def __enter__(self) -> TokenPlane:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # an exception: the peers' next round fails with this rank named, not hangs
+            self.closed = True
+            self.ex.close()

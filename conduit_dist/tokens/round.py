@@ -1,0 +1,314 @@
+"""One token round: every rank's group table in one all-gather, the same selection and
+token-balanced plan on every rank, then the selected groups' sequences in one exchange from
+their holders to their learners, without padding.
+
+Steps (each rank, in the same order):
+
+1. ``meta``: a fixed row (table rows, the learners' request, the first learner's version and
+   weights size, closing) and this rank's group table (complete groups, groups still
+   generating, priority updates), all-gathered.
+2. ``weights``: the first learner's newer weights, broadcast.
+3. ``select``: stale groups evicted (only if producers skip ``reserve``), then the piece
+   (``tokens/select.py``), identical everywhere.
+4. ``plan``: the piece over the learners by tokens, each share into micro-batches
+   (``tokens/balance.py``).
+5. ``deliver``: holders pack their selected groups per learner (``tokens/wire.py``); one
+   exchange whose byte matrix every rank derived from the tables; learners cut micro-batches.
+6. ``take``: consume-once groups leave their holders.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conduit_dist.errors import ConfigError, StaleDataError
+from conduit_dist.tokens import balance
+from conduit_dist.tokens import select as S
+from conduit_dist.tokens.batch import MicroBatch
+from conduit_dist.tokens.store import GroupStore
+from conduit_dist.tokens.wire import LENGTHS, VERSIONS, Wire
+
+# meta row columns
+ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING = range(7)
+META_WIDTH = 7
+
+
+@dataclass
+class Request:
+    """What a rank asks of a round (learners: the same on every learner)."""
+
+    want: int = 0  # groups still wanted for the global batch (0: none, a producer's flush)
+    budget: int = 0  # tokens per micro-batch
+    min_piece: int = 0  # the smallest piece worth delivering (streaming: one per learner)
+    closing: bool = False
+
+
+@dataclass
+class TokenRoundStats:
+    """What a round did (the same on every rank except the byte and time fields)."""
+
+    round: int
+    groups: int = 0  # delivered in this round, to every learner together
+    newest: int = 0  # the first learner's version
+    oldest_delivered: int = -1  # the oldest version among delivered sequences (-1: none)
+    wire_bytes: int = 0  # bytes this rank received
+    token_bytes: int = 0  # of which sequence data (fields, lengths, versions) without padding
+    stale_evicted: int = 0  # groups this rank evicted as too old
+    closing_rank: int = -1  # a rank that closed the plane in this round
+    ms: float = 0.0
+
+
+class TokenRound:
+    """Runs a token plane's rounds (see the module docstring).
+
+    Args:
+        store: this rank's shard.
+        ex: the plane's collectives; transport: the strategy per exchange.
+        learners: the learner ranks; the first publishes versions and weights.
+        max_age: ``max_policy_age`` (``None``: no bound).
+        replay: ``None`` (consume once), ``"uniform"`` or ``"prioritized"``.
+        alpha: the priority exponent of prioritized replay.
+        seed: the replay draw's seed (the same on every rank).
+        device: where micro-batches are delivered.
+    """
+
+    def __init__(
+        self,
+        store: GroupStore,
+        ex,
+        transport,
+        learners: tuple[int, ...],
+        max_age: int | None,
+        replay: str | None,
+        alpha: float,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        self.store, self.ex, self.transport = store, ex, transport
+        self.wire = Wire(store.spec)
+        self.learners, self.max_age, self.replay = learners, max_age, replay
+        self.alpha, self.seed, self.device = alpha, seed, device
+        self.round = 0
+        self.stale_evicted = 0
+        self.updates: list[tuple[int, int, float]] = []  # (holder, gid, priority) to send
+
+    # ------------------------------------------------------------------ meta
+
+    def _table(self) -> np.ndarray:
+        rows = [
+            (g.gid, g.tokens, len(g.slots), g.version, g.complete_at, g.priority)
+            for g in self.store.groups.values()
+        ]
+        rows += [(gid, holder, 0, 0, S.UPDATE, p) for holder, gid, p in self.updates]
+        self.updates = []
+        t = np.zeros((len(rows), S.WIDTH), dtype=np.int64)
+        for i, r in enumerate(rows):
+            t[i, : S.PRIORITY] = r[: S.PRIORITY]
+            t[i, S.PRIORITY] = np.float64(r[S.PRIORITY]).view(np.int64)
+        return t  # a group not complete yet has ORDER -1 = select.PENDING
+
+    def _gather(self, req: Request, weights, version: int):
+        table = self._table()
+        row = torch.zeros(META_WIDTH, dtype=torch.int64)
+        row[ROWS], row[WANT], row[BUDGET] = len(table), req.want, req.budget
+        row[MIN_PIECE], row[CLOSING] = req.min_piece, int(req.closing)
+        if self.ex.rank == self.learners[0]:
+            row[VERSION] = version
+            fresh = weights.buf is not None and weights.version > weights.broadcast
+            row[WBYTES] = weights.buf.numel() if fresh else 0
+        meta = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
+        width = int(meta[:, ROWS].max()) * S.WIDTH
+        flat = torch.zeros(max(width, 1), dtype=torch.int64)
+        flat[: table.size] = torch.from_numpy(table.reshape(-1))
+        tables = self.ex.all_gather_start(flat, self.round).wait().numpy()
+        groups, updates = S.gather_tables(
+            tables[:, :width] if width else tables[:, :0], meta[:, ROWS]
+        )
+        return meta, groups, updates
+
+    def _check(self, meta: np.ndarray) -> Request:
+        """The learners' common request (they must agree; producers ask for nothing)."""
+        first = meta[self.learners[0]]
+        for r in range(meta.shape[0]):
+            asked = meta[r, [WANT, BUDGET, MIN_PIECE]]
+            expect = first[[WANT, BUDGET, MIN_PIECE]] if r in self.learners else np.zeros(3)
+            if not np.array_equal(asked, expect):
+                raise ConfigError(
+                    f"token round {self.round}: rank {r} asked for (groups, token_budget, "
+                    f"min_piece) = {tuple(asked.tolist())}, expected {tuple(expect.tolist())} "
+                    "(every learner runs the same stream or fetch; producers call flush)"
+                )
+        return Request(int(first[WANT]), int(first[BUDGET]), int(first[MIN_PIECE]))
+
+    # ------------------------------------------------------------------ the round
+
+    def run(self, req: Request, weights, version: int) -> tuple[list[MicroBatch], TokenRoundStats]:
+        """Run one round (collective). Returns this rank's micro-batches (learners) and stats.
+
+        Args:
+            req: this rank's request.
+            weights: the plane's ``WeightsState`` (the first learner's newer buffer is sent).
+            version: this rank's policy version (the first learner's is the newest).
+
+        Raises:
+            ConfigError: when the learners' requests differ or fewer groups than learners are
+                asked for.
+            StaleDataError: if a selected sequence is older than the bound (a bug: the
+                selection skips them).
+            RoundError: on a timeout or a failed peer.
+        """
+        t0 = time.perf_counter()
+        meta, groups, updates = self._gather(req, weights, version)
+        req = self._check(meta)
+        stats = TokenRoundStats(self.round, newest=int(meta[self.learners[0], VERSION]))
+        closing = np.flatnonzero(meta[:, CLOSING])
+        stats.closing_rank = int(closing[0]) if len(closing) else -1
+        src = self.learners[0]
+        if meta[src, WBYTES]:  # producer-only ranks exist and the first learner published
+            weights.exchange(
+                self.ex, src, stats.newest, int(meta[src, WBYTES]), self.round, weights.snapshot()
+            )
+        self._apply_updates(updates)
+        old = S.stale(groups, stats.newest, self.max_age)
+        self._evict(groups, old, stats)
+        chosen = self._select(groups, req, old, stats.newest)
+        out: list[MicroBatch] = []
+        if len(chosen):
+            if (
+                self.max_age is not None
+                and groups.version[chosen].min() < stats.newest - self.max_age
+            ):
+                raise StaleDataError(
+                    f"token round {self.round}: a selected group is older "
+                    f"than max_policy_age={self.max_age}"
+                )
+            plan = balance.plan(groups.tokens[chosen].tolist(), len(self.learners), req.budget)
+            out = self._deliver(groups, chosen, plan, stats)
+            stats.groups = len(chosen)
+            stats.oldest_delivered = int(groups.version[chosen].min())
+            if self.replay is None:
+                mine = chosen[groups.rank[chosen] == self.ex.rank]
+                self.store.remove(groups.table[mine, S.GID].tolist())
+        stats.ms = (time.perf_counter() - t0) * 1e3
+        self.round += 1
+        return out, stats
+
+    def _apply_updates(self, updates: np.ndarray) -> None:
+        for gid, holder, bits in updates[:, [S.GID, S.TOKENS, S.PRIORITY]].tolist():
+            grp = self.store.groups.get(gid) if holder == self.ex.rank else None
+            if grp is not None:  # a group consumed or evicted meanwhile: dropped
+                grp.priority = float(np.int64(bits).view(np.float64))
+
+    def _evict(self, groups: S.Groups, old: np.ndarray, stats: TokenRoundStats) -> None:
+        mine = old & (groups.rank == self.ex.rank)
+        if mine.any():
+            self.store.remove(groups.table[mine, S.GID].tolist())
+            stats.stale_evicted = int(mine.sum())
+            self.stale_evicted += stats.stale_evicted
+
+    def _select(self, groups: S.Groups, req: Request, old: np.ndarray, newest: int):
+        if req.want == 0:
+            return np.zeros(0, dtype=np.int64)
+        if req.want < len(self.learners):
+            raise ConfigError(
+                f"token round {self.round}: cannot give each of "
+                f"{len(self.learners)} learners a group: the batch asks for "
+                f"{req.want}; ask for at least {len(self.learners)} groups"
+            )
+        if self.replay is None:
+            return S.consume(
+                groups, req.want, len(self.learners), req.min_piece, newest, self.max_age, old
+            )
+        rng = np.random.default_rng([self.seed, self.round])
+        alpha = self.alpha if self.replay == "prioritized" else None
+        return S.replay(groups, req.want, rng, alpha, old)
+
+    # ------------------------------------------------------------------ delivery
+
+    def _deliver(self, groups: S.Groups, chosen: np.ndarray, plan, stats) -> list[MicroBatch]:
+        world, me = self.ex.world, self.ex.rank
+        dest = np.full(len(chosen), -1)
+        order = []  # per learner, the chosen positions in its micro-batch order
+        for li, mbs in enumerate(plan):
+            flat = [i for mb in mbs for i in mb]
+            dest[flat] = self.learners[li]
+            order.append(flat)
+        holder = groups.rank[chosen]
+        n = np.zeros((world, world), np.int64)
+        t = np.zeros((world, world), np.int64)
+        np.add.at(n, (holder, dest), groups.table[chosen, S.MEMBERS])
+        np.add.at(t, (holder, dest), groups.tokens[chosen])
+        nbytes = (
+            np.vectorize(self.wire.nbytes)(n, t)
+            if world > 1
+            else np.array([[self.wire.nbytes(int(n[0, 0]), int(t[0, 0]))]])
+        )
+        send = torch.empty(int(nbytes[me].sum()), dtype=torch.uint8)
+        at = 0
+        for li, flat in enumerate(order):
+            d = self.learners[li]
+            mine = [i for i in flat if holder[i] == me]
+            if mine:
+                self._pack(send[at : at + nbytes[me, d]], groups, chosen[mine])
+            at += int(nbytes[me, d])
+        recv = torch.empty(int(nbytes[:, me].sum()), dtype=torch.uint8)
+        self.transport.move(recv, send, nbytes, self.round, "tokens")
+        stats.wire_bytes = int(nbytes[:, me].sum())
+        stats.token_bytes = int(
+            n[:, me].sum() * self.wire.seq_bytes + t[:, me].sum() * self.wire.token_bytes
+        )
+        if me not in self.learners:
+            return []
+        li = self.learners.index(me)
+        return self._cut(recv, nbytes[:, me], groups, chosen, holder, plan[li])
+
+    def _pack(self, buf: torch.Tensor, groups: S.Groups, rows: np.ndarray) -> None:
+        store = self.store
+        slots = [s for gid in groups.table[rows, S.GID].tolist() for s in store.groups[gid].slots]
+        idx = torch.as_tensor(slots, dtype=torch.int64)
+        tok = store.token_index(slots)
+        cols = self.wire.columns(buf, len(slots), int(tok.numel()))
+        for name, col in store.fixed.items():
+            torch.index_select(col, 0, idx, out=cols[name])
+        cols[LENGTHS].copy_(torch.from_numpy(store.length[slots]))
+        cols[VERSIONS].copy_(torch.from_numpy(store.version[slots]))
+        for name, arena in store.arena.items():
+            torch.index_select(arena, 0, tok, out=cols[name])
+
+    def _cut(self, recv, sizes, groups, chosen, holder, mbs) -> list[MicroBatch]:
+        """This learner's micro-batches from the received sections (one copy per field)."""
+        members = groups.table[chosen, S.MEMBERS]
+        tokens = groups.tokens[chosen]
+        where: dict[int, tuple[dict, int, int]] = {}  # chosen position -> (columns, seq, tok)
+        at = 0
+        for src in range(self.ex.world):
+            mine = [i for mb in mbs for i in mb if holder[i] == src]
+            n, t = int(members[mine].sum()), int(tokens[mine].sum())
+            cols = self.wire.columns(recv[at : at + int(sizes[src])], n, t)
+            seq = tok = 0
+            for i in mine:
+                where[i] = (cols, seq, tok)
+                seq, tok = seq + int(members[i]), tok + int(tokens[i])
+            at += int(sizes[src])
+        out = []
+        ragged = tuple(self.wire.ragged)
+        for k, mb in enumerate(mbs):
+            fields = {}
+            for name in (*self.wire.fixed, *ragged):
+                per_tok = name in self.wire.ragged
+                pieces = []
+                for i in mb:
+                    cols, seq, tok = where[i]
+                    a, b = (tok, tok + int(tokens[i])) if per_tok else (seq, seq + int(members[i]))
+                    pieces.append(cols[name][a:b])
+                fields[name] = torch.cat(pieces).to(self.device)
+            fields["_holder"] = torch.as_tensor(np.repeat(holder[mb], members[mb])).to(self.device)
+            lengths = fields[LENGTHS]
+            cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+            cu[1:] = torch.cumsum(lengths, 0)
+            out.append(MicroBatch(fields, cu, int(lengths.max()), (k, len(mbs)), ragged))
+        return out

@@ -1,0 +1,103 @@
+"""Which complete groups a token round delivers: the same decision on every rank, from the
+round's replicated group table.
+
+Consume-once (on-policy): the oldest policy versions first, then completion order; groups at
+the age bound (``version <= newest - max_policy_age``) must all be in this global batch, so
+room is kept for those still being generated. Replay: ``want`` distinct groups drawn uniformly,
+or in proportion to ``priority ** alpha``, from every complete group; the store keeps them.
+A streamed piece leaves either nothing or at least one group per learner for later pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# columns of a rank's group table (int64; priority as float64 bits)
+GID, TOKENS, MEMBERS, VERSION, ORDER, PRIORITY = range(6)
+WIDTH = 6
+PENDING = -1  # ORDER of a group still waiting for members
+UPDATE = -2  # ORDER of a row that carries a priority update (GID, holder in TOKENS, PRIORITY)
+
+
+@dataclass
+class Groups:
+    """Every rank's groups, concatenated (rank-major)."""
+
+    rank: np.ndarray
+    table: np.ndarray  # [n, WIDTH]
+
+    @property
+    def complete(self) -> np.ndarray:
+        return self.table[:, ORDER] >= 0
+
+    @property
+    def version(self) -> np.ndarray:
+        return self.table[:, VERSION]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.table[:, TOKENS]
+
+
+def gather_tables(tables: np.ndarray, rows: np.ndarray) -> tuple[Groups, np.ndarray]:
+    """Split the gathered ``[world, max_rows * WIDTH]`` tables into groups and update rows."""
+    world = tables.shape[0]
+    parts = [tables[r].reshape(-1, WIDTH)[: rows[r]] for r in range(world)]
+    table = np.concatenate(parts) if parts else np.zeros((0, WIDTH), np.int64)
+    rank = np.repeat(np.arange(world), rows)
+    upd = table[:, ORDER] == UPDATE
+    return Groups(rank[~upd], table[~upd]), table[upd]
+
+
+def stale(groups: Groups, newest: int, max_age: int | None) -> np.ndarray:
+    """Complete groups already older than the bound (evicted: only when producers do not
+    pace themselves with ``reserve``)."""
+    if max_age is None:
+        return np.zeros(len(groups.rank), dtype=bool)
+    return groups.complete & (groups.version < newest - max_age)
+
+
+def consume(
+    groups: Groups,
+    want: int,
+    learners: int,
+    min_piece: int,
+    newest: int,
+    max_age: int | None,
+    skip: np.ndarray,
+) -> np.ndarray:
+    """Indices (into ``groups``) of this round's consume-once piece, in delivery order."""
+    ok = groups.complete & ~skip
+    order = np.lexsort((groups.rank, groups.table[:, ORDER], groups.version))
+    cand = order[ok[order]]
+    waiting = 0
+    if max_age is not None:  # groups at the bound still generating: keep room for them
+        at_bound = (groups.version <= newest - max_age) & ~groups.complete
+        waiting = int(at_bound.sum())
+    k = min(len(cand), want - waiting)
+    return cand[: piece(k, want, learners, min_piece)]
+
+
+def piece(k: int, want: int, learners: int, min_piece: int) -> int:
+    """The largest deliverable piece <= ``k``: all that is wanted, or one that leaves at least
+    one group per learner and is at least ``min_piece`` (else 0: wait for more)."""
+    if k >= want:
+        return want
+    k = min(k, want - learners)
+    return k if k >= max(min_piece, learners) else 0
+
+
+def replay(
+    groups: Groups, want: int, rng: np.random.Generator, alpha: float | None, skip: np.ndarray
+) -> np.ndarray:
+    """``want`` distinct complete groups, uniformly or by ``priority ** alpha`` (none when fewer
+    are stored)."""
+    cand = np.flatnonzero(groups.complete & ~skip)
+    if len(cand) < want:
+        return cand[:0]
+    if alpha is None:
+        return rng.choice(cand, size=want, replace=False)
+    p = groups.table[cand, PRIORITY].view(np.float64) ** alpha
+    return rng.choice(cand, size=want, replace=False, p=p / p.sum())

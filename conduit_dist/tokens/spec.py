@@ -1,0 +1,260 @@
+"""Token experience: ragged per-token fields beside fixed per-sequence ones, and the check that
+turns a ``put`` batch into packed columns.
+
+A :class:`TokenSpec` names the per-token fields (``tokens: int32[L]``, ``logprobs: float32[L]``,
+...; every ragged field of one sequence has the same length ``L <= max_len``) and the fixed
+per-sequence fields (``reward: float32``, the group field, ...). A batch of ``B`` sequences
+arrives either packed (each ragged field ``[sum(L), *inner]`` and ``lengths=[B]``) or as
+torch's jagged nested tensors (``torch.nested.nested_tensor(..., layout=torch.jagged)``); it is
+checked whole before anything is stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from conduit_dist.errors import SpecError
+from conduit_dist.records.spec import SUPPORTED, FieldSpec
+
+TOKEN_VERSION = "_token_version"  # optional per-token policy versions (put(..., token_versions=))
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """A per-token field: ``L`` values of ``inner`` shape per sequence, ``1 <= L <= max_len``.
+
+    Args:
+        dtype: element dtype (one of the plane's supported dtypes).
+        max_len: the longest sequence accepted (tokens).
+        inner: per-token shape, ``()`` for one value per token.
+        allow_nonfinite: accept NaN/inf in a floating field (rejected by default).
+    """
+
+    dtype: torch.dtype
+    max_len: int
+    inner: tuple[int, ...] = ()
+    allow_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED:
+            raise SpecError(
+                f"Ragged.dtype: expected one of {[str(d) for d in SUPPORTED]}, got {self.dtype}"
+            )
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1:
+            raise SpecError(f"Ragged.max_len: expected an int >= 1, got {self.max_len!r}")
+        object.__setattr__(self, "inner", tuple(int(s) for s in self.inner))
+        if any(s <= 0 for s in self.inner):
+            raise SpecError(f"Ragged.inner: expected positive sizes, got {self.inner}")
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes per token."""
+        return math.prod(self.inner) * self.dtype.itemsize
+
+
+class TokenSpec:
+    """The fields of one sequence: ragged per-token fields and fixed per-sequence ones.
+
+    Args:
+        fields: ``name -> Ragged(...)`` or ``name -> (shape, dtype)`` (fixed).
+        group: the name of the fixed int64 field that holds each sequence's prompt-group id
+            (added when absent).
+        group_size: sequences per group; a group is deliverable once all have arrived.
+
+    Raises:
+        SpecError: no ragged field, ragged fields with different ``max_len``, a reserved or
+            duplicate name, a bad dtype or shape, or a group field that is not int64 scalar.
+
+    Example:
+        >>> spec = TokenSpec({"tokens": Ragged(torch.int32, 8192),
+        ...                   "reward": ((), torch.float32)}, group_size=8)
+    """
+
+    def __init__(
+        self,
+        fields: Mapping[str, Ragged | tuple[tuple[int, ...], torch.dtype]],
+        group: str = "group",
+        group_size: int = 1,
+    ) -> None:
+        if not isinstance(fields, Mapping) or not fields:
+            raise SpecError(f"fields: expected a non-empty mapping, got {fields!r}")
+        self.ragged = {n: f for n, f in fields.items() if isinstance(f, Ragged)}
+        if not self.ragged:
+            raise SpecError(
+                "fields: expected at least one Ragged field (use ExperienceSpec "
+                "and DataPlane for fixed-size items), got none"
+            )
+        lens = {f.max_len for f in self.ragged.values()}
+        if len(lens) != 1:
+            raise SpecError(
+                f"fields: every Ragged field of a sequence has the same length, so "
+                f"the same max_len; got {sorted(lens)}"
+            )
+        self.max_len = lens.pop()
+        fixed = [
+            FieldSpec(n, tuple(s), d)
+            for n, f in fields.items()
+            if not isinstance(f, Ragged)
+            for s, d in [f]
+        ]
+        for n in self.ragged:
+            FieldSpec(n, (), self.ragged[n].dtype)  # the same name rules as fixed fields
+        if group not in {f.name for f in fixed}:
+            fixed.append(FieldSpec(group, (), torch.int64))
+        self.fixed = {f.name: f for f in fixed}
+        if self.fixed[group].shape != () or self.fixed[group].dtype != torch.int64:
+            f = self.fixed[group]
+            raise SpecError(
+                f"group field {group!r}: expected int64 scalars, got {f.dtype} {list(f.shape)}"
+            )
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise SpecError(f"group_size: expected an int >= 1, got {group_size!r}")
+        self.group, self.group_size = group, group_size
+        self.token_bytes = sum(f.token_bytes for f in self.ragged.values())
+
+    def __repr__(self) -> str:
+        r = ", ".join(
+            f"{n}: {f.dtype}[L{''.join(f', {s}' for s in f.inner)}]" for n, f in self.ragged.items()
+        )
+        fx = ", ".join(f"{n}: {f.dtype}{list(f.shape)}" for n, f in self.fixed.items())
+        return (
+            f"TokenSpec({r}; {fx}; L <= {self.max_len}; group={self.group!r} x {self.group_size})"
+        )
+
+    def state_dict(self) -> dict[str, object]:
+        """A plain description (names, dtypes, shapes) for checkpoints; no pickle."""
+        return {
+            "ragged": {n: [str(f.dtype), f.max_len, list(f.inner)] for n, f in self.ragged.items()},
+            "fixed": {n: [str(f.dtype), list(f.shape)] for n, f in self.fixed.items()},
+            "group": self.group,
+            "group_size": self.group_size,
+        }
+
+
+@dataclass
+class Packed:
+    """A checked ``put`` batch: ``n`` sequences as packed columns (all on the host)."""
+
+    fixed: dict[str, torch.Tensor]  # name -> [n, *shape]
+    ragged: dict[str, torch.Tensor]  # name -> [sum(lengths), *inner]
+    lengths: torch.Tensor  # [n] int64
+    versions: torch.Tensor  # [n] int64: each sequence's oldest token's policy version
+
+    @property
+    def n(self) -> int:
+        """Sequences in the batch."""
+        return int(self.lengths.shape[0])
+
+
+def _unnest(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A jagged nested tensor's packed values and lengths."""
+    if t.layout is not torch.jagged:
+        raise SpecError(
+            f"field {name!r}: expected a packed tensor or a jagged nested tensor "
+            f"(layout=torch.jagged), got layout {t.layout}"
+        )
+    return t.values(), t.offsets().diff().to(torch.int64)
+
+
+def _check_ragged(spec: TokenSpec, name: str, values: torch.Tensor, total: int) -> None:
+    f = spec.ragged[name]
+    if values.dtype != f.dtype:
+        raise SpecError(f"field {name!r}: expected dtype {f.dtype}, got {values.dtype}")
+    if tuple(values.shape) != (total, *f.inner):
+        raise SpecError(
+            f"field {name!r}: expected packed shape {[total, *f.inner]} "
+            f"(sum of lengths = {total}), got {list(values.shape)}"
+        )
+    unchecked = not values.is_floating_point() or f.allow_nonfinite or not total
+    if not unchecked and not bool(torch.isfinite(values).all()):
+        raise SpecError(f"field {name!r}: NaN or inf in a field that does not allow them")
+
+
+def check_batch(
+    spec: TokenSpec,
+    batch: Mapping[str, torch.Tensor],
+    lengths: torch.Tensor | None,
+    version: int,
+    token_versions: torch.Tensor | None = None,
+) -> Packed:
+    """Check a whole ``put`` batch against ``spec`` and return it as packed host columns.
+
+    Args:
+        spec: the plane's token spec.
+        batch: ``name -> tensor``: ragged fields packed (``[sum(L), *inner]``, with
+            ``lengths``) or jagged nested tensors; fixed fields ``[B, *shape]``.
+        lengths: ``[B]`` sequence lengths (``None`` with nested tensors).
+        version: the producer's policy version, used where ``token_versions`` is not given.
+        token_versions: optional ``[sum(L)]`` int64 per-token versions (a response whose
+            generation spanned a weight update); a sequence's version is its oldest token's.
+
+    Returns:
+        The :class:`Packed` batch (copies; the caller may reuse its tensors).
+
+    Raises:
+        SpecError: naming the field, the expected and the received value; nothing is stored.
+    """
+    if not isinstance(batch, Mapping) or batch.keys() != spec.ragged.keys() | spec.fixed.keys():
+        got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise SpecError(
+            f"batch: expected fields {sorted(spec.ragged.keys() | spec.fixed.keys())}, got {got}"
+        )
+    ragged = {}
+    for name in spec.ragged:
+        t = batch[name]
+        if not isinstance(t, torch.Tensor):
+            raise SpecError(f"field {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            t, lens = _unnest(name, t)
+            lengths = lens if lengths is None else lengths
+        ragged[name] = t
+    if lengths is None:
+        raise SpecError(
+            "lengths: expected a [B] int tensor of sequence lengths with packed "
+            "ragged fields, got None"
+        )
+    lengths = torch.as_tensor(lengths).to("cpu", torch.int64).reshape(-1)
+    n = lengths.shape[0]
+    if n == 0:
+        raise SpecError("batch is empty: expected at least one sequence, got 0")
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < 1 or hi > spec.max_len:
+        raise SpecError(
+            f"lengths: expected every length in [1, {spec.max_len}] (max_len), got "
+            f"min {lo}, max {hi}"
+        )
+    total = int(lengths.sum())
+    for name, values in ragged.items():
+        _check_ragged(spec, name, values, total)
+    fixed = {}
+    for name, f in spec.fixed.items():
+        t = batch[name]
+        if not isinstance(t, torch.Tensor) or t.dtype != f.dtype or tuple(t.shape) != (n, *f.shape):
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise SpecError(f"field {name!r}: expected {f.dtype} {[n, *f.shape]}, got {got}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise SpecError(f"field {name!r}: NaN or inf in a field that does not allow them")
+        fixed[name] = t.detach().to("cpu").clone()
+    versions = _versions(token_versions, lengths, total, version)
+    return Packed(
+        fixed,
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in ragged.items()},
+        lengths,
+        versions,
+    )
+
+
+def _versions(tv: torch.Tensor | None, lengths: torch.Tensor, total: int, version: int):
+    """Each sequence's version: its oldest token's (``tv``), or the producer's."""
+    if tv is None:
+        return torch.full((lengths.shape[0],), int(version), dtype=torch.int64)
+    if not isinstance(tv, torch.Tensor) or tv.dtype != torch.int64 or tuple(tv.shape) != (total,):
+        got = f"{tv.dtype} {list(tv.shape)}" if isinstance(tv, torch.Tensor) else type(tv).__name__
+        raise SpecError(f"token_versions: expected int64 [{total}] (one per token), got {got}")
+    seq = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+    out = torch.full((lengths.shape[0],), torch.iinfo(torch.int64).max, dtype=torch.int64)
+    return out.scatter_reduce_(0, seq, tv.to("cpu"), reduce="amin")

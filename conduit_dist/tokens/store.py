@@ -1,0 +1,221 @@
+"""One rank's shard of token experience: sequences in a token arena, grouped by prompt.
+
+Fixed per-sequence fields live in slot-addressed columns (``capacity_items`` slots); ragged
+fields in one arena per field (``capacity_tokens`` tokens), each sequence a contiguous run at
+its ``offset``: no padding. Space freed by delivered or evicted sequences is reclaimed by
+compacting the live runs to the front when the arena's end is reached. A group becomes
+deliverable when its ``group_size`` members have arrived; when either capacity binds, the
+oldest groups (by first arrival) are evicted whole and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from conduit_dist.errors import SpecError
+from conduit_dist.tokens.spec import Packed, TokenSpec
+
+
+@dataclass
+class Group:
+    """A prompt group on this shard: its member slots in arrival order."""
+
+    gid: int
+    first: int  # arrival sequence number of its first member (eviction order)
+    slots: list[int] = field(default_factory=list)
+    tokens: int = 0
+    version: int = 2**62  # its oldest token's version
+    complete_at: int = -1  # arrival sequence number at which it completed (-1: not yet)
+    priority: float = 1.0  # prioritized replay by group
+
+
+class GroupStore:
+    """This rank's sequences and groups.
+
+    Args:
+        spec: the token spec.
+        capacity_items: sequences this shard holds at most.
+        capacity_tokens: tokens this shard holds at most (every ragged field alike).
+
+    Raises:
+        SpecError: if a capacity is not a positive int or a single sequence cannot fit.
+    """
+
+    def __init__(self, spec: TokenSpec, capacity_items: int, capacity_tokens: int) -> None:
+        for name, v in (("capacity_items", capacity_items), ("capacity_tokens", capacity_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"{name}: expected an int >= 1, got {v!r}")
+        if capacity_tokens < spec.max_len:
+            raise SpecError(
+                f"capacity_tokens: expected at least max_len = {spec.max_len} (one "
+                f"longest sequence), got {capacity_tokens}"
+            )
+        if capacity_items < spec.group_size:
+            raise SpecError(
+                f"capacity_items: expected at least group_size = {spec.group_size}, "
+                f"got {capacity_items}"
+            )
+        self.spec, self.cap_items, self.cap_tokens = spec, capacity_items, capacity_tokens
+        self.fixed = {
+            n: torch.zeros((capacity_items, *f.shape), dtype=f.dtype) for n, f in spec.fixed.items()
+        }
+        self.arena = {
+            n: torch.zeros((capacity_tokens, *f.inner), dtype=f.dtype)
+            for n, f in spec.ragged.items()
+        }
+        self.offset = np.zeros(capacity_items, dtype=np.int64)
+        self.length = np.zeros(capacity_items, dtype=np.int64)
+        self.version = np.zeros(capacity_items, dtype=np.int64)
+        self.free = list(range(capacity_items - 1, -1, -1))  # a stack of free slots
+        self.end = 0  # arena tokens in use up to here (live or dead)
+        self.live_tokens = 0
+        self.groups: dict[int, Group] = {}  # gid -> Group, in arrival order
+        self.arrivals = 0
+        self.evicted_groups = self.evicted_sequences = 0
+
+    # ------------------------------------------------------------------ adding
+
+    def add(self, p: Packed) -> None:
+        """Store a checked batch whole (groups' member counts checked first).
+
+        Raises:
+            SpecError: a group would exceed ``group_size`` members, or the batch alone exceeds a
+                capacity; nothing is stored.
+        """
+        gids = p.fixed[self.spec.group].tolist()
+        counts: dict[int, int] = {}
+        for g in gids:
+            counts[g] = counts.get(g, 0) + 1
+        for g, c in counts.items():
+            have = len(self.groups[g].slots) if g in self.groups else 0
+            if have + c > self.spec.group_size:
+                raise SpecError(
+                    f"group {g}: expected at most group_size = {self.spec.group_size}"
+                    f" members, got {have} stored + {c} in this put"
+                )
+        total = int(p.lengths.sum())
+        if p.n > self.cap_items or total > self.cap_tokens:
+            raise SpecError(
+                f"put: {p.n} sequences / {total} tokens exceed this shard's capacity "
+                f"({self.cap_items} / {self.cap_tokens}); put fewer at a time"
+            )
+        self._make_room(p.n, total, set(counts))
+        if self.end + total > self.cap_tokens:
+            self._compact()
+        lengths = p.lengths.numpy()
+        starts = self.end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        slots = [self.free.pop() for _ in range(p.n)]
+        idx = torch.as_tensor(slots)
+        for n, col in self.fixed.items():
+            col[idx] = p.fixed[n]
+        for n, arena in self.arena.items():
+            arena[self.end : self.end + total] = p.ragged[n]
+        self.offset[slots], self.length[slots] = starts, lengths
+        self.version[slots] = p.versions.numpy()
+        self.end += total
+        self.live_tokens += total
+        for i, (s, g) in enumerate(zip(slots, gids, strict=True)):
+            grp = self.groups.get(g)
+            if grp is None:
+                grp = self.groups[g] = Group(g, self.arrivals)
+            grp.slots.append(s)
+            grp.tokens += int(lengths[i])
+            grp.version = min(grp.version, int(self.version[s]))
+            self.arrivals += 1
+            if len(grp.slots) == self.spec.group_size:
+                grp.complete_at = self.arrivals
+
+    def _make_room(self, n: int, tokens: int, keep: set[int]) -> None:
+        """Evict the oldest groups (not those the batch adds to, when others exist) until ``n``
+        slots and ``tokens`` arena tokens are free."""
+        while len(self.free) < n or self.live_tokens + tokens > self.cap_tokens:
+            held = [g for g, grp in self.groups.items() if grp.slots]
+            victim = next((g for g in held if g not in keep), held[0])
+            self.evicted_sequences += len(self.groups[victim].slots)
+            self.evicted_groups += 1
+            self.remove([victim])
+
+    def _compact(self) -> None:
+        """Move every live sequence's tokens to the front of the arena, in arrival order."""
+        slots = [s for g in self.groups.values() for s in g.slots]
+        idx = self.token_index(slots)
+        for arena in self.arena.values():
+            arena[: idx.numel()] = arena[idx]
+        lengths = self.length[slots]
+        self.offset[slots] = np.concatenate(([0], np.cumsum(lengths)[:-1])) if slots else []
+        self.end = int(lengths.sum())
+
+    def reserve(self, gids: list[int], version: int) -> None:
+        """Register groups about to be generated with ``version`` (pacing: rounds keep room
+        for them in the global batch that must take them).
+
+        Raises:
+            SpecError: if a group id is already stored or reserved.
+        """
+        dup = [g for g in gids if g in self.groups]
+        if dup or len(set(gids)) != len(gids):
+            raise SpecError(
+                f"reserve: group ids must be new on this rank, got {dup or gids} "
+                "already stored or repeated"
+            )
+        for g in gids:
+            self.groups[g] = Group(g, self.arrivals, version=int(version))
+
+    # ------------------------------------------------------------------ reading
+
+    def token_index(self, slots: list[int]) -> torch.Tensor:
+        """Arena positions of the tokens of ``slots``, in order."""
+        if not slots:
+            return torch.zeros(0, dtype=torch.int64)
+        lengths = torch.as_tensor(self.length[slots])
+        starts = torch.as_tensor(self.offset[slots])
+        base = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
+        return base + torch.arange(int(lengths.sum()))
+
+    def complete(self) -> list[Group]:
+        """Complete groups, in completion order."""
+        return sorted(
+            (g for g in self.groups.values() if g.complete_at >= 0), key=lambda g: g.complete_at
+        )
+
+    def incomplete(self) -> list[Group]:
+        """Groups still waiting for members."""
+        return [g for g in self.groups.values() if g.complete_at < 0]
+
+    def remove(self, gids: list[int]) -> None:
+        """Drop groups (delivered once, or evicted); their slots and tokens become free."""
+        for g in gids:
+            grp = self.groups.pop(g)
+            self.free.extend(grp.slots)
+            self.live_tokens -= int(self.length[grp.slots].sum())
+
+    @property
+    def sequences(self) -> int:
+        """Sequences stored."""
+        return self.cap_items - len(self.free)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, object]:
+        """Every live sequence, grouped, as plain tensors (loads with ``weights_only=True``)."""
+        order = [s for g in self.groups.values() for s in g.slots]
+        idx = torch.as_tensor(order, dtype=torch.int64)
+        tok = self.token_index(order)
+        return {
+            "fixed": {n: c[idx].clone() for n, c in self.fixed.items()},
+            "ragged": {n: a[tok].clone() for n, a in self.arena.items()},
+            "lengths": torch.as_tensor(self.length[order]),
+            "versions": torch.as_tensor(self.version[order]),
+            "evicted": torch.tensor([self.evicted_groups, self.evicted_sequences]),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Replace this shard's content by ``state`` (as :meth:`state_dict` gives)."""
+        self.remove(list(self.groups))
+        self.end, self.arrivals = 0, 0
+        if int(state["lengths"].shape[0]):
+            self.add(Packed(state["fixed"], state["ragged"], state["lengths"], state["versions"]))
+        self.evicted_groups, self.evicted_sequences = (int(x) for x in state["evicted"])

@@ -1,0 +1,231 @@
+"""Token experience on 3 gloo ranks: ragged sequences delivered byte-identical, groups whole,
+equal micro-batch counts with none empty, pacing by version with nothing stale delivered or
+dropped, and buffered groups restored whole onto another world size."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import run_ranks
+
+import conduit_dist as cd
+
+G, MAX_LEN = 4, 96
+
+
+def make_spec() -> cd.TokenSpec:
+    return cd.TokenSpec(
+        {
+            "tokens": cd.Ragged(torch.int32, MAX_LEN),
+            "logprobs": cd.Ragged(torch.float32, MAX_LEN),
+            "loss_mask": cd.Ragged(torch.bool, MAX_LEN),
+            "reward": ((), torch.float32),
+        },
+        group_size=G,
+    )
+
+
+def member(gid: int, m: int) -> dict[str, torch.Tensor]:
+    """Sequence ``m`` of group ``gid``: its content follows from the two ids alone."""
+    gen = torch.Generator().manual_seed(gid * 131 + m)
+    n = int(torch.randint(1, MAX_LEN + 1, (1,), generator=gen))
+    return {
+        "tokens": torch.randint(0, 50_000, (n,), dtype=torch.int32, generator=gen),
+        "logprobs": -torch.rand(n, generator=gen),
+        "loss_mask": torch.rand(n, generator=gen) > 0.3,
+        "reward": torch.rand((), generator=gen),
+    }
+
+
+def group_batch(gids: list[int], nested: bool = False):
+    """Whole groups as one put: packed fields and lengths (or jagged nested tensors)."""
+    seqs = [member(g, m) for g in gids for m in range(G)]
+    lengths = torch.tensor([s["tokens"].shape[0] for s in seqs])
+    batch = {
+        k: torch.cat([s[k] for s in seqs])
+        if not nested
+        else torch.nested.nested_tensor([s[k] for s in seqs], layout=torch.jagged)
+        for k in ("tokens", "logprobs", "loss_mask")
+    }
+    batch["reward"] = torch.stack([s["reward"] for s in seqs])
+    batch["group"] = torch.tensor(gids).repeat_interleave(G)
+    return batch, (None if nested else lengths)
+
+
+def digest(fields: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in ("tokens", "logprobs", "loss_mask", "reward"):
+        h.update(fields[k].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def sequences(mb: cd.MicroBatch) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """(group id, fields) of each sequence of a micro-batch, cut at ``cu_seqlens``."""
+    cu = mb.cu_seqlens.tolist()
+    out = []
+    for i in range(mb.sequences):
+        f = {k: mb[k][cu[i] : cu[i + 1]] for k in ("tokens", "logprobs", "loss_mask")}
+        f["reward"] = mb["reward"][i]
+        out.append((int(mb["group"][i]), f))
+    return out
+
+
+def check_whole(mbs: list[cd.MicroBatch]) -> dict[int, list[str]]:
+    """Every sequence identical to one put of its group; groups whole in one micro-batch."""
+    seen: dict[int, list[str]] = {}
+    for k, mb in enumerate(mbs):
+        assert mb.index == (k, len(mbs)) and mb.sequences > 0  # none empty
+        for gid, f in sequences(mb):
+            assert gid not in seen or seen[gid][0] == k, f"group {gid} split"
+            seen.setdefault(gid, [k]).append(digest(f))
+    for gid, d in seen.items():
+        assert sorted(d[1:]) == sorted(digest(member(gid, m)) for m in range(G)), gid
+    return {g: d[1:] for g, d in seen.items()}
+
+
+def _deliver(rank: int, world: int, n_groups: int, budget: int) -> dict[str, object]:
+    with cd.TokenPlane(make_spec(), 64, 8192) as tp:
+        mine = [g for g in range(n_groups) if g % world == rank]
+        if mine:  # producers put whole groups: packed on rank 0, jagged nested elsewhere
+            tp.put(*group_batch(mine[:1], nested=rank > 0))
+            if mine[1:]:
+                tp.put(*group_batch(mine[1:]))
+        try:
+            mbs = tp.fetch(n_groups, budget)
+        except cd.ConfigError as exc:
+            return {"error": str(exc)}
+        seen = check_whole(mbs)
+        return {"count": len(mbs), "groups": sorted(seen), "tokens": sum(m.tokens for m in mbs),
+                "stats": tp.stats()}  # fmt: skip
+
+
+@pytest.mark.parametrize(("n_groups", "budget"), [(7, 150), (3, 10_000), (12, 400)])
+def test_delivery_is_byte_identical_whole_and_balanced(n_groups, budget):
+    res = run_ranks(_deliver, 3, n_groups, budget)
+    assert len({r["count"] for r in res.values()}) == 1  # the same micro-batch count
+    got = sorted(g for r in res.values() for g in r["groups"])
+    assert got == list(range(n_groups))  # every group once, on one learner
+    wire = sum(r["stats"]["wire_bytes"] for r in res.values())
+    data = sum(r["stats"]["token_bytes"] for r in res.values())
+    assert data <= wire <= data * 1.05 + 64 * 3 * 8  # no padding: column alignment at most
+
+
+def test_fewer_groups_than_learners_is_refused_on_every_rank():
+    res = run_ranks(_deliver, 3, 1, 1000)
+    for r in res.values():
+        assert "cannot give each of 3 learners a group" in r["error"]
+
+
+def _streaming_paced(rank: int, world: int) -> dict[str, object]:
+    """Learner 0 streams global batches of 4 groups; ranks 1 and 2 generate paced by version
+    (max_policy_age=1), at different speeds; every consumed row's age is checked."""
+    age, per_batch, steps = 1, 4, 6
+    tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0], producer_ranks=[1, 2],
+                       max_policy_age=age, groups_per_batch=per_batch)  # fmt: skip
+    policy = torch.nn.Linear(2, 2)
+    ages, pieces, gid = [], [], rank * 1_000_000
+    if rank == 0:
+        for _ in range(steps):
+            got: list[list[cd.MicroBatch]] = []
+            for mb in tp.stream(per_batch, 300):
+                ages += (tp.newest - mb["_version"]).tolist()
+                got.append([mb]) if mb.index[0] == 0 else got[-1].append(mb)
+            for piece in got:  # each delivered piece: groups whole, micro-batches counted
+                check_whole(piece)
+            pieces.append(len(got))
+            tp.publish_weights(policy)
+    else:
+        while (v := tp.reserve([gid], model=policy)) is not None:
+            batch, lengths = group_batch([gid])
+            for m in range(G):  # members arrive one by one, a round between them
+                sl = slice(int(lengths[:m].sum()), int(lengths[: m + 1].sum()))
+                part = {k: (t[sl] if k in ("tokens", "logprobs", "loss_mask") else t[m : m + 1])
+                        for k, t in batch.items()}  # fmt: skip
+                tp.put(part, lengths[m : m + 1], version=v)
+                if rank == 2 and not tp.flush():  # the slower producer
+                    break
+                if not tp.flush():
+                    break
+            gid += 1
+    stats = tp.stats()
+    tp.close()
+    return {"ages": ages, "pieces": pieces, "stats": stats, "started": tp.pacer.started}
+
+
+def test_pacing_keeps_every_row_within_the_bound_and_drops_nothing():
+    res = run_ranks(_streaming_paced, 3, timeout_s=150)
+    ages = res[0]["ages"]
+    assert ages and max(ages) <= 1 and min(ages) >= 0
+    for r in res.values():
+        assert r["stats"]["stale_evicted"] == 0 and r["stats"]["evicted_groups"] == 0
+    assert res[0]["stats"]["delivered_groups"] == 6 * 4
+    assert any(p > 1 for p in res[0]["pieces"])  # streamed: a batch arrived in pieces
+    # paced: neither producer ran more than (newest + age + 1) x its share of a batch ahead
+    assert all(res[r]["started"] <= (6 + 1 + 1) * 2 for r in (1, 2))
+
+
+def _ckpt(rank: int, world: int, root: str, phase: str) -> dict[str, object]:
+    with cd.TokenPlane(make_spec(), 64, 8192) as tp:
+        if phase == "save":
+            mine = [g for g in range(10) if g % world == rank]
+            tp.put(*group_batch(mine))
+            partial, lengths = group_batch([100 + rank])  # an incomplete group: not kept
+            keep = slice(0, int(lengths[:2].sum()))
+            tp.put({k: (v[keep] if v.shape[0] == int(lengths.sum()) else v[:2])
+                    for k, v in partial.items()}, lengths[:2])  # fmt: skip
+            tp.checkpoint(root)
+            return {}
+        tp.restore(root)
+        held = sorted(tp.store.groups)
+        mbs = tp.fetch(10, 500)
+        return {"held": held, "seen": sorted(check_whole(mbs))}
+
+
+def test_checkpoint_of_buffered_groups_restores_whole_onto_fewer_ranks(tmp_path):
+    run_ranks(_ckpt, 3, str(tmp_path), "save")
+    res = run_ranks(_ckpt, 2, str(tmp_path), "restore")
+    held = [g for r in res.values() for g in r["held"]]
+    assert sorted(held) == list(range(10))  # each complete group on exactly one new rank
+    assert sorted(g for r in res.values() for g in r["seen"]) == list(range(10))
+
+
+def test_bad_input_names_the_field_and_stores_nothing():
+    with cd.TokenPlane(make_spec(), 64, 8192) as tp:
+        batch, lengths = group_batch([0])
+        bad = dict(batch, logprobs=batch["logprobs"].clone())
+        bad["logprobs"][3] = float("nan")
+        with pytest.raises(cd.SpecError, match="'logprobs': NaN"):
+            tp.put(bad, lengths)
+        with pytest.raises(cd.SpecError, match=r"lengths: expected every length in \[1, 96\]"):
+            tp.put(batch, torch.cat([lengths[:-1], torch.tensor([MAX_LEN + 1])]))
+        with pytest.raises(cd.SpecError, match="'tokens': expected dtype torch.int32"):
+            tp.put(dict(batch, tokens=batch["tokens"].long()), lengths)
+        with pytest.raises(cd.SpecError, match="group 0: expected at most group_size = 4"):
+            tp.put(*group_batch([0, 0]))
+        assert tp.stats()["sequences"] == 0
+        tp.put(batch, lengths)
+        assert tp.stats()["sequences"] == G
+
+
+def test_capacity_in_tokens_evicts_oldest_groups_whole():
+    with cd.TokenPlane(make_spec(), 64, 2 * G * MAX_LEN) as tp:
+        for g in range(6):
+            tp.put(*group_batch([g]))
+        s = tp.stats()
+        assert s["evicted_groups"] >= 1 and s["evicted_sequences"] == G * s["evicted_groups"]
+        assert sorted(tp.store.groups) == list(range(s["evicted_groups"], 6))
+        mbs = tp.fetch(6 - s["evicted_groups"], 10_000)
+        assert sorted(check_whole(mbs)) == list(range(s["evicted_groups"], 6))
+
+
+def test_per_token_versions_count_the_oldest_token():
+    with cd.TokenPlane(make_spec(), 64, 8192, max_policy_age=0) as tp:
+        batch, lengths = group_batch([0])
+        tv = torch.full((int(lengths.sum()),), 3, dtype=torch.int64)
+        tv[0] = 2  # generation of sequence 0 spanned a weight update
+        tp.put(batch, lengths, token_versions=tv)
+        assert tp.store.groups[0].version == 2
+        assert np.array_equal(tp.store.version[tp.store.groups[0].slots], [2, 3, 3, 3])
