@@ -36,8 +36,10 @@ from torch import nn
 from torch.utils.data import IterableDataset, get_worker_info
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.integrations.token_loader import check_token_args, iterate_tokens
 from conduit_dist.plane import DataPlane
 from conduit_dist.registry import check_count
+from conduit_dist.tokens import TokenPlane
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -73,6 +75,11 @@ class ExperienceLoader(IterableDataset):
         max_policy_age: passed to ``fetch`` (``None``: the plane's bound).
         donate: put ``collect``'s tensors with ``donate=True`` (do not reuse them until the
             next round has completed).
+        token_budget: with a :class:`~conduit_dist.tokens.TokenPlane`: tokens per
+            micro-batch; ``batch_size`` is then the global batch in groups, ``rounds`` the
+            number of global batches, ``collect`` returns ``(batch, lengths)``, and the loader
+            yields :class:`~conduit_dist.tokens.MicroBatch` es as groups complete
+            (``integrations/token_loader.py``).
 
     Raises:
         ConfigError: on an actor rank, a bad ``batch_size`` / ``min_size`` / ``rounds``, a
@@ -97,11 +104,15 @@ class ExperienceLoader(IterableDataset):
         wait_s: float = 0.0,
         max_policy_age: int | None = None,
         donate: bool = False,
+        token_budget: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(plane, DataPlane):
+        self.token_budget = token_budget
+        if isinstance(plane, TokenPlane):  # micro-batches of whole groups (token_loader.py)
+            check_token_args(plane, token_budget, min_size, donate)
+        elif not isinstance(plane, DataPlane):
             raise ConfigError(f"ExperienceLoader plane: expected a DataPlane, got {type(plane)}")
-        if not plane.is_learner:
+        elif not plane.is_learner:
             raise ConfigError(
                 f"ExperienceLoader: rank {plane.rank} is an actor (learners: "
                 f"{list(plane.learner_ranks)}); actors use cd.ExperienceWriter or plane.flush()"
@@ -130,6 +141,9 @@ class ExperienceLoader(IterableDataset):
                 "or iterate the loader directly"
             )
         plane = self.plane
+        if isinstance(plane, TokenPlane):
+            yield from iterate_tokens(self)
+            return
         if self._seen is None:  # rounds finished before the loop are not the loader's
             self._seen = plane.round - 1
         if self.model is not None:

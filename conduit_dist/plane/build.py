@@ -131,7 +131,8 @@ def check_args(spec, capacity: int, schedule: str, max_lag: int) -> None:
         ConfigError: naming the argument, the expected and the received value.
     """
     if not isinstance(spec, ExperienceSpec):
-        raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}")
+        hint = " (token sequences travel through cd.TokenPlane)" if hasattr(spec, "ragged") else ""
+        raise ConfigError(f"spec: expected an ExperienceSpec, got {type(spec).__name__}{hint}")
     if not isinstance(capacity, int) or capacity < 1:
         raise ConfigError(f"capacity_per_rank: expected an int >= 1, got {capacity!r}")
     check_choice("schedule", schedule, SCHEDULES)

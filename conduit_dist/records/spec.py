@@ -116,6 +116,13 @@ class ExperienceSpec(RecordLayout):
         allow_nonfinite: bool = False,
     ) -> None:
         if isinstance(fields, Mapping):
+            ragged = [n for n, f in fields.items() if type(f).__name__ == "Ragged"]
+            if ragged:
+                raise SpecError(
+                    f"fields {ragged}: variable-length (Ragged) fields are stored by "
+                    "cd.TokenSpec and delivered by cd.TokenPlane (token arenas, prompt groups, "
+                    "token-balanced micro-batches); an ExperienceSpec holds fixed-size fields"
+                )
             fields = [FieldSpec(n, tuple(s), d, allow_nonfinite) for n, (s, d) in fields.items()]
         fields = list(fields)
         if not fields:
