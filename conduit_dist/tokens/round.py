@@ -93,6 +93,7 @@ class TokenRound:
         self.learners, self.max_age, self.replay = learners, max_age, replay
         self.alpha, self.seed, self.device = alpha, seed, device
         self.round = 0
+        self.rows_hint = 16  # table rows the meta all-gather carries (see _gather)
         self.stale_evicted = 0
         self.updates: list[tuple[int, int, float]] = []  # (holder, gid, priority) to send
 
@@ -112,22 +113,31 @@ class TokenRound:
         return t  # a group not complete yet has ORDER -1 = select.PENDING
 
     def _gather(self, req: Request, weights, version: int):
+        """Every rank's meta row and group table: one all-gather carrying the meta and up to
+        ``rows_hint`` table rows (the largest table of the last round, rounded up to a power of
+        two), a second one only for the rows beyond it."""
         table = self._table()
-        row = torch.zeros(META_WIDTH, dtype=torch.int64)
+        k, w = self.rows_hint, S.WIDTH
+        row = torch.zeros(META_WIDTH + k * w, dtype=torch.int64)
         row[ROWS], row[WANT], row[BUDGET] = len(table), req.want, req.budget
         row[MIN_PIECE], row[CLOSING] = req.min_piece, int(req.closing)
         if self.ex.rank == self.learners[0]:
             row[VERSION] = version
             fresh = weights.buf is not None and weights.version > weights.broadcast
             row[WBYTES] = weights.buf.numel() if fresh else 0
-        meta = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
-        width = int(meta[:, ROWS].max()) * S.WIDTH
-        flat = torch.zeros(max(width, 1), dtype=torch.int64)
-        flat[: table.size] = torch.from_numpy(table.reshape(-1))
-        tables = self.ex.all_gather_start(flat, self.round).wait().numpy()
-        groups, updates = S.gather_tables(
-            tables[:, :width] if width else tables[:, :0], meta[:, ROWS]
-        )
+        head = table[:k].reshape(-1)
+        row[META_WIDTH : META_WIDTH + head.size] = torch.from_numpy(head)
+        got = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
+        meta, tables = got[:, :META_WIDTH], got[:, META_WIDTH:]
+        most = int(meta[:, ROWS].max())
+        if most > k:  # the rows beyond the hint, in a second gather
+            rest = torch.zeros((most - k) * w, dtype=torch.int64)
+            tail = table[k:].reshape(-1)
+            rest[: tail.size] = torch.from_numpy(tail)
+            more = self.ex.all_gather_start(rest, self.round).wait().numpy()
+            tables = np.concatenate([tables, more], axis=1)
+        self.rows_hint = max(16, 1 << max(most - 1, 0).bit_length())
+        groups, updates = S.gather_tables(tables, meta[:, ROWS])
         return meta, groups, updates
 
     def _check(self, meta: np.ndarray) -> Request:

@@ -42,9 +42,9 @@ class Groups:
 
 
 def gather_tables(tables: np.ndarray, rows: np.ndarray) -> tuple[Groups, np.ndarray]:
-    """Split the gathered ``[world, max_rows * WIDTH]`` tables into groups and update rows."""
+    """Split the gathered ``[world, >= max_rows * WIDTH]`` tables into groups and update rows."""
     world = tables.shape[0]
-    parts = [tables[r].reshape(-1, WIDTH)[: rows[r]] for r in range(world)]
+    parts = [tables[r, : rows[r] * WIDTH].reshape(-1, WIDTH) for r in range(world)]
     table = np.concatenate(parts) if parts else np.zeros((0, WIDTH), np.int64)
     rank = np.repeat(np.arange(world), rows)
     upd = table[:, ORDER] == UPDATE
