@@ -17,6 +17,9 @@ import numpy as np
 _Subset = tuple[int, list[int]]  # (token sum, item indices)
 
 
+KK_MAX_PARTS = 8  # micro_batches: Karmarkar-Karp up to this many bins, greedy beyond
+
+
 def _weights(tokens: Sequence[int] | np.ndarray) -> list[int]:
     """Token counts as Python ints; ValueError unless a 1-D sequence of positive integers."""
     arr = np.asarray(tokens)
@@ -40,8 +43,9 @@ def _positive(name: str, value: int) -> int:
 
 
 def _order(subset: _Subset) -> tuple[int, float]:
-    """Sort key: heaviest first, ties by smallest item index (empty subsets last)."""
-    return (-subset[0], min(subset[1]) if subset[1] else math.inf)
+    """Sort key: heaviest first, ties by the subset's first item (deterministic: subsets are
+    built by concatenation in a fixed order; empty subsets last)."""
+    return (-subset[0], subset[1][0] if subset[1] else math.inf)
 
 
 def _merge(a: list[_Subset], b: list[_Subset]) -> list[_Subset]:
@@ -97,7 +101,7 @@ def partition(tokens: Sequence[int] | np.ndarray, parts: int) -> list[list[int]]
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
         merged = _merge(a, b)
-        heapq.heappush(heap, (merged[-1][0] - merged[0][0], tie, merged))
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], tie, merged))  # key: -spread
         tie += 1
     subsets = heap[0][2]
     if any(not items for _, items in subsets):
@@ -127,9 +131,11 @@ def micro_batches(
 ) -> list[list[int]]:
     """Split one learner's groups into exactly ``count`` non-empty micro-batches.
 
-    Both Karmarkar-Karp and greedy largest-first are tried; the one with fewer multi-group
-    micro-batches over ``budget`` wins, then the one with the lighter heaviest micro-batch
-    (Karmarkar-Karp on a tie). A single group over the budget can only be alone, never split.
+    Both Karmarkar-Karp and greedy largest-first are tried (greedy alone above
+    ``KK_MAX_PARTS`` micro-batches, where many small groups per bin leave it within a few
+    percent); the one with fewer multi-group micro-batches over ``budget`` wins, then the one
+    with the lighter heaviest micro-batch (Karmarkar-Karp on a tie). A single group over the
+    budget can only be alone, never split.
 
     Args:
         tokens: positive token count of every group in the batch.
@@ -156,8 +162,10 @@ def micro_batches(
             f"count: expected at most len(indices) = {len(idx)} so no micro-batch is empty, "
             f"got {count}"
         )
-    kk = [[idx[j] for j in part] for part in partition([weights[i] for i in idx], count)]
     greedy = _greedy(weights, idx, count)
+    if count > KK_MAX_PARTS:  # k-way KK costs O(n k log k) in Python; greedy is near-even here
+        return sorted((sorted(b) for b in greedy), key=lambda b: b[0])
+    kk = [[idx[j] for j in part] for part in partition([weights[i] for i in idx], count)]
     best = min((kk, greedy), key=lambda bins: _score(weights, bins, budget))
     return sorted((sorted(b) for b in best), key=lambda b: b[0])
 

@@ -290,35 +290,51 @@ class TokenRound:
             torch.index_select(arena, 0, tok, out=cols[name])
 
     def _cut(self, recv, sizes, groups, chosen, holder, mbs) -> list[MicroBatch]:
-        """This learner's micro-batches from the received sections (one copy per field)."""
+        """This learner's micro-batches from the received sections: each column joined over
+        the holders, then put in micro-batch order by one gather; micro-batches are slices."""
         members = groups.table[chosen, S.MEMBERS]
         tokens = groups.tokens[chosen]
-        where: dict[int, tuple[dict, int, int]] = {}  # chosen position -> (columns, seq, tok)
+        order = [i for mb in mbs for i in mb]  # micro-batch order
+        by_src = sorted(order, key=lambda i: holder[i])  # the received (holder-major) order
+        parts: dict[str, list[torch.Tensor]] = {
+            n: [] for n in (*self.wire.fixed, *self.wire.ragged)
+        }
         at = 0
         for src in range(self.ex.world):
-            mine = [i for mb in mbs for i in mb if holder[i] == src]
-            n, t = int(members[mine].sum()), int(tokens[mine].sum())
-            cols = self.wire.columns(recv[at : at + int(sizes[src])], n, t)
-            seq = tok = 0
-            for i in mine:
-                where[i] = (cols, seq, tok)
-                seq, tok = seq + int(members[i]), tok + int(tokens[i])
+            mine = [i for i in by_src if holder[i] == src]
+            cols = self.wire.columns(
+                recv[at : at + int(sizes[src])], int(members[mine].sum()), int(tokens[mine].sum())
+            )
+            for name, col in cols.items():
+                parts[name].append(col)
             at += int(sizes[src])
-        out = []
+        seq_idx, tok_idx = _reorder(by_src, order, members), _reorder(by_src, order, tokens)
         ragged = tuple(self.wire.ragged)
-        for k, mb in enumerate(mbs):
-            fields = {}
-            for name in (*self.wire.fixed, *ragged):
-                per_tok = name in self.wire.ragged
-                pieces = []
-                for i in mb:
-                    cols, seq, tok = where[i]
-                    a, b = (tok, tok + int(tokens[i])) if per_tok else (seq, seq + int(members[i]))
-                    pieces.append(cols[name][a:b])
-                fields[name] = torch.cat(pieces).to(self.device)
-            fields["_holder"] = torch.as_tensor(np.repeat(holder[mb], members[mb])).to(self.device)
+        full = {}
+        for name, cols in parts.items():
+            idx = tok_idx if name in self.wire.ragged else seq_idx
+            full[name] = torch.cat(cols).index_select(0, idx).to(self.device)
+        full["_holder"] = torch.as_tensor(np.repeat(holder[order], members[order])).to(self.device)
+        seq_end = np.cumsum([members[mb].sum() for mb in mbs])
+        tok_end = np.cumsum([tokens[mb].sum() for mb in mbs])
+        out = []
+        for k in range(len(mbs)):
+            s0, s1 = (int(seq_end[k - 1]) if k else 0), int(seq_end[k])
+            t0, t1 = (int(tok_end[k - 1]) if k else 0), int(tok_end[k])
+            fields = {n: (v[t0:t1] if n in self.wire.ragged else v[s0:s1]) for n, v in full.items()}
             lengths = fields[LENGTHS]
             cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
             cu[1:] = torch.cumsum(lengths, 0)
             out.append(MicroBatch(fields, cu, int(lengths.max()), (k, len(mbs)), ragged))
         return out
+
+
+def _reorder(received: list[int], order: list[int], size: np.ndarray) -> torch.Tensor:
+    """Indices that take rows laid out as ``received`` (groups of ``size[i]`` rows each, in that
+    order) into ``order``."""
+    sizes = size[received]
+    start = dict(zip(received, (np.cumsum(sizes) - sizes).tolist(), strict=True))
+    lens = size[order]
+    firsts = np.array([start[i] for i in order], dtype=np.int64)
+    offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    return torch.from_numpy(np.repeat(firsts, lens) + offsets)
