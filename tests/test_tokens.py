@@ -179,7 +179,8 @@ def _ckpt(rank: int, world: int, root: str, phase: str) -> dict[str, object]:
             tp.checkpoint(root)
             return {}
         tp.restore(root)
-        held = sorted(tp.store.groups)
+        st = tp.store  # restored groups get fresh keys; their ids are in the group field
+        held = sorted(int(st.fixed["group"][g.slots[0]]) for g in st.groups.values())
         mbs = tp.fetch(10, 500)
         return {"held": held, "seen": sorted(check_whole(mbs))}
 
@@ -229,3 +230,38 @@ def test_per_token_versions_count_the_oldest_token():
         tp.put(batch, lengths, token_versions=tv)
         assert tp.store.groups[0].version == 2
         assert np.array_equal(tp.store.version[tp.store.groups[0].slots], [2, 3, 3, 3])
+
+
+def _one_learner(rank: int, world: int, strategy: str) -> dict[str, object]:
+    """Learner 0 takes every holder's groups; the others only produce (any strategy moves the
+    byte rows, the gather strategy included: one hot destination is its best case)."""
+    transport = cd.TransportConfig(strategy=strategy)
+    with cd.TokenPlane(make_spec(), 64, 8192, learner_ranks=[0], transport=transport) as tp:
+        tp.put(*group_batch([rank * 10, rank * 10 + 1]))
+        if rank == 0:
+            return {"seen": sorted(check_whole(tp.fetch(2 * world, 400)))}
+        tp.flush()
+        return {"seen": []}
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "gather", "p2p"])
+def test_one_learner_takes_every_holders_groups_whatever_the_strategy(strategy):
+    res = run_ranks(_one_learner, 3, strategy)
+    assert res[0]["seen"] == [0, 1, 10, 11, 20, 21]
+
+
+def _same_ids(rank: int, world: int, root: str, phase: str) -> dict[str, object]:
+    with cd.TokenPlane(make_spec(), 64, 8192) as tp:
+        if phase == "save":
+            tp.put(*group_batch([5]))  # group ids only need to be new on their own rank
+            tp.checkpoint(root)
+            return {}
+        tp.restore(root)
+        mbs = tp.fetch(2, 10_000)
+        return {"sequences": sum(mb.sequences for mb in mbs), "groups": len(tp.store.groups)}
+
+
+def test_restore_keeps_groups_whole_when_ranks_used_the_same_ids(tmp_path):
+    run_ranks(_same_ids, 2, str(tmp_path), "save")
+    res = _same_ids(0, 1, str(tmp_path), "restore")  # both groups 5 onto one rank
+    assert res == {"sequences": 2 * G, "groups": 0}

@@ -14,7 +14,8 @@ class MicroBatch:
     Attributes:
         fields: ragged fields packed ``[tokens, *inner]``; fixed fields ``[sequences, *shape]``
             (the group field among them); ``"_version"`` (int64, each sequence's oldest
-            token's policy version) and ``"_length"``.
+            token's policy version), ``"_length"``, ``"_holder"`` (the rank whose shard held
+            the group) and ``"_key"`` (its key there; ``update_priorities`` reads both).
         cu_seqlens: ``[sequences + 1]`` int32 cumulative lengths (sequence ``i`` is
             ``packed[cu_seqlens[i]:cu_seqlens[i + 1]]``).
         max_seqlen: the longest sequence's length.

@@ -46,7 +46,7 @@ def save_shard(root: str, rank: int, world: int, state: dict, ex, group: str, si
 def _complete_only(state: dict, group: str, size: int) -> dict:
     """``state`` without the sequences of groups still waiting for members."""
     store, out = state["store"], dict(state)
-    gid = store["fixed"][group]
+    gid = store["keys"]  # the shard's group keys (ids repeat across ranks after a restore)
     ids, counts = gid.unique(return_counts=True)
     keep = torch.isin(gid, ids[counts == size])
     tok_keep = torch.repeat_interleave(keep, store["lengths"])
@@ -55,6 +55,7 @@ def _complete_only(state: dict, group: str, size: int) -> dict:
         "ragged": {n: a[tok_keep] for n, a in store["ragged"].items()},
         "lengths": store["lengths"][keep],
         "versions": store["versions"][keep],
+        "keys": store["keys"][keep],
         "evicted": store["evicted"],
     }
     return out
@@ -95,10 +96,10 @@ def load_shares(root: str, rank: int, world: int, plane, ex) -> None:
 
 def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
     """This rank's groups: group ``j`` of the old shards' (rank, arrival) order, ``j % world``."""
-    pieces = {"fixed": {}, "ragged": {}, "lengths": [], "versions": []}
+    pieces = {"fixed": {}, "ragged": {}, "lengths": [], "versions": [], "keys": []}
     j = 0
     for st in stores:
-        gid, lengths = st["fixed"][group], st["lengths"]
+        gid, lengths = st["keys"], st["lengths"]
         if gid.numel() == 0:
             continue
         starts = torch.cumsum(lengths, 0) - lengths
@@ -114,6 +115,7 @@ def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
                     pieces["ragged"].setdefault(n, []).append(c[t0:t1])
                 pieces["lengths"].append(lengths[a:b])
                 pieces["versions"].append(st["versions"][a:b])
+                pieces["keys"].append(torch.full((b - a,), j, dtype=torch.int64))
             j += 1
     if not pieces["lengths"]:
         empty = stores[0]
@@ -122,6 +124,7 @@ def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
             "ragged": {n: c[:0] for n, c in empty["ragged"].items()},
             "lengths": empty["lengths"][:0],
             "versions": empty["versions"][:0],
+            "keys": empty["keys"][:0],
             "evicted": torch.zeros(2, dtype=torch.int64),
         }
     return {
@@ -129,6 +132,7 @@ def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
         "ragged": {n: torch.cat(v) for n, v in pieces["ragged"].items()},
         "lengths": torch.cat(pieces["lengths"]),
         "versions": torch.cat(pieces["versions"]),
+        "keys": torch.cat(pieces["keys"]),
         "evicted": torch.zeros(2, dtype=torch.int64),
     }
 

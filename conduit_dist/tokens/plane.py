@@ -106,6 +106,7 @@ class TokenPlane:
             model, _ = bandwidth_model(
                 transport.bandwidth, self.ex, topo, transport.bandwidth_cache
             )
+            self.pacer = Pacer(max_age, groups_per_batch, producers, self.ex.rank)
         except BaseException:
             self.ex.close()
             raise
@@ -122,7 +123,6 @@ class TokenPlane:
             int(seed),
             self.device,
         )
-        self.pacer = Pacer(max_age, groups_per_batch, producers, self.rank)
         self.weights = WeightsState()
         self.version = 0  # this rank's: published (learners) or pulled (producers)
         self.newest = 0  # the first learner's, as of the last round
@@ -271,7 +271,7 @@ class TokenPlane:
     def update_priorities(self, batch: MicroBatch, priority: torch.Tensor) -> None:
         """Set the replay priority of each group in ``batch`` (one value per sequence: a group
         takes its members' mean); applied by the holders in the next round."""
-        gid = batch[self.spec.group].tolist()
+        gid = batch["_key"].tolist()
         holder = batch["_holder"].tolist()
         p = priority.detach().to("cpu", torch.float64).tolist()
         acc: dict[tuple[int, int], list[float]] = {}

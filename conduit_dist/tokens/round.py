@@ -19,6 +19,7 @@ Steps (each rank, in the same order):
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from conduit_dist.tokens import balance
 from conduit_dist.tokens import select as S
 from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.store import GroupStore
-from conduit_dist.tokens.wire import LENGTHS, VERSIONS, Wire
+from conduit_dist.tokens.wire import KEYS, LENGTHS, VERSIONS, Wire
 
 # meta row columns
 ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING = range(7)
@@ -266,7 +267,8 @@ class TokenRound:
                 self._pack(send[at : at + nbytes[me, d]], groups, chosen[mine])
             at += int(nbytes[me, d])
         recv = torch.empty(int(nbytes[:, me].sum()), dtype=torch.uint8)
-        self.transport.move(recv, send, nbytes, self.round, "tokens")
+        # [bytes, 1] rows: every strategy moves rows of one width (here one byte)
+        self.transport.move(recv.view(-1, 1), send.view(-1, 1), nbytes, self.round, "tokens")
         stats.wire_bytes = int(nbytes[:, me].sum())
         stats.token_bytes = int(
             n[:, me].sum() * self.wire.seq_bytes + t[:, me].sum() * self.wire.token_bytes
@@ -286,42 +288,57 @@ class TokenRound:
             torch.index_select(col, 0, idx, out=cols[name])
         cols[LENGTHS].copy_(torch.from_numpy(store.length[slots]))
         cols[VERSIONS].copy_(torch.from_numpy(store.version[slots]))
+        cols[KEYS].copy_(torch.from_numpy(store.key[slots]))
         for name, arena in store.arena.items():
             torch.index_select(arena, 0, tok, out=cols[name])
 
     def _cut(self, recv, sizes, groups, chosen, holder, mbs) -> list[MicroBatch]:
-        """This learner's micro-batches from the received sections: each column joined over
-        the holders, then put in micro-batch order by one gather; micro-batches are slices."""
+        """This learner's micro-batches: each column gathered once, in micro-batch order,
+        straight from the received sections (a typed view of the whole buffer); micro-batches
+        are slices of the result."""
         members = groups.table[chosen, S.MEMBERS]
         tokens = groups.tokens[chosen]
         order = [i for mb in mbs for i in mb]  # micro-batch order
-        by_src = sorted(order, key=lambda i: holder[i])  # the received (holder-major) order
-        parts: dict[str, list[torch.Tensor]] = {
-            n: [] for n in (*self.wire.fixed, *self.wire.ragged)
-        }
+        srcs = holder[order]
+        # each group's first row within its holder's section (sections keep plan order)
+        seq_at, tok_at = np.zeros(len(chosen), np.int64), np.zeros(len(chosen), np.int64)
+        base: dict[str, np.ndarray] = {}  # column -> its element offset in recv, per holder
         at = 0
         for src in range(self.ex.world):
-            mine = [i for i in by_src if holder[i] == src]
-            cols = self.wire.columns(
-                recv[at : at + int(sizes[src])], int(members[mine].sum()), int(tokens[mine].sum())
-            )
-            for name, col in cols.items():
-                parts[name].append(col)
+            mine = [i for i in order if holder[i] == src]
+            seq_at[mine] = np.cumsum(members[mine]) - members[mine]
+            tok_at[mine] = np.cumsum(tokens[mine]) - tokens[mine]
+            offs = self.wire.offsets(int(members[mine].sum()), int(tokens[mine].sum()))
+            for name, off in offs.items():  # sections and columns start 8-byte aligned
+                dtype = (self.wire.fixed.get(name) or self.wire.ragged[name])[1]
+                elems = base.setdefault(name, np.zeros(self.ex.world, np.int64))
+                elems[src] = (at + off) // dtype.itemsize
             at += int(sizes[src])
-        seq_idx, tok_idx = _reorder(by_src, order, members), _reorder(by_src, order, tokens)
-        ragged = tuple(self.wire.ragged)
+        seq_rows = _rows(seq_at[order], members[order], srcs)
+        tok_rows = _rows(tok_at[order], tokens[order], srcs)
         full = {}
-        for name, cols in parts.items():
-            idx = tok_idx if name in self.wire.ragged else seq_idx
-            full[name] = torch.cat(cols).index_select(0, idx).to(self.device)
-        full["_holder"] = torch.as_tensor(np.repeat(holder[order], members[order])).to(self.device)
+        for name in (*self.wire.fixed, *self.wire.ragged):
+            shape, dtype = self.wire.fixed.get(name) or self.wire.ragged[name]
+            local, src_of = tok_rows if name in self.wire.ragged else seq_rows
+            numel = math.prod(shape)
+            typed = recv[: recv.numel() - recv.numel() % dtype.itemsize].view(dtype)
+            start = local * numel + base[name][src_of]  # each row's first element
+            if numel > 1:
+                start = (start[:, None] + np.arange(numel)).reshape(-1)
+            got = typed.index_select(0, torch.from_numpy(start))
+            full[name] = got.view(-1, *shape).to(self.device)
+        full["_holder"] = torch.as_tensor(np.repeat(srcs, members[order])).to(self.device)
+        return self._slice(full, mbs, members, tokens)
+
+    def _slice(self, full, mbs, members, tokens) -> list[MicroBatch]:
+        ragged = tuple(self.wire.ragged)
         seq_end = np.cumsum([members[mb].sum() for mb in mbs])
         tok_end = np.cumsum([tokens[mb].sum() for mb in mbs])
         out = []
         for k in range(len(mbs)):
             s0, s1 = (int(seq_end[k - 1]) if k else 0), int(seq_end[k])
             t0, t1 = (int(tok_end[k - 1]) if k else 0), int(tok_end[k])
-            fields = {n: (v[t0:t1] if n in self.wire.ragged else v[s0:s1]) for n, v in full.items()}
+            fields = {n: (v[t0:t1] if n in ragged else v[s0:s1]) for n, v in full.items()}
             lengths = fields[LENGTHS]
             cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
             cu[1:] = torch.cumsum(lengths, 0)
@@ -329,12 +346,8 @@ class TokenRound:
         return out
 
 
-def _reorder(received: list[int], order: list[int], size: np.ndarray) -> torch.Tensor:
-    """Indices that take rows laid out as ``received`` (groups of ``size[i]`` rows each, in that
-    order) into ``order``."""
-    sizes = size[received]
-    start = dict(zip(received, (np.cumsum(sizes) - sizes).tolist(), strict=True))
-    lens = size[order]
-    firsts = np.array([start[i] for i in order], dtype=np.int64)
-    offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    return torch.from_numpy(np.repeat(firsts, lens) + offsets)
+def _rows(first: np.ndarray, count: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``first[g] + j`` for ``j < count[g]`` of every group ``g`` in turn, and the holder of
+    each row (the row's position within its holder's column)."""
+    offsets = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    return np.repeat(first, count) + offsets, np.repeat(src, count)

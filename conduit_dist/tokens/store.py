@@ -18,6 +18,8 @@ import torch
 from conduit_dist.errors import SpecError
 from conduit_dist.tokens.spec import Packed, TokenSpec
 
+RESTORED = -(2**62)  # restored groups' keys start here (far from any generated group id)
+
 
 @dataclass
 class Group:
@@ -69,6 +71,7 @@ class GroupStore:
         self.offset = np.zeros(capacity_items, dtype=np.int64)
         self.length = np.zeros(capacity_items, dtype=np.int64)
         self.version = np.zeros(capacity_items, dtype=np.int64)
+        self.key = np.zeros(capacity_items, dtype=np.int64)  # the slot's group key
         self.free = list(range(capacity_items - 1, -1, -1))  # a stack of free slots
         self.end = 0  # arena tokens in use up to here (live or dead)
         self.live_tokens = 0
@@ -78,14 +81,19 @@ class GroupStore:
 
     # ------------------------------------------------------------------ adding
 
-    def add(self, p: Packed) -> None:
+    def add(self, p: Packed, keys: torch.Tensor | None = None) -> None:
         """Store a checked batch whole (groups' member counts checked first).
+
+        Args:
+            p: the checked batch.
+            keys: per-sequence group keys (default: the group field; a restore gives groups
+                fresh keys, since ids only need to be new on the rank that generated them).
 
         Raises:
             SpecError: a group would exceed ``group_size`` members, or the batch alone exceeds a
                 capacity; nothing is stored.
         """
-        gids = p.fixed[self.spec.group].tolist()
+        gids = (p.fixed[self.spec.group] if keys is None else keys).tolist()
         counts: dict[int, int] = {}
         for g in gids:
             counts[g] = counts.get(g, 0) + 1
@@ -115,6 +123,7 @@ class GroupStore:
             arena[self.end : self.end + total] = p.ragged[n]
         self.offset[slots], self.length[slots] = starts, lengths
         self.version[slots] = p.versions.numpy()
+        self.key[slots] = gids
         self.end += total
         self.live_tokens += total
         for i, (s, g) in enumerate(zip(slots, gids, strict=True)):
@@ -209,6 +218,7 @@ class GroupStore:
             "ragged": {n: a[tok].clone() for n, a in self.arena.items()},
             "lengths": torch.as_tensor(self.length[order]),
             "versions": torch.as_tensor(self.version[order]),
+            "keys": torch.as_tensor(self.key[order]),  # groups contiguous, one key each
             "evicted": torch.tensor([self.evicted_groups, self.evicted_sequences]),
         }
 
@@ -216,6 +226,11 @@ class GroupStore:
         """Replace this shard's content by ``state`` (as :meth:`state_dict` gives)."""
         self.remove(list(self.groups))
         self.end, self.arrivals = 0, 0
-        if int(state["lengths"].shape[0]):
-            self.add(Packed(state["fixed"], state["ragged"], state["lengths"], state["versions"]))
+        gid = state["keys"]
+        if int(gid.shape[0]):  # groups are contiguous: a new key where the key changes
+            change = torch.ones_like(gid, dtype=torch.bool)
+            change[1:] = gid[1:] != gid[:-1]
+            keys = RESTORED + torch.cumsum(change.long(), 0) - 1
+            p = Packed(state["fixed"], state["ragged"], state["lengths"], state["versions"])
+            self.add(p, keys)
         self.evicted_groups, self.evicted_sequences = (int(x) for x in state["evicted"])

@@ -15,7 +15,8 @@ import torch
 
 from conduit_dist.tokens.spec import TokenSpec
 
-LENGTHS, VERSIONS = "_length", "_version"  # the reserved per-sequence columns
+# the reserved per-sequence columns: length, oldest token's version, the holder's group key
+LENGTHS, VERSIONS, KEYS = "_length", "_version", "_key"
 
 
 def _align(n: int) -> int:
@@ -33,6 +34,7 @@ class Wire:
         self.fixed = {n: (f.shape, f.dtype) for n, f in spec.fixed.items()}
         self.fixed[LENGTHS] = ((), torch.int64)
         self.fixed[VERSIONS] = ((), torch.int64)
+        self.fixed[KEYS] = ((), torch.int64)
         self.ragged = {n: (f.inner, f.dtype) for n, f in spec.ragged.items()}
         self.seq_bytes = sum(math.prod(s) * d.itemsize for s, d in self.fixed.values())
         self.token_bytes = sum(math.prod(s) * d.itemsize for s, d in self.ragged.values())
@@ -44,12 +46,21 @@ class Wire:
         fixed = sum(_align(n * math.prod(s) * d.itemsize) for s, d in self.fixed.values())
         return fixed + sum(_align(t * math.prod(s) * d.itemsize) for s, d in self.ragged.values())
 
-    def columns(self, buf: torch.Tensor, n: int, t: int) -> dict[str, torch.Tensor]:
-        """Typed views of a section's columns inside ``buf`` (uint8, 8-byte aligned start)."""
+    def offsets(self, n: int, t: int) -> dict[str, int]:
+        """Byte offset of each column in a section of ``n`` sequences and ``t`` tokens."""
         out, at = {}, 0
         for rows, table in ((n, self.fixed), (t, self.ragged)):
             for name, (shape, dtype) in table.items():
-                nb = rows * math.prod(shape) * dtype.itemsize
-                out[name] = buf[at : at + nb].view(dtype).view(rows, *shape)
-                at += _align(nb)
+                out[name] = at
+                at += _align(rows * math.prod(shape) * dtype.itemsize)
+        return out
+
+    def columns(self, buf: torch.Tensor, n: int, t: int) -> dict[str, torch.Tensor]:
+        """Typed views of a section's columns inside ``buf`` (uint8, 8-byte aligned start)."""
+        out = {}
+        for name, at in self.offsets(n, t).items():
+            shape, dtype = self.fixed.get(name) or self.ragged[name]
+            rows = t if name in self.ragged else n
+            nb = rows * math.prod(shape) * dtype.itemsize
+            out[name] = buf[at : at + nb].view(dtype).view(rows, *shape)
         return out
