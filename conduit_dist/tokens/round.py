@@ -19,7 +19,6 @@ Steps (each rank, in the same order):
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -293,41 +292,36 @@ class TokenRound:
             torch.index_select(arena, 0, tok, out=cols[name])
 
     def _cut(self, recv, sizes, groups, chosen, holder, mbs) -> list[MicroBatch]:
-        """This learner's micro-batches: each column gathered once, in micro-batch order,
-        straight from the received sections (a typed view of the whole buffer); micro-batches
-        are slices of the result."""
+        """This learner's micro-batches from the received sections. A holder packs its groups
+        in micro-batch order, so micro-batch ``k``'s rows from holder ``s`` are one contiguous
+        run of each column: every column is one ``cat`` of those runs, in micro-batch order,
+        and micro-batches are slices of the result."""
         members = groups.table[chosen, S.MEMBERS]
         tokens = groups.tokens[chosen]
-        order = [i for mb in mbs for i in mb]  # micro-batch order
-        srcs = holder[order]
-        # each group's first row within its holder's section (sections keep plan order)
-        seq_at, tok_at = np.zeros(len(chosen), np.int64), np.zeros(len(chosen), np.int64)
-        base: dict[str, np.ndarray] = {}  # column -> its element offset in recv, per holder
-        at = 0
-        for src in range(self.ex.world):
-            mine = [i for i in order if holder[i] == src]
-            seq_at[mine] = np.cumsum(members[mine]) - members[mine]
-            tok_at[mine] = np.cumsum(tokens[mine]) - tokens[mine]
-            offs = self.wire.offsets(int(members[mine].sum()), int(tokens[mine].sum()))
-            for name, off in offs.items():  # sections and columns start 8-byte aligned
-                dtype = (self.wire.fixed.get(name) or self.wire.ragged[name])[1]
-                elems = base.setdefault(name, np.zeros(self.ex.world, np.int64))
-                elems[src] = (at + off) // dtype.itemsize
+        world, nmb = self.ex.world, len(mbs)
+        n = np.zeros((nmb, world), np.int64)  # rows of micro-batch k from holder s
+        t = np.zeros((nmb, world), np.int64)
+        for k, mb in enumerate(mbs):
+            np.add.at(n[k], holder[mb], members[mb])
+            np.add.at(t[k], holder[mb], tokens[mb])
+        n0, t0 = np.cumsum(n, 0) - n, np.cumsum(t, 0) - t  # run starts within each section
+        cols, at = [], 0
+        for src in range(world):
+            cols.append(
+                self.wire.columns(
+                    recv[at : at + int(sizes[src])], int(n[:, src].sum()), int(t[:, src].sum())
+                )
+            )
             at += int(sizes[src])
-        seq_rows = _rows(seq_at[order], members[order], srcs)
-        tok_rows = _rows(tok_at[order], tokens[order], srcs)
+        runs = [(k, s) for k in range(nmb) for s in range(world) if n[k, s]]
         full = {}
         for name in (*self.wire.fixed, *self.wire.ragged):
-            shape, dtype = self.wire.fixed.get(name) or self.wire.ragged[name]
-            local, src_of = tok_rows if name in self.wire.ragged else seq_rows
-            numel = math.prod(shape)
-            typed = recv[: recv.numel() - recv.numel() % dtype.itemsize].view(dtype)
-            start = local * numel + base[name][src_of]  # each row's first element
-            if numel > 1:
-                start = (start[:, None] + np.arange(numel)).reshape(-1)
-            got = typed.index_select(0, torch.from_numpy(start))
-            full[name] = got.view(-1, *shape).to(self.device)
-        full["_holder"] = torch.as_tensor(np.repeat(srcs, members[order])).to(self.device)
+            start, size = (t0, t) if name in self.wire.ragged else (n0, n)
+            pieces = [cols[s][name][start[k, s] : start[k, s] + size[k, s]] for k, s in runs]
+            full[name] = torch.cat(pieces).to(self.device)
+        order = [i for k, s in runs for i in mbs[k] if holder[i] == s]
+        full["_holder"] = torch.as_tensor(np.repeat(holder[order], members[order]))
+        full["_holder"] = full["_holder"].to(self.device)
         return self._slice(full, mbs, members, tokens)
 
     def _slice(self, full, mbs, members, tokens) -> list[MicroBatch]:
@@ -344,10 +338,3 @@ class TokenRound:
             cu[1:] = torch.cumsum(lengths, 0)
             out.append(MicroBatch(fields, cu, int(lengths.max()), (k, len(mbs)), ragged))
         return out
-
-
-def _rows(first: np.ndarray, count: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row ``first[g] + j`` for ``j < count[g]`` of every group ``g`` in turn, and the holder of
-    each row (the row's position within its holder's column)."""
-    offsets = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    return np.repeat(first, count) + offsets, np.repeat(src, count)
