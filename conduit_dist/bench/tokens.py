@@ -4,30 +4,45 @@ batch of LLM-RL prompt groups to data-parallel learners, against three schemes i
 Workload: every rank generates ``--groups-per-rank`` groups of ``--group-size`` responses whose
 lengths are lognormal (median ``--median`` tokens, sigma 1), 1% of them 6,144-8,192 tokens,
 clipped to [16, 8192]; per token an int32 id, a float32 log-prob and a bool loss mask, per
-sequence a float32 reward. The global batch is every rank's groups; every rank learns.
+sequence a float32 reward and the int64 group id. The global batch is every rank's groups;
+every rank learns. Each sample: every rank puts fresh groups (untimed), then each scheme
+delivers that global batch after a barrier; the schemes' order rotates from sample to sample.
+A sample's time is the slowest rank's wall (a delivery ends when its last learner has its
+micro-batches); figures are medians over samples.
 
-Side by side, interleaved sample by sample on the same data and the same process group (each
-sample after a barrier; the slowest rank's wall; medians):
+Every scheme's timing ends with the learner holding its micro-batches: per field one packed
+tensor per micro-batch (padded rows for ``padded``), the lengths and ``cu_seqlens``:
 
 - ``ours``: ``cd.TokenPlane.fetch(groups, token_budget)``: the group table in one all-gather,
-  a Karmarkar-Karp split by tokens, one exchange without padding, packed micro-batches out;
-- ``equal_counts``: the same exchange (raw ``all_to_all_single`` of packed bytes, after an
-  all-gather of the groups' token counts) with groups dealt by count, ``j -> j % world``;
-- ``padded``: ours' assignment, every sequence padded to the global batch's longest;
-- ``allgather``: every rank ``all_gather_into_tensor`` s every rank's packed groups (padded to the
-  largest rank's bytes, sizes gathered first) and repacks its own share of the same
-  Karmarkar-Karp split into micro-batches: the redistribution another framework uses.
+  a Karmarkar-Karp (largest-first beyond 256 groups) split by tokens, one exchange without
+  padding whose sizes every rank derives from the table, micro-batches cut on arrival;
+- ``equal_counts``: groups dealt by count, global group ``j -> j % world``, micro-batches of
+  equal group counts; moved as ours is (token counts all-gathered, every rank derives the byte
+  matrix, one raw ``all_to_all_single`` of packed bytes, holders pack in micro-batch order, the
+  learner cuts each field with one ``cat`` of runs): only the assignment differs;
+- ``padded``: ours' split, every sequence padded to the global batch's longest (its length
+  all-reduced), moved and cut the same way;
+- ``allgather``: every rank ``all_gather_into_tensor`` s every rank's packed groups (padded to
+  the largest rank's bytes, the sizes all-gathered first), computes the same split from the
+  gathered lengths and repacks its share with one ``cat`` of runs per field (4x faster here
+  than one ``index_select`` of vectorised indices): the redistribution another framework uses.
 
 Also the raw collectives alone: an ``all_gather_into_tensor`` and an ``all_to_all_single`` of
-the mean per-rank bytes. Summary: ``balance_max_over_mean`` (max learner tokens over the mean,
-measured on what each learner received), ``wire_over_token_bytes`` (bytes received over the
-sequence data they carry), ``speedup_vs_allgather`` (allgather ms over ours), and each
-baseline's own figures.
+the mean rank's packed bytes per rank (``--profile``: cProfile of ours' fetches on rank 0).
+
+Summary: ``balance_max_over_mean`` (the most tokens a learner received over the mean, per
+sample, median), ``wire_over_token_bytes`` (bytes every learner received over the sequence data
+they carry: 9 bytes a token, 20 a sequence for its length, reward and group id, counted by the
+bench from the micro-batches), ``speedup_vs_allgather`` (allgather ms over ours), each
+baseline's own figures beside them and the raw collectives.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -40,9 +55,22 @@ from conduit_dist.bench.common import emit, number
 from conduit_dist.tokens import balance
 
 FIELDS = (("tokens", torch.int32), ("logprobs", torch.float32), ("loss_mask", torch.bool))
+SEQ_FIELDS = (("_length", torch.int64), ("group", torch.int64), ("reward", torch.float32))
+TOKEN_BYTES = sum(t.itemsize for _, t in FIELDS)  # 9
+SEQ_BYTES = sum(t.itemsize for _, t in SEQ_FIELDS)  # 20
 MAX_LEN = 8192
 # torch 2.13 names it all_gather_single (all_gather_into_tensor is its deprecated alias)
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+SCHEMES = ("ours", "equal", "padded", "allgather", "ag", "a2a")
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def section_bytes(n: int, t: int) -> int:
+    """Bytes of a packed section of ``n`` sequences and ``t`` token positions."""
+    return _align(n * SEQ_BYTES + t * TOKEN_BYTES) if n else 0
 
 
 class Data:
@@ -62,137 +90,194 @@ class Data:
         }
         self.reward = torch.rand(n)
         self.group = torch.arange(base, base + groups).repeat_interleave(size)
-        self.size = size
+        self.size, self.groups = size, groups
         self.starts = torch.cumsum(self.lengths, 0) - self.lengths
         self.group_tokens = self.lengths.view(groups, size).sum(1)
 
     def batch(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         return {**self.fields, "reward": self.reward, "group": self.group}, self.lengths
 
-    def seqs(self, groups: list[int]) -> torch.Tensor:
-        """Sequence indices of local ``groups`` (in order)."""
-        g = torch.as_tensor(groups, dtype=torch.int64)
-        return (g[:, None] * self.size + torch.arange(self.size)).reshape(-1)
+    def nbytes(self) -> int:
+        return section_bytes(self.groups * self.size, int(self.lengths.sum()))
 
-    def pack(self, groups: list[int], pad_to: int = 0) -> torch.Tensor:
-        """``groups`` as one byte buffer: lengths, rewards, then each field (packed, or padded
-        per sequence to ``pad_to``)."""
-        s = self.seqs(groups)
-        lengths = self.lengths[s]
-        parts = [lengths.view(torch.uint8), self.reward[s].view(torch.uint8)]
-        if pad_to:
-            pos = torch.arange(pad_to)
-            idx = self.starts[s][:, None] + pos
-            mask = pos[None, :] < lengths[:, None]
-            for _, f in ((n, self.fields[n]) for n, _ in FIELDS):
-                full = torch.zeros((len(s), pad_to), dtype=f.dtype)
-                full[mask] = f[idx[mask]]
-                parts.append(full.reshape(-1).view(torch.uint8))
+    def pack(self, groups: list[int] | None = None, pad_to: int = 0) -> torch.Tensor:
+        """``groups`` (local indices, in that order; ``None``: all, in order) as one byte
+        buffer: lengths, group ids, rewards, then each token field (packed, or padded per
+        sequence to ``pad_to``), zeros to an 8-byte multiple (:func:`section_bytes`)."""
+        if groups is None and not pad_to:
+            parts = [self.lengths, self.group, self.reward, *self.fields.values()]
         else:
+            g = torch.arange(self.groups) if groups is None else torch.as_tensor(groups)
+            if not len(g):
+                return torch.zeros(0, dtype=torch.uint8)
+            s = (g[:, None] * self.size + torch.arange(self.size)).reshape(-1)
+            lengths = self.lengths[s]
             tok = torch.repeat_interleave(
                 self.starts[s] - (torch.cumsum(lengths, 0) - lengths), lengths
             ) + torch.arange(int(lengths.sum()))
-            parts += [self.fields[n][tok].view(torch.uint8) for n, _ in FIELDS]
-        if not len(s):
-            return torch.zeros(0, dtype=torch.uint8)
-        size = sum(p.numel() for p in parts)
-        parts.append(torch.zeros(-size % 8, dtype=torch.uint8))  # the next section 8-aligned
-        return torch.cat(parts)
+            parts = [lengths, self.group[s], self.reward[s]]
+            if pad_to:
+                mask = torch.arange(pad_to)[None, :] < lengths[:, None]
+                for f in self.fields.values():
+                    full = torch.zeros((len(s), pad_to), dtype=f.dtype)
+                    full[mask] = f[tok]
+                    parts.append(full.reshape(-1))
+            else:
+                parts += [f[tok] for f in self.fields.values()]
+        raw = [p.view(torch.uint8) for p in parts]
+        size = sum(p.numel() for p in raw)
+        return torch.cat([*raw, torch.zeros(-size % 8, dtype=torch.uint8)])
 
 
-def unpack(buf: torch.Tensor, n: int, pad_to: int = 0) -> dict[str, torch.Tensor]:
-    """Inverse of :meth:`Data.pack` for ``n`` sequences."""
-    lengths = buf[: 8 * n].view(torch.int64)
-    out, at = {"_length": lengths, "reward": buf[8 * n : 12 * n].view(torch.float32)}, 12 * n
-    total = n * pad_to if pad_to else int(lengths.sum())
+def unpack(buf: torch.Tensor, n: int, t: int) -> dict[str, torch.Tensor]:
+    """Typed views of a section packed by :meth:`Data.pack` (``t`` token positions)."""
+    out, at = {}, 0
+    for name, dtype in SEQ_FIELDS:
+        out[name] = buf[at : at + n * dtype.itemsize].view(dtype)
+        at += n * dtype.itemsize
     for name, dtype in FIELDS:
-        nb = total * dtype.itemsize
-        out[name] = buf[at : at + nb].view(dtype)
-        at += nb
+        out[name] = buf[at : at + t * dtype.itemsize].view(dtype)
+        at += t * dtype.itemsize
     return out
 
 
-def _kk_owner(tokens: np.ndarray, world: int, budget: int) -> tuple[np.ndarray, list]:
-    plan = balance.plan(tokens.tolist(), world, budget)
-    owner = np.empty(len(tokens), dtype=np.int64)
-    for li, mbs in enumerate(plan):
-        owner[[i for mb in mbs for i in mb]] = li
-    return owner, plan
+def _slice(full: dict, seqs: np.ndarray, toks: np.ndarray, pad_to: int = 0) -> list[dict]:
+    """Micro-batches from each field's tensor in micro-batch order: ``seqs[k]`` sequences and
+    ``toks[k]`` tokens each (``pad_to``: token fields are ``[sequences, pad_to]`` rows)."""
+    seq_end, tok_end = np.cumsum(seqs), np.cumsum(toks)
+    out = []
+    for k in range(len(seqs)):
+        s0, s1 = int(seq_end[k] - seqs[k]), int(seq_end[k])
+        t0, t1 = (s0, s1) if pad_to else (int(tok_end[k] - toks[k]), int(tok_end[k]))
+        mb = {n: full[n][s0:s1] for n, _ in SEQ_FIELDS}
+        mb |= {n: full[n][t0:t1] for n, _ in FIELDS}
+        cu = torch.zeros(s1 - s0 + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(mb["_length"], 0)
+        mb["cu_seqlens"] = cu
+        out.append(mb)
+    return out
 
 
-def _gather_counts(d: Data, world: int) -> np.ndarray:
-    """Every rank's group token counts (rank-major), one small all-gather."""
-    out = torch.empty(world * d.group_tokens.numel(), dtype=torch.int64)
+def _counts(d: Data, world: int) -> np.ndarray:
+    """Every rank's group token counts (rank-major: global group ``r * per + j``)."""
+    out = torch.empty(world * d.groups, dtype=torch.int64)
     ALL_GATHER(out, d.group_tokens)
     return out.numpy()
 
 
-def _exchange(d: Data, owner: np.ndarray, world: int, pad_to: int = 0) -> tuple[list, int]:
-    """Raw all-to-all of the groups each learner owns; returns the received parts and bytes."""
-    me, per = dist.get_rank(), d.group_tokens.numel()
-    mine = owner[me * per : (me + 1) * per]
-    sends = [d.pack(np.flatnonzero(mine == r).tolist(), pad_to) for r in range(world)]
-    in_splits = [int(s.numel()) for s in sends]
-    sizes = torch.tensor(in_splits, dtype=torch.int64)
-    all_sizes = torch.empty(world * world, dtype=torch.int64)
-    ALL_GATHER(all_sizes, sizes)
-    out_splits = all_sizes.view(world, world)[:, me].tolist()
+def _exchange(d: Data, plan: list, tokens: np.ndarray, pad_to: int = 0) -> tuple[list, int]:
+    """Move the groups of ``plan[learner][micro] = [global group, ...]`` from their holders
+    to their learners in one raw all-to-all (holders pack in micro-batch order; every rank
+    derives the byte matrix from the gathered ``tokens``), then cut this learner's
+    micro-batches with one ``cat`` of runs per field. Returns them and the bytes received."""
+    world, me, per, size = dist.get_world_size(), dist.get_rank(), d.groups, d.size
+    g_all = np.concatenate([[g for mb in p for g in mb] for p in plan])
+    dest = np.repeat(np.arange(world), [sum(len(mb) for mb in p) for p in plan])
+    holder = g_all // per
+    n = np.zeros((world, world), np.int64)  # sequences holder -> learner
+    t = np.zeros((world, world), np.int64)  # token positions holder -> learner
+    np.add.at(n, (holder, dest), size)
+    np.add.at(t, (holder, dest), size * pad_to if pad_to else tokens[g_all])
+    nbytes = np.vectorize(section_bytes)(n, t)
+    sends = []
+    for li in range(world):
+        mine = [g - me * per for mb in plan[li] for g in mb if g // per == me]
+        sends.append(d.pack(mine, pad_to) if mine else torch.zeros(0, dtype=torch.uint8))
+    in_splits, out_splits = nbytes[me].tolist(), nbytes[:, me].tolist()
     recv = torch.empty(sum(out_splits), dtype=torch.uint8)
     dist.all_to_all_single(recv, torch.cat(sends), out_splits, in_splits)
-    counts = [int((owner[r * per : (r + 1) * per] == me).sum()) * d.size for r in range(world)]
-    parts = list(torch.split(recv, out_splits))
-    return [unpack(p, n, pad_to) for p, n in zip(parts, counts, strict=True) if n], sum(out_splits)
+    parts = torch.split(recv, out_splits)
+    cols = [unpack(parts[s], int(n[s, me]), int(t[s, me])) for s in range(world)]
+    if pad_to:
+        for c in cols:
+            for name, _ in FIELDS:
+                c[name] = c[name].view(-1, pad_to)
+    mbs = plan[me]
+    rn = np.zeros((len(mbs), world), np.int64)  # sequences of micro-batch k from holder s
+    rt = np.zeros((len(mbs), world), np.int64)
+    for k, mb in enumerate(mbs):
+        g = np.asarray(mb)
+        np.add.at(rn[k], g // per, size)
+        np.add.at(rt[k], g // per, tokens[g])
+    n0, t0 = np.cumsum(rn, 0) - rn, np.cumsum(rt, 0) - rt
+    if pad_to:
+        t0, rt_cut = n0, rn
+    else:
+        rt_cut = rt
+    runs = [(k, s) for k in range(len(mbs)) for s in range(world) if rn[k, s]]
+    full = {}
+    for name, _ in SEQ_FIELDS:
+        full[name] = torch.cat([cols[s][name][n0[k, s] : n0[k, s] + rn[k, s]] for k, s in runs])
+    for name, _ in FIELDS:
+        full[name] = torch.cat([cols[s][name][t0[k, s] : t0[k, s] + rt_cut[k, s]] for k, s in runs])
+    return _slice(full, rn.sum(1), rt.sum(1), pad_to), sum(out_splits)
 
 
-def _cat(parts: list[dict]) -> dict[str, torch.Tensor]:
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+def run_equal(d: Data, budget: int) -> tuple[list, int]:
+    """Groups dealt by count, then equal-count micro-batches (as many as the heaviest
+    learner's tokens need, capped at its group count)."""
+    world = dist.get_world_size()
+    tokens = _counts(d, world)
+    shares = [list(range(li, len(tokens), world)) for li in range(world)]
+    heaviest = max(int(tokens[s].sum()) for s in shares)
+    m = max(1, min(min(len(s) for s in shares), -(-heaviest // budget)))
+    plan = [[c.tolist() for c in np.array_split(np.asarray(s), m)] for s in shares]
+    return _exchange(d, plan, tokens)
 
 
-def run_equal(d: Data, world: int) -> tuple[int, int]:
-    tokens = _gather_counts(d, world)
-    owner = np.arange(len(tokens)) % world
-    parts, nbytes = _exchange(d, owner, world)
-    got = _cat(parts)
-    return int(got["_length"].sum()) if got else 0, nbytes
-
-
-def run_padded(d: Data, world: int, budget: int) -> tuple[int, int]:
-    tokens = _gather_counts(d, world)
+def run_padded(d: Data, budget: int) -> tuple[list, int]:
+    world = dist.get_world_size()
+    tokens = _counts(d, world)
     longest = torch.tensor([int(d.lengths.max())])
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    owner, _ = _kk_owner(tokens, world, budget)
-    parts, nbytes = _exchange(d, owner, world, int(longest))
-    got = _cat(parts)
-    return int(got["_length"].sum()) if got else 0, nbytes
+    plan = balance.plan(tokens.tolist(), world, budget)
+    return _exchange(d, plan, tokens, int(longest))
 
 
-def run_allgather(d: Data, world: int, budget: int) -> tuple[int, int]:
-    """All-gather everything, then repack this learner's KK share into micro-batches."""
-    me, per = dist.get_rank(), d.group_tokens.numel()
-    mine = d.pack(list(range(per)))
+def run_allgather(d: Data, budget: int) -> tuple[list, int]:
+    """All-gather everything, then repack this learner's share of the split into
+    micro-batches: per token field one ``cat`` of the share's runs (adjacent groups of a rank
+    merged), per sequence field one indexed gather."""
+    world, me, per, size = dist.get_world_size(), dist.get_rank(), d.groups, d.size
+    n = per * size
+    mine = d.pack()
     sizes = torch.empty(world, dtype=torch.int64)
     ALL_GATHER(sizes, torch.tensor([mine.numel()]))
     width = int(sizes.max())
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: mine.numel()] = mine
+    if width == mine.numel():
+        buf = mine
+    else:
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: mine.numel()] = mine
     everything = torch.empty(world * width, dtype=torch.uint8)
     ALL_GATHER(everything, buf)
-    ranks = [unpack(everything[r * width : (r + 1) * width], per * d.size) for r in range(world)]
-    tokens = np.concatenate([r["_length"].view(per, d.size).sum(1).numpy() for r in ranks])
-    _, plan = _kk_owner(tokens, world, budget)
-    got = 0
-    for mb in plan[me]:  # each micro-batch: the groups' sequences gathered into packed tensors
-        pieces = {name: [] for name, _ in FIELDS}
-        for g in mb:
-            r, lg = divmod(g, per)
-            lens = ranks[r]["_length"]
-            start = int(lens[: lg * d.size].sum())
-            stop = start + int(lens[lg * d.size : (lg + 1) * d.size].sum())
-            for name, _ in FIELDS:
-                pieces[name].append(ranks[r][name][start:stop])
-        packed = {k: torch.cat(v) for k, v in pieces.items()}
-        got += int(packed["tokens"].numel())
-    return got, world * width
+    rows = everything.view(world, width)
+    seq, at = {}, 0
+    for name, dtype in SEQ_FIELDS:  # [world, n] each
+        seq[name] = rows[:, at : at + n * dtype.itemsize].view(dtype)
+        at += n * dtype.itemsize
+    lens = seq["_length"]
+    group_tokens = lens.view(world, per, size).sum(2)
+    starts = (torch.cumsum(group_tokens, 1) - group_tokens).reshape(-1).tolist()
+    gt = group_tokens.reshape(-1).numpy()
+    plan = balance.plan(gt.tolist(), world, budget)
+    mbs = plan[me]
+    order = [g for mb in mbs for g in mb]
+    runs: list[list[int]] = []  # [rank, first token, tokens]
+    for g in order:
+        r, t = g // per, int(gt[g])
+        if runs and runs[-1][0] == r and runs[-1][1] + runs[-1][2] == starts[g]:
+            runs[-1][2] += t
+        else:
+            runs.append([r, starts[g], t])
+    views = [unpack(rows[r], n, int(lens[r].sum())) for r in range(world)]
+    full = {name: torch.cat([views[r][name][s : s + t] for r, s, t in runs]) for name, _ in FIELDS}
+    o = torch.as_tensor(order, dtype=torch.int64)
+    seq_idx = (o[:, None] * size + torch.arange(size)).reshape(-1)  # into [world * n]
+    full |= {name: v.reshape(-1)[seq_idx] for name, v in seq.items()}
+    seqs = np.array([len(mb) * size for mb in mbs])
+    toks = np.array([int(gt[mb].sum()) for mb in mbs])
+    return _slice(full, seqs, toks), world * width
 
 
 def _sample(fn) -> float:
@@ -205,12 +290,16 @@ def _sample(fn) -> float:
 def main(argv: list[str]) -> None:
     """Run the tokens benchmark (every rank) and print the JSON line last on rank 0."""
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench tokens")
-    p.add_argument("--groups-per-rank", type=number(int, 1), default=256)
+    p.add_argument(
+        "--groups-per-rank", type=number(int, 1), default=256,
+        help="groups each rank generates a global batch (256: about 8 MB of token data)",
+    )  # fmt: skip
     p.add_argument("--group-size", type=number(int, 1), default=8)
     p.add_argument("--median", type=number(float, 16), default=256.0, help="median length")
     p.add_argument("--token-budget", type=number(int, MAX_LEN), default=16_384)
     p.add_argument("--samples", type=number(int, 3), default=7)
     p.add_argument("--warmup", type=number(int, 0), default=2)
+    p.add_argument("--profile", action="store_true", help="cProfile ours' fetches on rank 0")
     a = p.parse_args(argv)
     cd.init_distributed()
     torch.set_num_threads(1)
@@ -219,98 +308,109 @@ def main(argv: list[str]) -> None:
         {n: cd.Ragged(t, MAX_LEN) for n, t in FIELDS} | {"reward": ((), torch.float32)},
         group_size=a.group_size,
     )
-    per = a.groups_per_rank
-    tp = cd.TokenPlane(spec, 4 * per * a.group_size, 4 * per * a.group_size * 2 * MAX_LEN // 8)
+    per, size = a.groups_per_rank, a.group_size
+    tp = cd.TokenPlane(spec, 4 * per * size, 4 * per * size * 2 * MAX_LEN // 8)
+    prof = cProfile.Profile() if a.profile and me == 0 else None
     rng = np.random.default_rng(1000 + me)
-    rows: dict[str, list] = {k: [] for k in ("ours", "equal", "padded", "allgather", "ag", "a2a")}
+    walls: dict[str, list] = {k: [] for k in SCHEMES}
     got: dict[str, list] = {k: [] for k in ("ours", "equal", "padded", "allgather")}
-    wire: dict[str, list] = {k: [] for k in ("ours", "ours_data", "padded")}
+    wire: dict[str, list] = {k: [] for k in ("ours", "padded", "allgather", "data")}
     for i in range(a.warmup + a.samples):
-        d = Data(rng, per, a.group_size, a.median, base=(i * world + me) * per)
+        d = Data(rng, per, size, a.median, base=(i * world + me) * per)
         tp.put(*d.batch())
-        out: dict = {}
-
-        def ours(d=d, out=out) -> None:
-            out["mbs"] = tp.fetch(per * world, a.token_budget)
-
-        t = {"ours": _sample(ours)}
-        toks = {"ours": sum(mb.tokens for mb in out["mbs"])}
-        wire_i = (tp.last.wire_bytes, tp.last.token_bytes)
-        for name, fn in (
-            ("equal", lambda d=d: run_equal(d, world)),
-            ("padded", lambda d=d: run_padded(d, world, a.token_budget)),
-            ("allgather", lambda d=d: run_allgather(d, world, a.token_budget)),
-        ):
-            res: list = []
-            t[name] = _sample(lambda fn=fn, res=res: res.append(fn()))
-            toks[name] = res[0][0]
-            if name == "padded":
-                pad_bytes = res[0][1]
-        mean = torch.tensor([d.pack(list(range(per))).numel()], dtype=torch.int64)
-        dist.all_reduce(mean)  # the same size on every rank: the mean rank's bytes
-        raw_bytes = int(mean) // world
-        src = torch.zeros(raw_bytes - raw_bytes % world, dtype=torch.uint8)
+        mean = torch.tensor([d.nbytes()], dtype=torch.int64)
+        dist.all_reduce(mean)  # the raw collectives move the mean rank's bytes
+        src = torch.zeros(_align(int(mean) // world // world) * world, dtype=torch.uint8)
         dst_ag = torch.empty(world * src.numel(), dtype=torch.uint8)
         dst_a2a = torch.empty_like(src)
-        t["ag"] = _sample(lambda o=dst_ag, s=src: ALL_GATHER(o, s))
-        t["a2a"] = _sample(lambda o=dst_a2a, s=src: dist.all_to_all_single(o, s))
+        out: dict = {}
+
+        def ours(out=out) -> None:
+            if prof is not None:
+                prof.enable()
+            out["ours"] = tp.fetch(per * world, a.token_budget)
+            if prof is not None:
+                prof.disable()
+
+        fns = {
+            "ours": ours,
+            "equal": lambda d=d, out=out: out.__setitem__("equal", run_equal(d, a.token_budget)),
+            "padded": lambda d=d, out=out: out.__setitem__("padded", run_padded(d, a.token_budget)),
+            "allgather": lambda d=d, out=out: out.__setitem__(
+                "allgather", run_allgather(d, a.token_budget)
+            ),
+            "ag": lambda o=dst_ag, s=src: ALL_GATHER(o, s),
+            "a2a": lambda o=dst_a2a, s=src: dist.all_to_all_single(o, s),
+        }
+        k = i % len(SCHEMES)
+        t = {name: _sample(fns[name]) for name in SCHEMES[k:] + SCHEMES[:k]}
         if i < a.warmup:
             continue
-        for k in rows:
-            rows[k].append(t[k])
-        for k in got:
-            got[k].append(toks[k])
-        wire["ours"].append(wire_i[0])
-        wire["ours_data"].append(wire_i[1])
-        wire["padded"].append(pad_bytes)
+        for name in SCHEMES:
+            walls[name].append(t[name])
+        ours_mbs = out["ours"]
+        tok = sum(mb.tokens for mb in ours_mbs)
+        got["ours"].append(tok)
+        for name in ("equal", "padded", "allgather"):
+            got[name].append(sum(int(mb["_length"].sum()) for mb in out[name][0]))
+        wire["ours"].append(tp.last.wire_bytes)
+        wire["padded"].append(out["padded"][1])
+        wire["allgather"].append(out["allgather"][1])
+        wire["data"].append(tok * TOKEN_BYTES + sum(mb.sequences for mb in ours_mbs) * SEQ_BYTES)
     tp.close()
-    # the slowest rank's wall per sample; per-learner tokens and bytes from every rank
-    walls = torch.tensor([rows[k] for k in rows], dtype=torch.float64)
-    dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+    # the slowest rank's wall per sample; per-learner tokens from every rank; bytes summed
+    w = torch.tensor([walls[k] for k in SCHEMES], dtype=torch.float64)
+    dist.all_reduce(w, op=dist.ReduceOp.MAX)
     toks = torch.tensor([got[k] for k in got], dtype=torch.float64)
     all_toks = [torch.empty_like(toks) for _ in range(world)]
     dist.all_gather(all_toks, toks)
     wb = torch.tensor([wire[k] for k in wire], dtype=torch.float64)
     dist.all_reduce(wb)
     if me == 0:
-        _report(a, world, rows, walls, got, all_toks, wb)
+        if prof is not None:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+            print(s.getvalue(), flush=True)
+        _report(a, world, w, list(got), torch.stack(all_toks), wb)
     cd.destroy_distributed()
 
 
-def _report(a, world, rows, walls, got, all_toks, wb) -> None:
-    ms = {k: statistics.median(walls[i].tolist()) * 1e3 for i, k in enumerate(rows)}
-    stacked = torch.stack(all_toks)  # [rank, scheme, sample]
+def _report(a, world: int, walls, got: list[str], stacked, wb) -> None:
+    ms = {k: statistics.median(walls[i].tolist()) * 1e3 for i, k in enumerate(SCHEMES)}
     bal = {}
-    for j, k in enumerate(got):
+    for j, k in enumerate(got):  # stacked: [rank, scheme, sample]
         per_sample = stacked[:, j, :]
         bal[k] = statistics.median((per_sample.max(0).values / per_sample.mean(0)).tolist())
-    ours_ratio = float(wb[0].sum() / wb[1].sum())
-    padded_ratio = float(wb[2].sum() / wb[1].sum())
+    data = float(wb[3].sum())
     summary = {
         "balance_max_over_mean": bal["ours"],
-        "wire_over_token_bytes": ours_ratio,
+        "wire_over_token_bytes": float(wb[0].sum()) / data,
         "speedup_vs_allgather": ms["allgather"] / ms["ours"],
         "ours_ms": ms["ours"],
-        "equal_counts_ms": ms["equal"],
         "equal_counts_balance_max_over_mean": bal["equal"],
+        "equal_counts_ms": ms["equal"],
+        "padded_wire_over_token_bytes": float(wb[1].sum()) / data,
         "padded_ms": ms["padded"],
-        "padded_wire_over_token_bytes": padded_ratio,
         "padded_balance_max_over_mean": bal["padded"],
         "allgather_ms": ms["allgather"],
         "allgather_balance_max_over_mean": bal["allgather"],
+        "allgather_wire_over_token_bytes": float(wb[2].sum()) / data,
+        "ours_vs_equal_counts": ms["ours"] / ms["equal"],
         "raw_all_gather_ms": ms["ag"],
         "raw_all_to_all_ms": ms["a2a"],
         "raw_all_gather_over_all_to_all": ms["ag"] / ms["a2a"],
+        "token_data_mb_per_rank": data / world / a.samples / 1e6,
     }
     for k, v in summary.items():
-        print(f"{k:>36}: {v:.3f}", flush=True)
+        print(f"{k:>36}: {v:.4g}", flush=True)
     emit(
         "tokens",
-        [],
+        [{"scheme": k, "ms": ms[k]} for k in SCHEMES],
         summary,
         world=world,
         groups_per_rank=a.groups_per_rank,
         group_size=a.group_size,
+        median=a.median,
         token_budget=a.token_budget,
         samples=a.samples,
     )
