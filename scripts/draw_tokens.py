@@ -5,11 +5,14 @@ Command::
     python scripts/draw_tokens.py
 
 Three ranks (each a producer and a learner) hold prompt groups of G = 4 sequences of different
-lengths in their token arenas; the round all-gathers the group table, the real planner
-(``conduit_dist.tokens.balance.plan``) divides the complete groups over the learners by tokens
-(Karmarkar-Karp) and each learner's share into the same number of micro-batches under the token
-budget, and a learner's micro-batch arrives packed with ``cu_seqlens`` (no padding), drawn beside
-the padded alternative. No process group is needed: the plan is pure and deterministic.
+lengths in their token arenas; one group is still generating. The round all-gathers the group
+table; the real selection (``conduit_dist.tokens.select.consume``: oldest version first, then
+completion order) picks the complete groups, the real planner (``conduit_dist.tokens.balance.plan``)
+divides them over the learners by tokens (Karmarkar-Karp) and each learner's share into the same
+number of micro-batches under the token budget; the exchange's sections (holder x learner) and
+their bytes come from the table (``conduit_dist.tokens.wire.Wire``), and a learner's micro-batch
+arrives packed with ``cu_seqlens`` (no padding), drawn beside its padded form (``mb.padded()``).
+No process group is needed: selection, plan and sizes are pure functions of the table.
 """
 
 from __future__ import annotations
@@ -20,27 +23,53 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import numpy as np
+import torch
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from conduit_dist.tokens import select as S
 from conduit_dist.tokens.balance import plan
+from conduit_dist.tokens.spec import Ragged, TokenSpec
+from conduit_dist.tokens.wire import Wire
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img" / "token_round.png"
 G = 4
 BUDGET = 1600
-# rank -> [(group id, [sequence lengths])]; the last group on rank 2 is still generating
+LEARNERS = 3
+NEWEST, MAX_AGE = 7, 1  # the first learner's version and max_policy_age
+# rank -> [(group id, [sequence lengths])], in arrival order; rank 2's g32 is still generating
 RANKS = {
     0: [(10, [412, 96, 530, 241]), (11, [120, 188, 75, 301]), (12, [590, 455, 512, 380])],
     1: [(20, [260, 330, 48, 415]), (21, [480, 155, 92, 270])],
     2: [(30, [350, 600, 210, 125]), (31, [66, 140, 385, 230]), (32, [300, 170])],
 }
 VERSION = {10: 6, 11: 6, 12: 7, 20: 6, 21: 7, 30: 7, 31: 7, 32: 7}
-LEARNERS = 3
+SPEC = TokenSpec(
+    {
+        "tokens": Ragged(torch.int32, 1024),
+        "logprobs": Ragged(torch.float32, 1024),
+        "reward": ((), torch.float32),
+    },
+    group_size=G,
+)
 COLORS = plt.get_cmap("tab10").colors
+GREY = "#444"
 
 
-def _complete() -> list[tuple[int, int, list[int]]]:
-    """(rank, group id, lengths) of every complete group, in the gathered table's order."""
-    return [(r, g, ls) for r, gs in RANKS.items() for g, ls in gs if len(ls) == G]
+def _table() -> tuple[S.Groups, list[list[int]]]:
+    """The gathered group table (rank-major, as ``select.gather_tables`` builds it) and each
+    row's sequence lengths."""
+    rows, rank, lengths = [], [], []
+    for r, gs in RANKS.items():
+        arrived = 0
+        for gid, ls in gs:
+            arrived += len(ls)
+            order = arrived if len(ls) == G else S.PENDING  # completion order, or pending
+            prio = int(np.float64(1.0).view(np.int64))
+            rows.append([gid, sum(ls), len(ls), VERSION[gid], order, prio])
+            rank.append(r)
+            lengths.append(ls)
+    return S.Groups(np.array(rank), np.array(rows, dtype=np.int64)), lengths
 
 
 def _color(gid: int) -> tuple[float, float, float]:
@@ -50,6 +79,10 @@ def _color(gid: int) -> tuple[float, float, float]:
 
 def _header(ax, x: float, y: float, text: str) -> None:
     ax.text(x, y, text, fontsize=9, fontweight="bold", va="bottom")
+
+
+def _note(ax, x: float, y: float, text: str, **kw) -> None:
+    ax.text(x, y, text, fontsize=6.8, va="top", color=GREY, **kw)
 
 
 def _arenas(ax, x0: float, x1: float, top: float, bottom: float) -> None:
@@ -90,7 +123,7 @@ def _arenas(ax, x0: float, x1: float, top: float, bottom: float) -> None:
             yy -= 0.8 * unit
         # the arena: every sequence a contiguous run, no padding
         total = sum(sum(ls) for _, ls in gs)
-        ax.text(x0 + 0.6, y - h + 0.75 * unit, "arena", fontsize=6, va="center", color="#444")
+        ax.text(x0 + 0.6, y - h + 0.75 * unit, "arena", fontsize=6, va="center", color=GREY)
         ax.text(x1 - 0.5, y - h + 1.75 * unit, f"{total} tokens", fontsize=6, ha="right")
         ax_scale = (x1 - x0 - 5) / 5200
         xx = x0 + 4.5
@@ -111,40 +144,33 @@ def _arenas(ax, x0: float, x1: float, top: float, bottom: float) -> None:
         y -= h + 1.2
 
 
-def _table(ax, x0: float, top: float) -> float:
-    """The all-gathered group table: one row per group, the same on every rank."""
-    cols = ["rank", "group", "tokens", "seqs", "ver"]
-    xs = [x0, x0 + 3.6, x0 + 7.6, x0 + 12.2, x0 + 15.6]
-    for x, c in zip(xs, cols):
+def _gathered(ax, groups: S.Groups, chosen: np.ndarray, x0: float, top: float) -> float:
+    """The all-gathered group table: one row per group, the same on every rank; the selected
+    groups' delivery position on the right."""
+    cols = ["rank", "group", "tokens", "seqs", "ver", "pick"]
+    xs = [x0, x0 + 3.4, x0 + 7.2, x0 + 11.5, x0 + 14.8, x0 + 17.6]
+    for x, c in zip(xs, cols, strict=True):
         ax.text(x, top, c, fontsize=7, fontweight="bold")
+    pos = {int(c): k for k, c in enumerate(chosen)}
     y = top - 2.2
-    for r, gs in RANKS.items():
-        for gid, lengths in gs:
-            done = len(lengths) == G
-            vals = [r, f"g{gid}", sum(lengths), f"{len(lengths)}/{G}", VERSION[gid]]
-            ax.add_patch(
-                Rectangle(
-                    (x0 - 0.6, y - 0.75), 19.4, 2.0, fc=_color(gid), alpha=0.22 if done else 0
-                )
-            )
-            for x, v in zip(xs, vals):
-                ax.text(x, y, str(v), fontsize=7, color="black" if done else "#888")
-            if not done:
-                ax.text(
-                    x0 + 9.5,
-                    y - 1.9,
-                    "(waits for its members)",
-                    fontsize=6,
-                    color="#888",
-                    ha="center",
-                )
-            y -= 2.6
+    for i, (r, row) in enumerate(zip(groups.rank, groups.table, strict=True)):
+        gid, done = int(row[S.GID]), int(row[S.ORDER]) >= 0
+        pick = f"#{pos[i] + 1}" if i in pos else "-"
+        vals = [r, f"g{gid}", row[S.TOKENS], f"{row[S.MEMBERS]}/{G}", row[S.VERSION], pick]
+        ax.add_patch(
+            Rectangle((x0 - 0.6, y - 0.75), 21.2, 2.0, fc=_color(gid), alpha=0.22 if done else 0)
+        )
+        for x, v in zip(xs, vals, strict=True):
+            ax.text(x, y, str(v), fontsize=7, color="black" if done else "#888")
+        if not done:
+            _note(ax, x0 + 10, y - 1.1, "(waits for its members)", ha="center")
+        y -= 2.6
     return y
 
 
 def _stack(ax, x: float, y: float, h: float, gids, tokens, scale: float) -> float:
     """A horizontal stack of groups (width by tokens); returns the right edge."""
-    for gid, t in zip(gids, tokens):
+    for gid, t in zip(gids, tokens, strict=True):
         w = t * scale
         ax.add_patch(Rectangle((x, y), w, h, fc=_color(gid), ec="white", lw=1.0))
         if w > 3.2:
@@ -153,11 +179,28 @@ def _stack(ax, x: float, y: float, h: float, gids, tokens, scale: float) -> floa
     return x
 
 
+def _sections(holder, members, tokens, shares) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences and tokens each holder sends each learner (as ``round._deliver`` counts)."""
+    n = np.zeros((len(RANKS), LEARNERS), np.int64)
+    t = np.zeros((len(RANKS), LEARNERS), np.int64)
+    for li, mbs in enumerate(shares):
+        for i in (i for mb in mbs for i in mb):
+            n[holder[i], li] += members[i]
+            t[holder[i], li] += tokens[i]
+    return n, t
+
+
 def draw() -> Path:
     """Draw the picture; returns its path."""
-    groups = _complete()
-    tokens = [sum(ls) for _, _, ls in groups]
-    gids = [g for _, g, _ in groups]
+    groups, lengths = _table()
+    none = np.zeros(len(groups.rank), dtype=bool)
+    want = int(groups.complete.sum())  # a fetch of every complete group
+    chosen = S.consume(groups, want, LEARNERS, want, NEWEST, MAX_AGE, none)
+    tokens = [int(t) for t in groups.tokens[chosen]]
+    gids = [int(g) for g in groups.table[chosen, S.GID]]
+    holder = [int(r) for r in groups.rank[chosen]]
+    members = [int(m) for m in groups.table[chosen, S.MEMBERS]]
+    seqlens = [lengths[c] for c in chosen]
     shares = plan(tokens, LEARNERS, BUDGET)  # the real planner: plan[learner][micro]
     count = len(shares[0])
     assert all(len(s) == count for s in shares) and all(m for s in shares for m in s)
@@ -178,25 +221,24 @@ def draw() -> Path:
     )
 
     top = 63.5
-    _header(ax, 0.6, top + 0.6, "1. put: each rank's token arena")
+    _header(ax, 0.6, top + 0.6, "put: each rank's token arena")
     _arenas(ax, 0.6, 27.5, top, 24.0)
 
-    _header(ax, 30, top + 0.6, "2. all-gather: group table")
-    end = _table(ax, 30.6, top - 1.6)
-    ax.text(
-        30.3,
-        end - 1.6,
-        "identical on every rank:\nselect, plan and the exchange's\n"
-        "byte matrix need no further\nmessage",
-        fontsize=6.5,
-        va="top",
-        color="#444",
+    _header(ax, 29.6, top + 0.6, "1. meta: the group table")
+    end = _gathered(ax, groups, chosen, 30.2, top - 1.6)
+    _note(
+        ax,
+        29.9,
+        end - 0.6,
+        "one all-gather: the same table on every rank\n"
+        "(2. weights: none here, every rank learns).\n"
+        f"3. select (learner's version {NEWEST}):\noldest version first, then completion order",
     )
 
-    # 3. Karmarkar-Karp over the learners
-    x0 = 52
-    _header(ax, x0, top + 0.6, f"3. plan: Karmarkar-Karp, {LEARNERS} learners")
-    scale = 26 / max(sum(tokens[i] for m in s for i in m) for s in shares)
+    # 4. Karmarkar-Karp over the learners
+    x0 = 54
+    _header(ax, x0, top + 0.6, f"4. plan: Karmarkar-Karp, {LEARNERS} learners")
+    scale = 21 / max(sum(tokens[i] for m in s for i in m) for s in shares)
     for li, s in enumerate(shares):
         y = top - 5 - li * 6.5
         flat = [i for m in s for i in m]
@@ -204,21 +246,19 @@ def draw() -> Path:
         right = _stack(
             ax, x0 + 6, y, 2.0, [gids[i] for i in flat], [tokens[i] for i in flat], scale
         )
-        ax.text(right + 0.5, y + 1.0, f"{sum(tokens[i] for i in flat)}", fontsize=7, va="center")
-    ax.text(
+        total = sum(tokens[i] for i in flat)
+        ax.text(right + 0.5, y + 1.0, f"{total} tokens", fontsize=7, va="center")
+    _note(
+        ax,
         x0,
-        top - 23.5,
-        "whole groups (never split), heaviest-spread tuples merged first;\n"
-        "fewer groups than learners is refused",
-        fontsize=6.5,
-        va="top",
-        color="#444",
+        top - 20.5,
+        "groups by tokens, never split;\nfewer groups than learners is refused",
     )
 
-    # 4. micro-batches under the budget
-    x0 = 89
-    _header(ax, x0, top + 0.6, f"4. micro-batches: M = {count} per learner")
-    mscale = 19 / max(BUDGET, max(tokens))
+    # 4. each share into micro-batches under the budget
+    x0 = 90
+    _header(ax, x0, top + 0.6, f"micro-batches: M = {count} on every learner")
+    mscale = 18 / max(BUDGET, max(tokens))
     for li, s in enumerate(shares):
         for k, mb in enumerate(s):
             y = top - 4.2 - li * 7.2 - k * 2.8
@@ -242,55 +282,83 @@ def draw() -> Path:
         color="crimson",
         ha="center",
     )
-    ax.text(
+    _note(
+        ax,
         x0,
         ybot - 3.2,
-        "same count everywhere, none empty;\na group over the budget rides alone",
-        fontsize=6.5,
-        va="top",
-        color="#444",
+        "the same count everywhere, none empty;\na group over the budget rides alone",
     )
 
-    for xa, xb in ((27.9, 29.6), (49.6, 51.6), (84.2, 88.4)):
+    for xa, xb in ((27.9, 29.4), (51.6, 53.6), (86.4, 89.6)):
         ax.add_patch(
             FancyArrowPatch((xa, top - 8), (xb, top - 8), arrowstyle="-|>", mutation_scale=12)
         )
 
-    # 5. learner 0's first micro-batch: packed with cu_seqlens, and padded
-    li, k = next((li, k) for li, s in enumerate(shares) for k, m in enumerate(s) if len(m) > 1)
-    mb = shares[li][k]
-    seqs = [(gids[i], ln) for i in mb for ln in groups[i][2]]
-    holders = sorted({groups[i][0] for i in mb})
-    n, width = len(seqs), max(ln for _, ln in seqs)
+    # 5. deliver: the sections each holder sends each learner, sized from the table
+    wire = Wire(SPEC)
+    n, t = _sections(holder, members, tokens, shares)
+    _header(ax, 0.6, 20.6, "5. deliver: one exchange")
+    cx, cy, cw, chh = 6.5, 16.2, 6.6, 2.5
+    for li in range(LEARNERS):
+        ax.text(cx + li * cw + cw / 2, cy + 1.3, f"to L{li}", fontsize=7, ha="center")
+    for r in range(len(RANKS)):
+        y = cy - (r + 1) * chh
+        ax.text(0.9, y + chh / 2, f"from rank {r}", fontsize=7, va="center")
+        for li in range(LEARNERS):
+            cell = Rectangle((cx + li * cw, y), cw, chh, fc="#f4f4f4", ec="#999", lw=0.6)
+            ax.add_patch(cell)
+            label = f"{n[r, li]} seqs\n{t[r, li]} tok" if n[r, li] else "-"
+            ax.text(cx + (li + 0.5) * cw, y + chh / 2, label, fontsize=6, ha="center", va="center")
+    nbytes = sum(wire.nbytes(int(n[r, li]), int(t[r, li])) for r in range(3) for li in range(3))
+    data = int(n.sum()) * wire.seq_bytes + int(t.sum()) * wire.token_bytes
+    _note(
+        ax,
+        0.9,
+        cy - len(RANKS) * chh - 0.6,
+        f"sizes from the table: no size message;\n{nbytes} bytes moved for {data} bytes of "
+        f"data\n(tokens int32, logprobs fp32, reward; 8-byte\ncolumn alignment is the only "
+        "padding). 6. take: the\ndelivered groups leave their holders",
+    )
+
+    # the micro-batch with the most sequences, as its learner receives it: packed
+    li, k = max(
+        ((li, k) for li, s in enumerate(shares) for k in range(len(s))),
+        key=lambda lk: (len(shares[lk[0]][lk[1]]), -lk[0]),
+    )
+    mb = sorted(shares[li][k], key=lambda i: holder[i])  # runs by holder, as `_cut` joins
+    seqs = [(gids[i], ln) for i in mb for ln in seqlens[i]]
+    sources = sorted({holder[i] for i in mb})
+    nseq, width = len(seqs), max(ln for _, ln in seqs)
     total = sum(ln for _, ln in seqs)
-    _header(ax, 0.6, 20.6, f"5. learner {li}, micro-batch {k} arrives packed: no padding")
-    px0, pw = 1.0, 72.0
+    px0, pw = 31.5, 50.0
+    _header(ax, px0, 20.6, f"learner {li}, micro-batch {k}: packed, no padding")
     sc = pw / total
     x, cu = px0, [0]
     for gid, ln in seqs:
-        ax.add_patch(Rectangle((x, 12.5), ln * sc, 4.0, fc=_color(gid), ec="white", lw=1.2))
+        ax.add_patch(Rectangle((px0 + cu[-1] * sc, 13.0), ln * sc, 4.0, fc=_color(gid), ec="white"))
         x += ln * sc
         cu.append(cu[-1] + ln)
     for j, c in enumerate(cu):
         xc = px0 + c * sc
-        ax.plot([xc, xc], [11.7, 12.5], color="black", lw=0.8)
-        ax.text(xc, 10.9 - 1.3 * (j % 2), str(c), fontsize=6.5, ha="center", va="center")
-    ax.text(px0, 7.3, f"cu_seqlens (int32, {n} sequences + 1)", fontsize=7, color="#444")
+        ax.plot([xc, xc], [12.2, 13.0], color="black", lw=0.8)
+        ax.text(xc, 11.4 - 1.3 * (j % 2), str(c), fontsize=6.5, ha="center", va="center")
+    ax.text(px0, 7.8, f"cu_seqlens (int32, {nseq} sequences + 1)", fontsize=7, color=GREY)
     ax.text(
         px0,
-        5.4,
-        f'mb["tokens"]: [{total}]  ·  max_seqlen = {width}  ·  mb.tokens = {total}  ·  '
-        f"mb.sequences = {n}\n"
-        f"sequence i is packed[cu_seqlens[i]:cu_seqlens[i + 1]] (varlen attention's input); "
-        f"its holders (ranks {', '.join(map(str, holders))}) sent it in the round's one exchange",
+        5.9,
+        f'mb["tokens"]: [{total}]   max_seqlen = {width}   mb.tokens = {total}   '
+        f"mb.sequences = {nseq}\n"
+        f"sequence i is packed[cu_seqlens[i]:cu_seqlens[i + 1]] (varlen attention's input);\n"
+        f"from rank{'s' if len(sources) > 1 else ''} {', '.join(map(str, sources))}; "
+        f"a group's {G} sequences are consecutive",
         fontsize=7,
         va="top",
     )
 
     # the padded alternative: mb.padded()
-    qx0, qw, rh = 80.0, 26.0, 1.9
-    padded = n * width
-    _header(ax, qx0, 20.6, "the padded alternative: mb.padded()")
+    qx0, qw, rh = 86.0, 20.0, 1.9
+    padded = nseq * width
+    _header(ax, qx0, 20.6, "the same, mb.padded()")
     for r, (gid, ln) in enumerate(seqs):
         y = 19.6 - (r + 1) * rh
         ax.add_patch(Rectangle((qx0, y), ln / width * qw, rh * 0.85, fc=_color(gid), lw=0))
@@ -307,8 +375,8 @@ def draw() -> Path:
         )
     ax.text(
         qx0 + qw + 1,
-        19.6 - n * rh / 2,
-        f"[{n}, {width}]\n= {padded} slots\n{padded - total} of them\npadding "
+        19.6 - nseq * rh / 2,
+        f"[{nseq}, {width}]\n= {padded} slots,\n{padded - total} of them\npadding "
         f"({(padded - total) / padded:.0%})",
         fontsize=7,
         va="center",
