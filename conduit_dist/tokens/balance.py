@@ -188,6 +188,14 @@ def _need(weights: list[int], share: list[int], budget: int) -> int:
     return big + -(-rest // budget)
 
 
+def _fewest(weights: list[int], share: list[int], budget: int, cap: int) -> int:
+    """The fewest micro-batches (<= ``cap``) in which this learner's split fits the budget."""
+    m = max(1, min(cap, _need(weights, share, budget)))
+    while m < cap and not _fits(weights, [_micro(weights, share, m, budget)], budget):
+        m += 1
+    return m
+
+
 def plan(tokens: Sequence[int] | np.ndarray, learners: int, budget: int) -> list[list[list[int]]]:
     """Token-balanced plan: groups over learners, then each learner's share into micro-batches.
 
@@ -225,7 +233,7 @@ def plan(tokens: Sequence[int] | np.ndarray, learners: int, budget: int) -> list
             key=lambda b: b[0],
         )
     cap = min(len(s) for s in shares)
-    m = max(1, min(cap, max(_need(weights, s, budget) for s in shares)))
+    m = max(1, min(cap, max(_fewest(weights, s, budget, cap) for s in shares)))
     while True:
         out = [_micro(weights, s, m, budget) for s in shares]
         if m >= cap or _fits(weights, out, budget):

@@ -314,10 +314,11 @@ class TokenRound:
             )
             at += int(sizes[src])
         runs = [(k, s) for k in range(nmb) for s in range(world) if n[k, s]]
+        n0, t0, n, t = n0.tolist(), t0.tolist(), n.tolist(), t.tolist()  # Python ints: fast slices
         full = {}
         for name in (*self.wire.fixed, *self.wire.ragged):
             start, size = (t0, t) if name in self.wire.ragged else (n0, n)
-            pieces = [cols[s][name][start[k, s] : start[k, s] + size[k, s]] for k, s in runs]
+            pieces = [cols[s][name][start[k][s] : start[k][s] + size[k][s]] for k, s in runs]
             full[name] = torch.cat(pieces).to(self.device)
         order = [i for k, s in runs for i in mbs[k] if holder[i] == s]
         full["_holder"] = torch.as_tensor(np.repeat(holder[order], members[order]))
