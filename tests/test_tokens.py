@@ -265,3 +265,34 @@ def test_restore_keeps_groups_whole_when_ranks_used_the_same_ids(tmp_path):
     run_ranks(_same_ids, 2, str(tmp_path), "save")
     res = _same_ids(0, 1, str(tmp_path), "restore")  # both groups 5 onto one rank
     assert res == {"sequences": 2 * G, "groups": 0}
+
+
+def test_members_of_a_group_evicted_before_it_completed_are_dropped_and_counted():
+    with cd.TokenPlane(make_spec(), 2 * G, 8192) as tp:
+        batch, lengths = group_batch([0])
+        half = int(lengths[:2].sum())
+        part = {
+            k: (v[:half] if v.shape[0] == int(lengths.sum()) else v[:2]) for k, v in batch.items()
+        }
+        tp.put(part, lengths[:2])  # group 0: 2 of 4 members
+        tp.put(*group_batch([1]))
+        tp.put(*group_batch([2]))  # no room: group 0 (incomplete, oldest) goes
+        assert sorted(tp.store.groups) == [1, 2] and tp.stats()["evicted_groups"] == 1
+        rest = {
+            k: (v[half:] if v.shape[0] == int(lengths.sum()) else v[2:]) for k, v in batch.items()
+        }
+        tp.put(rest, lengths[2:])  # its late members: dropped, not a new group 0
+        assert sorted(tp.store.groups) == [1, 2] and tp.stats()["evicted_sequences"] == G
+        assert sorted(check_whole(tp.fetch(2, 10_000))) == [1, 2]
+
+
+def test_bad_priorities_and_a_foreign_checkpoint_are_refused(tmp_path):
+    with cd.TokenPlane(make_spec(), 64, 8192, replay="prioritized") as tp:
+        tp.put(*group_batch([0]))
+        (mb,) = tp.fetch(1, 10_000)
+        with pytest.raises(cd.SpecError, match="finite priorities >= 0"):
+            tp.update_priorities(mb, torch.full((G,), -1.0))
+        tp.checkpoint(str(tmp_path))
+    other = cd.TokenSpec({"tokens": cd.Ragged(torch.int32, MAX_LEN)}, group_size=G)
+    with cd.TokenPlane(other, 64, 8192) as tp, pytest.raises(cd.CheckpointError, match="spec"):
+        tp.restore(str(tmp_path))

@@ -109,7 +109,7 @@ class ExperienceLoader(IterableDataset):
         super().__init__()
         self.token_budget = token_budget
         if isinstance(plane, TokenPlane):  # micro-batches of whole groups (token_loader.py)
-            check_token_args(plane, token_budget, min_size, donate)
+            check_token_args(plane, token_budget, min_size, donate, max_policy_age)
         elif not isinstance(plane, DataPlane):
             raise ConfigError(f"ExperienceLoader plane: expected a DataPlane, got {type(plane)}")
         elif not plane.is_learner:

@@ -17,13 +17,18 @@ from conduit_dist.tokens import MicroBatch, TokenPlane
 
 
 def check_token_args(
-    plane: TokenPlane, token_budget: int | None, min_size: int, donate: bool
+    plane: TokenPlane,
+    token_budget: int | None,
+    min_size: int,
+    donate: bool,
+    max_policy_age: int | None = None,
 ) -> None:
     """The loader arguments that mean something for a token plane.
 
     Raises:
-        ConfigError: a missing ``token_budget``, or ``min_size`` / ``donate`` given (a token
-            plane delivers once groups complete; its puts always copy).
+        ConfigError: a missing ``token_budget``, or ``min_size`` / ``donate`` /
+            ``max_policy_age`` given (a token plane delivers once groups complete, its puts
+            copy, and its age bound is the plane's own ``max_policy_age``).
     """
     if plane.rank not in plane.learners:
         raise ConfigError(
@@ -35,6 +40,11 @@ def check_token_args(
         raise ConfigError(
             f"ExperienceLoader token_budget: expected an int >= 1 with a "
             f"TokenPlane, got {token_budget!r}"
+        )
+    if max_policy_age is not None:
+        raise ConfigError(
+            "ExperienceLoader max_policy_age: a TokenPlane bounds ages with its own "
+            f"max_policy_age (and pacing); expected None, got {max_policy_age!r}"
         )
     if min_size or donate:
         raise ConfigError(

@@ -33,6 +33,9 @@ def save_shard(root: str, rank: int, world: int, state: dict, ex, group: str, si
     rank 0 adds the manifest once every rank has written."""
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # an earlier manifest must not vouch for this checkpoint's files
+        (path / MANIFEST).unlink(missing_ok=True)
+    _barrier(ex, 0)
     tmp = path / f"tokens-rank{rank}.pt.tmp"
     torch.save(_complete_only(state, group, size), tmp)
     os.replace(tmp, path / f"tokens-rank{rank}.pt")
@@ -83,7 +86,21 @@ def load_shares(root: str, rank: int, world: int, plane, ex) -> None:
                 f"restore: {f} is missing (manifest says world {manifest['world']})"
             )
         states.append(torch.load(f, weights_only=True))
+    want = repr(plane.spec.state_dict())
+    for r, s in enumerate(states):
+        if s.get("spec") != want:
+            raise CheckpointError(
+                f"restore: rank {r}'s file holds spec {s.get('spec')}, expected this plane's {want}"
+            )
     mine = _deal([s["store"] for s in states], rank, world, plane.spec.group)
+    n, tokens = int(mine["lengths"].numel()), int(mine["lengths"].sum())
+    if n > plane.store.cap_items or tokens > plane.store.cap_tokens:
+        raise CheckpointError(
+            f"restore: this rank's share ({n} sequences, {tokens} tokens) "
+            f"exceeds its capacity ({plane.store.cap_items} / "
+            f"{plane.store.cap_tokens}); restore onto more ranks or a larger "
+            "plane"
+        )
     plane.store.load_state_dict(mine)
     plane.engine.round = max(int(s["round"]) for s in states)
     plane.version = max(int(s["version"]) for s in states)

@@ -22,7 +22,7 @@ from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.topology import discover
 from conduit_dist.collectives.transport import Transport
-from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError
+from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError, SpecError
 from conduit_dist.flow.versions import check_max_age
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.plane.build import bandwidth_model, rank_set
@@ -176,6 +176,14 @@ class TokenPlane:
         """
         self._open("reserve")
         ids = [int(g) for g in group_ids]
+        if self.closed_by >= 0:
+            return None
+        if model is None and self.pacer.on and self.rank not in self.learners:
+            raise ConfigError(
+                "reserve: expected model= on a producer-only rank (pacing counts "
+                "the version of the weights it generates with, which pull_weights "
+                "advances), got None"
+            )
         while True:
             if model is not None and self.rank not in self.learners:
                 self.pull_weights(model)
@@ -273,7 +281,14 @@ class TokenPlane:
         takes its members' mean); applied by the holders in the next round."""
         gid = batch["_key"].tolist()
         holder = batch["_holder"].tolist()
-        p = priority.detach().to("cpu", torch.float64).tolist()
+        pr = priority.detach().to("cpu", torch.float64).reshape(-1)
+        if pr.shape[0] != batch.sequences or not bool(torch.isfinite(pr).all() & (pr >= 0).all()):
+            raise SpecError(
+                f"update_priorities: expected {batch.sequences} finite priorities >= 0 "
+                f"(one per sequence), got {pr.shape[0]} with min "
+                f"{float(pr.min()) if pr.numel() else 'n/a'}"
+            )
+        p = pr.tolist()
         acc: dict[tuple[int, int], list[float]] = {}
         for h, g, v in zip(holder, gid, p, strict=True):
             acc.setdefault((h, g), []).append(v)

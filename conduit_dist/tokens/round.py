@@ -8,7 +8,8 @@ Steps (each rank, in the same order):
    weights size, closing) and this rank's group table (complete groups, groups still
    generating, priority updates), all-gathered.
 2. ``weights``: the first learner's newer weights, broadcast.
-3. ``select``: stale groups evicted (only if producers skip ``reserve``), then the piece
+3. ``select``: stale groups evicted (none when producers pace with ``reserve`` and
+   learners publish one version per global batch), then the piece
    (``tokens/select.py``), identical everywhere.
 4. ``plan``: the piece over the learners by tokens, each share into micro-batches
    (``tokens/balance.py``).

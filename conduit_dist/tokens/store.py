@@ -78,6 +78,7 @@ class GroupStore:
         self.groups: dict[int, Group] = {}  # gid -> Group, in arrival order
         self.arrivals = 0
         self.evicted_groups = self.evicted_sequences = 0
+        self.tombstones: dict[int, int] = {}  # evicted incomplete group -> members still due
 
     # ------------------------------------------------------------------ adding
 
@@ -94,6 +95,10 @@ class GroupStore:
                 capacity; nothing is stored.
         """
         gids = (p.fixed[self.spec.group] if keys is None else keys).tolist()
+        if self.tombstones and any(g in self.tombstones for g in gids):
+            p, gids = self._drop_evicted(p, gids)
+            if p is None:
+                return
         counts: dict[int, int] = {}
         for g in gids:
             counts[g] = counts.get(g, 0) + 1
@@ -138,14 +143,43 @@ class GroupStore:
                 grp.complete_at = self.arrivals
 
     def _make_room(self, n: int, tokens: int, keep: set[int]) -> None:
-        """Evict the oldest groups (not those the batch adds to, when others exist) until ``n``
-        slots and ``tokens`` arena tokens are free."""
+        """Evict the oldest groups by first arrival (not those the batch adds to, when others
+        exist), until ``n`` slots and ``tokens`` arena tokens are
+        free. An evicted incomplete group's later members are dropped when they arrive (and
+        counted), so they never start a group that cannot complete."""
         while len(self.free) < n or self.live_tokens + tokens > self.cap_tokens:
             held = [g for g, grp in self.groups.items() if grp.slots]
             victim = next((g for g in held if g not in keep), held[0])
-            self.evicted_sequences += len(self.groups[victim].slots)
+            grp = self.groups[victim]
+            if grp.complete_at < 0:
+                self.tombstones[victim] = self.spec.group_size - len(grp.slots)
+            self.evicted_sequences += len(grp.slots)
             self.evicted_groups += 1
             self.remove([victim])
+
+    def _drop_evicted(self, p: Packed, gids: list[int]) -> tuple[Packed | None, list[int]]:
+        """``p`` without the members of groups evicted before they completed (counted)."""
+        keep = []
+        for g in gids:
+            left = self.tombstones.get(g, 0)
+            keep.append(left == 0)
+            if left:
+                self.evicted_sequences += 1
+                if left == 1:
+                    del self.tombstones[g]
+                else:
+                    self.tombstones[g] = left - 1
+        mask = torch.tensor(keep, dtype=torch.bool)
+        if not mask.any():
+            return None, []
+        tok = torch.repeat_interleave(mask, p.lengths)
+        kept = Packed(
+            {n: c[mask] for n, c in p.fixed.items()},
+            {n: v[tok] for n, v in p.ragged.items()},
+            p.lengths[mask],
+            p.versions[mask],
+        )
+        return kept, [g for g, k in zip(gids, keep, strict=True) if k]
 
     def _compact(self) -> None:
         """Move every live sequence's tokens to the front of the arena, in arrival order."""
