@@ -5,7 +5,10 @@ with the current policy, scores them, normalises rewards per group, packs the gr
 token plane's batch format and trains on token-budget micro-batches (one Adam step each).
 Every ``--log-every`` steps a JSON line goes to stdout and ``--out``; at the end ``done: {...}``
 with ``reward_first_100`` (the mean reward of the first 100 scored responses: the untrained
-policy), ``reward_100`` (the last 100), ``wall_s`` and ``trained_samples``.
+policy), ``reward_100`` (the last 100), ``reward_1000`` (the last 1000), ``wall_s`` and
+``trained_samples`` (sequences trained on, each epoch counted). With the defaults, one CPU
+thread and 5 minutes, the mean reward goes from about 0.01 to about 0.8 (seeds 0..3; half the
+answers exact); most of the rise comes in the first 500 steps (roughly 1.5 minutes).
 
 Usage::
 
@@ -15,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import time
@@ -26,6 +30,7 @@ import torch
 
 from conduit_dist.rl.grpo import (
     VOCAB,
+    Group,
     GRPOConfig,
     make_prompts,
     micro_batch_loss,
@@ -42,6 +47,7 @@ def train_on_batch(
     batch: dict[str, torch.Tensor],
     lengths: torch.Tensor,
     cfg: GRPOConfig,
+    ref: TinyLM | None = None,
 ) -> dict[str, float]:
     """``cfg.epochs`` shuffled passes over a packed batch, one optimiser step per micro-batch.
 
@@ -51,6 +57,7 @@ def train_on_batch(
         batch: packed fields from :func:`to_token_batch`.
         lengths: ``[B]`` sequence lengths.
         cfg: hyperparameters.
+        ref: the frozen reference policy (when ``cfg.kl_coef > 0``).
 
     Returns:
         The last micro-batch's loss stats and the micro-batch count ``mbs``.
@@ -60,7 +67,7 @@ def train_on_batch(
     for _ in range(cfg.epochs):
         order = torch.randperm(len(lengths))
         for fields, cu, max_len in split_micro_batches(batch, lengths, cfg.token_budget, order):
-            loss, stats = micro_batch_loss(policy, fields, cu, max_len, cfg)
+            loss, stats = micro_batch_loss(policy, fields, cu, max_len, cfg, ref)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
@@ -85,7 +92,36 @@ def emit(rec: dict[str, object], out: TextIO | None, prefix: str = "") -> None:
         out.flush()
 
 
-def run(cfg: GRPOConfig, lm: LMConfig, budget_s: float, steps: int, log_every: int, out_path):
+def batch_stats(groups: list[Group], batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A step's batch in numbers.
+
+    Args:
+        groups: the step's sampled groups.
+        batch: their packed fields.
+
+    Returns:
+        Mean ``reward``, ``exact`` (share of perfect answers), ``response_len`` and ``nll`` (the
+        sampled tokens' mean negative behaviour log-prob, an entropy proxy).
+    """
+    rewards = torch.cat([g.rewards for g in groups])
+    resp_len = torch.cat([g.lengths for g in groups]).float().mean()
+    nll = -batch["logprobs"].sum() / batch["loss_mask"].sum()
+    return {
+        "reward": round(float(rewards.mean()), 4),
+        "exact": round(float((rewards == 1).float().mean()), 4),
+        "response_len": round(float(resp_len), 3),
+        "nll": round(float(nll), 3),
+    }
+
+
+def run(
+    cfg: GRPOConfig,
+    lm: LMConfig,
+    budget_s: float,
+    steps: int,
+    log_every: int,
+    out_path: str | None,
+) -> dict[str, object]:
     """Train until the time budget or the step count runs out.
 
     Args:
@@ -104,6 +140,7 @@ def run(cfg: GRPOConfig, lm: LMConfig, budget_s: float, steps: int, log_every: i
     gen = torch.Generator().manual_seed(cfg.seed)
     policy = TinyLM(lm)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    ref = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
     first: list[float] = []
     last: deque[float] = deque(maxlen=1000)
     out = open(out_path, "w") if out_path else None  # noqa: SIM115
@@ -117,25 +154,15 @@ def run(cfg: GRPOConfig, lm: LMConfig, budget_s: float, steps: int, log_every: i
         last.extend(rewards.tolist())
         ids = list(range(step * len(groups), (step + 1) * len(groups)))
         batch, lengths = to_token_batch(groups, ids, cfg.adv_eps)
-        stats = train_on_batch(policy, opt, batch, lengths, cfg)
+        stats = train_on_batch(policy, opt, batch, lengths, cfg, ref)
         step += 1
         trained += len(lengths) * cfg.epochs
         tokens += int(lengths.sum()) * cfg.epochs
         if step % log_every == 0:
             now = time.perf_counter()
-            rec = {
-                "step": step,
-                "trained_samples": trained,
-                "reward": round(float(rewards.mean()), 4),
-                "exact": round(float((rewards == 1).float().mean()), 4),
-                "response_len": round(
-                    float(torch.cat([g.lengths for g in groups]).float().mean()), 3
-                ),
-                "tokens_per_s": round(tokens / (now - tick), 1),
-                "nll": round(float(-batch["logprobs"].sum() / batch["loss_mask"].sum()), 3),
-                "clipfrac": round(stats.get("clipfrac", 0.0), 4),
-                "wall_s": round(now - t0, 1),
-            }
+            rec = {"step": step, "trained_samples": trained, **batch_stats(groups, batch)}
+            rec.update(tokens_per_s=round(tokens / (now - tick), 1), wall_s=round(now - t0, 1))
+            rec["clipfrac"] = round(stats.get("clipfrac", 0.0), 4)
             emit(rec, out)
             tick, tokens = now, 0
     done = {

@@ -185,6 +185,14 @@ def test_kl_term_needs_reference():
         grpo_loss(x, x, x, x.bool(), kl_coef=0.1)
     loss, stats = grpo_loss(x, x, x, torch.ones(3, dtype=torch.bool), ref_logp=x, kl_coef=0.1)
     assert float(loss) == 0.0 and stats["kl"] == 0.0
+    cfg = GRPOConfig(group_size=2, prompts_per_step=3, kl_coef=0.1)
+    m, _, batch, lengths = _batch(cfg, seed=5)
+    (fields, cu, max_len), *_ = split_micro_batches(batch, lengths, 10_000)
+    with pytest.raises(ValueError):
+        micro_batch_loss(m, fields, cu, max_len, cfg)
+    _, same = micro_batch_loss(m, fields, cu, max_len, cfg, ref=m)
+    _, other = micro_batch_loss(m, fields, cu, max_len, cfg, ref=_model(seed=6, d_model=32))
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and other["kl"] > 0.01
 
 
 def test_training_raises_reward_on_one_digit_task():

