@@ -296,3 +296,33 @@ def test_bad_priorities_and_a_foreign_checkpoint_are_refused(tmp_path):
     other = cd.TokenSpec({"tokens": cd.Ragged(torch.int32, MAX_LEN)}, group_size=G)
     with cd.TokenPlane(other, 64, 8192) as tp, pytest.raises(cd.CheckpointError, match="spec"):
         tp.restore(str(tmp_path))
+
+
+def test_review_cases_refused_or_unblocked():
+    batch, _ = group_batch([0], nested=True)
+    flipped = torch.nested.nested_tensor(list(reversed(list(batch["logprobs"].unbind()))),
+                                         layout=torch.jagged)  # fmt: skip
+    with cd.TokenPlane(make_spec(), 64, 8192) as tp:
+        assert not torch.equal(flipped.offsets(), batch["logprobs"].offsets())
+        with pytest.raises(cd.SpecError, match="'logprobs': its sequence lengths"):
+            tp.put(dict(batch, logprobs=flipped))
+        assert tp.stats()["sequences"] == 0
+    # a group that never completes, older than the bound, no longer holds a place for ever
+    with cd.TokenPlane(make_spec(), 64, 8192, max_policy_age=0) as tp:
+        part, lens = group_batch([9])
+        tp.put({k: v[: int(lens[0])] if v.shape[0] == int(lens.sum()) else v[:1]
+                for k, v in part.items()}, lens[:1])  # fmt: skip
+        tp.publish_weights()
+        tp.put(*group_batch([1]), version=1)
+        assert sorted(check_whole(tp.fetch(1, 10_000, wait_s=5))) == [1]
+        assert tp.stats()["stale_evicted"] == 1
+    paced = cd.TokenPlane(make_spec(), 64, 8192, max_policy_age=1, groups_per_batch=2)
+    with paced as tp, pytest.raises(cd.ConfigError, match="groups_per_batch = 2"):
+        tp.fetch(4, 10_000)
+    with cd.TokenPlane(make_spec(), 64, MAX_LEN) as tp:  # room for one longest sequence only
+        big, lens = group_batch([3])
+        with pytest.raises(cd.SpecError, match="exceed this shard's capacity"):
+            for m in range(G):  # members one by one: the group outgrows the arena
+                a, b = int(lens[:m].sum()), int(lens[: m + 1].sum())
+                tp.put({k: (v[a:b] if v.shape[0] == int(lens.sum()) else v[m : m + 1])
+                        for k, v in big.items()}, lens[m : m + 1])  # fmt: skip

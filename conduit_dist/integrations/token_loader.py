@@ -65,6 +65,8 @@ def iterate_tokens(loader) -> Iterator[MicroBatch]:
                 plane.put(*items)
 
     while (loader.rounds is None or loader.rounds_run < loader.rounds) and not plane.closed:
+        if plane.closed_by >= 0:  # a peer closed the plane: stop cleanly
+            return
         for mb in plane.stream(
             loader.batch_size, loader.token_budget, produce=produce, wait_s=loader.wait_s or 600.0
         ):

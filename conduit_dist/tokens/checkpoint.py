@@ -59,6 +59,7 @@ def _complete_only(state: dict, group: str, size: int) -> dict:
         "lengths": store["lengths"][keep],
         "versions": store["versions"][keep],
         "keys": store["keys"][keep],
+        "priority": store["priority"][keep],
         "evicted": store["evicted"],
     }
     return out
@@ -92,16 +93,20 @@ def load_shares(root: str, rank: int, world: int, plane, ex) -> None:
             raise CheckpointError(
                 f"restore: rank {r}'s file holds spec {s.get('spec')}, expected this plane's {want}"
             )
-    mine = _deal([s["store"] for s in states], rank, world, plane.spec.group)
-    n, tokens = int(mine["lengths"].numel()), int(mine["lengths"].sum())
-    if n > plane.store.cap_items or tokens > plane.store.cap_tokens:
-        raise CheckpointError(
-            f"restore: this rank's share ({n} sequences, {tokens} tokens) "
-            f"exceeds its capacity ({plane.store.cap_items} / "
-            f"{plane.store.cap_tokens}); restore onto more ranks or a larger "
-            "plane"
-        )
+    stores = [s["store"] for s in states]
+    for r in range(world):  # every rank checks every share: all raise alike, none waits
+        share = _deal(stores, r, world, plane.spec.group)
+        n, tokens = int(share["lengths"].numel()), int(share["lengths"].sum())
+        if n > plane.store.cap_items or tokens > plane.store.cap_tokens:
+            raise CheckpointError(
+                f"restore: rank {r}'s share ({n} sequences, {tokens} tokens) exceeds a shard's "
+                f"capacity ({plane.store.cap_items} / {plane.store.cap_tokens}); restore onto "
+                "more ranks or a larger plane"
+            )
+        if r == rank:
+            mine = share
     plane.store.load_state_dict(mine)
+    plane.engine.updates.clear()  # keys of the old shard mean nothing now
     plane.engine.round = max(int(s["round"]) for s in states)
     plane.version = max(int(s["version"]) for s in states)
     plane.newest = max(int(s["newest"]) for s in states)
@@ -113,7 +118,7 @@ def load_shares(root: str, rank: int, world: int, plane, ex) -> None:
 
 def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
     """This rank's groups: group ``j`` of the old shards' (rank, arrival) order, ``j % world``."""
-    pieces = {"fixed": {}, "ragged": {}, "lengths": [], "versions": [], "keys": []}
+    pieces = {"fixed": {}, "ragged": {}, "lengths": [], "versions": [], "keys": [], "priority": []}
     j = 0
     for st in stores:
         gid, lengths = st["keys"], st["lengths"]
@@ -133,6 +138,7 @@ def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
                 pieces["lengths"].append(lengths[a:b])
                 pieces["versions"].append(st["versions"][a:b])
                 pieces["keys"].append(torch.full((b - a,), j, dtype=torch.int64))
+                pieces["priority"].append(st["priority"][a:b])
             j += 1
     if not pieces["lengths"]:
         empty = stores[0]
@@ -142,6 +148,7 @@ def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
             "lengths": empty["lengths"][:0],
             "versions": empty["versions"][:0],
             "keys": empty["keys"][:0],
+            "priority": empty["priority"][:0],
             "evicted": torch.zeros(2, dtype=torch.int64),
         }
     return {
@@ -150,6 +157,7 @@ def _deal(stores: list[dict], rank: int, world: int, group: str) -> dict:
         "lengths": torch.cat(pieces["lengths"]),
         "versions": torch.cat(pieces["versions"]),
         "keys": torch.cat(pieces["keys"]),
+        "priority": torch.cat(pieces["priority"]),
         "evicted": torch.zeros(2, dtype=torch.int64),
     }
 

@@ -52,6 +52,7 @@ class Pacer:
         i = producers.index(rank) if self.producer else 0
         self.quota = (n // len(producers) + (i < n % len(producers))) if self.on else 0
         self.max_age = max_age or 0
+        self.per_batch = n or 0
         self.started = 0  # groups this rank reserved
 
     def window(self, version: int) -> int:

@@ -157,7 +157,24 @@ class TokenPlane:
         """
         self._open("put")
         v = self.version if version is None else int(version)
-        self.store.add(check_batch(self.spec, batch, lengths, v, token_versions))
+        try:
+            packed = check_batch(self.spec, batch, lengths, v, token_versions)
+        except SpecError:
+            self._cancel(batch)
+            raise
+        self.store.add(packed)
+
+    def _cancel(self, batch) -> None:
+        """Drop the reservations of a refused put's groups (a reserved group that will never
+        arrive would hold a place in every global batch)."""
+        gids = batch.get(self.spec.group) if isinstance(batch, Mapping) else None
+        if isinstance(gids, torch.Tensor):
+            empty = [
+                g
+                for g in set(gids.reshape(-1).tolist())
+                if g in self.store.groups and not self.store.groups[g].slots
+            ]
+            self.store.remove(empty)
 
     def reserve(self, group_ids: Sequence[int], model: nn.Module | None = None) -> int | None:
         """Ask before generating ``group_ids``: waits (running rounds, as ``flush``) while
@@ -256,6 +273,12 @@ class TokenPlane:
         for name, v in (("num_groups", n), ("token_budget", budget)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.pacer.on and n != self.pacer.per_batch:
+            raise ConfigError(
+                f"num_groups: pacing by version assumes one global batch of "
+                f"groups_per_batch = {self.pacer.per_batch} groups per version, "
+                f"got {n}"
+            )
         start, left = time.monotonic(), n
         while left:
             if time.monotonic() - start > wait_s:
@@ -357,6 +380,7 @@ class TokenPlane:
         """This rank's groups and counters (plain tensors; ``weights_only`` loads them)."""
         return {
             "store": self.store.state_dict(),
+            "spec": repr(self.spec.state_dict()),
             "round": self.engine.round,
             "version": self.version,
             "newest": self.newest,

@@ -143,8 +143,12 @@ class TokenRound:
 
     def _check(self, meta: np.ndarray) -> Request:
         """The learners' common request (they must agree; producers ask for nothing)."""
-        first = meta[self.learners[0]]
+        closing = meta[:, CLOSING] > 0
+        ref = next((r for r in self.learners if not closing[r]), self.learners[0])
+        first = meta[ref]
         for r in range(meta.shape[0]):
+            if closing[r]:  # a closing rank asks for nothing; the others learn of it below
+                continue
             asked = meta[r, [WANT, BUDGET, MIN_PIECE]]
             expect = first[[WANT, BUDGET, MIN_PIECE]] if r in self.learners else np.zeros(3)
             if not np.array_equal(asked, expect):
@@ -217,7 +221,7 @@ class TokenRound:
     def _evict(self, groups: S.Groups, old: np.ndarray, stats: TokenRoundStats) -> None:
         mine = old & (groups.rank == self.ex.rank)
         if mine.any():
-            self.store.remove(groups.table[mine, S.GID].tolist())
+            self.store.evict(groups.table[mine, S.GID].tolist())
             stats.stale_evicted = int(mine.sum())
             self.stale_evicted += stats.stale_evicted
 

@@ -17,6 +17,7 @@ import numpy as np
 # columns of a rank's group table (int64; priority as float64 bits)
 GID, TOKENS, MEMBERS, VERSION, ORDER, PRIORITY = range(6)
 WIDTH = 6
+EPS = 1e-6  # added to priorities, as the plane's prioritized sampler does
 PENDING = -1  # ORDER of a group still waiting for members
 UPDATE = -2  # ORDER of a row that carries a priority update (GID, holder in TOKENS, PRIORITY)
 
@@ -52,11 +53,12 @@ def gather_tables(tables: np.ndarray, rows: np.ndarray) -> tuple[Groups, np.ndar
 
 
 def stale(groups: Groups, newest: int, max_age: int | None) -> np.ndarray:
-    """Complete groups already older than the bound (evicted: only when producers do not
-    pace themselves with ``reserve``)."""
+    """Groups already older than the bound, complete or still arriving: they can never be
+    delivered, so they are evicted (none when producers pace with ``reserve`` and learners
+    publish one version per global batch)."""
     if max_age is None:
         return np.zeros(len(groups.rank), dtype=bool)
-    return groups.complete & (groups.version < newest - max_age)
+    return groups.version < newest - max_age
 
 
 def consume(
@@ -99,5 +101,5 @@ def replay(
         return cand[:0]
     if alpha is None:
         return rng.choice(cand, size=want, replace=False)
-    p = groups.table[cand, PRIORITY].view(np.float64) ** alpha
+    p = (groups.table[cand, PRIORITY].view(np.float64) + EPS) ** alpha  # zero stays drawable
     return rng.choice(cand, size=want, replace=False, p=p / p.sum())

@@ -210,7 +210,15 @@ def check_batch(
             raise SpecError(f"field {name!r}: expected a torch.Tensor, got {type(t).__name__}")
         if t.is_nested:
             t, lens = _unnest(name, t)
-            lengths = lens if lengths is None else lengths
+            if lengths is not None and not torch.equal(
+                torch.as_tensor(lengths).reshape(-1).to("cpu", torch.int64), lens.to("cpu")
+            ):
+                raise SpecError(
+                    f"field {name!r}: its sequence lengths {lens.tolist()[:8]} differ "
+                    "from those of the other ragged fields / lengths "
+                    f"{torch.as_tensor(lengths).reshape(-1).tolist()[:8]}"
+                )
+            lengths = lens
         ragged[name] = t
     if lengths is None:
         raise SpecError(

@@ -150,12 +150,24 @@ class GroupStore:
         while len(self.free) < n or self.live_tokens + tokens > self.cap_tokens:
             held = [g for g, grp in self.groups.items() if grp.slots]
             victim = next((g for g in held if g not in keep), held[0])
-            grp = self.groups[victim]
-            if grp.complete_at < 0:
-                self.tombstones[victim] = self.spec.group_size - len(grp.slots)
-            self.evicted_sequences += len(grp.slots)
+            if victim in keep:
+                raise SpecError(
+                    f"group {victim}: its members exceed this shard's capacity "
+                    f"({self.cap_items} sequences / {self.cap_tokens} tokens); "
+                    "raise tokens_per_rank or capacity_per_rank"
+                )
             self.evicted_groups += 1
-            self.remove([victim])
+            self.evicted_sequences += len(self.groups[victim].slots)
+            self.evict([victim])
+
+    def evict(self, gids: list[int]) -> None:
+        """Drop groups without delivering them; late members of incomplete ones are dropped
+        when they arrive (and counted) instead of starting a group that cannot complete."""
+        for g in gids:
+            grp = self.groups[g]
+            if grp.complete_at < 0 and len(grp.slots) < self.spec.group_size:
+                self.tombstones[g] = self.spec.group_size - len(grp.slots)
+        self.remove(gids)
 
     def _drop_evicted(self, p: Packed, gids: list[int]) -> tuple[Packed | None, list[int]]:
         """``p`` without the members of groups evicted before they completed (counted)."""
@@ -205,6 +217,7 @@ class GroupStore:
                 "already stored or repeated"
             )
         for g in gids:
+            self.tombstones.pop(g, None)  # a reused id starts afresh
             self.groups[g] = Group(g, self.arrivals, version=int(version))
 
     # ------------------------------------------------------------------ reading
@@ -253,6 +266,9 @@ class GroupStore:
             "lengths": torch.as_tensor(self.length[order]),
             "versions": torch.as_tensor(self.version[order]),
             "keys": torch.as_tensor(self.key[order]),  # groups contiguous, one key each
+            "priority": torch.tensor(
+                [self.groups[int(k)].priority for k in self.key[order]], dtype=torch.float64
+            ),
             "evicted": torch.tensor([self.evicted_groups, self.evicted_sequences]),
         }
 
@@ -267,4 +283,8 @@ class GroupStore:
             keys = RESTORED + torch.cumsum(change.long(), 0) - 1
             p = Packed(state["fixed"], state["ragged"], state["lengths"], state["versions"])
             self.add(p, keys)
+            prio = state.get("priority")
+            if prio is not None:  # replay priorities survive a checkpoint
+                for k, v in zip(keys[change].tolist(), prio[change].tolist(), strict=True):
+                    self.groups[k].priority = float(v)
         self.evicted_groups, self.evicted_sequences = (int(x) for x in state["evicted"])
