@@ -159,22 +159,12 @@ class TokenPlane:
         v = self.version if version is None else int(version)
         try:
             packed = check_batch(self.spec, batch, lengths, v, token_versions)
-        except SpecError:
-            self._cancel(batch)
+        except SpecError:  # a reserved group that will never arrive must not hold a place
+            gids = batch.get(self.spec.group) if isinstance(batch, Mapping) else None
+            if isinstance(gids, torch.Tensor):
+                self.store.cancel(gids.reshape(-1).tolist())
             raise
         self.store.add(packed)
-
-    def _cancel(self, batch) -> None:
-        """Drop the reservations of a refused put's groups (a reserved group that will never
-        arrive would hold a place in every global batch)."""
-        gids = batch.get(self.spec.group) if isinstance(batch, Mapping) else None
-        if isinstance(gids, torch.Tensor):
-            empty = [
-                g
-                for g in set(gids.reshape(-1).tolist())
-                if g in self.store.groups and not self.store.groups[g].slots
-            ]
-            self.store.remove(empty)
 
     def reserve(self, group_ids: Sequence[int], model: nn.Module | None = None) -> int | None:
         """Ask before generating ``group_ids``: waits (running rounds, as ``flush``) while
@@ -311,11 +301,7 @@ class TokenPlane:
                 f"(one per sequence), got {pr.shape[0]} with min "
                 f"{float(pr.min()) if pr.numel() else 'n/a'}"
             )
-        p = pr.tolist()
-        acc: dict[tuple[int, int], list[float]] = {}
-        for h, g, v in zip(holder, gid, p, strict=True):
-            acc.setdefault((h, g), []).append(v)
-        self.engine.updates += [(h, g, sum(v) / len(v)) for (h, g), v in acc.items()]
+        self.engine.queue_priorities(holder, gid, pr.tolist())
 
     # ------------------------------------------------------------------ versions and weights
 

@@ -212,6 +212,14 @@ class TokenRound:
         self.round += 1
         return out, stats
 
+    def queue_priorities(self, holder: list[int], key: list[int], p: list[float]) -> None:
+        """Queue per-sequence priorities for the next round's table: one update per group (its
+        members' mean), routed to the holder by ``(holder, key)``."""
+        acc: dict[tuple[int, int], list[float]] = {}
+        for h, g, v in zip(holder, key, p, strict=True):
+            acc.setdefault((h, g), []).append(v)
+        self.updates += [(h, g, sum(v) / len(v)) for (h, g), v in acc.items()]
+
     def _apply_updates(self, updates: np.ndarray) -> None:
         for gid, holder, bits in updates[:, [S.GID, S.TOKENS, S.PRIORITY]].tolist():
             grp = self.store.groups.get(gid) if holder == self.ex.rank else None

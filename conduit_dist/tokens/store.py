@@ -220,6 +220,10 @@ class GroupStore:
             self.tombstones.pop(g, None)  # a reused id starts afresh
             self.groups[g] = Group(g, self.arrivals, version=int(version))
 
+    def cancel(self, gids: list[int]) -> None:
+        """Drop the reservations among ``gids`` that no member has reached yet."""
+        self.remove([g for g in set(gids) if g in self.groups and not self.groups[g].slots])
+
     # ------------------------------------------------------------------ reading
 
     def token_index(self, slots: list[int]) -> torch.Tensor:
