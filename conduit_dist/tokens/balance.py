@@ -111,10 +111,20 @@ def partition(tokens: Sequence[int] | np.ndarray, parts: int) -> list[list[int]]
 
 
 def _greedy(weights: list[int], indices: list[int], count: int) -> list[list[int]]:
-    """Largest group first into the lightest bin (ties by bin number)."""
+    """Largest group first into the lightest bin (ties by bin number).
+
+    With few bins an argmin over the loads list (no heap tuples); a heap beyond."""
     bins: list[list[int]] = [[] for _ in range(count)]
+    order = sorted(sorted(indices), key=lambda i: -weights[i])  # heaviest first, ties by index
+    if count <= 16:
+        loads = [0] * count
+        for i in order:
+            b = loads.index(min(loads))
+            bins[b].append(i)
+            loads[b] += weights[i]
+        return bins
     heap = [(0, b) for b in range(count)]
-    for _, i in sorted([(-weights[i], i) for i in indices]):
+    for i in order:
         load, b = heapq.heappop(heap)
         bins[b].append(i)
         heapq.heappush(heap, (load + weights[i], b))
@@ -176,9 +186,9 @@ def _micro(weights: list[int], idx: list[int], count: int, budget: int) -> list[
     return sorted((sorted(b) for b in best), key=lambda b: b[0])
 
 
-def _fits(weights: list[int], learners: list[list[list[int]]], budget: int) -> bool:
+def _fits(weights: list[int], mbs: list[list[int]], budget: int) -> bool:
     """Whether every micro-batch is within the budget or holds a single group."""
-    return all(len(m) == 1 or sum(weights[i] for i in m) <= budget for mbs in learners for m in mbs)
+    return all(len(m) == 1 or sum(weights[i] for i in m) <= budget for m in mbs)
 
 
 def _need(weights: list[int], share: list[int], budget: int) -> int:
@@ -188,12 +198,25 @@ def _need(weights: list[int], share: list[int], budget: int) -> int:
     return big + -(-rest // budget)
 
 
-def _fewest(weights: list[int], share: list[int], budget: int, cap: int) -> int:
-    """The fewest micro-batches (<= ``cap``) in which this learner's split fits the budget."""
-    m = max(1, min(cap, _need(weights, share, budget)))
-    while m < cap and not _fits(weights, [_micro(weights, share, m, budget)], budget):
-        m += 1
-    return m
+def _common_count(
+    weights: list[int], shares: list[list[int]], budget: int
+) -> list[list[list[int]]]:
+    """Every learner's micro-batches at the smallest common count ``M`` (from the largest
+    :func:`_need`, capped at the smallest share) at which all of them fit the budget.
+
+    A count is abandoned at the first learner that does not fit, so a search that climbs
+    ``j`` counts costs about ``j + learners`` splits, not ``j * learners``."""
+    cap = min(len(s) for s in shares)
+    m = max(1, min(cap, max(_need(weights, s, budget) for s in shares)))
+    while True:
+        out = []
+        for share in shares:
+            out.append(_micro(weights, share, m, budget))
+            if m < cap and not _fits(weights, out[-1], budget):
+                m += 1
+                break
+        else:
+            return out
 
 
 def plan(tokens: Sequence[int] | np.ndarray, learners: int, budget: int) -> list[list[list[int]]]:
@@ -232,13 +255,7 @@ def plan(tokens: Sequence[int] | np.ndarray, learners: int, budget: int) -> list
             (sorted(b) for b in _greedy(weights, list(range(len(weights))), learners)),
             key=lambda b: b[0],
         )
-    cap = min(len(s) for s in shares)
-    m = max(1, min(cap, max(_fewest(weights, s, budget, cap) for s in shares)))
-    while True:
-        out = [_micro(weights, s, m, budget) for s in shares]
-        if m >= cap or _fits(weights, out, budget):
-            return out
-        m += 1
+    return _common_count(weights, shares, budget)
 
 
 def imbalance(tokens: Sequence[int] | np.ndarray, parts: list[list[int]]) -> float:

@@ -28,10 +28,11 @@ import torch
 
 from conduit_dist.errors import ConfigError, StaleDataError
 from conduit_dist.tokens import balance
+from conduit_dist.tokens import deliver as D
 from conduit_dist.tokens import select as S
 from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.store import GroupStore
-from conduit_dist.tokens.wire import KEYS, LENGTHS, VERSIONS, Wire
+from conduit_dist.tokens.wire import Wire
 
 # meta row columns
 ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING = range(7)
@@ -255,11 +256,8 @@ class TokenRound:
     def _deliver(self, groups: S.Groups, chosen: np.ndarray, plan, stats) -> list[MicroBatch]:
         world, me = self.ex.world, self.ex.rank
         dest = np.full(len(chosen), -1)
-        order = []  # per learner, the chosen positions in its micro-batch order
         for li, mbs in enumerate(plan):
-            flat = [i for mb in mbs for i in mb]
-            dest[flat] = self.learners[li]
-            order.append(flat)
+            dest[[i for mb in mbs for i in mb]] = self.learners[li]
         holder = groups.rank[chosen]
         n = np.zeros((world, world), np.int64)
         t = np.zeros((world, world), np.int64)
@@ -271,13 +269,17 @@ class TokenRound:
             else np.array([[self.wire.nbytes(int(n[0, 0]), int(t[0, 0]))]])
         )
         send = torch.empty(int(nbytes[me].sum()), dtype=torch.uint8)
-        at = 0
-        for li, flat in enumerate(order):
-            d = self.learners[li]
-            mine = [i for i in flat if holder[i] == me]
-            if mine:
-                self._pack(send[at : at + nbytes[me, d]], groups, chosen[mine])
-            at += int(nbytes[me, d])
+        gids = groups.table[chosen, S.GID]
+        mine = [  # destination by destination (rank order), each in its micro-batch order
+            int(gids[i])
+            for d in range(world)
+            if d in self.learners
+            for mb in plan[self.learners.index(d)]
+            for i in mb
+            if holder[i] == me
+        ]
+        if mine:
+            D.pack(self.store, self.wire, send, mine, n[me], t[me], nbytes[me])
         recv = torch.empty(int(nbytes[:, me].sum()), dtype=torch.uint8)
         # [bytes, 1] rows: every strategy moves rows of one width (here one byte)
         self.transport.move(recv.view(-1, 1), send.view(-1, 1), nbytes, self.round, "tokens")
@@ -287,68 +289,5 @@ class TokenRound:
         )
         if me not in self.learners:
             return []
-        li = self.learners.index(me)
-        return self._cut(recv, nbytes[:, me], groups, chosen, holder, plan[li])
-
-    def _pack(self, buf: torch.Tensor, groups: S.Groups, rows: np.ndarray) -> None:
-        store = self.store
-        slots = [s for gid in groups.table[rows, S.GID].tolist() for s in store.groups[gid].slots]
-        idx = torch.as_tensor(slots, dtype=torch.int64)
-        tok = store.token_index(slots)
-        cols = self.wire.columns(buf, len(slots), int(tok.numel()))
-        for name, col in store.fixed.items():
-            torch.index_select(col, 0, idx, out=cols[name])
-        cols[LENGTHS].copy_(torch.from_numpy(store.length[slots]))
-        cols[VERSIONS].copy_(torch.from_numpy(store.version[slots]))
-        cols[KEYS].copy_(torch.from_numpy(store.key[slots]))
-        for name, arena in store.arena.items():
-            torch.index_select(arena, 0, tok, out=cols[name])
-
-    def _cut(self, recv, sizes, groups, chosen, holder, mbs) -> list[MicroBatch]:
-        """This learner's micro-batches from the received sections. A holder packs its groups
-        in micro-batch order, so micro-batch ``k``'s rows from holder ``s`` are one contiguous
-        run of each column: every column is one ``cat`` of those runs, in micro-batch order,
-        and micro-batches are slices of the result."""
-        members = groups.table[chosen, S.MEMBERS]
-        tokens = groups.tokens[chosen]
-        world, nmb = self.ex.world, len(mbs)
-        n = np.zeros((nmb, world), np.int64)  # rows of micro-batch k from holder s
-        t = np.zeros((nmb, world), np.int64)
-        for k, mb in enumerate(mbs):
-            np.add.at(n[k], holder[mb], members[mb])
-            np.add.at(t[k], holder[mb], tokens[mb])
-        n0, t0 = np.cumsum(n, 0) - n, np.cumsum(t, 0) - t  # run starts within each section
-        cols, at = [], 0
-        for src in range(world):
-            cols.append(
-                self.wire.columns(
-                    recv[at : at + int(sizes[src])], int(n[:, src].sum()), int(t[:, src].sum())
-                )
-            )
-            at += int(sizes[src])
-        runs = [(k, s) for k in range(nmb) for s in range(world) if n[k, s]]
-        n0, t0, n, t = n0.tolist(), t0.tolist(), n.tolist(), t.tolist()  # Python ints: fast slices
-        full = {}
-        for name in (*self.wire.fixed, *self.wire.ragged):
-            start, size = (t0, t) if name in self.wire.ragged else (n0, n)
-            pieces = [cols[s][name][start[k][s] : start[k][s] + size[k][s]] for k, s in runs]
-            full[name] = torch.cat(pieces).to(self.device)
-        order = [i for k, s in runs for i in mbs[k] if holder[i] == s]
-        full["_holder"] = torch.as_tensor(np.repeat(holder[order], members[order]))
-        full["_holder"] = full["_holder"].to(self.device)
-        return self._slice(full, mbs, members, tokens)
-
-    def _slice(self, full, mbs, members, tokens) -> list[MicroBatch]:
-        ragged = tuple(self.wire.ragged)
-        seq_end = np.cumsum([members[mb].sum() for mb in mbs])
-        tok_end = np.cumsum([tokens[mb].sum() for mb in mbs])
-        out = []
-        for k in range(len(mbs)):
-            s0, s1 = (int(seq_end[k - 1]) if k else 0), int(seq_end[k])
-            t0, t1 = (int(tok_end[k - 1]) if k else 0), int(tok_end[k])
-            fields = {n: (v[t0:t1] if n in ragged else v[s0:s1]) for n, v in full.items()}
-            lengths = fields[LENGTHS]
-            cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
-            cu[1:] = torch.cumsum(lengths, 0)
-            out.append(MicroBatch(fields, cu, int(lengths.max()), (k, len(mbs)), ragged))
-        return out
+        mbs = plan[self.learners.index(me)]
+        return D.cut(self.wire, recv, nbytes[:, me], groups, chosen, holder, mbs, self.device)

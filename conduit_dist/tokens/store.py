@@ -226,9 +226,9 @@ class GroupStore:
 
     # ------------------------------------------------------------------ reading
 
-    def token_index(self, slots: list[int]) -> torch.Tensor:
+    def token_index(self, slots: list[int] | np.ndarray) -> torch.Tensor:
         """Arena positions of the tokens of ``slots``, in order."""
-        if not slots:
+        if len(slots) == 0:
             return torch.zeros(0, dtype=torch.int64)
         lengths = torch.as_tensor(self.length[slots])
         starts = torch.as_tensor(self.offset[slots])

@@ -1,0 +1,140 @@
+"""A token round's delivery: holders pack their selected groups per learner, learners cut the
+received sections into micro-batches (``tokens/round.py`` runs the exchange between them).
+
+Both sides work on whole columns with a handful of torch calls per column, whatever the number
+of groups: the holder builds one slot index and one token index for all its destinations and
+gathers each column section by section; the learner splits each received column into its
+micro-batch runs with one ``torch.split`` per holder and joins them with one ``cat``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conduit_dist.tokens import select as S
+from conduit_dist.tokens.batch import MicroBatch
+from conduit_dist.tokens.store import GroupStore
+from conduit_dist.tokens.wire import KEYS, LENGTHS, VERSIONS, Wire
+
+
+def pack(
+    store: GroupStore,
+    wire: Wire,
+    send: torch.Tensor,
+    gids: list[int],
+    n: np.ndarray,
+    t: np.ndarray,
+    nbytes: np.ndarray,
+) -> None:
+    """Write this holder's sections into ``send``.
+
+    Args:
+        store: this rank's shard.
+        wire: the section layout.
+        send: the send buffer (uint8), ``nbytes.sum()`` bytes.
+        gids: this holder's selected groups, destination by destination, each destination's in
+            its micro-batch order.
+        n, t: sequences and tokens per destination (in rank order).
+        nbytes: bytes per destination.
+    """
+    slots = np.asarray([s for g in gids for s in store.groups[g].slots], dtype=np.int64)
+    idx = torch.from_numpy(slots)
+    tok = store.token_index(slots)
+    fixed_np = {
+        LENGTHS: store.length[slots],
+        VERSIONS: store.version[slots],
+        KEYS: store.key[slots],
+    }
+    s0 = t0 = b0 = 0
+    for d in range(len(n)):
+        s1, t1, b1 = s0 + int(n[d]), t0 + int(t[d]), b0 + int(nbytes[d])
+        if s1 > s0:
+            cols = wire.columns(send[b0:b1], s1 - s0, t1 - t0)
+            for name, col in store.fixed.items():
+                torch.index_select(col, 0, idx[s0:s1], out=cols[name])
+            for name, values in fixed_np.items():
+                cols[name].copy_(torch.from_numpy(values[s0:s1]))
+            for name, arena in store.arena.items():
+                torch.index_select(arena, 0, tok[t0:t1], out=cols[name])
+        s0, t0, b0 = s1, t1, b1
+
+
+def cut(
+    wire: Wire,
+    recv: torch.Tensor,
+    sizes: np.ndarray,
+    groups: S.Groups,
+    chosen: np.ndarray,
+    holder: np.ndarray,
+    mbs: list[list[int]],
+    device: torch.device,
+) -> list[MicroBatch]:
+    """This learner's micro-batches from the received sections.
+
+    A holder packs its groups in micro-batch order, so micro-batch ``k``'s rows from holder
+    ``s`` are one contiguous run of each of ``s``'s columns: each column is split into runs
+    (one ``torch.split`` per holder), the runs joined in micro-batch order (one ``cat``), and
+    micro-batches are views of the result (one more ``split``). ``cu_seqlens`` and
+    ``max_seqlen`` are computed on the host before the move to ``device`` (no device sync).
+
+    Args:
+        wire: the section layout.
+        recv: the received bytes, holder by holder.
+        sizes: bytes received from each holder.
+        groups: the round's group table; chosen: the selected rows; holder: each selected
+            group's holder rank (indexed by position in ``chosen``).
+        mbs: this learner's micro-batches (positions in ``chosen``).
+        device: where the micro-batches go.
+
+    Returns:
+        The micro-batches, in order.
+    """
+    members = groups.table[chosen, S.MEMBERS]
+    tokens = groups.tokens[chosen]
+    world, nmb = len(sizes), len(mbs)
+    flat = np.fromiter((i for mb in mbs for i in mb), dtype=np.int64)
+    k_of = np.repeat(np.arange(nmb), [len(mb) for mb in mbs])
+    n = np.zeros((nmb, world), np.int64)  # rows of micro-batch k from holder s
+    t = np.zeros((nmb, world), np.int64)
+    np.add.at(n, (k_of, holder[flat]), members[flat])
+    np.add.at(t, (k_of, holder[flat]), tokens[flat])
+    splits: dict[str, list] = {name: [] for name in (*wire.fixed, *wire.ragged)}
+    at = 0
+    for src in range(world):
+        ns, ts = n[:, src], t[:, src]
+        cols = wire.columns(recv[at : at + int(sizes[src])], int(ns.sum()), int(ts.sum()))
+        for name, col in cols.items():
+            splits[name].append(torch.split(col, (ts if name in wire.ragged else ns).tolist()))
+        at += int(sizes[src])
+    runs = [(k, s) for k, s in zip(*np.nonzero(n))]  # row-major: micro-batch, then holder
+    full = {name: torch.cat([parts[s][k] for k, s in runs]) for name, parts in splits.items()}
+    order = flat[np.lexsort((holder[flat], k_of))]  # stable: each holder's micro-batch order
+    full["_holder"] = torch.from_numpy(np.repeat(holder[order], members[order]))
+    return _slice(wire, full, n.sum(1), t.sum(1), device)
+
+
+def _slice(wire: Wire, full, seqs: np.ndarray, toks: np.ndarray, device) -> list[MicroBatch]:
+    """Micro-batches as views of ``full`` (host), moved to ``device`` column by column."""
+    lengths = full[LENGTHS].numpy()
+    ends = np.cumsum(seqs)
+    starts = ends - seqs
+    longest = np.maximum.reduceat(lengths, starts)
+    cum = np.concatenate([[0], np.cumsum(lengths)])
+    cu = np.concatenate([cum[a : b + 1] - cum[a] for a, b in zip(starts, ends)]).astype(np.int32)
+    cus = torch.split(torch.from_numpy(cu).to(device), (seqs + 1).tolist())
+    ragged = tuple(wire.ragged)
+    parts = {
+        name: torch.split(v.to(device), (toks if name in ragged else seqs).tolist())
+        for name, v in full.items()
+    }
+    return [
+        MicroBatch(
+            {name: p[k] for name, p in parts.items()},
+            cus[k],
+            int(longest[k]),
+            (k, len(seqs)),
+            ragged,
+        )
+        for k in range(len(seqs))
+    ]
