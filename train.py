@@ -1,7 +1,9 @@
-"""Main job: DQN (or PPO, ``algo=ppo``) through the conduit_dist data plane.
+"""Main job: DQN (or PPO, ``algo=ppo``; or GRPO on a small language model, ``algo=grpo``)
+through the conduit_dist data plane.
 
 torchrun --standalone --nproc_per_node=2 train.py experiment=smoke
 torchrun --standalone --nproc_per_node=2 train.py experiment=cartpole_ppo
+torchrun --standalone --nproc_per_node=2 train.py experiment=grpo
 python train.py                       # world size 1
 python train.py device=cuda           # on a GPU (torchrun: one GPU per rank, cuda:<LOCAL_RANK>)
 
@@ -22,6 +24,7 @@ with require("train", "train.py"):  # hydra-core, omegaconf, gymnasium (wandb, t
 
     from conduit_dist.train import setup
     from conduit_dist.train.config import TrainConfig, register, validate
+    from conduit_dist.train.grpo_trainer import GRPOTrainer
     from conduit_dist.train.launch import prepare_hydra_argv
     from conduit_dist.train.metrics import make_logger
     from conduit_dist.train.ppo_trainer import PPOTrainer
@@ -50,12 +53,10 @@ def main(dcfg: DictConfig) -> None:
             run_dir,
             run_id(cfg.checkpoint) if cd.is_rank_zero() else None,
         )
-        trainer = (PPOTrainer if cfg.algo.name == "ppo" else Trainer)(cfg, logger, device)
+        kind = {"ppo": PPOTrainer, "grpo": GRPOTrainer}.get(cfg.algo.name, Trainer)
+        trainer = kind(cfg, logger, device)
         summary = trainer.run()
-        log_rank_zero(
-            "done: %s",
-            {k: summary[k] for k in ("env_steps", "wall_s", "return_100", "reached_target")},
-        )
+        log_rank_zero("done: %s", {k: summary[k] for k in kind.DONE_KEYS})
         if cfg.logger.summary_path and trainer.rank == 0:
             write_summary(cfg.logger.summary_path, summary)
     finally:

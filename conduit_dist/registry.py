@@ -44,7 +44,7 @@ BANDWIDTHS = ("declared", "calibrate")
 MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one round at most
 MODES = ("colocated", "disaggregated")
 PLANE_KINDS = ("conduit", "simple")
-ALGOS = ("dqn", "ppo")
+ALGOS = ("dqn", "ppo", "grpo")
 # how learners average gradients: in the data plane's round, or DDP with a GradSync bucket hook
 GRAD_SYNCS = ("auto", "round", "allreduce", "all_to_all")
 SHUFFLES = _SHUFFLES  # algo.ppo.shuffle: cd.WithoutReplacement's shuffles

@@ -2,7 +2,9 @@
 
 Each step samples ``prompts_per_step`` prompts, generates ``group_size`` responses per prompt
 with the current policy, scores them, normalises rewards per group, packs the groups into the
-token plane's batch format and trains on token-budget micro-batches (one Adam step each).
+token plane's batch format and takes one Adam step on them (micro-batches of at most
+``token_budget`` tokens accumulate their gradients; the update is ``rl/grpo_update.py``'s, the
+one ``train.py experiment=grpo`` runs through the token plane).
 Every ``--log-every`` steps a JSON line goes to stdout and ``--out``; at the end ``done: {...}``
 with ``reward_first_100`` (the mean reward of the first 100 scored responses: the untrained
 policy), ``reward_100`` (the last 100), ``reward_1000`` (the last 1000), ``wall_s`` and
@@ -33,48 +35,39 @@ from conduit_dist.rl.grpo import (
     Group,
     GRPOConfig,
     make_prompts,
-    micro_batch_loss,
     sample_groups,
     split_micro_batches,
     to_token_batch,
 )
+from conduit_dist.rl.grpo_update import GRPOUpdate
 from conduit_dist.rl.lm import LMConfig, TinyLM
 
 
 def train_on_batch(
-    policy: TinyLM,
-    opt: torch.optim.Optimizer,
+    update: GRPOUpdate,
     batch: dict[str, torch.Tensor],
     lengths: torch.Tensor,
     cfg: GRPOConfig,
-    ref: TinyLM | None = None,
 ) -> dict[str, float]:
-    """``cfg.epochs`` shuffled passes over a packed batch, one optimiser step per micro-batch.
+    """``cfg.epochs`` passes over a packed batch, each one optimiser step: micro-batches of at
+    most ``cfg.token_budget`` tokens in a random order accumulate their gradients first.
 
     Args:
-        policy: the policy being trained.
-        opt: its optimiser.
+        update: the shared GRPO update (``conduit_dist/rl/grpo_update.py``).
         batch: packed fields from :func:`to_token_batch`.
         lengths: ``[B]`` sequence lengths.
         cfg: hyperparameters.
-        ref: the frozen reference policy (when ``cfg.kl_coef > 0``).
 
     Returns:
-        The last micro-batch's loss stats and the micro-batch count ``mbs``.
+        The last step's stats (:meth:`GRPOUpdate.step`).
     """
     stats: dict[str, float] = {}
-    mbs = 0
     for _ in range(cfg.epochs):
         order = torch.randperm(len(lengths))
         for fields, cu, max_len in split_micro_batches(batch, lengths, cfg.token_budget, order):
-            loss, stats = micro_batch_loss(policy, fields, cu, max_len, cfg, ref)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            opt.step()
-            mbs += 1
-    return {**stats, "mbs": mbs}
+            update.accumulate(fields, cu, max_len)
+        stats = update.step()
+    return stats
 
 
 def emit(rec: dict[str, object], out: TextIO | None, prefix: str = "") -> None:
@@ -139,8 +132,8 @@ def run(
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     policy = TinyLM(lm)
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     ref = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
+    update = GRPOUpdate(policy, cfg, None, ref)
     first: list[float] = []
     last: deque[float] = deque(maxlen=1000)
     out = open(out_path, "w") if out_path else None  # noqa: SIM115
@@ -154,7 +147,7 @@ def run(
         last.extend(rewards.tolist())
         ids = list(range(step * len(groups), (step + 1) * len(groups)))
         batch, lengths = to_token_batch(groups, ids, cfg.adv_eps)
-        stats = train_on_batch(policy, opt, batch, lengths, cfg, ref)
+        stats = train_on_batch(update, batch, lengths, cfg)
         step += 1
         trained += len(lengths) * cfg.epochs
         tokens += int(lengths.sum()) * cfg.epochs

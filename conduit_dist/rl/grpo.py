@@ -44,13 +44,14 @@ class GRPOConfig:
     Args:
         max_digits: the longest prompt digit string.
         group_size: responses per prompt (``G``).
-        prompts_per_step: prompts (groups) sampled per step.
+        prompts_per_step: prompts (groups) sampled per step: the global batch of one
+            optimiser step (per epoch).
         max_new: the most tokens a response may have (``max_digits + 1`` fits the answer).
         lr: Adam learning rate.
         clip: PPO ratio clip ``eps``.
-        epochs: passes over each step's batch.
-        token_budget: tokens per training micro-batch, one optimiser step each (the default
-            step's 256 sequences of about 9.5 tokens make two: the second slightly off-policy).
+        epochs: passes over each step's batch, one optimiser step each.
+        token_budget: the most tokens per training micro-batch (a memory bound: micro-batches
+            accumulate their gradients into the step, ``rl/grpo_update.py``).
         kl_coef: weight of the k3 KL penalty to a reference policy (0: off).
         adv_eps: added to the group std before dividing.
         grad_clip: gradient-norm clip (0: off).
@@ -59,7 +60,7 @@ class GRPOConfig:
 
     max_digits: int = 6
     group_size: int = 16
-    prompts_per_step: int = 16
+    prompts_per_step: int = 8
     max_new: int = 8
     lr: float = 5e-4
     clip: float = 0.2
@@ -71,11 +72,12 @@ class GRPOConfig:
     seed: int = 0
 
 
-def token_spec(cfg: GRPOConfig) -> TokenSpec:
+def token_spec(cfg: GRPOConfig, extra: Mapping[str, tuple] | None = None) -> TokenSpec:
     """The token plane's spec of :func:`to_token_batch`'s format.
 
     Args:
         cfg: hyperparameters (``max_digits``, ``max_new``, ``group_size``).
+        extra: more fixed per-sequence fields, ``name -> (shape, dtype)``.
 
     Returns:
         A :class:`TokenSpec` with the ragged and fixed fields and ``group_size``.
@@ -84,6 +86,7 @@ def token_spec(cfg: GRPOConfig) -> TokenSpec:
     ragged = {"tokens": torch.int32, "logprobs": torch.float32, "loss_mask": torch.bool}
     fields: dict = {k: Ragged(d, n) for k, d in {**ragged, "advantage": torch.float32}.items()}
     fields.update(reward=((), torch.float32), group=((), torch.int64))
+    fields.update(extra or {})
     return TokenSpec(fields, group="group", group_size=cfg.group_size)
 
 
@@ -169,7 +172,8 @@ def sample_groups(
     rows = [p for p in prompts for _ in range(group_size)]
     was_training = policy.training
     policy.eval()
-    tokens, logp, lengths = generate(policy, rows, max_new, EOS, PAD, generator)
+    # sampled where the policy is, scored and packed on the host (one copy of each result)
+    tokens, logp, lengths = (t.cpu() for t in generate(policy, rows, max_new, EOS, PAD, generator))
     policy.train(was_training)
     groups = []
     for g, prompt in enumerate(prompts):

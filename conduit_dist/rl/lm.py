@@ -251,27 +251,28 @@ def generate(
         raise ValueError("generate: empty prompt")
     if max(len(p) for p in prompts) + max_new > model.cfg.max_len:
         raise ValueError(f"generate: prompt + {max_new} new tokens beyond max_len")
-    grid, shift = _left_pad(prompts, pad)
+    dev = model.head.weight.device  # sampling runs where the model is
+    grid, shift = (t.to(dev) for t in _left_pad(prompts, pad))
     b, width = grid.shape
-    ar = torch.arange(width)
+    ar = torch.arange(width, device=dev)
     pos = (ar[None, :] - shift[:, None]).clamp(min=0)
     valid = ar[None, :] >= shift[:, None]
     causal = ar[None, :] <= ar[:, None]
-    mask = causal[None] & (valid[:, None, :] | torch.eye(width, dtype=torch.bool)[None])
+    mask = causal[None] & (valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=dev)[None])
     h, past = model.hidden(grid, pos, mask[:, None])
     h, pos = h[:, -1], pos[:, -1]
-    out = torch.full((b, max_new), eos, dtype=torch.long)
-    logps = torch.zeros(b, max_new)
-    done = torch.zeros(b, dtype=torch.bool)
+    out = torch.full((b, max_new), eos, dtype=torch.long, device=dev)
+    logps = torch.zeros(b, max_new, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
     for t in range(max_new):
         logp = torch.log_softmax(model.head(h).float(), -1)
         tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         out[:, t] = torch.where(done, eos, tok)
         logps[:, t] = torch.where(done, 0.0, logp.gather(-1, tok[:, None]).squeeze(-1))
         done |= tok == eos
-        if bool(done.all()) or t == max_new - 1:
+        if t == max_new - 1 or bool(done.all()):  # one host read per token: stop early
             break
-        valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool)], 1)
+        valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool, device=dev)], 1)
         pos = pos + 1
         h, past = model.hidden(tok[:, None], pos[:, None], valid[:, None, None], past)
         h = h[:, -1]

@@ -201,6 +201,23 @@ class TokenPlane:
             if not self.flush():
                 return None
 
+    def allowance(self) -> int | None:
+        """Groups this producer may ``reserve`` now without waiting (no collective): its
+        window at its current version minus the groups it already reserved; ``None`` when
+        producers are not paced (no ``groups_per_batch``). A colocated producer that calls
+        ``reserve`` from a learner's ``stream(produce=...)`` callback asks for at most this
+        many, since waiting there would run a round inside another round.
+
+        Raises:
+            ConfigError: on a rank not in ``producer_ranks``.
+        """
+        self._open("allowance")
+        if not self.pacer.producer:
+            raise ConfigError(f"allowance: rank {self.rank} is not in producer_ranks")
+        if not self.pacer.on:
+            return None
+        return max(0, self.pacer.window(self.version) - self.pacer.started)
+
     def flush(self) -> bool:
         """Take part in one round without asking for groups (producers, idle learners).
 

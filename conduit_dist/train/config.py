@@ -13,6 +13,7 @@ from typing import Any
 from conduit_dist import registry
 from conduit_dist.errors import ConfigError
 from conduit_dist.extras import require
+from conduit_dist.train.grpo_config import GRPOSettings
 from conduit_dist.train.progress import check as check_progress
 
 
@@ -167,7 +168,7 @@ class AlgoConfig:
     """DQN hyperparameters.
 
     Attributes:
-        name: algorithm (``dqn``).
+        name: algorithm: ``dqn``, ``ppo`` or ``grpo`` (``registry.ALGOS``).
         batch_size: items per update over all learners: each of ``n`` learners fetches
             ``batch_size / n`` and DDP averages their gradients, so one update is the same
             whatever the number of learners (``n`` must divide it).
@@ -198,6 +199,8 @@ class AlgoConfig:
             transitions (never across an episode end; ``cd.Windows``); 1: one-step targets.
         ppo: PPO's own settings (``algo=ppo``; there ``lr``, ``gamma``, ``hidden``,
             ``max_grad_norm`` and ``grad_sync`` apply too).
+        grpo: GRPO's own settings (``algo=grpo``; there ``lr`` and ``max_grad_norm`` apply
+            too; ``train/grpo_config.py``).
     """
 
     name: str = "dqn"
@@ -218,6 +221,7 @@ class AlgoConfig:
     max_grad_norm: float = 10.0
     publish_every: int = 4
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
 
 
 @dataclass

@@ -67,6 +67,8 @@ class PPOTrainer:
             built from ``algo.ppo``), or on settings the plane refuses.
     """
 
+    DONE_KEYS = ("env_steps", "wall_s", "return_100", "reached_target")  # train.py's done line
+
     def __init__(
         self, cfg: TrainConfig, logger: Logger, device: torch.device | None = None
     ) -> None:

@@ -42,6 +42,8 @@ class Trainer:
             gradient averaging that cannot work together (``setup.grad_sync``).
     """
 
+    DONE_KEYS = ("env_steps", "wall_s", "return_100", "reached_target")  # train.py's done line
+
     def __init__(
         self, cfg: TrainConfig, logger: Logger, device: torch.device | None = None
     ) -> None:

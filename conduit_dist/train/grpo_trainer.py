@@ -1,0 +1,275 @@
+"""The GRPO loop behind ``train.py experiment=grpo``: a small causal LM learns to reverse digit
+strings, its experience moving through a ``cd.TokenPlane`` (docs/grpo.md).
+
+Producers generate prompt groups (``algo.grpo.gen_groups`` at a time) with the newest weights
+they hold, score them, and ``put`` them tagged with their policy version, after ``reserve``
+allowed it: a producer runs at most ``max_policy_age`` versions ahead of the learners, so
+nothing is ever dropped for age. Learners ``stream`` each global batch of ``prompts_per_step``
+whole groups as token-balanced micro-batches as soon as groups complete, accumulate each
+micro-batch's gradient (``rl/grpo_update.py``), take one optimiser step per global batch
+(per epoch) and publish the next version.
+
+- ``mode=colocated``: every rank generates and learns. Generation runs inside the learner's
+  ``stream`` (its ``produce`` callback, before each round), never asking for more than
+  ``allowance()``; the learners average gradients over the default group.
+- ``mode=disaggregated``: ``learner_ranks`` learn, the other ranks generate. A generator
+  ``reserve``s (pulling the newest weights, and waiting in rounds while it is a full window
+  ahead), generates, ``put``s and takes part in one round (``flush``); its generation runs
+  while the learner trains on the previous piece.
+
+Every consumed sequence's policy age (the learner's version minus the oldest token's) is
+checked against the bound (the plane also refuses to deliver older ones).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import deque
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from conduit_dist.errors import ConfigError, StaleDataError
+from conduit_dist.plane.options import TransportConfig
+from conduit_dist.rl.grpo import (
+    VOCAB,
+    GRPOConfig,
+    make_prompts,
+    sample_groups,
+    to_token_batch,
+    token_spec,
+)
+from conduit_dist.rl.grpo_update import GRPOUpdate
+from conduit_dist.rl.lm import LMConfig, TinyLM
+from conduit_dist.tokens.plane import TokenPlane
+from conduit_dist.train import setup
+from conduit_dist.train.config import TrainConfig
+from conduit_dist.train.grpo_config import check_grpo
+from conduit_dist.train.grpo_window import Window, aggregate_learners, summary_values
+from conduit_dist.train.metrics import Logger, aggregate
+
+
+class GRPOTrainer:
+    """Runs GRPO with token experience flowing through a :class:`TokenPlane`.
+
+    Args:
+        cfg: the validated run config (``algo.name == "grpo"``).
+        logger: where rank 0 logs.
+        device: the resolved device (``setup.device``; ``None``: resolved here): the policy
+            samples and learns there; experience is scored and stored on the host.
+
+    Raises:
+        ConfigError: on settings GRPO cannot honour (``train/grpo_config.py``), or with
+            ``learner_ranks`` not holding rank 0 (the run's logger lives on rank 0 and logs
+            the learners' metrics).
+    """
+
+    DONE_KEYS = (
+        "reward_first_100", "reward_100", "wall_s", "max_policy_age_seen", "dropped_stale",
+        "trained_samples", "steps",
+    )  # fmt: skip
+
+    def __init__(
+        self, cfg: TrainConfig, logger: Logger, device: torch.device | None = None
+    ) -> None:
+        g = self.g = cfg.algo.grpo
+        self.cfg, self.logger = cfg, logger
+        self.device = device if device is not None else setup.device(cfg)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.learners = setup.learner_ranks(cfg, self.world)
+        check_grpo(cfg, self.world, self.learners)
+        if 0 not in self.learners:
+            raise ConfigError(
+                f"learner_ranks: expected rank 0 among them with algo=grpo (rank 0 logs the "
+                f"learners' metrics), got {list(cfg.learner_ranks)}"
+            )
+        colocated = cfg.mode == "colocated"
+        self.producers = [r for r in range(self.world) if colocated or r not in self.learners]
+        self.is_learner, self.is_producer = self.rank in self.learners, self.rank in self.producers
+        self.gcfg = GRPOConfig(
+            max_digits=g.max_digits, group_size=g.group_size, prompts_per_step=g.prompts_per_step,
+            max_new=g.max_new, lr=cfg.algo.lr, clip=g.clip, epochs=g.epochs,
+            token_budget=g.token_budget, kl_coef=g.kl_coef, adv_eps=g.adv_eps,
+            grad_clip=cfg.algo.max_grad_norm, seed=cfg.seed,
+        )  # fmt: skip
+        lm = LMConfig(VOCAB, g.d_model, g.n_layers, g.n_heads, g.max_digits + 1 + g.max_new)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.policy = TinyLM(lm).to(self.device)
+        group = None
+        if len(self.learners) > 1:  # collective: every rank calls new_group
+            whole = len(self.learners) == self.world
+            group = dist.group.WORLD if whole else dist.new_group(self.learners)
+        self.group = group
+        self.update = None
+        if self.is_learner:
+            ref = copy.deepcopy(self.policy).requires_grad_(False) if g.kl_coef > 0 else None
+            self.update = GRPOUpdate(self.policy, self.gcfg, group, ref)
+        self.rng = np.random.default_rng([cfg.seed, self.rank])
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed * 7919 + self.rank)
+        seqs = (g.max_policy_age + 2) * g.prompts_per_step * g.group_size  # room for a window
+        pc = cfg.plane
+        self.plane = TokenPlane(
+            token_spec(self.gcfg, {"gen_ms": ((), torch.float32)}),
+            seqs,
+            seqs * lm.max_len,
+            learner_ranks=self.learners,
+            producer_ranks=self.producers,
+            max_policy_age=g.max_policy_age,
+            groups_per_batch=g.prompts_per_step,
+            seed=cfg.seed,
+            device=self.device,
+            transport=TransportConfig(
+                pc.timeout_s, pc.strategy, setup.bandwidth(cfg), pc.bandwidth_cache
+            ),
+        )
+        self.version = self.steps = self.trained = self.next_gid = 0
+        k = math.ceil(100 / len(self.producers))  # each producer's share of "100 responses"
+        self.first: list[float] = []  # the first k rewards this producer scored
+        self.last: deque[float] = deque(maxlen=k)
+        self.k = k
+        self.gen_s = self.gen_tokens = 0.0
+        self.produce_s = 0.0  # generation inside the current stream (colocated)
+        self.max_age = 0
+        self.recent: deque[float] = deque(maxlen=100)  # this learner's last consumed rewards
+
+    # ------------------------------------------------------------------ producers
+
+    def _generate(self, n: int) -> bool:
+        """Reserve, generate, score and put ``n`` groups; False once the plane was closed."""
+        ids = [self.rank * 1_000_000_000 + self.next_gid + i for i in range(n)]
+        pull = None if self.is_learner else self.policy
+        version = self.plane.reserve(ids, model=pull)
+        if version is None:
+            return False
+        self.next_gid += n
+        t0 = time.perf_counter()
+        prompts = make_prompts(n, self.rng, self.g.max_digits)
+        groups = sample_groups(self.policy, prompts, self.g.group_size, self.g.max_new, self.gen)
+        batch, lengths = to_token_batch(groups, ids, self.g.adv_eps)
+        dt = time.perf_counter() - t0
+        batch["gen_ms"] = torch.full((len(lengths),), dt * 1e3 / len(lengths))
+        self.plane.put(batch, lengths, version=version)
+        rewards = batch["reward"].tolist()
+        self.first.extend(rewards[: self.k - len(self.first)])
+        self.last.extend(rewards)
+        self.gen_s += dt
+        self.gen_tokens += float(batch["loss_mask"].sum())
+        return True
+
+    def _produce(self) -> None:
+        """Colocated: generate before a round, within the allowance (never waits)."""
+        n = min(self.g.gen_groups, self.plane.allowance() or 0)
+        if n:
+            t0 = time.perf_counter()
+            self._generate(n)
+            self.produce_s += time.perf_counter() - t0
+
+    def _generator_loop(self) -> None:
+        """Disaggregated generators: reserve, generate, put, one round; until the learners
+        close the plane."""
+        while self._generate(self.g.gen_groups) and self.plane.flush():
+            pass
+
+    # ------------------------------------------------------------------ learners
+
+    def run(self) -> dict[str, object]:
+        """Train until ``total_env_steps`` responses, ``algo.grpo.max_minutes`` or the target
+        reward; returns the summary (collective: every rank calls it)."""
+        start = time.perf_counter()
+        if self.is_learner:
+            self._learner_loop(start)
+        else:
+            self._generator_loop()
+        self.plane.close()  # learners: the closing round; generators: already closed
+        wall = time.perf_counter() - start
+        agg = aggregate(summary_values(self), self.cfg.plane.timeout_s)
+        first, last = agg["first_sum_mean"], agg["last_sum_mean"]
+        return {
+            "reward_first_100": first / max(agg["first_n_mean"], 1e-9),
+            "reward_100": last / max(agg["last_n_mean"], 1e-9),
+            "wall_s": round(wall, 1),
+            "max_policy_age_seen": int(agg["max_age_max"]),
+            "dropped_stale": round(agg["stale_evicted_mean"] * self.world),
+            "evicted_groups": round(agg["evicted_groups_mean"] * self.world),
+            "trained_samples": int(agg["trained_max"]),
+            "steps": int(agg["steps_max"]),
+            "gen_tokens_per_s": agg["gen_tokens_mean"] * self.world / wall,
+        }
+
+    def _learner_loop(self, start: float) -> None:
+        g, cfg = self.g, self.cfg
+        per_step = g.prompts_per_step * g.group_size
+        total = math.ceil(cfg.total_env_steps / per_step)
+        window = Window()
+        while self.steps < total:
+            self._step(window)
+            elapsed = time.perf_counter() - start
+            stop = [float(g.max_minutes > 0 and elapsed > 60 * g.max_minutes)]
+            reached = self._reward_100(stop)
+            if self.steps % cfg.logger.log_every == 0 or self.steps == total or reached:
+                self._log(window)
+                window = Window()
+            if stop[0] > 0 or reached:
+                break
+
+    def _step(self, window: Window) -> None:
+        g = self.g
+        self.produce_s = 0.0
+        produce = self._produce if self.is_producer else None
+        t0 = wait = time.perf_counter()
+        taken = (
+            self.plane.stream(g.prompts_per_step, g.token_budget, produce=produce, wait_s=g.wait_s)
+            if g.stream
+            else iter(self.plane.fetch(g.prompts_per_step, g.token_budget, produce=produce))
+        )
+        kept, exposed = [], 0.0
+        for mb in taken:
+            exposed += time.perf_counter() - wait
+            window.consume(mb, self.version)
+            self.update.accumulate(mb.fields, mb.cu_seqlens, mb.max_seqlen)
+            if g.epochs > 1:
+                kept.append(mb)
+            wait = time.perf_counter()
+        exposed += time.perf_counter() - wait
+        stats = self.update.step()
+        for _ in range(g.epochs - 1):
+            for mb in kept:
+                self.update.accumulate(mb.fields, mb.cu_seqlens, mb.max_seqlen)
+            stats = self.update.step()
+        colocated = self.cfg.mode == "colocated"
+        self.version = self.plane.publish_weights(None if colocated else self.policy)
+        self.steps += 1
+        age, rewards = window.end_step(
+            stats, exposed - self.produce_s, self.produce_s, len(self.producers), g.group_size
+        )
+        self.recent.extend(rewards)
+        if age > g.max_policy_age:  # the plane refuses older ones; checked here on every row
+            raise StaleDataError(
+                f"GRPO step {self.steps}: a consumed token's policy age {age} exceeds "
+                f"algo.grpo.max_policy_age={g.max_policy_age}"
+            )
+        self.max_age = max(self.max_age, age)
+        self.trained = self.steps * g.prompts_per_step * g.group_size * g.epochs
+        window.step_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def _reward_100(self, stop: list[float]) -> bool:
+        """Whether the learners' last-100 consumed reward reached ``target_return``; also
+        agrees on ``stop`` (any learner out of time) in the same collective."""
+        target = self.cfg.target_return
+        vals = [*stop, sum(self.recent), len(self.recent)]
+        if self.group is not None:
+            vals = aggregate_learners(vals, self.group, op="sum")
+        stop[0] = vals[0]
+        return target is not None and vals[2] > 0 and vals[1] / vals[2] >= target
+
+    def _log(self, window: Window) -> None:
+        metrics = window.metrics(self)
+        self.logger.log(metrics, int(metrics["train/trained_samples"]), window.histograms())
+
+    def close(self) -> None:
+        """Close the plane (a no-op after ``run``)."""
+        self.plane.close()
