@@ -139,12 +139,14 @@ def run(
     out = open(out_path, "w") if out_path else None  # noqa: SIM115
     t0 = tick = time.perf_counter()
     step = trained = tokens = 0
+    window: list[float] = []  # rewards scored since the last log line
     while (not steps or step < steps) and time.perf_counter() - t0 < budget_s:
         prompts = make_prompts(cfg.prompts_per_step, rng, cfg.max_digits)
         groups = sample_groups(policy, prompts, cfg.group_size, cfg.max_new, gen)
         rewards = torch.cat([g.rewards for g in groups])
         first.extend(rewards.tolist()[: 100 - len(first)])
         last.extend(rewards.tolist())
+        window.extend(rewards.tolist())
         ids = list(range(step * len(groups), (step + 1) * len(groups)))
         batch, lengths = to_token_batch(groups, ids, cfg.adv_eps)
         stats = train_on_batch(update, batch, lengths, cfg)
@@ -156,8 +158,9 @@ def run(
             rec = {"step": step, "trained_samples": trained, **batch_stats(groups, batch)}
             rec.update(tokens_per_s=round(tokens / (now - tick), 1), wall_s=round(now - t0, 1))
             rec["clipfrac"] = round(stats.get("clipfrac", 0.0), 4)
+            rec["reward_window"] = round(float(np.mean(window)), 4)  # as train.py's rl/reward
             emit(rec, out)
-            tick, tokens = now, 0
+            tick, tokens, window = now, 0, []
     done = {
         "seed": cfg.seed,
         "steps": step,

@@ -61,3 +61,10 @@ def test_ppo_queue_trains_on_fresh_rollouts_only(tmp_path, nproc, mode):
     assert out["env_steps"] == math.ceil(256 / rollout) * rollout
     assert out["policy_age_max"] == 0  # every learner trained on its current policy's rollout
     assert out["return_100"] is not None
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_grpo_colocated_streams_groups_on_one_and_two_ranks(tmp_path, nproc):
+    out = _run(tmp_path, "grpo_colocated.py", nproc, "--steps", "6")
+    assert out["steps"] == 6
+    assert 0 <= out["reward_first_100"] <= 1 and 0 <= out["reward_100"] <= 1

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -30,11 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from conduit_dist.collectives.topology import LINKS
 from conduit_dist.extras import require
+from conduit_dist.tools.plots import PLOTS, Rows, series, xlabel
 
 _QUANTILES = (50, 90, 99)
-Rows = list[dict[str, Any]]
 
 
 class MetricsFile:
@@ -162,112 +160,6 @@ def read_run(run_dir: str) -> tuple[Rows, dict[str, Any]]:
     return rows, info
 
 
-def _series(rows: Rows, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(env_steps, values)`` of the rows that hold a number for ``key``."""
-    pts = [(r["env_steps"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
-    arr = np.array(pts, dtype=np.float64).reshape(-1, 2)
-    return arr[:, 0], arr[:, 1]
-
-
-def _has(rows: Rows, *keys: str) -> bool:
-    return all(any(isinstance(r.get(k), int | float) for r in rows) for k in keys)
-
-
-def _figure(title: str, ylabel: str):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.set_title(title, fontsize=11)
-    ax.set_xlabel("env steps (all ranks)")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    return fig, ax
-
-
-def _save(fig, out: str, name: str) -> str:
-    import matplotlib.pyplot as plt
-
-    path = os.path.join(out, name)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _plot_return(rows: Rows, info: dict[str, Any], out: str) -> str | None:
-    key = "rl/episode_return_100"
-    if not _has(rows, key):
-        return None
-    x, y = _series(rows, key)
-    target = info.get("config", {}).get("target_return")
-    fig, ax = _figure(f"Return (mean of the last 100 episodes), best {y.max():.1f}", "return")
-    ax.plot(x, y, color="tab:blue", label="last-100 mean")
-    if target is not None:
-        ax.axhline(target, color="tab:red", ls="--", lw=1, label=f"target {target:g}")
-        hit = np.nonzero(y >= target)[0]
-        if hit.size:
-            ax.axvline(x[hit[0]], color="tab:red", ls=":", lw=1)
-    ax.legend(loc="lower right")
-    return _save(fig, out, "return.png")
-
-
-def _plot_path_time(rows: Rows, info: dict[str, Any], out: str) -> str | None:
-    ke, kh = "path/exposed_ms_mean", "path/hidden_ms_mean"
-    if not _has(rows, ke, kh):
-        return None
-    x, exposed = _series(rows, ke)
-    hidden = np.array([r.get(kh) or 0.0 for r in rows if isinstance(r.get(ke), int | float)])
-    share = hidden.sum() / max(hidden.sum() + exposed.sum(), 1e-12)
-    fig, ax = _figure(
-        f"Experience path per learner fetch: {share:.0%} of the round hidden", "ms per fetch"
-    )
-    ax.stackplot(
-        x, exposed, hidden, labels=["exposed (the learner waited)", "hidden (behind compute)"],
-        colors=["tab:red", "tab:green"], alpha=0.7,
-    )  # fmt: skip
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="upper right")
-    return _save(fig, out, "path_time.png")
-
-
-def _plot_link_bytes(rows: Rows, info: dict[str, Any], out: str) -> str | None:
-    keys = [f"path/bytes_{c}" for c in LINKS]
-    if not _has(rows, *keys):
-        return None
-    fig, ax = _figure("Bytes the rounds sent, by link class (all ranks)", "cumulative MB")
-    for key, link, color in zip(keys, LINKS, ("tab:gray", "tab:blue", "tab:orange")):
-        x, y = _series(rows, key)
-        total = np.cumsum(y) / 1e6
-        ax.plot(x, total, color=color, label=f"{link}: {total[-1]:,.1f} MB" if total.size else link)
-    ax.legend(loc="upper left")
-    return _save(fig, out, "link_bytes.png")
-
-
-_TIER = re.compile(r"^store/tier(\d+)_(\w+)_bytes$")
-
-
-def _plot_store_tiers(rows: Rows, info: dict[str, Any], out: str) -> str | None:
-    found = {k for r in rows for k in r if _TIER.match(k)}
-    keys = sorted(found, key=lambda k: int(_TIER.match(k)[1]))
-    if not keys:
-        return None
-    fig, ax = _figure("Store size per tier (mean over shards)", "MB per shard")
-    x = np.array([r["env_steps"] for r in rows], dtype=np.float64)
-    ys = [np.array([(r.get(k) or 0.0) / 1e6 for r in rows]) for k in keys]
-    labels = [f"tier {m[1]} ({m[2]})" for m in (_TIER.match(k) for k in keys)]
-    ax.stackplot(x, *ys, labels=labels, alpha=0.7)
-    ax.legend(loc="upper left")
-    return _save(fig, out, "store_tiers.png")
-
-
-_PLOTS = (
-    ("return.png", _plot_return, "rl/episode_return_100"),
-    ("path_time.png", _plot_path_time, "path/exposed_ms_mean and path/hidden_ms_mean"),
-    ("link_bytes.png", _plot_link_bytes, "path/bytes_{self,host,net}"),
-    ("store_tiers.png", _plot_store_tiers, "store/tier<i>_<kind>_bytes"),
-)
-
-
 def report(run_dir: str, out: str | None = None) -> tuple[list[str], list[str]]:
     """Draw the run's PNGs.
 
@@ -301,7 +193,7 @@ def _draw(rows: Rows, info: dict[str, Any], run_dir: str, out: str | None):
     out = os.path.join(run_dir, "plots") if out is None else out
     os.makedirs(out, exist_ok=True)
     written, skipped = [], []
-    for name, plot, needs in _PLOTS:
+    for name, plot, needs in PLOTS:
         path = plot(rows, info, out)
         if path is None:
             skipped.append(f"skipped {name}: the run logged no {needs}")
@@ -311,12 +203,20 @@ def _draw(rows: Rows, info: dict[str, Any], run_dir: str, out: str | None):
 
 
 def summary_line(rows: Rows, info: dict[str, Any]) -> str:
-    """One line about the run: log steps, env steps, wall time, best return, time to target."""
+    """One line about the run: log steps, env steps, wall time, best return (GRPO: reward),
+    time to target."""
     last = rows[-1]
-    _, y = _series(rows, "rl/episode_return_100")
-    text = f"{len(rows)} log steps, {last['env_steps']:,} env steps in {last['wall_s']:.0f} s"
+    _, y = series(rows, "rl/episode_return_100")
+    grpo = xlabel(info) != "env steps (all ranks)"
+    unit = "responses trained" if grpo else "env steps"
+    text = f"{len(rows)} log steps, {last['env_steps']:,} {unit} in {last['wall_s']:.0f} s"
     if y.size:
         text += f", last-100 return {y[-1]:.1f} (best {y.max():.1f})"
+    _, r = series(rows, "rl/reward")
+    if r.size:
+        text += f", reward {r[-1]:.3f} (first log {r[0]:.3f}, best {r.max():.3f})"
+    if grpo:
+        return text
     target = info.get("config", {}).get("target_return")
     if target is not None:
         ret = "rl/episode_return_100"

@@ -358,7 +358,7 @@ def validate(cfg: TrainConfig) -> None:
     if ck.dir is not None and (cfg.plane.kind != "conduit" or cfg.algo.name != "dqn"):
         raise ConfigError(
             f"checkpoint.dir: checkpoints need plane.kind=conduit and algo=dqn, got plane.kind="
-            f"{cfg.plane.kind!r}, algo={cfg.algo.name!r} (PPO resume is not built yet)"
+            f"{cfg.plane.kind!r}, algo={cfg.algo.name!r} (PPO and GRPO resume are not built yet)"
         )
 
 

@@ -1,0 +1,181 @@
+"""``train.py experiment=grpo``: GRPO through the token plane, colocated and disaggregated, a few
+global batches each (real torchrun, Hydra, gloo, W&B offline), its refusals, and the update the
+plane feeds: two learners' accumulated micro-batches give the single-process step."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import ROOT, run_ranks
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from test_train import _torchrun
+from wandb_reader import history
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.rl.grpo import (
+    VOCAB,
+    GRPOConfig,
+    make_prompts,
+    sample_groups,
+    split_micro_batches,
+    to_token_batch,
+)
+from conduit_dist.rl.grpo_update import GRPOUpdate
+from conduit_dist.rl.lm import LMConfig, TinyLM
+from conduit_dist.train.config import TrainConfig, register, validate
+from conduit_dist.train.grpo_trainer import GRPOTrainer
+from conduit_dist.train.metrics import NullLogger
+
+register()
+STEPS = 12  # global batches of 8 groups x 16 responses
+
+
+def _done(res) -> dict:
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    line = next(x for x in out.splitlines() if "done: {" in x)
+    return ast.literal_eval(line.split("done: ", 1)[1])
+
+
+def _rows(tmp_path) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_rows(rows: list[dict], bound: int) -> None:
+    versions = [r["train/policy_version"] for r in rows]
+    assert versions == sorted(versions) and versions[-1] == STEPS, versions
+    for r in rows:
+        assert math.isfinite(r["train/pg_loss"]) and math.isfinite(r["train/grad_norm"])
+        assert 0 <= r["rl/reward"] <= 1 and r["rl/response_len"] >= 1
+        assert 0 <= r["path/policy_age_max"] <= bound
+        assert r["path/exposed_ms_mean"] >= 0 and r["path/hidden_ms_mean"] >= 0
+        assert r["rate/gen_tokens_per_s"] > 0 and r["rate/train_tokens_per_s"] > 0
+
+
+def test_colocated_two_ranks_streams_and_logs_to_wandb(tmp_path):
+    res = _torchrun(
+        tmp_path, "experiment=grpo", "logger=wandb", "logger.mode=offline",
+        f"total_env_steps={STEPS * 128}", "logger.log_every=4",
+    )  # fmt: skip
+    done = _done(res)
+    assert done["steps"] == STEPS and done["trained_samples"] == STEPS * 128
+    assert done["dropped_stale"] == 0 and done["max_policy_age_seen"] <= 1
+    assert 0 <= done["reward_first_100"] <= 1 and 0 <= done["reward_100"] <= 1
+    rows = _rows(tmp_path)
+    assert len(rows) == STEPS // 4
+    _check_rows(rows, 1)
+    run = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    assert len(run) == 1, run
+    keys = {k for row in history(glob.glob(os.path.join(run[0], "*.wandb"))[0]) for k in row}
+    assert {"rl/reward", "path/policy_age_max", "rate/gen_tokens_per_s"} <= keys
+
+
+def test_disaggregated_one_learner_two_generators_keeps_the_age_bound(tmp_path):
+    res = _torchrun(
+        tmp_path, "experiment=grpo", "logger=none", "mode=disaggregated", "learner_ranks=[0]",
+        f"total_env_steps={STEPS * 128}", "logger.log_every=4", nproc=3,
+    )  # fmt: skip
+    done = _done(res)
+    assert done["steps"] == STEPS and done["dropped_stale"] == 0
+    assert done["max_policy_age_seen"] <= 1
+    _check_rows(_rows(tmp_path), 1)
+
+
+def test_colocated_fetch_two_epochs_with_kl_and_age_zero(tmp_path):
+    res = _torchrun(
+        tmp_path, "experiment=grpo", "logger=none", "algo.grpo.stream=false",
+        "algo.grpo.epochs=2", "algo.grpo.kl_coef=0.05", "algo.grpo.max_policy_age=0",
+        f"total_env_steps={STEPS * 128}", "logger.log_every=4",
+    )  # fmt: skip
+    done = _done(res)
+    assert done["trained_samples"] == 2 * STEPS * 128 and done["max_policy_age_seen"] == 0
+    rows = _rows(tmp_path)
+    _check_rows(rows, 0)
+    assert all(r["train/kl"] >= 0 for r in rows)
+
+
+def _compose(*overrides: str) -> TrainConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose("config", overrides=["experiment=grpo", "logger=none", *overrides])
+    cfg = OmegaConf.to_object(dcfg)
+    validate(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("plane.sampler=prioritized", r"plane.sampler: expected 'auto' with algo=grpo"),
+        ("plane=simple", r"plane.kind: expected 'conduit' with algo=grpo"),
+        ("plane.tiers=[[host,100]]", r"plane.tiers: expected None with algo=grpo"),
+        ("checkpoint.dir=/tmp/x", r"checkpoint.dir: .*algo=.grpo. \(PPO and GRPO resume"),
+        ("algo.grpo.gen_groups=17", r"algo.grpo.gen_groups: expected <= 16 .* got 17"),
+        ("algo.grpo.group_size=1", r"algo.grpo.group_size: expected >= 2"),
+        ("algo.grpo.d_model=30", r"algo.grpo.d_model: expected a multiple of n_heads=4"),
+        ("plane.placement=round_robin", r"plane.placement: expected auto or local"),
+    ],
+)
+def test_grpo_refuses_settings_it_cannot_honour(override, message):
+    """Refused before anything is built (no process group or plane)."""
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(_compose(override), NullLogger())
+
+
+def test_the_default_experiment_with_algo_grpo_is_refused_with_the_way_out():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose("config", overrides=["algo=grpo", "logger=none"])
+    cfg = OmegaConf.to_object(dcfg)
+    with pytest.raises(ConfigError, match=r"use experiment=grpo"):
+        GRPOTrainer(cfg, NullLogger())
+
+
+def _batch(seed: int):
+    cfg = GRPOConfig(group_size=4, prompts_per_step=6, max_new=6, max_digits=4)
+    torch.manual_seed(0)
+    policy = TinyLM(LMConfig(vocab=VOCAB, d_model=32, max_len=11))
+    groups = sample_groups(
+        policy, make_prompts(6, np.random.default_rng(seed), 4), 4, 6, torch.Generator()
+    )
+    batch, lengths = to_token_batch(groups)
+    # an untrained policy's rewards are mostly 0 (advantages 0): give every response token one
+    advantage = torch.randn(len(batch["advantage"]), generator=torch.Generator().manual_seed(seed))
+    batch["advantage"] = advantage * batch["loss_mask"]
+    return cfg, policy, (batch, lengths)
+
+
+def _learner_step(rank, world):  # pragma: no cover - runs in a spawned rank
+    import torch.distributed as dist
+
+    cfg, policy, (batch, lengths) = _batch(1)
+    mine = torch.arange(len(lengths))[rank * 12 : (rank + 1) * 12]  # 3 whole groups each
+    update = GRPOUpdate(policy, cfg, dist.group.WORLD)
+    update.opt = torch.optim.SGD(update.params, lr=0.1)  # unlike Adam, sensitive to the scale
+    for fields, cu, width in split_micro_batches(batch, lengths, 20, mine):
+        update.accumulate(fields, cu, width)
+    update.step()
+    return [p.detach().numpy().copy() for p in policy.parameters()]  # no shared memory
+
+
+def test_two_learners_take_the_single_process_step():
+    """The gradient is the token mean over the global batch whatever the split: two learners
+    with three groups each, in micro-batches of at most 20 tokens, end with the parameters of
+    one process that took the six groups in one micro-batch (SGD, so a gradient off by any
+    factor would show)."""
+    got = run_ranks(_learner_step, 2)
+    cfg, policy, (batch, lengths) = _batch(1)
+    update = GRPOUpdate(policy, cfg)
+    update.opt = torch.optim.SGD(update.params, lr=0.1)
+    for fields, cu, width in split_micro_batches(batch, lengths, 10_000):
+        update.accumulate(fields, cu, width)
+    update.step()
+    for rank in (0, 1):
+        for a, b in zip(got[rank], policy.parameters(), strict=True):
+            torch.testing.assert_close(torch.from_numpy(a), b.detach(), rtol=1e-5, atol=1e-6)
