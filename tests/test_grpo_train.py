@@ -179,3 +179,19 @@ def test_two_learners_take_the_single_process_step():
     for rank in (0, 1):
         for a, b in zip(got[rank], policy.parameters(), strict=True):
             torch.testing.assert_close(torch.from_numpy(a), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_three_generators_at_age_zero_stop_on_time_and_log_the_last_window(tmp_path):
+    """A chunk of 2 groups does not fit a window of 8 // 3 groups at max_policy_age=0: the
+    generators take what the window allows (no stall); the run stops on max_minutes and logs
+    that window although log_every was not reached."""
+    res = _torchrun(
+        tmp_path, "experiment=grpo", "logger=none", "mode=disaggregated", "learner_ranks=[0]",
+        "algo.grpo.max_policy_age=0", "algo.grpo.max_minutes=0.15", "logger.log_every=100000",
+        nproc=4,
+    )  # fmt: skip
+    done = _done(res)
+    assert 1 <= done["steps"] < 100000 and done["max_policy_age_seen"] == 0
+    assert done["dropped_stale"] == 0 and done["evicted_groups"] == 0
+    rows = _rows(tmp_path)
+    assert len(rows) == 1 and rows[0]["train/policy_version"] == done["steps"]

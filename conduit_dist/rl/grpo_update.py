@@ -86,7 +86,18 @@ class GRPOUpdate:
             ``tokens`` (the global batch's response tokens), ``grad_norm`` (before clipping),
             ``micro_batches`` (this learner's), ``pg`` and ``kl`` per response token of this
             learner's micro-batches, ``clipfrac`` and ``ratio`` (means over them).
+
+        Raises:
+            RuntimeError: when a parameter's ``.grad`` was replaced or reset.
         """
+        at = 0
+        for p in self.params:  # the views backward accumulates into: reset means lost grads
+            if p.grad is None or p.grad.data_ptr() != self.buf[at:].data_ptr():
+                raise RuntimeError(
+                    "GRPOUpdate: a parameter's .grad is no longer a view of the flat buffer "
+                    "(was zero_grad(set_to_none=True) called?); the update owns the gradients"
+                )
+            at += p.numel()
         if self.group is not None:
             dist.all_reduce(self.buf, group=self.group)
         tokens = float(self.buf[-1])

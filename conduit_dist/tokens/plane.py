@@ -202,14 +202,18 @@ class TokenPlane:
                 return None
 
     def allowance(self) -> int | None:
-        """Groups this producer may ``reserve`` now without waiting (no collective): its
-        window at its current version minus the groups it already reserved; ``None`` when
-        producers are not paced (no ``groups_per_batch``). A colocated producer that calls
-        ``reserve`` from a learner's ``stream(produce=...)`` callback asks for at most this
-        many, since waiting there would run a round inside another round.
+        """Groups this producer may ``reserve`` now without waiting (no collective).
+
+        A colocated producer that calls ``reserve`` from a learner's ``stream(produce=...)``
+        callback asks for at most this many, since waiting there would run a round inside
+        another round.
+
+        Returns:
+            Its window at its current version minus the groups it already reserved (>= 0), or
+            ``None`` when producers are not paced (no ``groups_per_batch``).
 
         Raises:
-            ConfigError: on a rank not in ``producer_ranks``.
+            ConfigError: on a rank not in ``producer_ranks``, or after ``close``.
         """
         self._open("allowance")
         if not self.pacer.producer:
@@ -217,6 +221,13 @@ class TokenPlane:
         if not self.pacer.on:
             return None
         return max(0, self.pacer.window(self.version) - self.pacer.started)
+
+    @property
+    def share(self) -> int:
+        """Groups this producer may start per version when paced (its share of
+        ``groups_per_batch``; 0 when not paced or not a producer): a ``reserve`` of at most
+        this many is always granted within one more version."""
+        return self.pacer.quota
 
     def flush(self) -> bool:
         """Take part in one round without asking for groups (producers, idle learners).
@@ -429,9 +440,15 @@ class TokenPlane:
     def __enter__(self) -> TokenPlane:
         return self
 
+    def abort(self) -> None:
+        """Release the plane's group without a closing round (after a failure: the peers'
+        next round then fails naming this rank instead of waiting for it)."""
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self.ex.close()
+
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
         else:  # an exception: the peers' next round fails with this rank named, not hangs
-            self.closed = True
-            self.ex.close()
+            self.abort()

@@ -30,7 +30,7 @@ def _figure(title: str, ylabel: str, xlabel: str = "env steps (all ranks)"):
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.set_title(title, fontsize=11)
-    ax.setxlabel(xlabel)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     return fig, ax
@@ -94,7 +94,11 @@ def _plot_tokens(rows: Rows, info: dict[str, Any], out: str) -> str | None:
     if not _has(rows, kg, kt):
         return None
     fig, ax = _figure("Tokens per second (all ranks)", "tokens / s", xlabel(info))
-    ax.plot(*series(rows, kg), color="tab:orange", label="response tokens generated")
+    ax.plot(
+        *series(rows, kg),
+        color="tab:orange",
+        label="response tokens generated (counted as consumed)",
+    )
     ax.plot(*series(rows, kt), color="tab:blue", label="tokens trained (prompt + response)")
     ax.set_ylim(bottom=0)
     ax.legend(loc="lower right")

@@ -124,6 +124,22 @@ def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:
                 f"{name}: expected {expected!r} with algo=grpo ({why}; use "
                 f"experiment=grpo), got {got!r}"
             )
+    if cfg.algo.lr <= 0 or cfg.algo.max_grad_norm < 0:
+        raise ConfigError(
+            f"algo.lr / algo.max_grad_norm: expected > 0 / >= 0 (0: no clipping), got "
+            f"{cfg.algo.lr!r} / {cfg.algo.max_grad_norm!r}"
+        )
+    if pc.trace_dir is not None:
+        raise ConfigError(
+            f"plane.trace_dir: expected None with algo=grpo (the token plane writes no Chrome "
+            f"trace yet), got {pc.trace_dir!r}"
+        )
+    if cfg.algo.grad_sync != "auto":
+        raise ConfigError(
+            f"algo.grad_sync: expected 'auto' with algo=grpo (its learners average the "
+            f"accumulated gradient in one all_reduce per global batch), got "
+            f"{cfg.algo.grad_sync!r}"
+        )
     if pc.placement not in ("auto", "local"):
         raise ConfigError(
             f"plane.placement: expected auto or local with algo=grpo (a group stays on its "

@@ -27,6 +27,7 @@ import copy
 import math
 import time
 from collections import deque
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ class GRPOTrainer:
 
     DONE_KEYS = (
         "reward_first_100", "reward_100", "wall_s", "max_policy_age_seen", "dropped_stale",
-        "trained_samples", "steps",
+        "trained_samples", "steps", "evicted_groups",
     )  # fmt: skip
 
     def __init__(
@@ -102,7 +103,8 @@ class GRPOTrainer:
         group = None
         if len(self.learners) > 1:  # collective: every rank calls new_group
             whole = len(self.learners) == self.world
-            group = dist.group.WORLD if whole else dist.new_group(self.learners)
+            timeout = timedelta(seconds=cfg.plane.timeout_s)  # as the default group's
+            group = dist.group.WORLD if whole else dist.new_group(self.learners, timeout=timeout)
         self.group = group
         self.update = None
         if self.is_learner:
@@ -134,7 +136,8 @@ class GRPOTrainer:
         self.gen_s = self.gen_tokens = 0.0
         self.produce_s = 0.0  # generation inside the current stream (colocated)
         self.max_age = 0
-        self.recent: deque[float] = deque(maxlen=100)  # this learner's last consumed rewards
+        # this learner's share of the last 100 consumed rewards (the target_return check)
+        self.recent: deque[float] = deque(maxlen=math.ceil(100 / len(self.learners)))
 
     # ------------------------------------------------------------------ producers
 
@@ -170,9 +173,14 @@ class GRPOTrainer:
 
     def _generator_loop(self) -> None:
         """Disaggregated generators: reserve, generate, put, one round; until the learners
-        close the plane."""
-        while self._generate(self.g.gen_groups) and self.plane.flush():
-            pass
+        close the plane. A chunk is at most the allowance; with none left, at most the
+        producer's share per version (granted at the next version: a chunk the window can
+        never hold would stall the learners)."""
+        while True:
+            left = self.plane.allowance() or 0
+            n = min(self.g.gen_groups, left if left else self.plane.share)
+            if not (self._generate(n) and self.plane.flush()):
+                return
 
     # ------------------------------------------------------------------ learners
 
@@ -202,7 +210,7 @@ class GRPOTrainer:
 
     def _learner_loop(self, start: float) -> None:
         g, cfg = self.g, self.cfg
-        per_step = g.prompts_per_step * g.group_size
+        per_step = g.prompts_per_step * g.group_size * g.epochs  # responses trained per step
         total = math.ceil(cfg.total_env_steps / per_step)
         window = Window()
         while self.steps < total:
@@ -210,7 +218,8 @@ class GRPOTrainer:
             elapsed = time.perf_counter() - start
             stop = [float(g.max_minutes > 0 and elapsed > 60 * g.max_minutes)]
             reached = self._reward_100(stop)
-            if self.steps % cfg.logger.log_every == 0 or self.steps == total or reached:
+            last = stop[0] > 0 or reached or self.steps == total
+            if self.steps % cfg.logger.log_every == 0 or last:
                 self._log(window)
                 window = Window()
             if stop[0] > 0 or reached:
@@ -271,5 +280,8 @@ class GRPOTrainer:
         self.logger.log(metrics, int(metrics["train/trained_samples"]), window.histograms())
 
     def close(self) -> None:
-        """Close the plane (a no-op after ``run``)."""
-        self.plane.close()
+        """Release the plane: a no-op after ``run`` (which closed it); after a failure an
+        abort without a closing round, so the original error is not masked by a peer's
+        timeout."""
+        if not self.plane.closed:
+            self.plane.abort()

@@ -22,13 +22,22 @@ if TYPE_CHECKING:
 
 SUMS = (
     "reward_sum", "sequences", "exact", "resp_tokens", "tokens", "exposed_s", "generate_s",
-    "hidden_s", "age_sum", "pg", "clipfrac", "ratio", "kl", "grad_norm", "steps", "step_s",
+    "age_sum", "pg", "clipfrac", "ratio", "kl", "grad_norm", "steps", "step_s",
 )  # fmt: skip
 
 
 def aggregate_learners(values: list[float], group, op: str = "sum") -> list[float]:
-    """Sum (``op="sum"``) or max (``"max"``) of ``values`` over the learners' ``group``
-    (one ``all_reduce``, under the default group's timeout)."""
+    """Sum or max of ``values`` over the learners (one ``all_reduce``, a collective of the
+    learners, under the group's timeout: ``plane.timeout_s``).
+
+    Args:
+        values: the same number of values on every learner.
+        group: the learners' process group.
+        op: ``"sum"`` or ``"max"``.
+
+    Returns:
+        The reduced values.
+    """
     t = torch.tensor(values, dtype=torch.float64)
     reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     dist.all_reduce(t, reduce_op, group=group)
@@ -50,7 +59,7 @@ class Window:
         """Keep a delivered micro-batch's figures (no host read)."""
         age = version - mb["_version"]
         resp = mb["loss_mask"].sum()
-        tokens = torch.tensor(mb.tokens)
+        tokens = torch.tensor(mb.fields["tokens"].shape[0])  # no device read
         self._mbs.append((mb["reward"], age, resp, mb["gen_ms"].sum(), tokens, mb["group"]))
 
     def end_step(
@@ -99,11 +108,10 @@ class Window:
         v["resp_tokens"] += resp
         v["tokens"] += tokens
         v["exposed_s"] += exposed_s
-        # the producers' generation behind this learner's batch; colocated it ran on this
-        # thread (inside the stream) and hides nothing
-        generate = produce_s if produce_s > 0 else gen_ms / 1e3 / producers
-        v["generate_s"] += generate
-        v["hidden_s"] += 0.0 if produce_s > 0 else max(0.0, generate - exposed_s)
+        # colocated: this rank's own generation inside the stream; disaggregated: the
+        # producers' generation of this learner's share, in parallel over the producers
+        # (summed over the learners at a log: the batch's)
+        v["generate_s"] += produce_s if produce_s > 0 else gen_ms / 1e3 / producers
         v["age_sum"] += float(ages.sum())
         for k in ("pg", "clipfrac", "ratio", "kl", "grad_norm"):
             v[k] += stats[k]
@@ -128,6 +136,12 @@ class Window:
         steps = max(s["steps"] / n_l, 1.0)  # global batches in the window
         seqs = max(s["sequences"], 1.0)
         per_step_ms = 1e3 / steps / n_l  # a learner's mean per global batch
+        exposed = s["exposed_s"] * per_step_ms
+        if tr.cfg.mode == "colocated":  # each learner generated its own share, on its thread
+            generate, hidden = s["generate_s"] * per_step_ms, 0.0
+        else:  # the learners' shares add up to the batch; what the learner did not wait for
+            generate = s["generate_s"] * 1e3 / steps
+            hidden = max(0.0, generate - exposed)
         return {
             "rl/reward": s["reward_sum"] / seqs,
             "rl/exact": s["exact"] / seqs,
@@ -142,9 +156,9 @@ class Window:
             "train/grad_norm": s["grad_norm"] / steps / n_l,
             "train/policy_version": float(tr.version),
             "train/trained_samples": float(tr.trained),
-            "path/exposed_ms_mean": s["exposed_s"] * per_step_ms,
-            "path/hidden_ms_mean": s["hidden_s"] * per_step_ms,
-            "path/generate_ms_mean": s["generate_s"] * per_step_ms,
+            "path/exposed_ms_mean": exposed,
+            "path/hidden_ms_mean": hidden,
+            "path/generate_ms_mean": generate,
             "path/step_ms_mean": s["step_s"] * per_step_ms,
             "path/policy_age_mean": s["age_sum"] / seqs,
             "path/policy_age_max": age_max,
@@ -156,7 +170,15 @@ class Window:
 
 
 def summary_values(tr: GRPOTrainer) -> dict[str, float]:
-    """Every rank's values for the run's summary (the same keys on every rank)."""
+    """Every rank's values for the run's summary.
+
+    Args:
+        tr: the trainer, after its loop.
+
+    Returns:
+        The same keys on every rank (producers' rewards and generation, learners' ages and
+        counts, this shard's evictions).
+    """
     st = tr.plane.stats()
     return {
         "first_sum": sum(tr.first), "first_n": len(tr.first),
