@@ -47,19 +47,20 @@ def main() -> None:
     a = p.parse_args()
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
     kinds = [
-        ("coloc_s*", _train, "tab:blue", "colocated, 2 ranks (train.py)"),
-        ("disagg_s*", _train, "tab:orange", "1 learner + 2 generators (train.py)"),
+        ("coloc_s*/", _train, "tab:blue", "colocated, 2 ranks (train.py)"),
+        ("disagg_s*/", _train, "tab:orange", "1 learner + 2 generators (train.py)"),
         ("ref_s*.jsonl", _reference, "tab:gray", "single process, no plane (reference)"),
     ]
     for pattern, read, color, label in kinds:
-        for i, path in enumerate(sorted(glob.glob(os.path.join(a.runs, pattern)))):
-            x, y = read(path)
+        paths = sorted(glob.glob(os.path.join(a.runs, pattern)))
+        for i, path in enumerate(paths):
+            x, y = read(path.rstrip("/"))
             ax.plot([v / 1e3 for v in x], y, color=color, lw=1, alpha=0.8,
-                    label=label if i == 0 else None)  # fmt: skip
+                    label=f"{label}, {len(paths)} seeds" if i == 0 else None)  # fmt: skip
     ax.set_xlabel("responses trained (thousands, all learners)")
     ax.set_ylabel("mean reward (0..1)")
     ax.set_ylim(0, 1)
-    ax.set_title("GRPO, digit reversal: reward vs responses trained, 3 seeds each", fontsize=11)
+    ax.set_title("GRPO, digit reversal: reward vs responses trained (a line per seed)", fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()

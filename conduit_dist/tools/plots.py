@@ -130,7 +130,9 @@ def _plot_path_time(rows: Rows, info: dict[str, Any], out: str) -> str | None:
     grpo = xlabel(info) != "env steps (all ranks)"
     unit = "global batch" if grpo else "fetch"
     fig, ax = _figure(
-        f"Experience path per learner {unit}: {share:.0%} of the round hidden",
+        f"Experience path per learner {unit}: {share:.0%} of "
+        + ("generation and rounds" if grpo else "the round")
+        + " hidden",
         f"ms per {unit}",
         xlabel(info),
     )
