@@ -16,7 +16,7 @@ from conduit_dist.train.config import AlgoConfig, PlaneConfig, PPOConfig, TrainC
     [
         (
             TrainConfig(algo=AlgoConfig(name="sac")),
-            r"algo.name: expected one of \['dqn', 'ppo'\], got 'sac'",
+            r"algo.name: expected one of \['dqn', 'ppo', 'grpo'\], got 'sac'",
         ),
         (TrainConfig(plane=PlaneConfig(sampler="exact")), "plane.sampler: expected one of"),
         (TrainConfig(plane=PlaneConfig(max_lag=3)), r"plane.max_lag: expected one of \[0, 1\]"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch
@@ -342,10 +342,31 @@ def is_rank_zero() -> bool:
     return get_rank() == 0
 
 
+_on_destroy: list[Callable[[], None]] = []
+
+
+def on_destroy(fn: Callable[[], None]) -> None:
+    """Have :func:`destroy_distributed` call ``fn`` first (once per registration).
+
+    For module-level objects that hold the default group (e.g. the metrics' ``Exchange``): they
+    must let go of it before it is destroyed, or the group lives until interpreter exit, where
+    its gloo worker thread, finishing a collective, needs the GIL and aborts the process
+    ("terminate called without an active exception"; seen as a rank exiting -6 right after a
+    run's last ``metrics.aggregate``).
+
+    Args:
+        fn: called with no arguments; should drop references, not run collectives.
+    """
+    if fn not in _on_destroy:
+        _on_destroy.append(fn)
+
+
 def destroy_distributed() -> None:
     """Destroy the default process group if one exists (and forget ``init_distributed``'s
-    ``cuda_backend``)."""
+    ``cuda_backend``), after the :func:`on_destroy` callbacks let go of it."""
     global _chosen_cuda_backend
     _chosen_cuda_backend = None
+    for fn in list(_on_destroy):
+        fn()
     if dist.is_initialized():
         dist.destroy_process_group()

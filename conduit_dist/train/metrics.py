@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from conduit_dist.collectives.dist import on_destroy
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
@@ -345,6 +346,13 @@ def aggregate(values: dict[str, float], timeout_s: float = 60.0) -> dict[str, fl
 _metrics_exchange: Exchange | None = None
 
 
+def _drop_exchange() -> None:
+    """Let go of the metrics' Exchange (and the default group it holds): ``destroy_distributed``
+    calls it first (``collectives.dist.on_destroy``)."""
+    global _metrics_exchange
+    _metrics_exchange = None
+
+
 def _exchange(timeout_s: float) -> Exchange:
     """The default group's Exchange for metrics, kept across calls so its phases count on.
 
@@ -356,5 +364,6 @@ def _exchange(timeout_s: float) -> Exchange:
     world = dist.group.WORLD
     if _metrics_exchange is None or _metrics_exchange.group is not world:
         _metrics_exchange = Exchange(timeout_s, group=world, name="metrics")
+        on_destroy(_drop_exchange)
     _metrics_exchange.timeout = timedelta(seconds=timeout_s)
     return _metrics_exchange
