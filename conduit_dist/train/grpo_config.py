@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.rl.grpo import GRPOConfig
 
 if TYPE_CHECKING:
     from conduit_dist.train.config import TrainConfig
@@ -64,6 +65,23 @@ class GRPOSettings:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
+
+    def to_config(self, lr: float, grad_clip: float, seed: int) -> GRPOConfig:
+        """The algorithm's config (``rl/grpo.py``) from these settings.
+
+        Args:
+            lr: ``algo.lr``.
+            grad_clip: ``algo.max_grad_norm``.
+            seed: the run's seed.
+
+        Returns:
+            The :class:`GRPOConfig` the update and the task read.
+        """
+        shared = ("max_digits", "group_size", "prompts_per_step", "max_new", "clip", "epochs",
+                  "token_budget", "kl_coef", "adv_eps")  # fmt: skip
+        return GRPOConfig(
+            **{k: getattr(self, k) for k in shared}, lr=lr, grad_clip=grad_clip, seed=seed
+        )
 
 
 def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:

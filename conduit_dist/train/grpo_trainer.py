@@ -37,7 +37,6 @@ from conduit_dist.errors import ConfigError, StaleDataError
 from conduit_dist.plane.options import TransportConfig
 from conduit_dist.rl.grpo import (
     VOCAB,
-    GRPOConfig,
     make_prompts,
     sample_groups,
     to_token_batch,
@@ -91,12 +90,7 @@ class GRPOTrainer:
         colocated = cfg.mode == "colocated"
         self.producers = [r for r in range(self.world) if colocated or r not in self.learners]
         self.is_learner, self.is_producer = self.rank in self.learners, self.rank in self.producers
-        self.gcfg = GRPOConfig(
-            max_digits=g.max_digits, group_size=g.group_size, prompts_per_step=g.prompts_per_step,
-            max_new=g.max_new, lr=cfg.algo.lr, clip=g.clip, epochs=g.epochs,
-            token_budget=g.token_budget, kl_coef=g.kl_coef, adv_eps=g.adv_eps,
-            grad_clip=cfg.algo.max_grad_norm, seed=cfg.seed,
-        )  # fmt: skip
+        self.gcfg = g.to_config(cfg.algo.lr, cfg.algo.max_grad_norm, cfg.seed)
         lm = LMConfig(VOCAB, g.d_model, g.n_layers, g.n_heads, g.max_digits + 1 + g.max_new)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.policy = TinyLM(lm).to(self.device)
