@@ -1,4 +1,5 @@
-"""Builds the native helpers (row packing, NaN/inf counting); the rest is in pyproject.toml."""
+"""Builds the native helpers (row packing, NaN/inf scans, draws, trees, sequence links and
+n-step rows); the rest is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -6,7 +7,8 @@ setup(
     ext_modules=[
         Extension(
             "conduit_dist._native._pack",
-            ["conduit_dist/_native/pack.c"],
+            ["conduit_dist/_native/pack.c", "conduit_dist/_native/seq.c"],
+            depends=["conduit_dist/_native/seq.h"],
             extra_compile_args=["-O3"],
         )
     ]

@@ -18,6 +18,8 @@
 
 #define MAX_FIELDS 256
 
+#include "seq.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 /* an AVX2 clone next to the baseline one, picked at load time by the CPU it runs on */
 #define CLONES __attribute__((target_clones("avx2", "default")))
@@ -770,91 +772,6 @@ static PyObject* mass_alloc(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-/* seq_windows(next, cap, starts, k, L, out, m): for each of k start generations, its window of
- * up to L generations following next[g % cap] (int64, -1: none, which an item that ends an
- * episode always has); out[k, L] repeats the last item past the window's end and m[k] receives
- * each window's length. */
-static PyObject* seq_windows(PyObject* self, PyObject* args) {
-    unsigned long long next_p, starts_p, out_p, m_p;
-    long long cap, k, L;
-    if (!PyArg_ParseTuple(args, "KLKLLKK", &next_p, &cap, &starts_p, &k, &L, &out_p, &m_p))
-        return NULL;
-    if (cap < 1 || L < 1 || k < 0) {
-        PyErr_Format(PyExc_ValueError, "seq_windows: expected cap >= 1, L >= 1, k >= 0, got "
-                     "cap=%lld, L=%lld, k=%lld", cap, L, k);
-        return NULL;
-    }
-    const int64_t* nxt = (const int64_t*)(uintptr_t)next_p;
-    const int64_t* starts = (const int64_t*)(uintptr_t)starts_p;
-    int64_t* out = (int64_t*)(uintptr_t)out_p;
-    int64_t* m = (int64_t*)(uintptr_t)m_p;
-    /* windows advance in groups, step by step, each prefetching its next link: the misses of
-     * a group overlap instead of following one chain at a time */
-    enum { WGROUP = 16 };
-    int64_t g[WGROUP], len[WGROUP];
-    int alive[WGROUP];
-    for (long long at = 0; at < k; at += WGROUP) {
-        int g_n = k - at < WGROUP ? (int)(k - at) : WGROUP;
-        for (int w = 0; w < g_n; w++) {
-            g[w] = starts[at + w];
-            len[w] = 1;
-            alive[w] = 1;
-            out[(at + w) * L] = g[w];
-            __builtin_prefetch(&nxt[g[w] % cap]);
-        }
-        for (long long j = 1; j < L; j++) {
-            for (int w = 0; w < g_n; w++) {
-                if (alive[w]) {
-                    int64_t n = nxt[g[w] % cap]; /* -1 after an episode's end: never linked */
-                    if (n < 0) alive[w] = 0;
-                    else {
-                        g[w] = n;
-                        len[w]++;
-                        __builtin_prefetch(&nxt[n % cap]);
-                    }
-                }
-                out[(at + w) * L + j] = g[w];
-            }
-        }
-        for (int w = 0; w < g_n; w++) m[at + w] = len[w];
-    }
-    Py_RETURN_NONE;
-}
-
-/* seq_back(prev, gen, cap, g, n, steps, out, ok): for each of n generations, the item steps
- * links back through prev[g % cap] (int64, -1: none) into out, and ok[i] (uint8) = whether it
- * exists: every item on the way must still be live (gen[p % cap] == p; a slot reused by a newer
- * item holds that item's links). out is then the last item reached. */
-static PyObject* seq_back(PyObject* self, PyObject* args) {
-    unsigned long long prev_p, gen_p, g_p, out_p, ok_p;
-    long long cap, n, steps;
-    if (!PyArg_ParseTuple(args, "KKLKLLKK", &prev_p, &gen_p, &cap, &g_p, &n, &steps, &out_p,
-                          &ok_p))
-        return NULL;
-    if (cap < 1 || n < 0 || steps < 0) {
-        PyErr_Format(PyExc_ValueError, "seq_back: expected cap >= 1, n >= 0, steps >= 0, got "
-                     "cap=%lld, n=%lld, steps=%lld", cap, n, steps);
-        return NULL;
-    }
-    const int64_t* prev = (const int64_t*)(uintptr_t)prev_p;
-    const int64_t* gen = (const int64_t*)(uintptr_t)gen_p;
-    const int64_t* gs = (const int64_t*)(uintptr_t)g_p;
-    int64_t* out = (int64_t*)(uintptr_t)out_p;
-    uint8_t* ok = (uint8_t*)(uintptr_t)ok_p;
-    for (long long i = 0; i < n; i++) {
-        int64_t g = gs[i];
-        uint8_t good = 1;
-        for (long long s = 0; s < steps; s++) {
-            int64_t p = prev[g % cap];
-            if (p < 0 || gen[p % cap] != p) { good = 0; break; }
-            g = p;
-        }
-        out[i] = g;
-        ok[i] = good;
-    }
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"tree_set", tree_set, METH_VARARGS,
      "tree_set(sum, min, offs, H, idx, val, n): set n leaves of float64 8-ary sum/min trees "
@@ -884,6 +801,13 @@ static PyMethodDef methods[] = {
     {"seq_back", seq_back, METH_VARARGS,
      "seq_back(prev, gen, cap, g, n, steps, out, ok): the item steps live links back from each "
      "of g."},
+    {"seq_link", seq_link, METH_VARARGS,
+     "seq_link(prev, next, gen, end, term, src, cap, gens, n, rows, rb, off_done, off_trunc, "
+     "off_stream, stream_kind, sources, tab, tab_len): link n new items to their streams; "
+     "returns the streams added."},
+    {"seq_nstep", seq_nstep, METH_VARARGS,
+     "seq_nstep(rows, k, L, rb, m, gens, term, cap, off_reward, gamma, out, out_stride, at): "
+     "first and last records, return and discount of k n-step windows."},
     {"uniform_alloc", uniform_alloc, METH_VARARGS,
      "uniform_alloc(counts, world, ends, requests, seed, round, key): int64 [world, world] "
      "counts of each learner's requests[l] items uniform over the cumulative sizes ends."},

@@ -33,6 +33,25 @@ import torch
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.spec import _native
 
+_EMPTY = -(2**63)  # an empty row of the native stream table (INT64_MIN in seq.c)
+
+
+def _probe(rows: list[list[int]], src: int, key: int) -> int:
+    """The row of stream ``(src, key)`` in the native table (as a list of rows), or the empty
+    row it goes to (the hash and probing of ``seq_link`` in ``_native/seq.c``)."""
+    m64 = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        return z ^ (z >> 31)
+
+    size = len(rows)
+    h = mix(((src & m64) * 0x9E3779B97F4A7C15 & m64) ^ (key & m64)) & (size - 1)
+    while rows[h][0] != _EMPTY and (rows[h][0] != src or rows[h][1] != key):
+        h = (h + 1) & (size - 1)
+    return h
+
 
 @dataclass(frozen=True)
 class Windows:
@@ -134,10 +153,24 @@ class Episodes:
         self.end = torch.zeros(cap, dtype=torch.bool)  # ends an episode (done or truncated)
         self.term = torch.zeros(cap, dtype=torch.bool)  # terminal (done)
         self.src = torch.full((cap,), -1, dtype=torch.int32)  # the rank that put each item
-        self.last: dict[tuple[int, int], int] = {}  # (source, key) -> its newest generation
         self.rb = spec.record_bytes
         self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
         self._arrivals: list[torch.Tensor] = []  # sources of items not linked yet, in order
+        # the fields linking reads, as (byte offset, kind) in a record for the native loop
+        off = spec.offsets
+        self._off_done = off[seq.done]
+        self._off_trunc = off[seq.truncated] if seq.truncated else -1
+        self._off_stream, self._kind = -1, 8
+        if seq.stream is not None:
+            dt = spec.fields[seq.stream].dtype
+            self._off_stream = off[seq.stream]
+            self._kind = 17 if dt == torch.uint8 else dt.itemsize
+        self._off_reward = off[seq.reward] if seq.n_step > 1 else -1
+        # each stream's newest generation: a dict on the torch path; natively an open-address
+        # table (source, key, newest) rows, INT64_MIN: empty
+        self.last: dict[tuple[int, int], int] = {}
+        self._tab = torch.full((16, 3), _EMPTY, dtype=torch.int64)
+        self._tab_used = 0
 
     def reset(self) -> None:
         """Forget every item and stream (a restore empties the shard)."""
@@ -145,7 +178,37 @@ class Episodes:
             t.fill_(-1)
         self.end.fill_(False)
         self.term.fill_(False)
-        self.last, self._arrivals = {}, []
+        self._arrivals = []
+        self.forget_streams()
+
+    def forget_streams(self) -> None:
+        """Forget every stream's newest item: the next item of each starts a new stream."""
+        self.last = {}
+        self._tab.fill_(_EMPTY)
+        self._tab_used = 0
+
+    def streams(self) -> dict[tuple[int, int], int]:
+        """``(source, key) -> newest generation`` of every stream seen."""
+        if _native is None:
+            return dict(self.last)
+        t = self._tab[self._tab[:, 0] != _EMPTY]
+        return {(int(a), int(b)): int(c) for a, b, c in t.tolist()}
+
+    def _set_streams(self, last: dict[tuple[int, int], int], room: int) -> None:
+        """Set the streams, with table room for ``room`` more (natively)."""
+        self.last = dict(last)
+        if _native is None:
+            return
+        need = 2 * (len(last) + room)
+        size = max(16, 1 << (need - 1).bit_length())
+        self._tab = torch.full((size, 3), _EMPTY, dtype=torch.int64)
+        self._tab_used = 0
+        if last:
+            rows = self._tab.tolist()
+            for (src, key), g in last.items():
+                rows[_probe(rows, src, key)] = [src, key, g]
+            self._tab = torch.tensor(rows, dtype=torch.int64)
+            self._tab_used = len(last)
 
     def keys(self, records: torch.Tensor) -> torch.Tensor:
         """``int64 [n]``: each record's stream key within its rank (the ``stream`` field or 0)."""
@@ -191,6 +254,8 @@ class Episodes:
     def ingest(self, gens: torch.Tensor) -> torch.Tensor:
         """Link new items (generations ``gens``, in order, already in ``gen``; their sources
         were given by :meth:`arrived`); returns the generations that became starts."""
+        if _native is not None:
+            return self._ingest_native(gens.contiguous())
         cap, seq = self.storage.capacity, self.seq
         leaf = gens % cap
         rows = self._gather(gens)
@@ -227,6 +292,22 @@ class Episodes:
         linked = prev[ok]
         self.next[linked % cap] = gens[ok]
         return self._starts(gens, end)
+
+    def _ingest_native(self, gens: torch.Tensor) -> torch.Tensor:
+        """:meth:`ingest` in one native pass over the items (``seq_link``)."""
+        n, cap = gens.numel(), self.storage.capacity
+        rows = self._gather(gens)
+        sources = self._sources(n).contiguous()
+        if 2 * (self._tab_used + n) > self._tab.shape[0]:
+            self._set_streams(self.streams(), n)
+        self._tab_used += _native.seq_link(
+            self.prev.data_ptr(), self.next.data_ptr(), self.gen.data_ptr(),
+            self.end.data_ptr(), self.term.data_ptr(), self.src.data_ptr(), cap,
+            gens.data_ptr(), n, rows.data_ptr(), self.rb, self._off_done, self._off_trunc,
+            self._off_stream, self._kind, sources.data_ptr(), self._tab.data_ptr(),
+            self._tab.shape[0],
+        )  # fmt: skip
+        return self._starts(gens, self.end[gens % cap])
 
     def _back(self, g: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(item, ok)``: the item ``steps`` links before each of ``g``; ``ok`` where it exists."""
@@ -296,6 +377,14 @@ class Episodes:
         if seq.n_step == 1:
             out[:, : L * rb].copy_(rows.reshape(k, L * rb))
             return
+        at = seq.trailer_at(rb) + 16  # after the address and mass
+        if _native is not None and out.device.type == "cpu" and out.stride(1) == 1:
+            _native.seq_nstep(
+                rows.data_ptr(), k, L, rb, m.data_ptr(), gens.data_ptr(), self.term.data_ptr(),
+                self.storage.capacity, self._off_reward, float(seq.gamma), out.data_ptr(),
+                out.stride(0), at,
+            )  # fmt: skip
+            return
         last = m - 1
         out[:, :rb].copy_(rows[:, 0])
         out[:, rb : 2 * rb].copy_(rows[torch.arange(k), last])
@@ -306,7 +395,6 @@ class Episodes:
         ret = (rewards.double() * scale * inside).sum(dim=1)
         disc = torch.pow(torch.tensor(seq.gamma, dtype=torch.float64), m.double())
         disc = torch.where(self.term[gens[torch.arange(k), last] % self.storage.capacity], 0, disc)
-        at = seq.trailer_at(rb) + 16  # after the address and mass
         vals = out[:, at : at + 8].view(torch.float32)
         vals[:, 0] = ret.float()
         vals[:, 1] = disc.float()
@@ -329,7 +417,8 @@ class Episodes:
 
     def state_dict(self) -> dict[str, object]:
         """Links, episode ends, sources and each stream's newest item."""
-        keys = sorted(self.last)
+        last = self.streams()
+        keys = sorted(last)
         return {
             "prev": self.prev.clone(),
             "next": self.next.clone(),
@@ -337,7 +426,7 @@ class Episodes:
             "term": self.term.clone(),
             "src": self.src.clone(),
             "streams": torch.tensor(keys, dtype=torch.int64).reshape(-1, 2),
-            "stream_last": torch.tensor([self.last[k] for k in keys], dtype=torch.int64),
+            "stream_last": torch.tensor([last[k] for k in keys], dtype=torch.int64),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -345,5 +434,5 @@ class Episodes:
         for name in ("prev", "next", "end", "term", "src"):
             getattr(self, name).copy_(state[name])
         keys = [tuple(k) for k in state["streams"].tolist()]
-        self.last = dict(zip(keys, state["stream_last"].tolist()))
+        self._set_streams(dict(zip(keys, state["stream_last"].tolist())), 0)
         self._arrivals = []

@@ -158,14 +158,14 @@ class WindowedPrioritized(Prioritized, Streams):
 
     def restore_piece(self, generations: torch.Tensor, items: dict[str, torch.Tensor]) -> None:
         """Link the piece's items (not to another piece's) and give each its saved mass."""
-        self.episodes.last = {}
+        self.episodes.forget_streams()
         self.episodes.arrived_items(items["source"])
         super().restore_piece(generations, items)
 
     def restore_state(self, states, exact, rank, written) -> None:
         """Items put after the restore link to no old stream's tail (new episodes)."""
         super().restore_state(states, exact, rank, written)
-        self.episodes.last = {}
+        self.episodes.forget_streams()
 
 
 class RoutedWindowedPrioritized(RoutedPrioritized, WindowedPrioritized):
