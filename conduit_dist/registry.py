@@ -41,6 +41,7 @@ TRAIN_SAMPLERS = ("auto", *SAMPLERS)
 SCHEDULES = ("overlap", "sync", "auto")
 STRATEGIES = ("auto", *STRATEGY_NAMES)
 BANDWIDTHS = ("declared", "calibrate")
+EARLY_STARTS = ("auto", True, False)  # plane.early_start (train.setup.early_start)
 MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one round at most
 MODES = ("colocated", "disaggregated")
 PLANE_KINDS = ("conduit", "simple")

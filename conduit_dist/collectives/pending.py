@@ -14,6 +14,12 @@ class PendingWork:
         self._ex, self._work, self._op, self._round = ex, work, op, round
         self._cuda = cuda
 
+    def in_flight(self) -> bool:
+        """Whether it is still running (never blocks: one query of the work; on the GPU, of
+        its event)."""
+        work = self._work
+        return work is not None and not work.is_completed()
+
     def wait(self) -> None:
         """Block (with the exchange's timeout) until it completed.
 

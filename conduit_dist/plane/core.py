@@ -141,6 +141,7 @@ class DataPlane:
         if self.rate_limiter is not None:
             self._wait_to_insert(self._p.stager.user_spec.validate(batch))
         self._p.stager.put(batch, donate, version)
+        self._p.control.poll()  # an early-started round still in flight: hidden so far
 
     def staged(self, n: int, *, version: int | None = None):
         """``with plane.staged(n) as rows:`` writable views (``name -> [n, ...]``) of staging

@@ -137,6 +137,7 @@ class RoundEngine:
             out = self._finish(flight, weights)
             return self.delivery.landing.land(out), self._after(stats, cpu1 - spent)
 
+        finish.poll = flight.poll  # the caller notes, between its steps, that it still runs
         return finish
 
     # ------------------------------------------------------------------ schedules
@@ -172,6 +173,8 @@ class RoundEngine:
     def _finish(self, f: Flight, weights) -> torch.Tensor:
         """Fused: land the header exchange, allocate, deliver, broadcast weights."""
         t, stats = f.ticket, f.stats
+        if f.early:
+            f.poll()  # still running when the fetch came: all of its span so far was hidden
         t_wait = time.perf_counter()
         meta = self.headers.land(f)
         self.ingested_locally(meta)
@@ -179,6 +182,7 @@ class RoundEngine:
         if f.early:
             stats.mark("ingest", t_wait, t1)  # the span the fetch waited; ms: set-up + wait
             stats.ingest_ms = (f.launched - f.t0 + t1 - t_wait) * 1e3
+            stats.flight_hidden_ms = max(0.0, f.seen_in_flight - f.launched) * 1e3
         else:
             stats.mark("ingest", f.t0, t1)
         counts = self.allocate(meta[:, M.REQUEST], meta, t.round, stats)

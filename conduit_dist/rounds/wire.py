@@ -27,6 +27,7 @@ exchanging them first.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -245,6 +246,13 @@ class Flight:
     launched: float = 0.0  # perf_counter when the exchange was launched
     early: bool = False  # started by fetch_start: the caller's work runs before the finish
     blocks: dict[int, torch.Tensor] | None = None  # each peer's candidate rows, once landed
+    seen_in_flight: float = 0.0  # early: the latest perf_counter it was seen still running
+
+    def poll(self) -> None:
+        """Note the time if the exchange is still running (an early-started round: the span
+        from its launch to the latest such time certainly overlapped the caller's work)."""
+        if self.work.in_flight():
+            self.seen_in_flight = time.perf_counter()
 
 
 def short(alloc: np.ndarray, cand: np.ndarray) -> bool:

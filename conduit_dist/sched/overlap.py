@@ -195,6 +195,11 @@ class OverlapController:
         self.clock.guard(lambda: self.sched.start(ticket, "prefetch", self.clock.stager.put_seq))
         self._fetched, self._last_batch, self._started = False, batch_size, True
 
+    def poll(self) -> None:
+        """Note whether a round started by :meth:`fetch_start` is still in flight (``put``
+        calls it: the exchange's time so far was hidden behind the caller's work)."""
+        self.sched.poll()
+
     def flush(self) -> None:
         """An actor's round (see :meth:`DataPlane.flush`)."""
         self._tick(now())

@@ -133,8 +133,15 @@ class Scheduler:
                     self._stream.wait_event(ticket.ready)
                 finish = self.engine.start(ticket, self.weights)
         self.pending = Pending(
-            kind, ticket, _Started(lambda: self._on_stream(ticket, finish)), put_seq
+            kind, ticket, _Started(lambda: self._on_stream(ticket, finish), finish.poll), put_seq
         )
+
+    def poll(self) -> None:
+        """Note whether a started round's exchange is still running (``RoundEngine.start``;
+        one query of the work, never blocking); nothing for a round launched on the worker."""
+        p = self.pending
+        if p is not None and isinstance(p.future, _Started):
+            p.future.poll()
 
     def launch(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
         """Start a round on the worker thread (``overlap`` mode only; one at a time)."""
@@ -206,8 +213,8 @@ class _Started:
     scheduler and the controller use; :meth:`result` finishes it on the calling thread (once).
     """
 
-    def __init__(self, finish) -> None:
-        self._finish = finish
+    def __init__(self, finish, poll) -> None:
+        self._finish, self._poll = finish, poll
         self._result = None
         self._error: BaseException | None = None
         self._done = False
@@ -221,6 +228,11 @@ class _Started:
             self._result = self._finish()
         except BaseException as exc:
             self._error = exc
+
+    def poll(self) -> None:
+        """Note the time if its exchange is still running (until it is finished)."""
+        if not self._done:
+            self._poll()
 
     def done(self) -> bool:
         """Whether it was finished."""

@@ -23,7 +23,9 @@ class FetchTiming:
         prefetched: whether the round was launched before ``fetch`` (during backward).
         lag_rounds: rounds of puts on this rank the batch may miss (0 or 1; never above max_lag).
         exposed_ms: time the learner waited inside ``fetch``.
-        hidden_ms: round time that ran before ``fetch`` was called (overlapped with compute).
+        hidden_ms: round time that ran before ``fetch`` was called (overlapped with compute);
+            for a round started by ``fetch_start``, the time its exchange was seen running
+            while the caller worked (``RoundStats.flight_hidden_ms``, in the ingest phase).
         phases: per phase, ``(exposed_ms, hidden_ms)``.
     """
 
@@ -46,6 +48,9 @@ def fetch_timing(stats, prefetched: bool, lag: int, t_wait: float, t_end: float)
         t_end: when it returned.
     """
     phases = {p: split(stats.spans[p], (t_wait, t_end)) for p in PHASES if p in stats.spans}
+    if stats.flight_hidden_ms and "ingest" in phases:  # the exchange ran behind the caller
+        e, h = phases["ingest"]
+        phases["ingest"] = (e, h + stats.flight_hidden_ms * 1e-3)
     return FetchTiming(
         round=stats.round,
         prefetched=prefetched,

@@ -46,14 +46,14 @@ class PlaneConfig:
             that put it, so a DQN round needs one exchange; DQN disaggregated: ``round_robin``,
             since ``local`` would leave the learners' shards empty) or a name from
             ``registry.PLACEMENTS``: ``round_robin``, ``local`` or ``bandwidth_aware``.
-        early_start: DQN only (PPO refuses it: its minibatch rounds already run behind the
-            previous backward). With ``algo.grad_sync=round``, one update per iteration and
-            ``max_lag=1`` (else rounds run inside fetch), start each
+        early_start: ``auto`` (the default), ``true`` or ``false``; DQN only (PPO and GRPO
+            refuse ``true``: their rounds already run behind the previous backward). Start each
             round right after the backward and finish it at the next fetch: the next
-            environment step and ``put`` run while its exchange is in flight, on the main thread
-            (a batch then holds items up to the previous iteration's ``put``). Off by default:
-            ~7% more env steps/s on 2 cores, but only 1 of 3 seeds reached the target within
-            500k env steps against 3 of 3 without it (docs/benchmarks.md, the scaling table).
+            environment step and ``put`` run while its exchange is in flight, on the main
+            thread (a batch then holds items up to the previous iteration's ``put``). It needs
+            ``algo.grad_sync=round``, one update per iteration, ``max_lag=1`` and ``local``
+            placement (``setup.early_start``): ``auto`` turns it on where they hold (the
+            default colocated job) and off elsewhere; ``true`` refuses a run where they do not.
         sampler: ``auto`` or a name from ``registry.SAMPLERS`` (``registry.TRAIN_SAMPLERS``).
             ``auto``: ``uniform`` for DQN, and for PPO ``without_replacement``, built from
             ``algo.ppo`` (``epochs``, ``shuffle``); PPO refuses any other sampler. DQN:
@@ -90,7 +90,7 @@ class PlaneConfig:
     kind: str = "conduit"
     capacity_per_rank: int = 50_000
     placement: str = "auto"
-    early_start: bool = False
+    early_start: Any = "auto"  # auto | true | false (registry.EARLY_STARTS)
     sampler: str = "auto"
     prioritized: PrioritizedConfig = field(default_factory=PrioritizedConfig)
     tiers: list[list[Any]] | None = None
@@ -328,6 +328,7 @@ def validate(cfg: TrainConfig) -> None:
         ("plane.schedule", cfg.plane.schedule, registry.SCHEDULES),
         ("plane.strategy", cfg.plane.strategy, registry.STRATEGIES),
         ("plane.max_lag", cfg.plane.max_lag, registry.MAX_LAGS),
+        ("plane.early_start", cfg.plane.early_start, registry.EARLY_STARTS),
         ("logger.kind", cfg.logger.kind, registry.LOGGERS),
         ("logger.mode", cfg.logger.mode, registry.LOGGER_MODES),
         ("algo.ppo.shuffle", cfg.algo.ppo.shuffle, registry.SHUFFLES),

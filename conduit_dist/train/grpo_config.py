@@ -133,7 +133,7 @@ def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:
         ("plane.kind", pc.kind, "conduit", "GRPO runs through the token plane"),
         ("plane.sampler", pc.sampler, "auto", "the token plane delivers whole groups once"),
         ("plane.tiers", pc.tiers, None, "the token plane has one host memory tier"),
-        ("plane.early_start", pc.early_start, False, "DQN only"),
+        ("plane.early_start", pc.early_start is True, False, "DQN only"),
         ("checkpoint.dir", cfg.checkpoint.dir, None, "GRPO resume is not built yet"),
     ]
     for name, got, expected, why in refused:

@@ -158,11 +158,11 @@ def check_ppo(cfg: TrainConfig) -> None:
             "baseline samples single transitions uniformly, with no epochs over a rollout and "
             f"no policy versions; got {pc.kind!r}"
         )
-    if pc.early_start:
+    if pc.early_start is True:
         raise ConfigError(
             "plane.early_start: PPO's minibatch rounds already run behind the previous "
             "backward (fetch(..., more=True) with plane.max_lag=0); early start is DQN's "
-            "algo.grad_sync=round path; expected false, got true"
+            "algo.grad_sync=round path; expected auto or false, got true"
         )
 
 
@@ -207,6 +207,43 @@ def grad_sync(cfg: TrainConfig, learners: list[int], dev: torch.device | None = 
             "algo.grad_sync=auto, all_to_all or allreduce (DDP on the device)"
         )
     return cfg.algo.grad_sync
+
+
+def early_start(cfg: TrainConfig, grad_sync: str) -> bool:
+    """``plane.early_start`` resolved for DQN: whether each round starts right after the
+    backward (``fetch_start``, the gradients in its payload) and finishes at the next fetch.
+
+    It needs a one-exchange round that carries the gradients: ``grad_sync`` ``round``, one
+    update per iteration, ``max_lag=1`` (puts run while the round flies) and ``local``
+    placement. ``auto`` turns it on exactly where all of these hold (the default colocated
+    job), else off; ``true`` refuses a run where one does not.
+
+    Args:
+        cfg: the run config (``algo.name == "dqn"``).
+        grad_sync: the resolved ``algo.grad_sync`` (:func:`grad_sync`).
+
+    Returns:
+        Whether the trainer starts rounds early.
+
+    Raises:
+        ConfigError: on ``true`` with a setting it needs unmet, naming each, the received
+            and the expected value.
+    """
+    want = cfg.plane.early_start
+    if want is False:
+        return False
+    need = {
+        "algo.grad_sync": ("round", grad_sync),
+        "algo.updates_per_iter": (1, cfg.algo.updates_per_iter),
+        "plane.max_lag": (1, cfg.plane.max_lag),  # puts run while the started round flies
+        "plane.placement": ("local", placement(cfg)),  # one exchange to leave in flight
+    }
+    bad = [f"{k}={got!r} (expected {exp!r})" for k, (exp, got) in need.items() if exp != got]
+    if bad and want is True:
+        raise ConfigError(
+            "plane.early_start: needs a one-exchange round to start early; got " + ", ".join(bad)
+        )
+    return not bad
 
 
 def bandwidth(cfg: TrainConfig) -> str | BandwidthModel:
