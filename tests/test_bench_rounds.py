@@ -1,6 +1,7 @@
 """``bench rounds`` runs under torchrun from an empty store (its fill comes before the first
 fetch, which may not ask for more than the store holds) and reports every case against its raw
-collectives (values, not timings, are asserted)."""
+collectives (values, not timings, are asserted), and that a round in steady state allocates no
+tensor: every buffer of the hot path is pooled."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dist_utils import ROOT, TORCHRUN, child_env
 
 
 def test_bench_rounds_runs_every_case_from_an_empty_store():
-    cmd = [*TORCHRUN, "-m", "conduit_dist.bench", "rounds", "--samples", "10", "--warmup", "1"]
+    cmd = [*TORCHRUN, "-m", "conduit_dist.bench", "rounds", "--samples", "10", "--warmup", "1",
+           "--alloc-rounds", "20"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -21,3 +23,5 @@ def test_bench_rounds_runs_every_case_from_an_empty_store():
     assert {"fused", "three_exchange"} <= set(cases), set(cases)
     for r in cases.values():
         assert r["calls"] >= 1 and r["bytes"] > 0 and r["round_ms"] > 0 and r["raw_ms"] > 0
+        assert r["torch_allocs"] == 0 and r["torch_alloc_bytes"] == 0, r
+        assert r["py_peak_bytes"] > 0, r  # tracemalloc saw the round's Python objects

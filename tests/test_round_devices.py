@@ -147,6 +147,7 @@ def test_a_started_round_runs_both_halves_on_the_side_stream(monkeypatch):
                 seen.append(("finish", side.current))
                 return torch.empty(0, 8, dtype=torch.uint8), RoundStats()
 
+            finish.poll = lambda: None  # RoundEngine.start's finish: notes the flight in flight
             return finish
 
     monkeypatch.setattr(torch.cuda, "stream", Context)

@@ -18,9 +18,16 @@ Cases (DQN-sized records: 56 bytes; every rank puts ``--put`` items and fetches 
   ``train.py``'s ``grad_sync=round`` does (it moves more than 64 KB);
 - ``three_exchange``: ``placement="round_robin"``: meta gather, ingestion, delivery.
 
+Allocations per round, after the timed samples (``--alloc-rounds`` more rounds, the most over
+ranks): ``torch_allocs`` and ``torch_alloc_bytes``, the tensor allocations the profiler's memory
+events attribute to a round (``put`` + ``fetch``; on CPU every one is a ``malloc``, on CUDA a
+request to the caching allocator); ``py_peak_bytes``, the most a round's Python objects and NumPy
+arrays held above what was live when it began (``tracemalloc``; the median round).
+
 The JSON line's ``summary`` has per case ``round_ms``, ``raw_ms``, ``vs_raw`` (round / raw, wall),
-``round_cpu_ms``, ``raw_cpu_ms``, ``cpu_vs_raw``, ``calls`` and ``bytes`` (per rank, sent), and
-``fused_vs_three_exchange`` (the fused round's wall over the three-exchange round's).
+``round_cpu_ms``, ``raw_cpu_ms``, ``cpu_vs_raw``, ``calls`` and ``bytes`` (per rank, sent), the
+allocation counts above, and ``fused_vs_three_exchange`` (the fused round's wall over the
+three-exchange round's).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import tracemalloc
 
 import torch
 import torch.distributed as dist
@@ -72,6 +80,32 @@ def _sample(fn) -> tuple[float, float]:
     return time.perf_counter() - t, time.process_time() - c
 
 
+def _allocations(step, rounds: int) -> dict[str, float]:
+    """Allocations of ``rounds`` calls of ``step`` (a put and its round), per round, the most
+    over ranks: tensors (the profiler's memory events) and Python/NumPy (``tracemalloc``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(rounds):
+            step()
+    allocs = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
+    peaks = []
+    tracemalloc.start()
+    try:
+        for _ in range(rounds):
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            step()
+            peaks.append(tracemalloc.get_traced_memory()[1] - before)
+    finally:
+        tracemalloc.stop()
+    mine = [len(allocs) / rounds, sum(allocs) / rounds, statistics.median(peaks)]
+    t = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    keys = ("torch_allocs", "torch_alloc_bytes", "py_peak_bytes")
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
 def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group) -> dict:
     """Interleave ``a.samples`` rounds and raw replays of that round's calls."""
     batch = _batch(a.put)
@@ -103,6 +137,12 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
         raw_walls.append(rw)
         raw_cpus.append(rc)
         sizes.append((len(calls), sum(sum(s) for _, s, _ in calls)))
+
+    def step() -> None:
+        plane.put(batch)
+        round_()
+
+    allocs = _allocations(step, a.alloc_rounds)
     t = torch.tensor([walls, raw_walls], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
     c = torch.tensor([cpus, raw_cpus], dtype=torch.float64)
@@ -121,6 +161,7 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
         "cpu_vs_raw": cmed[0] / cmed[1],
         "calls": calls,
         "bytes": nbytes,
+        **allocs,
     }
 
 
@@ -131,6 +172,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--batch", type=number(int, 1), default=128, help="items each rank fetches")
     p.add_argument("--samples", type=number(int, 10), default=1000)
     p.add_argument("--warmup", type=number(int, 1), default=200)
+    p.add_argument("--alloc-rounds", type=number(int, 1), default=100, help="rounds counted")
     a = p.parse_args(argv)
     cd.init_distributed()
     torch.set_num_threads(1)
@@ -157,7 +199,9 @@ def main(argv: list[str]) -> None:
             print(
                 f"{r['case']:>15}: round {r['round_ms']:.3f} ms, raw {r['raw_ms']:.3f} ms "
                 f"({r['vs_raw']:.2f}x); CPU {r['round_cpu_ms']:.3f} vs {r['raw_cpu_ms']:.3f} ms "
-                f"({r['cpu_vs_raw']:.2f}x); {r['calls']} call(s), {r['bytes']} B sent",
+                f"({r['cpu_vs_raw']:.2f}x); {r['calls']} call(s), {r['bytes']} B sent; a round "
+                f"allocates {r['torch_allocs']:.1f} tensors ({r['torch_alloc_bytes']:.0f} B), "
+                f"Python/NumPy peak {r['py_peak_bytes']:.0f} B",
                 flush=True,
             )
         emit("rounds", results, summary, world=dist.get_world_size(), put=a.put, batch=a.batch)

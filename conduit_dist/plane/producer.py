@@ -74,6 +74,7 @@ class Stager:
         self.put_seq = 0  # puts so far (a fetched batch's lag is measured against it)
         self.in_block = False  # inside a staged() block
         self.dropped = 0  # staged items dropped oldest-first to stay under the limit
+        self._version_cols: dict[torch.device, torch.Tensor] = {}  # reused: packed at once
 
     @property
     def pending(self) -> int:
@@ -104,7 +105,7 @@ class Stager:
         v = self.versions.tag if version is None else check_version(version)
         self.check_lag("put")
         first = next(iter(batch.values()))
-        batch = {**batch, VERSION: torch.full((n,), v, dtype=torch.int64, device=first.device)}
+        batch = {**batch, VERSION: self._version_column(n, v, first.device, donate)}
         if not self._put_direct(batch, n):
             stage = self._stage_for(batch)
             if sum(b.count for b in self._current()) + n > self.limit:  # check, then drop
@@ -119,6 +120,18 @@ class Stager:
                 stage.commit(n)
         self.put_seq += 1
         self.timeline.add("put", Timeline.LEARNER, t0, now(), items=n)
+
+    def _version_column(self, n: int, v: int, device: torch.device, donate: bool) -> torch.Tensor:
+        """``n`` copies of the version ``v``: a view of a reused column where the put packs at
+        once, a new tensor where it donates (a donated batch is packed by the round, later)."""
+        if donate:
+            return torch.full((n,), v, dtype=torch.int64, device=device)
+        col = self._version_cols.get(device)
+        if col is None or col.numel() < n:
+            col = self._version_cols[device] = torch.empty(
+                max(n, 2 * (0 if col is None else col.numel())), dtype=torch.int64, device=device
+            )
+        return col[:n].fill_(v)
 
     def _put_direct(self, batch: Mapping[str, torch.Tensor], n: int) -> bool:
         """Where items stay local, no round is in flight and nothing is staged: pack into the

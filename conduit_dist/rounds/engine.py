@@ -124,8 +124,9 @@ class RoundEngine:
 
     def start(self, t: RoundTicket, weights) -> Callable[[], tuple[torch.Tensor, RoundStats]]:
         """Run a fused round up to its exchange, left in flight; returns the function that
-        waits for it and finishes the round. Nothing else may touch the shard or sampler in
-        between (puts are staged meanwhile)."""
+        waits for it and finishes the round, with a ``poll()`` attribute the caller calls
+        between its own steps (it notes the exchange still in flight: that time is hidden).
+        Nothing else may touch the shard or sampler in between (puts are staged meanwhile)."""
         cpu0 = time.thread_time()
         stats = RoundStats(round=t.round, newest=t.newest, newest_before=t.newest_before)
         flight = self._launch(t, stats)

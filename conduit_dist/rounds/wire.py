@@ -73,6 +73,10 @@ class WireLayout:
         self._recv = RecordBuffer(record_bytes, device)
         self._np: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # numpy views of the buffers
         self._rows = torch.empty((self.world, reduce_numel), dtype=torch.float32)
+        # 1 / learners, as tensors: a Python scalar in an in-place op is a new tensor each call
+        self._inv = [
+            torch.tensor(1.0 / max(k, 1), dtype=torch.float32) for k in range(self.world + 1)
+        ]
         self._splits: dict[bytes, tuple[list[int], list[int], list[int]]] = {}
         self.up_send = [0] * self.world  # update rows to each peer this round
         self.up_recv = [0] * self.world  # update rows from each peer this round
@@ -225,12 +229,16 @@ class WireLayout:
             return
         if len(payloads) == 1:
             (other,) = payloads.values()
-            payload.add_(other).mul_(0.5)
+            payload.add_(other).mul_(self._inv[2])
             return
+        # the contributions in rank order in the first rows of the pooled [world, numel] buffer
+        # (row i <= rank p: a payload copied into its own row is read before it is overwritten)
         rows = sorted([*payloads, self.rank])
-        self._rows[self.rank].copy_(payload)
-        stacked = torch.stack([self._rows[p] if p == self.rank else payloads[p] for p in rows])
-        torch.sum(stacked, dim=0, out=payload).div_(len(rows))
+        for i, p in enumerate(rows):
+            src = payload if p == self.rank else payloads[p]
+            if src.data_ptr() != self._rows[i].data_ptr():
+                self._rows[i].copy_(src)
+        torch.sum(self._rows[: len(rows)], dim=0, out=payload).mul_(self._inv[len(rows)])
 
 
 @dataclass
