@@ -69,5 +69,6 @@ with plane:
         plane.publish_weights()
 done = {"rank": rank, "steps": args.steps, "reward_first_100": float(np.mean(rewards[:100]))}
 done.update(reward_100=float(np.mean(rewards[-100:])), wall_s=time.perf_counter() - t0)
-print(json.dumps(done))
+# one write per rank (print's text and newline are two, which ranks sharing a pipe interleave)
+print(json.dumps(done) + "\n", end="", flush=True)
 cd.destroy_distributed()

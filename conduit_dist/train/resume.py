@@ -71,6 +71,8 @@ class Resumer:
         self.resumed = {
             "round": self.plane.round,
             "iteration": int(state["iteration"]),
+            # a round started early (after the backward) was finished by the checkpoint
+            "early_round": bool(state.get("early_round", False)),
             "items_restored": self.plane.stored,
             "env_steps_at_checkpoint": steps,
             "env_steps_lost": max(0, seen - steps),  # put after it by the crashed attempt

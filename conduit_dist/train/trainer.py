@@ -181,12 +181,18 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "returns": list(self.env.returns) if self.env is not None else [],
             "episodes": self.env.episodes if self.env is not None else 0,
+            # early start: the round fetch_start began after this iteration's backward is
+            # finished by the checkpoint (so it holds one round more than iterations); its
+            # batch and the gradients it averaged are not kept
+            "early_round": bool(self.early and self._grads_pending),
         }
 
     def _resume(self) -> int:
         """Restore the newest checkpoint if there is one; returns its iteration (0: none).
         The environments start new episodes (an episode in progress is not kept), and the
-        gradients of an update in flight at the checkpoint (``grad_sync=round``) are dropped."""
+        gradients of an update in flight at the checkpoint (``grad_sync=round``) are dropped,
+        with early start the batch of the round started after its backward too (the store
+        keeps every item: a resumed job draws its first batch afresh)."""
         state = self.resumer.restore() if self.resumer is not None else None
         if state is None:
             return 0
