@@ -285,3 +285,41 @@ def _reduce_after_start(rank, world):
 def test_a_payload_given_to_the_fetch_of_a_started_round_is_refused():
     for msg in run_ranks(_reduce_after_start, 2).values():
         assert msg is not None and "pass reduce to fetch_start" in msg
+
+
+def _remote_learner_holds(rank, world):
+    # rank 0 learns and stores nothing (local placement, it never puts): its whole batch is the
+    # peer's candidates, delivered as a view of the received rows, with no copy
+    plane = _plane(learner_ranks=[0])
+    held, copies = [], []
+    for r in range(12):
+        if rank == 1:
+            plane.put(make_batch(torch.arange(100 * r, 100 * r + 100)))
+            plane.flush()
+            continue
+        if r == 0:
+            plane.flush()
+            continue
+        batch = plane.fetch(32)
+        assert_intact(batch)
+        held.append(batch)  # held across the later rounds: their receives must not reuse it
+        copies.append({k: v.clone() for k, v in batch.items()})
+    fused = plane._p.engine.from_candidates
+    pool = plane._p.engine.headers.layout._recv._pool  # the header exchange's receive buffers
+    received = {e.buf.untyped_storage().data_ptr() for e in pool}
+    plane.close()
+    if rank == 1:
+        return None
+    assert held[-1]["id"].untyped_storage().data_ptr() in received  # no copy of the batch
+    for batch, copy in zip(held, copies):
+        assert_intact(batch)
+        for k, v in copy.items():
+            assert torch.equal(batch[k], v), f"a held batch's field {k} changed"
+    ptrs = {b["id"].untyped_storage().data_ptr() for b in held}
+    return fused, len(ptrs), len(held)
+
+
+def test_a_remote_learners_batch_is_the_received_rows_and_stays_intact_while_held():
+    fused, buffers, batches = run_ranks(_remote_learner_holds, 2, timeout_s=120)[0]
+    assert fused >= 10  # every fetch came from the header exchange's candidates
+    assert buffers == batches  # each held batch on its own receive buffer: none was reused

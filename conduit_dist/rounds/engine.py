@@ -89,6 +89,8 @@ class RoundEngine:
         self.delivery = Delivery(
             sampler, write, exchange, transport, wire_bytes, (rows, device), spec.unpack
         )
+        # host rows delivered to a host learner: a batch may be a view of the received rows
+        self._zero_copy = torch.device(rows).type == "cpu" and not self.delivery.landing.moves
         is_learner = np.zeros(self.world, dtype=bool)
         is_learner[list(learners)] = True
         self.headers = HeaderExchange(
@@ -338,9 +340,15 @@ class RoundEngine:
             return self.delivery.exact(counts, round, stats, t1)
         self.from_candidates += 1
         n = int(counts[self.rank].sum())
-        out = self.delivery.rows.acquire(n)
-        at = self.headers.take(f, counts, out)
-        self.delivery.own(counts, round, out, at)
+        # a remote learner whose batch is one peer's candidates, landing where it was received
+        # (host rows, a host learner): that block itself, no copy of the batch
+        out = self.headers.one_block(f, counts) if self._zero_copy else None
+        if out is not None:
+            at = n
+        else:
+            out = self.delivery.rows.acquire(n)
+            at = self.headers.take(f, counts, out)
+            self.delivery.own(counts, round, out, at)
         stats.sent[self.rank] += (n - at) * self.wire_bytes  # the own share: a local copy
         t2 = time.perf_counter()
         stats.mark("sample", t1, t2)

@@ -100,6 +100,21 @@ class HeaderExchange:
         (the same on every rank)."""
         return self.speculative and not short(counts, f.cand)
 
+    def one_block(self, f: Flight, counts: np.ndarray) -> torch.Tensor | None:
+        """This learner's whole share as a view of the received rows, where it all comes from
+        one peer's candidates (none from its own shard: a remote learner); else ``None``. The
+        receive buffer is pooled by use count: no round writes it while the view is held."""
+        me, block = self.rank, None
+        row = counts[me]
+        if row[me]:
+            return None
+        for p in self.layout.peers:
+            if row[p]:
+                if block is not None:
+                    return None
+                block = f.blocks[p][: int(row[p])]
+        return block
+
     def take(self, f: Flight, counts: np.ndarray, out: torch.Tensor) -> int:
         """Copy this learner's share of each peer's candidates into ``out`` (peers in rank
         order); returns the rows filled."""

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.buffers import RecordBuffer
+from conduit_dist.records.buffers import OutputPool, RecordBuffer
 from conduit_dist.rounds.meta import PAYLOAD
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
@@ -70,7 +70,9 @@ class WireLayout:
         self.pay = -(-reduce_numel * 4 // record_bytes)  # payload rows between two learners
         self.peers = [p for p in range(self.world) if p != rank]
         self._send = RecordBuffer(record_bytes, device)
-        self._recv = RecordBuffer(record_bytes, device)
+        # pooled receive buffers: a learner's batch may be a view of one (``recv_view``), so a
+        # buffer is written again only once nobody holds a tensor on it (storage use counts)
+        self._recv = OutputPool(record_bytes, device, unpack=None)
         self._np: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # numpy views of the buffers
         self._rows = torch.empty((self.world, reduce_numel), dtype=torch.float32)
         # 1 / learners, as tensors: a Python scalar in an in-place op is a new tensor each call
@@ -172,9 +174,12 @@ class WireLayout:
         return send, in_splits
 
     def recv_rows(self, cand: np.ndarray) -> tuple[torch.Tensor, list[int]]:
-        """The receive rows and their splits."""
+        """The receive rows (a pooled buffer nobody else holds, sized with an eighth of
+        headroom so rounds whose candidate counts wobble reuse it) and their splits."""
         _, _, out_splits = self.splits(cand)
-        return self._recv.rows(sum(out_splits)), out_splits
+        n = sum(out_splits)
+        buf = self._recv.acquire(n + n // 8 + 16)
+        return buf[:n], out_splits
 
     def unpack(
         self, recv: torch.Tensor, cand: np.ndarray
@@ -187,7 +192,7 @@ class WireLayout:
             the next round; ``updates``: ``[k, 2]`` int64 copies.
         """
         pay, _, out_splits = self.splits(cand)
-        meta, rows = self._meta_np, self._numpy(self._recv)
+        meta, rows = self._meta_np, recv.numpy()
         mb = meta.view(np.uint8)
         nb = mb.shape[1]
         payloads: dict[int, torch.Tensor] = {}
