@@ -305,8 +305,8 @@ def _remote_learner_holds(rank, world):
         held.append(batch)  # held across the later rounds: their receives must not reuse it
         copies.append({k: v.clone() for k, v in batch.items()})
     fused = plane._p.engine.from_candidates
-    pool = plane._p.engine.headers.layout._recv._pool  # the header exchange's receive buffers
-    received = {e.buf.untyped_storage().data_ptr() for e in pool}
+    pool = plane._p.engine.headers.layout._recv.buffers()  # the header exchange receive buffers
+    received = {b.untyped_storage().data_ptr() for b in pool}
     plane.close()
     if rank == 1:
         return None

@@ -122,7 +122,8 @@ class DoubleBuffer:
         return full
 
 
-def _use_count(t: torch.Tensor) -> int | None:
+def use_count(t: torch.Tensor) -> int | None:
+    """How many tensors hold ``t``'s storage (``None`` where torch does not say)."""
     fn = getattr(torch._C, "_storage_Use_Count", None)
     return None if fn is None else int(fn(t.untyped_storage()._cdata))
 
@@ -134,13 +135,13 @@ class _Pooled:
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf, self.views = buf, None
-        self.idle = _use_count(buf)  # just allocated: nothing else holds it yet
+        self.idle = use_count(buf)  # just allocated: nothing else holds it yet
         self.read = None  # pinned host buffers: the CUDA event of the last copy reading them
 
     def free(self) -> bool:
         """Nobody outside the pool holds a tensor on the buffer's storage (every tensor handed
         out is a distinct tensor on it, so the storage's use count sees each holder)."""
-        return _use_count(self.buf) == self.idle
+        return use_count(self.buf) == self.idle
 
     def view_fields(self, unpack) -> dict[str, torch.Tensor]:
         """Fresh field tensors of the whole buffer (``detach`` of views built once: ~0.5 us a
@@ -151,9 +152,9 @@ class _Pooled:
             # holds on the buffer right now (the caller's batch, a slice a finished exchange's
             # thread has not released yet) would be counted as idle, and the buffer handed
             # out again while that holder still reads it
-            before = _use_count(self.buf)
+            before = use_count(self.buf)
             self.views = unpack(self.buf)
-            self.idle += _use_count(self.buf) - before
+            self.idle += use_count(self.buf) - before
         return {k: v.detach() for k, v in self.views.items()}
 
 
@@ -213,7 +214,7 @@ class OutputPool:
             (rows, self.record_bytes), dtype=torch.uint8, device=self.device,
             pin_memory=self.pin_memory,
         )  # fmt: skip
-        if _use_count(buf) is not None:
+        if use_count(buf) is not None:
             if len(self._pool) >= self.size:
                 self._pool.sort(key=lambda e: e.buf.shape[0])
                 self._pool.pop(0)

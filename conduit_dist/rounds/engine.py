@@ -339,7 +339,7 @@ class RoundEngine:
         if f is None or not self.headers.covers(f, counts):
             return self.delivery.exact(counts, round, stats, t1)
         self.from_candidates += 1
-        n = int(counts[self.rank].sum())
+        n = sum(counts[self.rank].tolist())
         # a remote learner whose batch is one peer's candidates, landing where it was received
         # (host rows, a host learner): that block itself, no copy of the batch
         out = self.headers.one_block(f, counts) if self._zero_copy else None

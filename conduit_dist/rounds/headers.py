@@ -104,25 +104,28 @@ class HeaderExchange:
         """This learner's whole share as a view of the received rows, where it all comes from
         one peer's candidates (none from its own shard: a remote learner); else ``None``. The
         receive buffer is pooled by use count: no round writes it while the view is held."""
-        me, block = self.rank, None
-        row = counts[me]
-        if row[me]:
+        row = counts[self.rank].tolist()
+        if row[self.rank]:
             return None
+        block = None
         for p in self.layout.peers:
             if row[p]:
                 if block is not None:
                     return None
-                block = f.blocks[p][: int(row[p])]
-        return block
+                block = (f.blocks[p], row[p])
+        return None if block is None else f.recv[block[0] : block[0] + block[1]]
 
     def take(self, f: Flight, counts: np.ndarray, out: torch.Tensor) -> int:
         """Copy this learner's share of each peer's candidates into ``out`` (peers in rank
         order); returns the rows filled."""
-        at = 0
+        at, row = 0, counts[self.rank].tolist()
+        host = out.device.type == "cpu"  # numpy slices cost ~1 us where torch's cost ~5
+        dst, src = (out.numpy(), self.layout.landed) if host else (out, f.recv)
         for p in self.layout.peers:
-            k = int(counts[self.rank, p])
+            k = row[p]
             if k:
-                out[at : at + k].copy_(f.blocks[p][:k])
+                start = f.blocks[p]
+                dst[at : at + k] = src[start : start + k]
             at += k
         return at
 

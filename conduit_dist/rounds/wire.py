@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.buffers import OutputPool, RecordBuffer
+from conduit_dist.records.buffers import RecordBuffer, use_count
 from conduit_dist.rounds.meta import PAYLOAD
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
@@ -70,9 +70,10 @@ class WireLayout:
         self.pay = -(-reduce_numel * 4 // record_bytes)  # payload rows between two learners
         self.peers = [p for p in range(self.world) if p != rank]
         self._send = RecordBuffer(record_bytes, device)
-        # pooled receive buffers: a learner's batch may be a view of one (``recv_view``), so a
-        # buffer is written again only once nobody holds a tensor on it (storage use counts)
-        self._recv = OutputPool(record_bytes, device, unpack=None)
+        # pooled receive buffers: a learner's batch may be a view of one (HeaderExchange's
+        # one_block), so a buffer is written again only once nobody holds a tensor on it
+        self._recv = _RecvPool(record_bytes, device)
+        self.landed: np.ndarray | None = None  # the last receive buffer, as numpy (host rows)
         self._np: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # numpy views of the buffers
         self._rows = torch.empty((self.world, reduce_numel), dtype=torch.float32)
         # 1 / learners, as tensors: a Python scalar in an in-place op is a new tensor each call
@@ -174,29 +175,31 @@ class WireLayout:
         return send, in_splits
 
     def recv_rows(self, cand: np.ndarray) -> tuple[torch.Tensor, list[int]]:
-        """The receive rows (a pooled buffer nobody else holds, sized with an eighth of
-        headroom so rounds whose candidate counts wobble reuse it) and their splits."""
+        """The receive rows (the first rows of a pooled buffer nobody else holds) and their
+        splits; :attr:`landed` is the buffer's numpy view until the next call."""
         _, _, out_splits = self.splits(cand)
         n = sum(out_splits)
-        buf = self._recv.acquire(n + n // 8 + 16)
+        buf, self.landed = self._recv.acquire(n)
         return buf[:n], out_splits
 
     def unpack(
         self, recv: torch.Tensor, cand: np.ndarray
-    ) -> tuple[np.ndarray, dict[int, torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[np.ndarray, dict[int, torch.Tensor], dict[int, int], list[torch.Tensor]]:
         """Every rank's header (this rank's own included), each peer's payload (learners that
-        sent one), each peer's candidate block, and the update pairs peers sent.
+        sent one), where each peer's candidate block starts in ``recv``, and the update pairs
+        peers sent.
 
         Returns:
             ``(meta [world, head_len], payloads, candidates, updates)``; ``meta`` is reused by
-            the next round; ``updates``: ``[k, 2]`` int64 copies.
+            the next round; ``candidates``: ``{peer: first row}``; ``updates``: ``[k, 2]``
+            int64 copies.
         """
         pay, _, out_splits = self.splits(cand)
-        meta, rows = self._meta_np, recv.numpy()
+        meta, rows = self._meta_np, self.landed
         mb = meta.view(np.uint8)
         nb = mb.shape[1]
         payloads: dict[int, torch.Tensor] = {}
-        blocks: dict[int, torch.Tensor] = {}
+        blocks: dict[int, int] = {}
         updates: list[torch.Tensor] = []
         at = 0
         for p in range(self.world):
@@ -207,7 +210,7 @@ class WireLayout:
                 payloads[p] = self._as_floats(recv[at + self.h : at + self.h + pay[p]], p)
             u = self.up_recv[p]
             end = at + out_splits[p] - u
-            blocks[p] = recv[at + self.h + pay[p] : end]
+            blocks[p] = at + self.h + pay[p]
             if u:
                 region = rows[end : end + u].reshape(-1).view(np.int64)
                 n = int(region[0])
@@ -246,6 +249,34 @@ class WireLayout:
         torch.sum(self._rows[: len(rows)], dim=0, out=payload).mul_(self._inv[len(rows)])
 
 
+class _RecvPool:
+    """Receive buffers of the header exchange, each with its numpy view, handed out again only
+    once no tensor on one is held (storage use counts); sized with an eighth of headroom, so
+    rounds whose candidate counts wobble reuse them. Without use counts every round gets a new
+    buffer (correct, slower)."""
+
+    def __init__(self, record_bytes: int, device: torch.device, size: int = 3) -> None:
+        self.rb, self.device, self.size = record_bytes, device, size
+        self._pool: list[tuple[torch.Tensor, np.ndarray, int | None]] = []
+
+    def acquire(self, rows: int) -> tuple[torch.Tensor, np.ndarray]:
+        """A buffer of at least ``rows`` rows nobody else references, and its numpy view."""
+        for buf, view, idle in self._pool:
+            if buf.shape[0] >= rows and idle is not None and use_count(buf) == idle:
+                return buf, view
+        buf = torch.empty((rows + rows // 8 + 16, self.rb), dtype=torch.uint8, device=self.device)
+        view = buf.numpy()
+        if len(self._pool) >= self.size:  # the smallest leaves (a holder keeps it alive)
+            self._pool.sort(key=lambda e: e[0].shape[0])
+            self._pool.pop(0)
+        self._pool.append((buf, view, use_count(buf)))
+        return buf, view
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The pooled buffers."""
+        return [e[0] for e in self._pool]
+
+
 @dataclass
 class Flight:
     """A header exchange between its launch and its landing."""
@@ -258,7 +289,7 @@ class Flight:
     work: object  # the exchange's pending all-to-all (``.wait()``)
     launched: float = 0.0  # perf_counter when the exchange was launched
     early: bool = False  # started by fetch_start: the caller's work runs before the finish
-    blocks: dict[int, torch.Tensor] | None = None  # each peer's candidate rows, once landed
+    blocks: dict[int, int] | None = None  # where each peer's candidate rows start, once landed
     seen_in_flight: float = 0.0  # early: the latest perf_counter it was seen still running
 
     def poll(self) -> None:

@@ -242,7 +242,7 @@ class Speculative(ABC):  # noqa: B024 (a capability: its methods have defaults)
     def shares(self, sizes: np.ndarray, meta: np.ndarray) -> np.ndarray:
         """``[world]`` each shard's probability of a draw in the round just allocated (sizes
         proportional by default; all 0 on an empty store): sizes the next round's candidates."""
-        total = sizes.sum()
+        total = sum(sizes.tolist())  # a few values: Python beats numpy's call cost
         return sizes / total if total else np.zeros(sizes.shape[0])
 
     def drawable(self) -> bool:

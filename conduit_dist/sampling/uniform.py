@@ -33,11 +33,13 @@ class Uniform(Speculative, Sampler):
             return np.array([[requests[0] if sizes[0] else 0]], dtype=np.int64)
         world = sizes.shape[0]
         counts = np.zeros((world, world), dtype=np.int64)
-        if int(sizes.sum()) == 0 or not requests.any():
-            return counts
         ends = np.cumsum(sizes)
+        if ends[-1] == 0:  # an empty store (a learner without a request draws nothing)
+            return counts
         if _native is not None:  # one call for every learner (~2 us)
-            req = np.ascontiguousarray(requests, dtype=np.int64)
+            req = requests
+            if req.dtype != np.int64 or not req.flags.c_contiguous:
+                req = np.ascontiguousarray(requests, dtype=np.int64)
             _native.uniform_alloc(
                 counts.ctypes.data, world, ends.ctypes.data, req.ctypes.data,
                 self.ctx.seed, round, _KEY,
