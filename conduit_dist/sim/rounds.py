@@ -1,0 +1,235 @@
+"""One steady-state round of a workload on a declared machine, priced by the plane's own model.
+
+Nothing here has a cost formula of its own. A simulated round builds the byte matrices the
+plane's round would move, with the plane's own parts run on simulated shard sizes:
+
+- which schedule: :func:`~conduit_dist.rounds.devices.round_devices` (``fused`` where items stay
+  where they were put, else ``general``);
+- ingestion: the placement's ``plan`` (``round_robin``, ``bandwidth_aware`` with the model bound,
+  ``local``);
+- delivery: the sampler's ``allocate`` on the shard sizes after ingestion; on the fused schedule,
+  the candidate rows :func:`~conduit_dist.rounds.wire.candidates` sizes from the sampler's shares,
+  with the header rows and the gradient payload of :class:`~conduit_dist.rounds.wire.WireLayout`;
+- every exchange priced as :class:`~conduit_dist.collectives.transport.Transport` prices it:
+  ``BandwidthModel.choose`` (the meta gather: the fused all-to-all it always is), and a weights
+  broadcast as the ring of one copy per rank that a pipelined broadcast moves;
+- plus the plane's host bookkeeping per round (``round_cpu_us`` of the topology).
+
+Overlap: a round launched at the backward (or started after it, DQN's early start) is hidden up
+to ``backward_ms``; the rest is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from conduit_dist.collectives.topology import LINKS
+from conduit_dist.errors import ConfigError
+from conduit_dist.placement.base import PlacementContext
+from conduit_dist.registry import PLACEMENTS, SAMPLERS
+from conduit_dist.rounds.devices import round_devices
+from conduit_dist.rounds.meta import MetaLayout
+from conduit_dist.rounds.wire import candidates
+from conduit_dist.sampling.base import SamplerContext, Speculative
+from conduit_dist.sim.topology import SimTopology
+
+SIM_SAMPLERS = ("uniform",)  # allocators whose steady state depends on shard sizes alone
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every round of a job moves.
+
+    Attributes:
+        name: short name.
+        record_bytes: bytes of a stored item.
+        wire_bytes: bytes of a delivered row (0: ``record_bytes``; wider for windows).
+        puts_per_rank: items each producing rank puts per round.
+        batch_per_learner: items each learner fetches per round.
+        learner_every: every ``k``-th rank learns (1: every rank, colocated).
+        producers: ``all`` ranks put, or only the ``actors`` (ranks that do not learn).
+        placement: ``local``, ``round_robin`` or ``bandwidth_aware``.
+        sampler: one of :data:`SIM_SAMPLERS`.
+        capacity_per_rank: items a shard holds (the store is simulated full).
+        backward_ms: the learner's compute a round launched at its backward hides behind.
+        reduce_numel: float32 gradients riding in the round (``grad_sync=round``; 0: none).
+        weights_bytes: bytes of the weights the first learner publishes (0: none).
+        publish_every: rounds between publishes (the broadcast's cost is spread over them).
+    """
+
+    name: str
+    record_bytes: int
+    puts_per_rank: int
+    batch_per_learner: int
+    wire_bytes: int = 0
+    learner_every: int = 1
+    producers: str = "all"
+    placement: str = "local"
+    sampler: str = "uniform"
+    capacity_per_rank: int = 100_000
+    backward_ms: float = 0.0
+    reduce_numel: int = 0
+    weights_bytes: int = 0
+    publish_every: int = 1
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"workload {self.name!r} placement: expected one of {list(PLACEMENTS)}, "
+                f"got {self.placement!r}"
+            )
+        if self.sampler not in SIM_SAMPLERS:
+            raise ConfigError(
+                f"workload {self.name!r} sampler: expected one of {list(SIM_SAMPLERS)}, got "
+                f"{self.sampler!r}"
+            )
+        if self.producers not in ("all", "actors"):
+            raise ConfigError(
+                f"workload {self.name!r} producers: expected 'all' or 'actors', got "
+                f"{self.producers!r}"
+            )
+        for key in ("record_bytes", "batch_per_learner", "learner_every", "publish_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(
+                    f"workload {self.name!r} {key}: expected >= 1, got {getattr(self, key)}"
+                )
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a delivered row."""
+        return self.wire_bytes or self.record_bytes
+
+
+@dataclass
+class Exchange:
+    """One simulated exchange: its strategy, predicted seconds and bytes per link class."""
+
+    op: str
+    strategy: str
+    seconds: float
+    bytes_by_link: dict[str, int]
+
+
+@dataclass
+class SimRound:
+    """A simulated round of ``world`` ranks."""
+
+    world: int
+    schedule: str
+    exchanges: list[Exchange] = field(default_factory=list)
+    cpu_s: float = 0.0
+    backward_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The round's time: its exchanges, one after another, and its host bookkeeping."""
+        return self.cpu_s + sum(e.seconds for e in self.exchanges)
+
+    @property
+    def exposed_s(self) -> float:
+        """What the learner waits for with the round launched at its backward."""
+        return max(0.0, self.seconds - self.backward_s)
+
+    def bytes_by_link(self) -> dict[str, int]:
+        """Bytes over each link class, summed over the round's exchanges (all ranks)."""
+        out = dict.fromkeys(LINKS, 0)
+        for e in self.exchanges:
+            for link, n in e.bytes_by_link.items():
+                out[link] += n
+        return out
+
+
+def _link_bytes(matrix: np.ndarray, links: np.ndarray) -> dict[str, int]:
+    return {link: int(matrix[links == c].sum()) for c, link in enumerate(LINKS)}
+
+
+def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=None) -> SimRound:
+    """Simulate one steady-state round of ``w`` on ``world`` ranks of ``topo``.
+
+    Args:
+        topo: the machine.
+        world: ranks.
+        w: the workload.
+        seed: the allocators' seed.
+        model: the cost model (default: ``topo.model(world)``).
+
+    Returns:
+        The round: its exchanges with the strategies the model picks, seconds, bytes per link.
+
+    Raises:
+        ConfigError: a workload with no learner or no producer at this world size.
+    """
+    links = topo.links(world)
+    model = model if model is not None else topo.model(world)
+    learners = np.zeros(world, dtype=bool)
+    learners[:: w.learner_every] = True
+    producers = np.ones(world, dtype=bool) if w.producers == "all" else ~learners
+    if not producers.any():
+        raise ConfigError(f"workload {w.name!r}: no rank puts at world {world}")
+    sampler = SAMPLERS[w.sampler]()
+    sampler.bind(SamplerContext(seed, 0, world, links))
+    placement = PLACEMENTS[w.placement]()
+    placement.bind(PlacementContext(world, links, learners, w.record_bytes, model, sampler))
+    staged = np.where(producers, w.puts_per_rank, 0).astype(np.int64)
+    requests = np.where(learners, w.batch_per_learner, 0).astype(np.int64)
+    cap = w.capacity_per_rank
+    # the full store of the steady state: local keeps items on their producers, others spread
+    full = producers if placement.keeps_local else np.ones(world, dtype=bool)
+    sizes = np.where(full, cap, 0).astype(np.int64)
+    schedule, _ = round_devices(world, placement.keeps_local, _CPU, _CPU, host_rows=True, sync=True)
+    r = SimRound(world, schedule, cpu_s=topo.round_cpu_us * 1e-6, backward_s=w.backward_ms * 1e-3)
+    head = MetaLayout().width * 8  # bytes of one rank's meta row / header
+    rb = w.row_bytes
+    if world == 1:
+        return r
+    if schedule == "fused":
+        h_rows = -(-head // rb)
+        pay_rows = -(-w.reduce_numel * 4 // rb) if w.reduce_numel else 0
+        speculative = isinstance(sampler, Speculative)
+        shares = sampler.shares(sizes, np.zeros((world, 0))) if speculative else np.zeros(world)
+        cand = candidates(requests, shares, learners)  # [shard, learner] rows
+        pay = np.outer(learners, learners) * pay_rows
+        rows = h_rows + pay + cand
+        np.fill_diagonal(rows, 0)
+        _add(r, "all_to_all(round)", rows * rb, links, model, fixed="all_to_all")
+    else:
+        meta = np.full((world, world), head, dtype=np.int64)
+        np.fill_diagonal(meta, 0)
+        _add(r, "all_gather(meta)", meta, links, model, fixed="all_to_all")
+        plan = placement.plan(staged, requests, sizes, cap)
+        if plan.any():
+            _add(r, "ingest", plan * w.record_bytes, links, model)
+        sizes = np.minimum(sizes + plan.sum(axis=0), cap)
+        if w.reduce_numel:  # the late header exchange carrying the payload between learners
+            pay = np.outer(learners, learners) * (head + 4 * w.reduce_numel)
+            np.fill_diagonal(pay, 0)
+            _add(r, "all_to_all(headers)", pay, links, model, fixed="all_to_all")
+        counts = sampler.allocate(requests, sizes, 0, np.zeros((world, 0)))
+        rows = counts.T.copy()
+        np.fill_diagonal(rows, 0)
+        if rows.any():
+            _add(r, "deliver", rows * rb, links, model)
+    if w.weights_bytes:
+        ring = np.zeros((world, world), dtype=np.int64)
+        ring[np.arange(world), (np.arange(world) + 1) % world] = w.weights_bytes
+        ex = _price("broadcast(weights)", ring, links, model, fixed="p2p")
+        ex.seconds /= w.publish_every
+        r.exchanges.append(ex)
+    return r
+
+
+def _price(op: str, matrix: np.ndarray, links: np.ndarray, model, fixed: str | None = None):
+    if fixed is not None:
+        name, seconds = fixed, model.predict(fixed, matrix, links)
+    else:
+        name, seconds = model.choose(matrix, links)
+    return Exchange(op, name, seconds, _link_bytes(matrix, links))
+
+
+def _add(r: SimRound, op: str, matrix, links, model, fixed: str | None = None) -> None:
+    r.exchanges.append(_price(op, matrix, links, model, fixed))

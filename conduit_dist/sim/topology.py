@@ -1,0 +1,172 @@
+"""Declared machines for the simulator: ranks per node, link classes, NIC sharing, tiers.
+
+A :class:`SimTopology` turns into the two things the plane's own cost model takes, so the
+simulator prices an exchange with the plane's formulas and nothing else:
+
+- the link class of every pair of ranks, through the plane's
+  :class:`~conduit_dist.collectives.topology.Topology` (ranks ``0 .. rpn-1`` on node 0, ...);
+- a :class:`~conduit_dist.collectives.model.BandwidthModel`: declared numbers
+  (:meth:`BandwidthModel.declared`: one latency per call, per message, GB/s per link class), or a
+  calibrated model this machine measured and cached (``calibration: cache``).
+
+A node's network bandwidth per rank is its NIC's GB/s over the ranks sharing it
+(``nic_gbps / ranks_per_nic``). The YAML files in ``conf/topology/`` cite where each constant
+comes from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from conduit_dist.collectives.model import BandwidthModel
+from conduit_dist.collectives.model.cache import cache_path, load_cache
+from conduit_dist.collectives.topology import Topology
+from conduit_dist.errors import ConfigError
+from conduit_dist.extras import require
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "topology"
+_KEYS = {
+    "name", "description", "ranks_per_node", "latency_us", "message_us", "self_gbps",
+    "host_gbps", "nic_gbps", "ranks_per_nic", "h2d_gbps", "round_cpu_us", "calibration",
+    "sources",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SimTopology:
+    """A declared machine.
+
+    Attributes:
+        name: short name (the YAML file's stem).
+        ranks_per_node: ranks (GPUs, or processes) on one node.
+        latency_us: microseconds per collective call.
+        message_us: microseconds per message on the wire at the critical rank.
+        self_gbps: a rank's copy to itself (device memory, or host memory on CPU).
+        host_gbps: GB/s per rank between ranks of one node, all-to-all class (NVLink bus bandwidth).
+        nic_gbps: GB/s of one network card, one direction.
+        ranks_per_nic: ranks sharing one network card.
+        h2d_gbps: pinned host-to-device GB/s (host tiers feeding a GPU; 0: none).
+        round_cpu_us: the plane's host bookkeeping of one round outside its collectives
+            (measured by ``bench rounds`` as a round's CPU over its raw collectives' CPU).
+        calibration: ``declared`` (the numbers above) or ``cache`` (this machine's calibrated
+            model for the world size, from the plane's calibration cache).
+        sources: where each constant comes from.
+    """
+
+    name: str
+    ranks_per_node: int
+    latency_us: float
+    message_us: float
+    self_gbps: float
+    host_gbps: float
+    nic_gbps: float
+    ranks_per_nic: int = 1
+    h2d_gbps: float = 0.0
+    round_cpu_us: float = 0.0
+    calibration: str = "declared"
+    description: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("ranks_per_node", "ranks_per_nic"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"topology {self.name!r} {key}: expected an int >= 1, got {v!r}")
+        for key in ("self_gbps", "host_gbps", "nic_gbps"):
+            v = getattr(self, key)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"topology {self.name!r} {key}: expected GB/s > 0, got {v!r}")
+        for key in ("latency_us", "message_us", "h2d_gbps", "round_cpu_us"):
+            v = getattr(self, key)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ConfigError(
+                    f"topology {self.name!r} {key}: expected a number >= 0, got {v!r}"
+                )
+        if self.calibration not in ("declared", "cache"):
+            raise ConfigError(
+                f"topology {self.name!r} calibration: expected 'declared' or 'cache', "
+                f"got {self.calibration!r}"
+            )
+
+    @property
+    def net_gbps(self) -> float:
+        """Network GB/s per rank: the NIC's over the ranks sharing it."""
+        return self.nic_gbps / self.ranks_per_nic
+
+    def layout(self, world: int) -> Topology:
+        """The plane's topology of ``world`` ranks, ``ranks_per_node`` to a node."""
+        if world < 1:
+            raise ConfigError(f"world: expected >= 1 ranks, got {world}")
+        return Topology.from_hosts([f"node{r // self.ranks_per_node}" for r in range(world)])
+
+    def links(self, world: int) -> np.ndarray:
+        """``[world, world]`` link class index of every pair (the plane's ``link_matrix``)."""
+        return self.layout(world).link_matrix()
+
+    def model(self, world: int, cache_dir: str | None = None) -> BandwidthModel:
+        """The cost model of ``world`` ranks on this machine.
+
+        Raises:
+            ConfigError: ``calibration: cache`` without a calibration cached for ``world``
+                ranks of this layout in ``cache_dir`` (run the plane once at that size).
+        """
+        if self.calibration == "declared":
+            gbps = {"self": self.self_gbps, "host": self.host_gbps, "net": self.net_gbps}
+            return BandwidthModel.declared(self.latency_us * 1e-6, gbps, self.message_us * 1e-6)
+        cache_dir = os.path.expanduser(cache_dir or "~/.cache/conduit_dist")
+        # the key torchrun's ranks on this machine use (node 0 of a single-node torchrun)
+        host = f"node0@{socket.gethostname()}"
+        topo = Topology.single_host(world, host)
+        if world > self.ranks_per_node:
+            raise ConfigError(
+                f"topology {self.name!r}: a calibrated model covers one host of at most "
+                f"{self.ranks_per_node} ranks, got {world}"
+            )
+        path = cache_path(cache_dir, "gloo", topo)
+        model = load_cache(path, "gloo", topo) if os.path.exists(path) else None
+        if model is None:
+            raise ConfigError(
+                f"topology {self.name!r}: no calibrated model for {world} ranks at {path}; run "
+                f"the plane once at that size (any torchrun job with plane.calibrate=true), or "
+                "declare the numbers (calibration: declared)"
+            )
+        return model
+
+
+def load(name_or_path: str) -> SimTopology:
+    """A topology from ``conf/topology/<name>.yaml`` or a YAML path.
+
+    Raises:
+        ConfigError: an unknown name (listing the known ones), an unknown key, a missing or bad
+            value.
+    """
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = CONF_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+        raise ConfigError(f"topology: expected one of {known} or a YAML path, got {name_or_path!r}")
+    with require("train", "conduit_dist.sim"):  # PyYAML comes with Hydra
+        import yaml
+    raw = yaml.safe_load(path.read_text()) or {}
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(
+            f"topology {path.name}: unknown keys {unknown} (expected {sorted(_KEYS)})"
+        )
+    raw.setdefault("name", path.stem)
+    try:
+        return SimTopology(**raw)
+    except TypeError as exc:  # a missing required key
+        raise ConfigError(f"topology {path.name}: {exc}") from exc
+
+
+def names() -> list[str]:
+    """The declared topologies in ``conf/topology/``."""
+    return sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
