@@ -173,6 +173,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--samples", type=number(int, 10), default=1000)
     p.add_argument("--warmup", type=number(int, 1), default=200)
     p.add_argument("--alloc-rounds", type=number(int, 1), default=100, help="rounds counted")
+    p.add_argument(
+        "--bandwidth", choices=("declared", "calibrate"), default="declared",
+        help="the planes' cost model: declared numbers, or calibrated at start-up (and cached)",
+    )  # fmt: skip
+    p.add_argument("--bandwidth-cache", default="~/.cache/conduit_dist", help="calibration cache")
     a = p.parse_args(argv)
     cd.init_distributed()
     torch.set_num_threads(1)
@@ -185,7 +190,11 @@ def main(argv: list[str]) -> None:
     group = dist.new_group()  # the baseline's own group, like the plane's
     results = []
     for name, placement, numel in cases:
-        plane = cd.DataPlane(spec, 50_000, placement=placement, schedule="sync", reduce_numel=numel)
+        transport = cd.TransportConfig(bandwidth=a.bandwidth, bandwidth_cache=a.bandwidth_cache)
+        plane = cd.DataPlane(
+            spec, 50_000, placement=placement, schedule="sync", reduce_numel=numel,
+            transport=transport,
+        )  # fmt: skip
         try:
             payload = torch.randn(numel) if numel else None
             results.append(_case(name, plane, a, payload, group))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from conduit_dist.collectives.model.costs import FEATURES, features
 from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement.base import PlacementContext
@@ -113,6 +114,7 @@ class Exchange:
     strategy: str
     seconds: float
     bytes_by_link: dict[str, int]
+    terms: dict[str, float] = field(default_factory=dict)  # seconds of each model feature
 
 
 @dataclass
@@ -134,6 +136,14 @@ class SimRound:
     def exposed_s(self) -> float:
         """What the learner waits for with the round launched at its backward."""
         return max(0.0, self.seconds - self.backward_s)
+
+    def dominant(self) -> tuple[str, str]:
+        """The costliest exchange and the model's costliest term in it (``calls``, ``msgs``,
+        or a link class's bytes), or the host bookkeeping."""
+        if not self.exchanges or self.cpu_s >= max(e.seconds for e in self.exchanges):
+            return "host bookkeeping", "round_cpu"
+        e = max(self.exchanges, key=lambda x: x.seconds)
+        return e.op, max(e.terms, key=e.terms.get)
 
     def bytes_by_link(self) -> dict[str, int]:
         """Bytes over each link class, summed over the round's exchanges (all ranks)."""
@@ -228,7 +238,8 @@ def _price(op: str, matrix: np.ndarray, links: np.ndarray, model, fixed: str | N
         name, seconds = fixed, model.predict(fixed, matrix, links)
     else:
         name, seconds = model.choose(matrix, links)
-    return Exchange(op, name, seconds, _link_bytes(matrix, links))
+    terms = dict(zip(FEATURES, (features(name, matrix, links) * model.coef[name]).tolist()))
+    return Exchange(op, name, seconds, _link_bytes(matrix, links), terms)
 
 
 def _add(r: SimRound, op: str, matrix, links, model, fixed: str | None = None) -> None:
