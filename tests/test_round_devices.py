@@ -15,6 +15,7 @@ import conduit_dist as cd
 from conduit_dist.records.buffers import OutputPool
 from conduit_dist.rounds.delivery import Landing
 from conduit_dist.rounds.devices import round_devices, rows_on_host
+from conduit_dist.rounds.wire import _RecvPool
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -180,3 +181,19 @@ def test_a_held_batch_is_never_handed_out_again_whatever_held_it_when_its_views_
     del kept, again
     reused = pool.acquire(8)  # once nobody holds it, the buffer is reused
     assert reused.untyped_storage().data_ptr() == pool._pool[0].buf.untyped_storage().data_ptr()
+
+
+def test_a_receive_buffer_is_reused_once_dropped_and_never_while_held():
+    """The header exchange's receive pool: its numpy view is taken before the idle count (so a
+    dropped buffer is reused), and a held slice keeps its buffer out of the next round."""
+    pool = _RecvPool(8, CPU)
+    buf, _ = pool.acquire(10)
+    ptr = buf.untyped_storage().data_ptr()
+    held = buf[:3]  # a batch delivered as the received rows themselves
+    del buf
+    other, _ = pool.acquire(10)
+    assert other.untyped_storage().data_ptr() != ptr
+    del held, other
+    again, view = pool.acquire(10)
+    assert again.untyped_storage().data_ptr() == ptr and len(pool.buffers()) == 2
+    assert view.ctypes.data == ptr

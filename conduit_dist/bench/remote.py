@@ -69,15 +69,13 @@ def _pair(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
     )
     try:
         # the raw floor's store: the same items as flat rows, on the store's process
-        rows = flat = None
+        flat = None
         if rank == 1:
             for i in range(0, a.items, CHUNK):
                 batch = make_batch("atari", min(CHUNK, a.items - i), seed=i)
                 plane.put(batch)
             flat = torch.randint(0, 256, (a.items, spec.record_bytes), dtype=torch.uint8)
-            rows = torch.empty(a.batch, spec.record_bytes, dtype=torch.uint8)
-        else:
-            rows = torch.empty(a.batch, spec.record_bytes, dtype=torch.uint8)
+        rows = torch.empty(a.batch, spec.record_bytes, dtype=torch.uint8)  # sent / received
         gen = torch.Generator().manual_seed(rank)
 
         def conduit() -> None:

@@ -128,13 +128,14 @@ def use_count(t: torch.Tensor) -> int | None:
     return None if fn is None else int(fn(t.untyped_storage()._cdata))
 
 
-class _Pooled:
-    """One pooled buffer, the field views built once for it, and its idle storage use count."""
+class Pooled:
+    """One pooled buffer, the field views built once for it (or its numpy view: host
+    buffers read by numpy), and its idle storage use count."""
 
-    __slots__ = ("buf", "idle", "read", "views")
+    __slots__ = ("array", "buf", "idle", "read", "views")
 
     def __init__(self, buf: torch.Tensor) -> None:
-        self.buf, self.views = buf, None
+        self.buf, self.views, self.array = buf, None, None
         self.idle = use_count(buf)  # just allocated: nothing else holds it yet
         self.read = None  # pinned host buffers: the CUDA event of the last copy reading them
 
@@ -156,6 +157,15 @@ class _Pooled:
             self.views = unpack(self.buf)
             self.idle += use_count(self.buf) - before
         return {k: v.detach() for k, v in self.views.items()}
+
+
+def keep(pool: list[Pooled], entry: Pooled, size: int) -> None:
+    """Add ``entry`` to ``pool``; past ``size`` entries the smallest buffer leaves the pool
+    (whoever holds it keeps it alive)."""
+    if len(pool) >= size:
+        pool.sort(key=lambda e: e.buf.shape[0])
+        pool.pop(0)
+    pool.append(entry)
 
 
 class OutputPool:
@@ -190,7 +200,7 @@ class OutputPool:
     ) -> None:  # fmt: skip
         self.record_bytes, self.device, self.size, self._unpack = record_bytes, device, size, unpack
         self.pin_memory = pin_memory
-        self._pool: list[_Pooled] = []
+        self._pool: list[Pooled] = []
         self._empty: torch.Tensor | None = None
         self.consumer = None  # the consumer's CUDA stream, set by the round that acquires
 
@@ -215,10 +225,7 @@ class OutputPool:
             pin_memory=self.pin_memory,
         )  # fmt: skip
         if use_count(buf) is not None:
-            if len(self._pool) >= self.size:
-                self._pool.sort(key=lambda e: e.buf.shape[0])
-                self._pool.pop(0)
-            self._pool.append(_Pooled(buf))
+            keep(self._pool, Pooled(buf), self.size)
         return buf
 
     def read_by(self, records: torch.Tensor, event) -> None:

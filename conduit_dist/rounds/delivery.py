@@ -76,13 +76,11 @@ class Delivery:
             gens = self.sampler.draw(n_draw, round)
             if mine:
                 self.write(gens[first : first + mine], out[remote:])
-            if n_draw > mine and not mine:
-                self.write(gens, send)
-            elif n_draw > mine:  # the draws before and after this learner's, no concatenation
-                if first:
-                    self.write(gens[:first], send[:first])
-                if n_draw > first + mine:
-                    self.write(gens[first + mine :], send[first:])
+            # the draws before and after this learner's, no concatenation
+            if first:
+                self.write(gens[:first], send[:first])
+            if n_draw > first + mine:
+                self.write(gens[first + mine :], send[first:])
         t2 = time.perf_counter()
         stats.mark("sample", t1, t2)
         rows = counts.T.copy()  # rows[shard, learner], own-shard rows already placed

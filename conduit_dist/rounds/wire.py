@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.buffers import RecordBuffer, use_count
+from conduit_dist.records.buffers import Pooled, RecordBuffer, keep
 from conduit_dist.rounds.meta import PAYLOAD
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
@@ -251,30 +251,30 @@ class WireLayout:
 
 class _RecvPool:
     """Receive buffers of the header exchange, each with its numpy view, handed out again only
-    once no tensor on one is held (storage use counts); sized with an eighth of headroom, so
-    rounds whose candidate counts wobble reuse them. Without use counts every round gets a new
-    buffer (correct, slower)."""
+    once no tensor on one is held (:class:`Pooled`, as the output pool's); sized with an eighth
+    of headroom, so rounds whose candidate counts wobble reuse them. Without use counts every
+    round gets a new buffer (correct, slower)."""
 
     def __init__(self, record_bytes: int, device: torch.device, size: int = 3) -> None:
         self.rb, self.device, self.size = record_bytes, device, size
-        self._pool: list[tuple[torch.Tensor, np.ndarray, int | None]] = []
+        self._pool: list[Pooled] = []
 
     def acquire(self, rows: int) -> tuple[torch.Tensor, np.ndarray]:
         """A buffer of at least ``rows`` rows nobody else references, and its numpy view."""
-        for buf, view, idle in self._pool:
-            if buf.shape[0] >= rows and idle is not None and use_count(buf) == idle:
-                return buf, view
+        for e in self._pool:
+            if e.buf.shape[0] >= rows and e.free():
+                return e.buf, e.array
         buf = torch.empty((rows + rows // 8 + 16, self.rb), dtype=torch.uint8, device=self.device)
-        view = buf.numpy()
-        if len(self._pool) >= self.size:  # the smallest leaves (a holder keeps it alive)
-            self._pool.sort(key=lambda e: e[0].shape[0])
-            self._pool.pop(0)
-        self._pool.append((buf, view, use_count(buf)))
-        return buf, view
+        array = buf.numpy()  # a storage reference of its own: taken before the idle count
+        entry = Pooled(buf)
+        entry.array = array
+        if entry.idle is not None:
+            keep(self._pool, entry, self.size)
+        return buf, entry.array
 
     def buffers(self) -> list[torch.Tensor]:
         """The pooled buffers."""
-        return [e[0] for e in self._pool]
+        return [e.buf for e in self._pool]
 
 
 @dataclass

@@ -195,9 +195,10 @@ class Episodes:
         return {(int(a), int(b)): int(c) for a, b, c in t.tolist()}
 
     def _set_streams(self, last: dict[tuple[int, int], int], room: int) -> None:
-        """Set the streams, with table room for ``room`` more (natively)."""
-        self.last = dict(last)
+        """Set the streams, with table room for ``room`` more (natively: the table holds them,
+        ``last`` stays empty)."""
         if _native is None:
+            self.last = dict(last)
             return
         need = 2 * (len(last) + room)
         size = max(16, 1 << (need - 1).bit_length())
