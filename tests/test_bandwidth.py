@@ -72,6 +72,48 @@ def test_features_encode_the_algorithmic_factors():
     assert g["bytes_net"] == 4 * 100 + 4 * 50 + 4 * 7  # padded to the largest chunk, world each
 
 
+def _reference_features(strategy, m, links):
+    """The features by their definition, pair by pair (the vectorised ones must equal it)."""
+    w = m.shape[0]
+    x = dict.fromkeys(FEATURES, 0.0)
+    if strategy == "gather":
+        dests = [d for d in range(w) if m[:, d].sum() > 0]
+        x["calls"] = len(dests)
+        for d in dests:
+            x["bytes_self"] += m[d, d]
+            net = any(links[s, d] == 2 for s in range(w))
+            x["bytes_net" if net else "bytes_host"] += w * m[:, d].max()
+        x["msgs"] = max(
+            ((w - 1) if r in dests else 0) + len(dests) - (r in dests) for r in range(w)
+        )
+        return np.array([x[f] for f in FEATURES])
+    for c, link in ((1, "host"), (2, "net")):
+        out = [sum(m[r, d] for d in range(w) if links[r, d] == c) for r in range(w)]
+        into = [sum(m[s, r] for s in range(w) if links[s, r] == c) for r in range(w)]
+        x[f"bytes_{link}"] = max(max(o, i) for o, i in zip(out, into))
+        x[f"both_{link}"] = max(min(o, i) for o, i in zip(out, into))
+    x["bytes_self"] = max(m[r, r] for r in range(w))
+    if strategy == "all_to_all":
+        x["calls"], x["msgs"] = 1, 2 * (w - 1)
+    else:
+        nz = [
+            (m[r] > 0).sum() - (m[r, r] > 0) + (m[:, r] > 0).sum() - (m[r, r] > 0) for r in range(w)
+        ]
+        x["calls"] = x["msgs"] = max(nz) * (4 if strategy.startswith("chunked") else 1)
+    return np.array([x[f] for f in FEATURES])
+
+
+def test_vectorised_features_equal_their_pair_by_pair_definition():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        w = int(rng.integers(1, 9))
+        links = Topology.from_hosts([f"h{rng.integers(0, 3)}" for _ in range(w)]).link_matrix()
+        m = rng.integers(0, 1000, (w, w)) * (rng.random((w, w)) < 0.5)
+        for strategy in ("all_to_all", "p2p", "chunked4", "gather"):
+            got, want = features(strategy, m, links), _reference_features(strategy, m, links)
+            assert np.array_equal(got, want), (strategy, m, links, got, want)
+
+
 def test_choose_returns_the_argmin_of_the_model():
     links = Topology.single_host(3).link_matrix()
     cheap_calls = np.array([1e-3, 0, 1e-9, 1e-9, 0, 0, 0])

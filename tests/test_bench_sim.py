@@ -7,13 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 from dist_utils import ROOT, child_env
 
 
 def test_bench_sim_validates_projects_and_plots(tmp_path):
     png = tmp_path / "sim.png"
     cmd = [sys.executable, "-m", "conduit_dist.bench", "sim", "--worlds", "2", "--samples", "10",
-           "--topologies", "dgx_h100", "--plot", str(png)]  # fmt: skip
+           "--topologies", "dgx_h100", "--plot", str(png), "--host-rates"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,10 +25,21 @@ def test_bench_sim_validates_projects_and_plots(tmp_path):
     assert all(c["world"] == 2 and c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in checks)
     s = line["summary"]
     assert s["worst_error"] == max(abs(c["error"]) for c in checks)
+    assert s["emulated_hosts"] == "not asked"  # no --host-rates: loopback only
+    assert set(s["bookkeeping_fit"]) == {"round_cpu_us", "exchange_cpu_us", "payload_gbps"}
+    for c in checks:  # the round's prediction is its collectives' and its bookkeeping's
+        assert c["predicted_ms"] == pytest.approx(
+            c["collectives_ms"] + c["bookkeeping_predicted_ms"]
+        )
     assert 0 < s["projection_s"] < 60
     worlds = sorted({r["world"] for r in line["projection"]})
     assert worlds[0] == 8 and worlds[-1] == 4096
     cross = {c["workload"]: c for c in s["crossovers"]["dgx_h100"]}
-    assert set(cross) == {"dqn", "atari", "ppo"}
-    for c in cross.values():  # every workload outgrows its backward somewhere up to 4,096
-        assert c["world"] is not None and c["dominant"], c
+    assert set(cross) == {"dqn", "atari", "ppo", "llm-1b", "llm-8b", "llm-70b"}
+    for name in ("dqn", "atari", "ppo"):  # outgrow their backward somewhere up to 4,096
+        assert cross[name]["world"] is not None and cross[name]["dominant"], cross[name]
+    assert cross["atari"]["faster"] == "placement=bandwidth_aware"
+    for name in ("llm-1b", "llm-8b", "llm-70b"):  # hidden behind a step of seconds throughout
+        c = cross[name]
+        assert c["world"] is None and 0 < c["round_over_backward"] < 1, c
+        assert c["dominant"] == ["broadcast(weights)", "bytes_net"]

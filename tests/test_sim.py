@@ -7,9 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conduit_dist.bench.sim import fit_bookkeeping
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError
-from conduit_dist.sim import Workload, load, names, simulate
+from conduit_dist.sim import TokenWorkload, Workload, load, names, simulate, simulate_tokens
+from conduit_dist.tokens import balance
+from conduit_dist.tokens.wire import Wire
 
 DQN = Workload("dqn", record_bytes=56, puts_per_rank=8, batch_per_learner=128, reduce_numel=17282)
 ATARI = Workload(
@@ -48,7 +51,7 @@ def test_each_exchange_is_priced_as_the_planes_transport_prices_it(world):
     r = simulate(topo, world, ATARI, model=model)
     assert r.schedule == "general"
     ops = [e.op for e in r.exchanges]
-    assert ops == ["all_gather(meta)", "ingest", "deliver"]
+    assert ops == ["all_gather(meta)", "ingest", "deliver", "read(device)"]
     # the ingestion a round-robin plan moves: every actor's 8 items spread over all shards
     ingest = r.exchanges[1]
     moved = sum(ingest.bytes_by_link.values())
@@ -78,8 +81,11 @@ def test_each_exchange_is_priced_as_the_planes_transport_prices_it(world):
 def test_a_fused_round_carries_headers_candidates_and_gradients_in_one_exchange():
     topo = load("dgx_h100")
     r = simulate(topo, 8, DQN)
-    assert r.schedule == "fused" and len(r.exchanges) == 1
-    (ex,) = r.exchanges
+    assert r.schedule == "fused" and [e.op for e in r.exchanges] == [
+        "all_to_all(round)",
+        "read(device)",
+    ]
+    ex = r.exchanges[0]
     assert ex.strategy == "all_to_all"
     # every learner sends every other learner the gradients (rounded up to whole rows)
     pay = -(-17282 * 4 // 56) * 56
@@ -95,3 +101,92 @@ def test_overlap_hides_up_to_the_backward_and_the_model_grows_with_scale():
     big = simulate(topo, 512, Workload(**{**ATARI.__dict__, "backward_ms": 0.5}))
     assert big.seconds > small.seconds and big.exposed_s == pytest.approx(big.seconds - 5e-4)
     assert big.bytes_by_link()["net"] > 0 and small.bytes_by_link()["net"] == 0
+
+
+def test_tiers_read_at_their_declared_speed_and_a_host_tier_crosses_to_the_device():
+    topo = load("dgx_h100")
+    pinned = simulate(topo, 16, Workload(**{**ATARI.__dict__, "tier": "pinned"}))
+    ops = {e.op: e for e in pinned.exchanges}
+    assert "read(pinned)" in ops and "h2d(batch)" in ops
+    # a learner's batch of 32 Atari frames over PCIe, and the busiest shard's reads from DRAM
+    assert ops["h2d(batch)"].seconds == pytest.approx(32 * 56_472 / (topo.h2d_gbps * 1e9))
+    read_gbps = topo.tier_gbps["pinned"][0]
+    assert ops["read(pinned)"].seconds * read_gbps * 1e9 >= 32 * 56_472 / 16 * 0.99
+    device = simulate(topo, 16, ATARI)
+    assert "h2d(batch)" not in {e.op for e in device.exchanges}
+    assert device.seconds < pinned.seconds
+    with pytest.raises(ConfigError, match="tier: expected one of"):
+        Workload("x", record_bytes=8, puts_per_rank=1, batch_per_learner=1, tier="nvme")
+
+
+def test_a_topology_without_a_tier_refuses_it_and_bad_tier_numbers_are_named(tmp_path):
+    bad = tmp_path / "t.yaml"
+    base = (
+        "ranks_per_node: 8\nlatency_us: 1\nmessage_us: 1\nself_gbps: 1\nhost_gbps: 1\nnic_gbps: 1\n"
+    )
+    bad.write_text(base + "tier_gbps:\n  pinned: [10.0]\n")
+    with pytest.raises(ConfigError, match=r"tier_gbps\['pinned'\]: expected .* \[read, write\]"):
+        load(str(bad))
+    bad.write_text(base + "tier_gbps:\n  device: [100.0, 100.0]\n")
+    with pytest.raises(ConfigError, match="tier 'disk': topology 't' declares tier_gbps for"):
+        simulate(load(str(bad)), 8, Workload(**{**ATARI.__dict__, "tier": "disk"}))
+
+
+def test_oversubscribed_nodes_stretch_the_bookkeeping_only():
+    topo = load("dgx_h100")
+    busy = type(topo)(**{**topo.__dict__, "cores_per_node": 4})  # 8 ranks on 4 cores
+    a, b = simulate(topo, 8, DQN), simulate(busy, 8, DQN)
+    assert b.cpu_s == pytest.approx(2 * a.cpu_s)
+    assert [e.seconds for e in a.exchanges] == [e.seconds for e in b.exchanges]
+    assert busy.oversubscription(2) == 1.0  # 2 ranks fit 4 cores
+
+
+def test_bookkeeping_is_fitted_from_a_rounds_run_as_each_case_over_its_raw_collectives():
+    run = {"results": [
+        {"case": "fused", "round_ms": 1.0, "raw_ms": 0.4},
+        {"case": "fused_grads", "round_ms": 1.4, "raw_ms": 0.5},
+        {"case": "three_exchange", "round_ms": 3.0, "raw_ms": 1.2},
+    ]}  # fmt: skip
+    fit = fit_bookkeeping(run)
+    assert fit["round_cpu_us"] == pytest.approx(600.0)
+    assert fit["exchange_cpu_us"] == pytest.approx(600.0)  # (1800 - 600) / 2 further exchanges
+    # the gradients' extra 300 us for 17,282 floats
+    assert fit["payload_gbps"] == pytest.approx(17_282 * 4 / 300e3)
+    topo = type(load("dgx_h100"))(**{**load("dgx_h100").__dict__, **fit})
+    r = simulate(topo, 8, DQN)
+    assert r.cpu_s == pytest.approx(600e-6 + 300e-6)
+
+
+LLM = TokenWorkload("llm", params_b=1.0, groups_per_learner=3, group_size=4, step_ms=500.0)
+
+
+@pytest.mark.parametrize("world", [4, 16])
+def test_a_token_round_delivers_the_planners_balanced_groups_and_broadcasts_the_weights(world):
+    topo = load("dgx_h100")
+    r = simulate_tokens(topo, world, LLM, seed=1)
+    assert r.schedule == "tokens"
+    ops = {e.op: e for e in r.exchanges}
+    assert list(ops) == ["all_gather(meta)", "broadcast(weights)", "deliver(tokens)"]
+    # one copy of the weights over every rank's link of the ring (2 bytes per parameter)
+    assert sum(ops["broadcast(weights)"].bytes_by_link.values()) == world * 2_000_000_000
+    # the token bytes: each learner's groups, as the token plane's planner shares them out,
+    # sized by its wire layout (the sequences stay with their generators: no self bytes)
+    learners = world // 2
+    rng = np.random.default_rng(1)
+    n_groups = 3 * learners
+    lengths = rng.lognormal(np.log(600), 0.8, (n_groups, 4)).astype(np.int64)
+    tokens = np.clip(lengths, 1, 8192).sum(axis=1)
+    plan = balance.plan(tokens, learners, LLM.token_budget)
+    assert balance.imbalance(tokens, [[i for mb in p for i in mb] for p in plan]) < 1.5
+    moved = sum(ops["deliver(tokens)"].bytes_by_link.values())
+    wire = Wire(LLM.spec())
+    lower = wire.nbytes(n_groups * 4, int(tokens.sum()))  # one section holding everything
+    assert lower <= moved <= lower + 64 * n_groups * 8  # plus per-section column padding
+    assert r.exposed_s == max(0.0, r.seconds - 0.5)
+
+
+def test_a_token_world_needs_a_generator():
+    with pytest.raises(ConfigError, match="no generator at world 1"):
+        simulate_tokens(load("dgx_h100"), 1, TokenWorkload("x", 1.0, learner_every=1))
+    with pytest.raises(ConfigError, match="group_size: expected >= 1, got 0"):
+        TokenWorkload("x", 1.0, group_size=0)

@@ -21,51 +21,120 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import replace
 
 from conduit_dist.bench.common import emit, number, out_path
-from conduit_dist.sim import Workload, load, names, simulate
+from conduit_dist.bench.hosts import EmulatedHosts, HostsUnavailable
+from conduit_dist.bench.rounds import GRAD_NUMEL
+from conduit_dist.sim import SimTopology, Workload, load, names, simulate
 from conduit_dist.sim.project import plot, project
 
 ROUND_CASES = {  # bench rounds' cases as workloads (its records are 64 bytes on the wire)
     "fused": {"placement": "local"},
-    "fused_grads": {"placement": "local", "reduce_numel": 17_282},
+    "fused_grads": {"placement": "local", "reduce_numel": GRAD_NUMEL},
     "three_exchange": {"placement": "round_robin"},
 }
 
 
+def _rounds_args(samples: int, cache_dir: str) -> list[str]:
+    args = f"-m conduit_dist.bench rounds --samples {samples} --warmup 50 --alloc-rounds 2"
+    return [*args.split(), "--bandwidth", "calibrate", "--bandwidth-cache", cache_dir]
+
+
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
 def _measure(world: int, samples: int, cache_dir: str) -> dict:
+    """``bench rounds`` at ``world`` ranks on this machine's loopback."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", "-m", "conduit_dist.bench", "rounds",
-           "--samples", str(samples), "--warmup", "50", "--alloc-rounds", "2",
-           "--bandwidth", "calibrate", "--bandwidth-cache", cache_dir]  # fmt: skip
+           f"--nproc_per_node={world}", *_rounds_args(samples, cache_dir)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"bench rounds at {world} ranks failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _last_json(proc.stdout)
 
 
-def validate(worlds: list[int], samples: int, cache_dir: str) -> list[dict]:
-    """Measured against predicted round times at each world size (the rounds' planes calibrate
-    the model, or load it from ``cache_dir``; the simulator prices with that same model)."""
-    topo = load("loopback")
+def _measure_hosts(rate_mbit: float, samples: int, cache_dir: str) -> tuple[dict, list[str]]:
+    """``bench rounds`` on two emulated hosts of two ranks, the link shaped to ``rate_mbit``;
+    the result and every rank's host key (the calibration's layout)."""
+    with EmulatedHosts(rate_mbit) as hosts, tempfile.TemporaryDirectory() as logs:
+        outs = hosts.launch(_rounds_args(samples, cache_dir), 2, logs, timeout_s=900)
+        return _last_json(outs[0]), hosts.host_keys(2)
+
+
+def fit_bookkeeping(measured: dict) -> dict[str, float]:
+    """The topology's bookkeeping terms from one ``bench rounds`` run: each case's round time
+    over its raw collectives' (``round_cpu_us`` the fused round's; ``exchange_cpu_us`` each of
+    the three-exchange round's two further exchanges; ``payload_gbps`` the gradients' extra)."""
+    extra = {r["case"]: max(0.0, r["round_ms"] - r["raw_ms"]) * 1e3 for r in measured["results"]}
+    base = extra["fused"]
+    grads_us = extra["fused_grads"] - base
+    return {
+        "round_cpu_us": base,
+        "exchange_cpu_us": max(0.0, (extra["three_exchange"] - base) / 2),
+        "payload_gbps": GRAD_NUMEL * 4 / (grads_us * 1e3) if grads_us > 0 else 0.0,
+    }
+
+
+def _checks(topo: SimTopology, measured: dict, model, where: str) -> list[dict]:
+    out = []
+    for r in measured["results"]:
+        w = Workload(r["case"], record_bytes=64, puts_per_rank=measured["put"],
+                     batch_per_learner=measured["batch"], **ROUND_CASES[r["case"]])  # fmt: skip
+        sim = simulate(topo, measured["world"], w, model=model)
+        coll = sim.seconds - sim.cpu_s
+        out.append({
+            "where": where, "world": measured["world"], "case": r["case"],
+            "measured_ms": r["round_ms"], "predicted_ms": sim.seconds * 1e3,
+            "error": sim.seconds * 1e3 / r["round_ms"] - 1,
+            "raw_ms": r["raw_ms"], "collectives_ms": coll * 1e3,
+            "collectives_error": coll * 1e3 / r["raw_ms"] - 1,
+            "bookkeeping_ms": r["round_ms"] - r["raw_ms"],
+            "bookkeeping_predicted_ms": sim.cpu_s * 1e3,
+            "strategies": [e.strategy for e in sim.exchanges],
+        })  # fmt: skip
+    return out
+
+
+def validate(
+    worlds: list[int], samples: int, cache_dir: str, host_rates: list[float]
+) -> tuple[list[dict], dict[str, float], str | None]:
+    """Measured against predicted rounds.
+
+    First a fitting run at 2 ranks gives the bookkeeping terms (:func:`fit_bookkeeping`); then
+    fresh runs at each of ``worlds`` on loopback, and on two emulated hosts of two ranks at each
+    of ``host_rates`` (Mbit/s), are predicted with them, with each run's own calibrated model
+    (the rounds' planes calibrate it, or load it from ``cache_dir``).
+
+    Returns:
+        ``(checks, bookkeeping, hosts_skipped)``: a row per run and case, the fitted terms, and
+        why the emulated hosts were skipped (``None`` if they ran).
+    """
+    fit = fit_bookkeeping(_measure(2, samples, cache_dir))
+    topo = replace(load("loopback"), **fit)
     out = []
     for world in worlds:
         measured = _measure(world, samples, cache_dir)
-        model = topo.model(world, cache_dir)
-        for r in measured["results"]:
-            w = Workload(r["case"], record_bytes=64, puts_per_rank=measured["put"],
-                         batch_per_learner=measured["batch"], **ROUND_CASES[r["case"]])  # fmt: skip
-            sim = simulate(topo, world, w, model=model)
-            out.append({
-                "world": world, "case": r["case"], "measured_ms": r["round_ms"],
-                "raw_ms": r["raw_ms"], "predicted_ms": sim.seconds * 1e3,
-                "error": sim.seconds * 1e3 / r["round_ms"] - 1,
-            })  # fmt: skip
-    return out
+        out += _checks(topo, measured, topo.model(world, cache_dir), "loopback")
+    skipped = None
+    cores = max(1, (os.cpu_count() or 1) // 2)  # the two hosts share this machine's cores
+    two = replace(topo, ranks_per_node=2, cores_per_node=cores)
+    for rate in host_rates:
+        rate_dir = os.path.join(cache_dir, f"hosts-{rate:g}mbit")  # one calibration per rate
+        try:
+            measured, keys = _measure_hosts(rate, samples, rate_dir)
+        except HostsUnavailable as exc:
+            skipped = str(exc)
+            break
+        out += _checks(two, measured, two.model(4, rate_dir, keys), f"2 hosts, {rate:g} Mbit/s")
+    return out, fit, skipped
 
 
 def main(argv: list[str]) -> None:
@@ -77,12 +146,24 @@ def main(argv: list[str]) -> None:
                    default=["dgx_h100", "frontier_mi250x"])  # fmt: skip
     p.add_argument("--plot", type=out_path(".png"), default="docs/img/sim_projection.png")
     p.add_argument("--no-validation", action="store_true", help="the projection only")
-    p.add_argument("--cache-dir", default="~/.cache/conduit_dist", help="calibration cache")
+    p.add_argument("--host-rates", nargs="*", type=number(float, 1.0), default=[2000.0, 500.0],
+                   help="Mbit/s of the emulated hosts' link (none: loopback only)")  # fmt: skip
+    p.add_argument("--cache-dir", default=None,
+                   help="calibration cache (default: a fresh one each run calibrates)")  # fmt: skip
     a = p.parse_args(argv)
-    checks = [] if a.no_validation else validate(a.worlds, a.samples, a.cache_dir)
+    checks, fit, skipped = [], {}, None
+    if not a.no_validation:
+        with tempfile.TemporaryDirectory() as fresh:
+            cache_dir = os.path.expanduser(a.cache_dir) if a.cache_dir else fresh
+            checks, fit, skipped = validate(a.worlds, a.samples, cache_dir, a.host_rates)
+    if skipped:
+        print(f"emulated hosts skipped: {skipped}", flush=True)
     for c in checks:
-        print(f"{c['world']} ranks {c['case']:>15}: measured {c['measured_ms']:.3f} ms, "
-              f"predicted {c['predicted_ms']:.3f} ms ({c['error']:+.0%})", flush=True)  # fmt: skip
+        print(f"{c['where']:>22} {c['world']} ranks {c['case']:>15}: measured "
+              f"{c['measured_ms']:.3f} ms, predicted {c['predicted_ms']:.3f} ms "
+              f"({c['error']:+.0%}); collectives {c['raw_ms']:.3f} vs "
+              f"{c['collectives_ms']:.3f} ms ({c['collectives_error']:+.0%})",
+              flush=True)  # fmt: skip
     t0 = time.perf_counter()
     rows, crossovers = [], {}
     for name in a.topologies:
@@ -94,14 +175,19 @@ def main(argv: list[str]) -> None:
     for name, cross in crossovers.items():
         for c in cross:
             print(f"{name} {c['workload']}: round > backward from {c['world']} ranks; "
-                  f"faster placement {c.get('faster_placement')}, dominant "
+                  f"faster with {c.get('faster')}, dominant "
                   f"{c.get('dominant')}", flush=True)  # fmt: skip
     errors = [abs(c["error"]) for c in checks]
+    coll = [abs(c["collectives_error"]) for c in checks]
     summary = {
         "median_error": statistics.median(errors) if errors else None,
         "worst_error": max(errors) if errors else None,
+        "median_collectives_error": statistics.median(coll) if coll else None,
+        "bookkeeping_fit": fit,
+        "emulated_hosts": skipped or ("ran" if checks and a.host_rates else "not asked"),
         "projection_s": projection_s,
         "crossovers": crossovers,
         "plot": a.plot,
     }
-    emit("sim", checks, summary, worlds=a.worlds, topologies=a.topologies, projection=rows)
+    emit("sim", checks, summary, worlds=a.worlds, host_rates=a.host_rates,
+         topologies=a.topologies, projection=rows)  # fmt: skip

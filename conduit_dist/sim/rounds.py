@@ -13,7 +13,9 @@ plane's round would move, with the plane's own parts run on simulated shard size
 - every exchange priced as :class:`~conduit_dist.collectives.transport.Transport` prices it:
   ``BandwidthModel.choose`` (the meta gather: the fused all-to-all it always is), and a weights
   broadcast as the ring of one copy per rank that a pipelined broadcast moves;
-- plus the plane's host bookkeeping per round (``round_cpu_us`` of the topology).
+- plus the plane's host bookkeeping per round (the topology's ``round_cpu_us``, and
+  ``exchange_cpu_us`` for each further exchange, ``payload_gbps`` for a gradient payload), longer
+  where a node has fewer cores than ranks (``cores_per_node``).
 
 Overlap: a round launched at the backward (or started after it, DQN's early start) is hidden up
 to ``backward_ms``; the rest is exposed.
@@ -36,6 +38,7 @@ from conduit_dist.rounds.meta import MetaLayout
 from conduit_dist.rounds.wire import candidates
 from conduit_dist.sampling.base import SamplerContext, Speculative
 from conduit_dist.sim.topology import SimTopology
+from conduit_dist.tiers import KINDS
 
 SIM_SAMPLERS = ("uniform",)  # allocators whose steady state depends on shard sizes alone
 _CPU = torch.device("cpu")
@@ -55,6 +58,8 @@ class Workload:
         producers: ``all`` ranks put, or only the ``actors`` (ranks that do not learn).
         placement: ``local``, ``round_robin`` or ``bandwidth_aware``.
         sampler: one of :data:`SIM_SAMPLERS`.
+        tier: the memory tier the shards keep items in (``device``, ``pinned``, ``host``,
+            ``disk``); priced where the topology declares ``tier_gbps``.
         capacity_per_rank: items a shard holds (the store is simulated full).
         backward_ms: the learner's compute a round launched at its backward hides behind.
         reduce_numel: float32 gradients riding in the round (``grad_sync=round``; 0: none).
@@ -71,6 +76,7 @@ class Workload:
     producers: str = "all"
     placement: str = "local"
     sampler: str = "uniform"
+    tier: str = "device"
     capacity_per_rank: int = 100_000
     backward_ms: float = 0.0
     reduce_numel: int = 0
@@ -88,6 +94,10 @@ class Workload:
             raise ConfigError(
                 f"workload {self.name!r} sampler: expected one of {list(SIM_SAMPLERS)}, got "
                 f"{self.sampler!r}"
+            )
+        if self.tier not in KINDS:
+            raise ConfigError(
+                f"workload {self.name!r} tier: expected one of {list(KINDS)}, got {self.tier!r}"
             )
         if self.producers not in ("all", "actors"):
             raise ConfigError(
@@ -155,7 +165,9 @@ class SimRound:
 
 
 def _link_bytes(matrix: np.ndarray, links: np.ndarray) -> dict[str, int]:
-    return {link: int(matrix[links == c].sum()) for c, link in enumerate(LINKS)}
+    """Bytes over each link class (``self`` on the diagonal, as the plane's links are)."""
+    own, host = int(np.trace(matrix)), int(np.where(links == 1, matrix, 0).sum())
+    return dict(zip(LINKS, (own, host, int(matrix.sum()) - own - host), strict=True))
 
 
 def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=None) -> SimRound:
@@ -192,10 +204,11 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
     full = producers if placement.keeps_local else np.ones(world, dtype=bool)
     sizes = np.where(full, cap, 0).astype(np.int64)
     schedule, _ = round_devices(world, placement.keeps_local, _CPU, _CPU, host_rows=True, sync=True)
-    r = SimRound(world, schedule, cpu_s=topo.round_cpu_us * 1e-6, backward_s=w.backward_ms * 1e-3)
+    r = SimRound(world, schedule, backward_s=w.backward_ms * 1e-3)
     head = MetaLayout().width * 8  # bytes of one rank's meta row / header
     rb = w.row_bytes
     if world == 1:
+        r.cpu_s = bookkeeping_s(topo, world, 1, w.reduce_numel)
         return r
     if schedule == "fused":
         h_rows = -(-head // rb)
@@ -204,6 +217,7 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
         shares = sampler.shares(sizes, np.zeros((world, 0))) if speculative else np.zeros(world)
         cand = candidates(requests, shares, learners)  # [shard, learner] rows
         pay = np.outer(learners, learners) * pay_rows
+        served = cand.sum(axis=1)  # rows each shard reads for the round, its own learner's too
         rows = h_rows + pay + cand
         np.fill_diagonal(rows, 0)
         _add(r, "all_to_all(round)", rows * rb, links, model, fixed="all_to_all")
@@ -220,20 +234,66 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
             np.fill_diagonal(pay, 0)
             _add(r, "all_to_all(headers)", pay, links, model, fixed="all_to_all")
         counts = sampler.allocate(requests, sizes, 0, np.zeros((world, 0)))
+        served = counts.sum(axis=0)
         rows = counts.T.copy()
         np.fill_diagonal(rows, 0)
         if rows.any():
             _add(r, "deliver", rows * rb, links, model)
+    r.cpu_s = bookkeeping_s(topo, world, len(r.exchanges), w.reduce_numel)
+    r.exchanges += tier_reads(topo, w, served * rb, requests * rb)
     if w.weights_bytes:
         ring = np.zeros((world, world), dtype=np.int64)
         ring[np.arange(world), (np.arange(world) + 1) % world] = w.weights_bytes
-        ex = _price("broadcast(weights)", ring, links, model, fixed="p2p")
+        ex = price_exchange("broadcast(weights)", ring, links, model, fixed="p2p")
         ex.seconds /= w.publish_every
         r.exchanges.append(ex)
     return r
 
 
-def _price(op: str, matrix: np.ndarray, links: np.ndarray, model, fixed: str | None = None):
+def tier_reads(topo: SimTopology, w: Workload, served, landed) -> list[Exchange]:
+    """The tier's part of a round, where the topology declares ``tier_gbps``: every shard
+    reads the rows it serves at the tier's read GB/s (the slowest shard counts), and a batch
+    held off the device crosses the host-to-device link (``h2d_gbps``) to its learner.
+
+    Args:
+        topo: the machine.
+        w: the workload (its ``tier``).
+        served: bytes each shard reads.
+        landed: bytes each learner receives.
+
+    Raises:
+        ConfigError: a workload's tier the topology does not declare.
+    """
+    if not topo.tier_gbps:
+        return []
+    if w.tier not in topo.tier_gbps:
+        raise ConfigError(
+            f"workload {w.name!r} tier {w.tier!r}: topology {topo.name!r} declares tier_gbps "
+            f"for {sorted(topo.tier_gbps)} only"
+        )
+    read = float(np.max(served)) / (topo.tier_gbps[w.tier][0] * 1e9)
+    out = [Exchange(f"read({w.tier})", "local", read, {}, {"tier_read": read})]
+    if w.tier != "device" and topo.h2d_gbps:
+        h2d = float(np.max(landed)) / (topo.h2d_gbps * 1e9)
+        out.append(Exchange("h2d(batch)", "local", h2d, {}, {"h2d": h2d}))
+    return out
+
+
+def bookkeeping_s(topo: SimTopology, world: int, exchanges: int, reduce_numel: int = 0) -> float:
+    """Seconds of the plane's host work in a round of ``exchanges`` exchanges carrying
+    ``reduce_numel`` float32 gradients (the topology's terms, times its oversubscription)."""
+    us = topo.round_cpu_us + topo.exchange_cpu_us * max(0, exchanges - 1)
+    if reduce_numel and topo.payload_gbps:
+        us += reduce_numel * 4 / (topo.payload_gbps * 1e3)
+    return us * 1e-6 * topo.oversubscription(world)
+
+
+def price_exchange(
+    op: str, matrix: np.ndarray, links: np.ndarray, model, fixed: str | None = None
+) -> Exchange:
+    """An exchange of ``matrix`` bytes priced as the plane's ``Transport`` prices it: the
+    model's choice of strategy, or the ``fixed`` one (an exchange that is always that
+    collective), with the seconds of each model term."""
     if fixed is not None:
         name, seconds = fixed, model.predict(fixed, matrix, links)
     else:
@@ -243,4 +303,4 @@ def _price(op: str, matrix: np.ndarray, links: np.ndarray, model, fixed: str | N
 
 
 def _add(r: SimRound, op: str, matrix, links, model, fixed: str | None = None) -> None:
-    r.exchanges.append(_price(op, matrix, links, model, fixed))
+    r.exchanges.append(price_exchange(op, matrix, links, model, fixed))

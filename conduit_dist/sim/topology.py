@@ -29,12 +29,13 @@ from conduit_dist.collectives.model.cache import cache_path, load_cache
 from conduit_dist.collectives.topology import Topology
 from conduit_dist.errors import ConfigError
 from conduit_dist.extras import require
+from conduit_dist.tiers import KINDS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "topology"
 _KEYS = {
     "name", "description", "ranks_per_node", "latency_us", "message_us", "self_gbps",
-    "host_gbps", "nic_gbps", "ranks_per_nic", "h2d_gbps", "round_cpu_us", "calibration",
-    "sources",
+    "host_gbps", "nic_gbps", "ranks_per_nic", "h2d_gbps", "round_cpu_us", "exchange_cpu_us",
+    "payload_gbps", "cores_per_node", "tier_gbps", "calibration", "sources",
 }  # fmt: skip
 
 
@@ -52,8 +53,21 @@ class SimTopology:
         nic_gbps: GB/s of one network card, one direction.
         ranks_per_nic: ranks sharing one network card.
         h2d_gbps: pinned host-to-device GB/s (host tiers feeding a GPU; 0: none).
-        round_cpu_us: the plane's host bookkeeping of one round outside its collectives
-            (measured by ``bench rounds`` as a round's CPU over its raw collectives' CPU).
+        tier_gbps: ``kind -> [read, write]`` GB/s of a rank's share of each memory tier
+            (``device``, ``pinned``, ``host``, ``disk``; the plane's ``tier_gbps`` setting);
+            empty: tiers not priced (their reads are in the measured bookkeeping).
+        round_cpu_us: the plane's host bookkeeping of a one-exchange round outside its
+            collective (``bench rounds``: a fused round's time over its raw all-to-all's).
+        exchange_cpu_us: the bookkeeping each further exchange of a general round adds (its
+            planning, pack and unpack; ``bench rounds``: the three-exchange round's over the
+            fused one's, per extra exchange).
+        payload_gbps: GB/s at which the bookkeeping handles a gradient payload riding in the
+            round (packing it, averaging the learners', unpacking; 0: free).
+        cores_per_node: cores the ranks of a node share (0: at least one per rank; ``auto`` in
+            YAML: this machine's). Where a
+            node runs more ranks than cores the bookkeeping takes ``ranks / cores`` times as
+            long (the ranks' Python shares the cores); the collectives' own costs come from a
+            model calibrated at that load, or declared for a machine with a core per rank.
         calibration: ``declared`` (the numbers above) or ``cache`` (this machine's calibrated
             model for the world size, from the plane's calibration cache).
         sources: where each constant comes from.
@@ -69,30 +83,55 @@ class SimTopology:
     ranks_per_nic: int = 1
     h2d_gbps: float = 0.0
     round_cpu_us: float = 0.0
+    exchange_cpu_us: float = 0.0
+    payload_gbps: float = 0.0
+    cores_per_node: int = 0
+    tier_gbps: dict[str, list[float]] = field(default_factory=dict)
     calibration: str = "declared"
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for key in ("ranks_per_node", "ranks_per_nic"):
+        for key, low in (("ranks_per_node", 1), ("ranks_per_nic", 1), ("cores_per_node", 0)):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"topology {self.name!r} {key}: expected an int >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(
+                    f"topology {self.name!r} {key}: expected an int >= {low}, got {v!r}"
+                )
         for key in ("self_gbps", "host_gbps", "nic_gbps"):
             v = getattr(self, key)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"topology {self.name!r} {key}: expected GB/s > 0, got {v!r}")
-        for key in ("latency_us", "message_us", "h2d_gbps", "round_cpu_us"):
+        for key in ("latency_us", "message_us", "h2d_gbps", "round_cpu_us", "exchange_cpu_us",
+                    "payload_gbps"):  # fmt: skip
             v = getattr(self, key)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ConfigError(
                     f"topology {self.name!r} {key}: expected a number >= 0, got {v!r}"
+                )
+        for kind, rw in self.tier_gbps.items():
+            ok = isinstance(rw, list | tuple) and len(rw) == 2
+            if (
+                kind not in KINDS
+                or not ok
+                or not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in rw)
+            ):
+                raise ConfigError(
+                    f"topology {self.name!r} tier_gbps[{kind!r}]: expected a kind of "
+                    f"{list(KINDS)} with [read, write] GB/s > 0, got {rw!r}"
                 )
         if self.calibration not in ("declared", "cache"):
             raise ConfigError(
                 f"topology {self.name!r} calibration: expected 'declared' or 'cache', "
                 f"got {self.calibration!r}"
             )
+
+    def oversubscription(self, world: int) -> float:
+        """How many times longer the bookkeeping takes on the busiest node of ``world`` ranks:
+        its ranks over its cores, at least 1."""
+        if not self.cores_per_node:
+            return 1.0
+        return max(1.0, min(world, self.ranks_per_node) / self.cores_per_node)
 
     @property
     def net_gbps(self) -> float:
@@ -109,8 +148,16 @@ class SimTopology:
         """``[world, world]`` link class index of every pair (the plane's ``link_matrix``)."""
         return self.layout(world).link_matrix()
 
-    def model(self, world: int, cache_dir: str | None = None) -> BandwidthModel:
+    def model(
+        self, world: int, cache_dir: str | None = None, hosts: list[str] | None = None
+    ) -> BandwidthModel:
         """The cost model of ``world`` ranks on this machine.
+
+        Args:
+            world: ranks.
+            cache_dir: the calibration cache (``calibration: cache``).
+            hosts: the host key of every rank the calibration ran with (``calibration:
+                cache``; default: one torchrun node on this machine, ``node0@<hostname>``).
 
         Raises:
             ConfigError: ``calibration: cache`` without a calibration cached for ``world``
@@ -120,14 +167,18 @@ class SimTopology:
             gbps = {"self": self.self_gbps, "host": self.host_gbps, "net": self.net_gbps}
             return BandwidthModel.declared(self.latency_us * 1e-6, gbps, self.message_us * 1e-6)
         cache_dir = os.path.expanduser(cache_dir or "~/.cache/conduit_dist")
-        # the key torchrun's ranks on this machine use (node 0 of a single-node torchrun)
-        host = f"node0@{socket.gethostname()}"
-        topo = Topology.single_host(world, host)
-        if world > self.ranks_per_node:
-            raise ConfigError(
-                f"topology {self.name!r}: a calibrated model covers one host of at most "
-                f"{self.ranks_per_node} ranks, got {world}"
-            )
+        if hosts is None:
+            if world > self.ranks_per_node:
+                raise ConfigError(
+                    f"topology {self.name!r}: a calibrated model of this machine covers one host "
+                    f"of at most {self.ranks_per_node} ranks, got {world} (pass the hosts of a "
+                    "multi-host calibration)"
+                )
+            # the key torchrun's ranks on this machine use (node 0 of a single-node torchrun)
+            hosts = [f"node0@{socket.gethostname()}"] * world
+        if len(hosts) != world:
+            raise ConfigError(f"hosts: expected {world} host keys (one per rank), got {len(hosts)}")
+        topo = Topology.from_hosts(list(hosts))
         path = cache_path(cache_dir, "gloo", topo)
         model = load_cache(path, "gloo", topo) if os.path.exists(path) else None
         if model is None:
@@ -161,6 +212,8 @@ def load(name_or_path: str) -> SimTopology:
             f"topology {path.name}: unknown keys {unknown} (expected {sorted(_KEYS)})"
         )
     raw.setdefault("name", path.stem)
+    if raw.get("cores_per_node") == "auto":  # this machine's cores
+        raw["cores_per_node"] = os.cpu_count() or 1
     try:
         return SimTopology(**raw)
     except TypeError as exc:  # a missing required key

@@ -52,31 +52,31 @@ def features(strategy: str, matrix: np.ndarray, links: np.ndarray) -> np.ndarray
     Args:
         strategy: a strategy name.
         matrix: ``[world, world]`` bytes from each source to each destination.
-        links: ``[world, world]`` link class index (into ``LINKS``) of each pair.
+        links: ``[world, world]`` link class index (into ``LINKS``) of each pair (``self`` on
+            the diagonal only, as ``Topology.link_matrix`` builds it).
     """
     world = matrix.shape[0]
     x = np.zeros(len(FEATURES))
     if strategy == "gather":
-        dests = np.nonzero(matrix.sum(axis=0))[0]
+        is_dest = matrix.sum(axis=0) > 0
+        dests = np.flatnonzero(is_dest)
         x[0] = len(dests)
-        is_dest = np.isin(np.arange(world), dests)
         # each rank receives world-1 chunks as a root, and sends one to every other root
         x[_MSGS] = ((world - 1) * is_dest + len(dests) - is_dest).max() if world > 1 else 0
-        for d in dests:
-            padded = world * matrix[:, d].max()
-            x[1] += matrix[d, d]
-            x[_COL["net" if (links[:, d] == 2).any() else "host"]] += padded
+        padded = world * matrix[:, dests].max(axis=0)  # every chunk padded to the largest
+        over_net = (links[:, dests] == 2).any(axis=0)  # a destination any rank reaches by net
+        x[1] = matrix[dests, dests].sum()
+        x[_COL["net"]], x[_COL["host"]] = padded[over_net].sum(), padded[~over_net].sum()
         return x
-    for c, link in enumerate(LINKS):
-        mask = links == c
-        out_c = (matrix * mask).sum(axis=1)
-        in_c = (matrix * mask).sum(axis=0)
-        col = _COL[link]
-        if link == "self":
-            x[col] = out_c.max()
-        else:  # one direction's bytes, and the bytes moving both ways at once
-            x[col] = np.maximum(out_c, in_c).max()
-            x[col + 1] = np.minimum(out_c, in_c).max()
+    # bytes out of and into each rank per link class: self is the diagonal, net the rest
+    diag = np.diagonal(matrix)
+    host = np.where(links == 1, matrix, 0)
+    out_host, in_host = host.sum(axis=1), host.sum(axis=0)
+    out_net, in_net = matrix.sum(axis=1) - diag - out_host, matrix.sum(axis=0) - diag - in_host
+    x[_COL["self"]] = diag.max()
+    for col, o, i in ((_COL["host"], out_host, in_host), (_COL["net"], out_net, in_net)):
+        x[col] = np.maximum(o, i).max()  # one direction's bytes
+        x[col + 1] = np.minimum(o, i).max()  # the bytes moving both ways at once
     if strategy == "all_to_all":
         x[0] = 1.0
         x[_MSGS] = 2 * (world - 1)  # every peer, both ways, empty pairs included

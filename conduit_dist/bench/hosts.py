@@ -1,0 +1,194 @@
+"""Emulated hosts on one machine (``../shared/multihost.md``): network namespaces joined by veth
+links, each host with its own hostname, the links optionally rate-limited with ``tc tbf``.
+
+Two hosts are joined by one veth pair (no bridge). :meth:`EmulatedHosts.launch` starts one
+``torchrun --nnodes=N --node_rank=i`` per host, gloo bound to the host's interface, and returns
+what each host printed. Everything made is removed on exit, also on failure: the namespaces, and
+what still runs in them (ranks that torchrun started in sessions of their own can outlive it).
+
+Example::
+
+    with EmulatedHosts(rate_mbit=800) as hosts:
+        outs = hosts.launch(["-m", "conduit_dist.bench", "rounds"], nproc_per_node=2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from conduit_dist.errors import ConfigError
+
+NAMES = ("hostA", "hostB")
+
+
+class HostsUnavailable(RuntimeError):
+    """Namespaces cannot be made here (not root, no ``ip``/``unshare``/``tc``, or refused)."""
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+class EmulatedHosts:
+    """Two emulated hosts: ``hosts`` is ``[(namespace, interface, address)]``, host 0 first.
+
+    Args:
+        rate_mbit: the link's rate each way (``tc tbf``; ``None``: unshaped veth).
+        names: each host's hostname.
+
+    Raises:
+        ConfigError: a rate that is not a positive number of Mbit/s, or not two names.
+        HostsUnavailable: on entering, where namespaces cannot be made.
+    """
+
+    def __init__(self, rate_mbit: float | None = None, names: tuple[str, str] = NAMES) -> None:
+        if rate_mbit is not None and not rate_mbit > 0:
+            raise ConfigError(f"rate_mbit: expected > 0 Mbit/s or None, got {rate_mbit!r}")
+        if len(names) != 2:
+            raise ConfigError(f"names: expected two hostnames, got {names!r}")
+        self.rate_mbit, self.names = rate_mbit, tuple(names)
+        tag = uuid.uuid4().hex[:8]
+        subnet = f"10.213.{os.getpid() % 250}"
+        self.hosts = [(f"cdA{tag}", "va", f"{subnet}.1"), (f"cdB{tag}", "vb", f"{subnet}.2")]
+        self._made: list[str] = []
+
+    def __enter__(self) -> EmulatedHosts:
+        if os.geteuid() != 0:
+            raise HostsUnavailable("emulated hosts need root (network namespaces)")
+        for tool in ("ip", "unshare") + (("tc",) if self.rate_mbit else ()):
+            if shutil.which(tool) is None:
+                raise HostsUnavailable(f"emulated hosts need {tool!r}, not found on PATH")
+        try:
+            self._build()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _build(self) -> None:
+        for ns, _, _ in self.hosts:
+            res = _ip("netns", "add", ns)
+            if res.returncode != 0:
+                raise HostsUnavailable(f"cannot create network namespaces: {res.stderr.strip()}")
+            self._made.append(ns)
+        (a, va, _), (b, vb, _) = self.hosts
+        steps = [("link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)]
+        for ns, dev, addr in self.hosts:
+            steps += [
+                ("-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
+                ("-n", ns, "link", "set", "lo", "up"),
+                ("-n", ns, "link", "set", dev, "up"),
+            ]
+        for step in steps:
+            res = _ip(*step)
+            if res.returncode != 0:
+                raise HostsUnavailable(f"ip {' '.join(step)}: {res.stderr.strip()}")
+        if self.rate_mbit:
+            for ns, dev, _ in self.hosts:
+                shape = f"rate {self.rate_mbit}mbit burst 256kb latency 100ms".split()
+                cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf"]
+                cmd += shape
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+                if res.returncode != 0:
+                    raise HostsUnavailable(f"{' '.join(cmd)}: {res.stderr.strip()}")
+
+    def __exit__(self, *exc) -> None:
+        for ns in self._made:
+            self._kill_inside(ns)
+            _ip("netns", "del", ns)
+        self._made.clear()
+
+    @staticmethod
+    def _kill_inside(ns: str) -> None:
+        for pid in _ip("netns", "pids", ns).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    def host_keys(self, nproc_per_node: int) -> list[str]:
+        """Every rank's host key as the plane discovers it (``node<i>@<hostname>``)."""
+        return [
+            f"node{i}@{name}" for i, name in enumerate(self.names) for _ in range(nproc_per_node)
+        ]
+
+    def launch(
+        self,
+        args: list[str],
+        nproc_per_node: int,
+        log_dir: str | Path,
+        timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+        port: int = 29500,
+    ) -> list[str]:
+        """Run ``python <args>`` under torchrun on both hosts; every host's output.
+
+        Args:
+            args: what follows ``python`` (``["-m", "pkg", ...]`` or ``["prog.py", ...]``).
+            nproc_per_node: ranks per host.
+            log_dir: where each host's output goes (``node<i>.log``).
+            timeout_s: both hosts must be done by then.
+            env: the environment (default: this process's).
+            port: the rendezvous port on host 0.
+
+        Returns:
+            Each host's output (stdout and stderr), host 0 first.
+
+        Raises:
+            RuntimeError: a host that exits non-zero or does not finish in time (with the
+                tails of both logs); both are stopped first.
+        """
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        master = self.hosts[0][2]
+        procs, paths = [], []
+        try:
+            for node, ((ns, dev, _), name) in enumerate(zip(self.hosts, self.names, strict=True)):
+                torchrun = (
+                    f"{sys.executable} -m torch.distributed.run --nnodes=2 --node_rank={node} "
+                    f"--nproc_per_node={nproc_per_node} --master_addr={master} "
+                    f"--master_port={port}"
+                )
+                inner = f"hostname {name} && exec {torchrun} {' '.join(args)}"
+                child = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=dev)
+                path = log_dir / f"node{node}.log"
+                paths.append(path)
+                with open(path, "w") as log:
+                    cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", inner]
+                    procs.append(subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, env=child,
+                        start_new_session=True,
+                    ))  # fmt: skip
+            deadline = time.monotonic() + timeout_s
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(
+                        f"the emulated hosts did not finish within {timeout_s:.0f}s:\n"
+                        + _tails(paths)
+                    ) from None
+            codes = [p.returncode for p in procs]
+            if codes != [0, 0]:
+                raise RuntimeError(f"torchrun exit codes {codes}:\n{_tails(paths)}")
+        finally:
+            for p in procs:  # torchrun stops its ranks on SIGTERM; leftovers die with the
+                if p.poll() is None:  # namespace (__exit__)
+                    os.killpg(p.pid, signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=15)
+        return [p.read_text() for p in paths]
+
+
+def _tails(paths: list[Path]) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in paths if p.exists())
