@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import sys
 
@@ -12,8 +13,10 @@ from conduit_dist.bench import BENCHES
 def main(argv: list[str] | None = None) -> None:
     """Dispatch to ``conduit_dist.bench.NAME.main`` with the remaining arguments.
 
-    An unknown or missing name is an argparse error (exit status 2) listing the benchmarks.
+    An unknown or missing name is an argparse error (exit status 2) listing the benchmarks. A
+    rank that crashes in native code prints every thread's Python stack (``faulthandler``).
     """
+    faulthandler.enable()
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(
         prog="python -m conduit_dist.bench",

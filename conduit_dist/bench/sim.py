@@ -1,20 +1,24 @@
 """``python -m conduit_dist.bench sim``: the simulator against real rounds here, then projected.
 
-1. Validation: ``bench rounds`` runs under torchrun at each of ``--worlds`` (default 2, 3, 4 ranks
-   on this machine's loopback), and the simulator predicts the same rounds (56-byte items padded
-   to 64, 8 put and 128 fetched per rank; one-exchange, one-exchange with DQN's gradients,
-   three-exchange) on the ``loopback`` topology with the model those rounds' planes use: this
-   machine's, calibrated at their start-up (or loaded from ``--cache-dir`` when cached there).
-   Error = predicted / measured - 1 on the round's wall time.
-2. Projection: the workloads of ``conduit_dist.sim.project`` from 8 to 4,096 ranks on each of
-   ``--topologies``, timed (``projection_s``), with the point where each round outgrows its
-   backward and what the model says would move it.
+1. Validation: ``bench rounds`` runs under torchrun (56-byte items padded to 64, 8 put and 128
+   fetched per rank; one-exchange, one-exchange with DQN's gradients, three-exchange):
+   first once at 2 ranks to fit the bookkeeping terms (:func:`fit_bookkeeping`: each case's
+   round over its raw collectives), then afresh at each of ``--worlds`` (default 2, 3, 4 ranks
+   on this machine's loopback) and on two emulated hosts of two ranks (network namespaces, the
+   veth link shaped to each of ``--host-rates`` Mbit/s; skipped, and said so, where namespaces
+   cannot be made). The simulator predicts each run on the ``loopback`` topology (3 and 4 ranks
+   oversubscribe its cores; the emulated hosts share them) with the model that run's planes
+   calibrated at start-up, in a fresh cache unless ``--cache-dir`` names one. Error =
+   predicted / measured - 1 on the round's wall time; ``collectives_error`` the same for the
+   exchanges alone against the raw calls ``bench rounds`` replays.
+2. Projection: the workloads of ``conduit_dist.sim.project`` (DQN-, Atari-, PPO-like, LLM RL
+   of 1B/8B/70B) from 8 to 4,096 ranks on each of ``--topologies``, timed (``projection_s``),
+   with the point where each round outgrows its backward and what the model says would move it.
 3. Plots: ``--plot`` (default ``docs/img/sim_projection.png``).
 
-Not yet: emulated hosts in the validation, the LLM-RL workload (token plane).
-
 The JSON line's ``summary``: ``median_error``, ``worst_error`` (absolute, over the validation
-rounds), ``projection_s``, ``crossovers`` (per topology and workload).
+rounds), ``median_collectives_error``, ``bookkeeping_fit``, ``emulated_hosts`` (``ran``, ``not
+asked`` or why skipped), ``projection_s``, ``crossovers`` (per topology and workload).
 """
 
 from __future__ import annotations
