@@ -22,6 +22,8 @@ def test_bench_sim_validates_projects_and_plots(tmp_path):
     assert line["bench"] == "sim" and png.stat().st_size > 10_000
     checks = line["results"]
     assert {c["case"] for c in checks} == {"fused", "fused_grads", "three_exchange"}
+    # exposed latency where a round can be started early: the one-exchange rounds
+    assert {c["case"] for c in checks if c["metric"] == "exposed"} == {"fused", "fused_grads"}
     assert all(c["world"] == 2 and c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in checks)
     s = line["summary"]
     assert s["worst_error"] == max(abs(c["error"]) for c in checks)

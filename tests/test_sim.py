@@ -190,3 +190,21 @@ def test_a_token_world_needs_a_generator():
         simulate_tokens(load("dgx_h100"), 1, TokenWorkload("x", 1.0, learner_every=1))
     with pytest.raises(ConfigError, match="group_size: expected >= 1, got 0"):
         TokenWorkload("x", 1.0, group_size=0)
+
+
+def test_what_hides_depends_on_how_the_round_overlaps():
+    topo = load("dgx_h100")
+    rounds = {
+        o: simulate(topo, 64, Workload(**{**DQN.__dict__, "backward_ms": 0.1, "overlap": o}))
+        for o in ("thread", "flight", "none")
+    }
+    t, f, n = rounds["thread"], rounds["flight"], rounds["none"]
+    assert t.seconds == f.seconds == n.seconds  # the same round, hidden differently
+    assert n.exposed_s == n.seconds
+    assert t.exposed_s == pytest.approx(t.seconds - 1e-4)
+    # early start: only the exchange flies during the backward, the bookkeeping is exposed
+    assert f.exposed_s == pytest.approx(f.cpu_s + f.seconds - f.cpu_s - 1e-4)
+    long = simulate(topo, 8, Workload(**{**DQN.__dict__, "backward_ms": 50.0, "overlap": "flight"}))
+    assert long.exposed_s == pytest.approx(long.cpu_s)
+    with pytest.raises(ConfigError, match="overlap: expected one of"):
+        Workload("x", record_bytes=8, puts_per_rank=1, batch_per_learner=1, overlap="async")

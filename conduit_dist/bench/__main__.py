@@ -13,10 +13,8 @@ from conduit_dist.bench import BENCHES
 def main(argv: list[str] | None = None) -> None:
     """Dispatch to ``conduit_dist.bench.NAME.main`` with the remaining arguments.
 
-    An unknown or missing name is an argparse error (exit status 2) listing the benchmarks. A
-    rank that crashes in native code prints every thread's Python stack (``faulthandler``).
+    An unknown or missing name is an argparse error (exit status 2) listing the benchmarks.
     """
-    faulthandler.enable()
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(
         prog="python -m conduit_dist.bench",
@@ -29,4 +27,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a rank that crashes in native code prints its threads' stacks
     main()

@@ -24,6 +24,11 @@ events attribute to a round (``put`` + ``fetch``; on CPU every one is a ``malloc
 request to the caching allocator); ``py_peak_bytes``, the most a round's Python objects and NumPy
 arrays held above what was live when it began (``tracemalloc``; the median round).
 
+Exposed latency (``--backward-ms B``): one-exchange rounds started by ``fetch_start`` before a
+backward of ``B`` ms (a sleep: a GPU's backward leaves the host free), then fetched; each sample
+is ``fetch_start``'s own time plus the wait in ``fetch`` (slowest rank), ``exposed_ms`` the
+median (``bench sim`` checks the simulator's exposed latency against it).
+
 The JSON line's ``summary`` has per case ``round_ms``, ``raw_ms``, ``vs_raw`` (round / raw, wall),
 ``round_cpu_ms``, ``raw_cpu_ms``, ``cpu_vs_raw``, ``calls`` and ``bytes`` (per rank, sent), the
 allocation counts above, and ``fused_vs_three_exchange`` (the fused round's wall over the
@@ -106,6 +111,26 @@ def _allocations(step, rounds: int) -> dict[str, float]:
     return dict(zip(keys, t.tolist(), strict=True))
 
 
+def _exposed(plane: cd.DataPlane, a, payload: torch.Tensor | None, batch) -> float:
+    """Median exposed ms of a fused round started at a backward of ``a.backward_ms``: the time
+    in ``fetch_start`` plus the wait in ``fetch`` after the backward (slowest rank). The backward
+    is a sleep: a GPU's backward leaves the host free, as here."""
+    samples = []
+    for _ in range(a.samples):
+        plane.put(batch)
+        dist.barrier()
+        t = time.perf_counter()
+        plane.fetch_start(a.batch, reduce=payload)
+        started = time.perf_counter() - t
+        time.sleep(a.backward_ms * 1e-3)
+        t = time.perf_counter()
+        plane.fetch(a.batch)
+        samples.append(started + time.perf_counter() - t)
+    t = torch.tensor(samples, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist()) * 1e3
+
+
 def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group) -> dict:
     """Interleave ``a.samples`` rounds and raw replays of that round's calls."""
     batch = _batch(a.put)
@@ -143,6 +168,9 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
         round_()
 
     allocs = _allocations(step, a.alloc_rounds)
+    exposed = None
+    if a.backward_ms and plane.chosen_schedule == "sync" and ex.world > 1:
+        exposed = _exposed(plane, a, payload, batch) if name != "three_exchange" else None
     t = torch.tensor([walls, raw_walls], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
     c = torch.tensor([cpus, raw_cpus], dtype=torch.float64)
@@ -161,6 +189,7 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
         "cpu_vs_raw": cmed[0] / cmed[1],
         "calls": calls,
         "bytes": nbytes,
+        "exposed_ms": exposed,  # with --backward-ms, one-exchange rounds (fetch_start)
         **allocs,
     }
 
@@ -178,6 +207,9 @@ def main(argv: list[str]) -> None:
         help="the planes' cost model: declared numbers, or calibrated at start-up (and cached)",
     )  # fmt: skip
     p.add_argument("--bandwidth-cache", default="~/.cache/conduit_dist", help="calibration cache")
+    p.add_argument("--backward-ms", type=number(float, 0.0), default=0.0,
+                   help="also time what a round started at a backward this long leaves exposed "
+                        "(one-exchange rounds, fetch_start; 0: not measured)")  # fmt: skip
     a = p.parse_args(argv)
     cd.init_distributed()
     torch.set_num_threads(1)
@@ -213,5 +245,6 @@ def main(argv: list[str]) -> None:
                 f"Python/NumPy peak {r['py_peak_bytes']:.0f} B",
                 flush=True,
             )
-        emit("rounds", results, summary, world=dist.get_world_size(), put=a.put, batch=a.batch)
+        emit("rounds", results, summary, world=dist.get_world_size(), put=a.put, batch=a.batch,
+             backward_ms=a.backward_ms)  # fmt: skip
     cd.destroy_distributed()

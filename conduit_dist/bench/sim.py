@@ -9,16 +9,19 @@
    cannot be made). The simulator predicts each run on the ``loopback`` topology (3 and 4 ranks
    oversubscribe its cores; the emulated hosts share them) with the model that run's planes
    calibrated at start-up, in a fresh cache unless ``--cache-dir`` names one. Error =
-   predicted / measured - 1 on the round's wall time; ``collectives_error`` the same for the
-   exchanges alone against the raw calls ``bench rounds`` replays.
+   predicted / measured - 1 on the round's wall time and, for the one-exchange rounds, on the
+   latency a round started by ``fetch_start`` at a 1 ms backward leaves exposed (the sim's
+   ``flight`` overlap); ``collectives_error`` the same for the exchanges alone against the raw
+   calls ``bench rounds`` replays.
 2. Projection: the workloads of ``conduit_dist.sim.project`` (DQN-, Atari-, PPO-like, LLM RL
    of 1B/8B/70B) from 8 to 4,096 ranks on each of ``--topologies``, timed (``projection_s``),
    with the point where each round outgrows its backward and what the model says would move it.
 3. Plots: ``--plot`` (default ``docs/img/sim_projection.png``).
 
 The JSON line's ``summary``: ``median_error``, ``worst_error`` (absolute, over the validation
-rounds), ``median_collectives_error``, ``bookkeeping_fit``, ``emulated_hosts`` (``ran``, ``not
-asked`` or why skipped), ``projection_s``, ``crossovers`` (per topology and workload).
+rounds and exposed latencies), ``median_collectives_error``, ``median_exposed_error``,
+``bookkeeping_fit``, ``emulated_hosts`` (``ran``, ``not asked`` or why skipped),
+``projection_s``, ``crossovers`` (per topology and workload).
 """
 
 from __future__ import annotations
@@ -46,8 +49,12 @@ ROUND_CASES = {  # bench rounds' cases as workloads (its records are 64 bytes on
 }
 
 
+BACKWARD_MS = 1.0  # the backward the exposed-latency runs start their rounds at
+
+
 def _rounds_args(samples: int, cache_dir: str) -> list[str]:
     args = f"-m conduit_dist.bench rounds --samples {samples} --warmup 50 --alloc-rounds 2"
+    args += f" --backward-ms {BACKWARD_MS}"
     return [*args.split(), "--bandwidth", "calibrate", "--bandwidth-cache", cache_dir]
 
 
@@ -88,15 +95,17 @@ def fit_bookkeeping(measured: dict) -> dict[str, float]:
 
 
 def _checks(topo: SimTopology, measured: dict, model, where: str) -> list[dict]:
+    """Each case's round time, and its exposed latency where measured, against the sim's."""
     out = []
     for r in measured["results"]:
         w = Workload(r["case"], record_bytes=64, puts_per_rank=measured["put"],
-                     batch_per_learner=measured["batch"], **ROUND_CASES[r["case"]])  # fmt: skip
+                     batch_per_learner=measured["batch"], backward_ms=BACKWARD_MS,
+                     overlap="flight", **ROUND_CASES[r["case"]])  # fmt: skip
         sim = simulate(topo, measured["world"], w, model=model)
         coll = sim.seconds - sim.cpu_s
-        out.append({
-            "where": where, "world": measured["world"], "case": r["case"],
-            "measured_ms": r["round_ms"], "predicted_ms": sim.seconds * 1e3,
+        row = {"where": where, "world": measured["world"], "case": r["case"]}
+        out.append(row | {
+            "metric": "round", "measured_ms": r["round_ms"], "predicted_ms": sim.seconds * 1e3,
             "error": sim.seconds * 1e3 / r["round_ms"] - 1,
             "raw_ms": r["raw_ms"], "collectives_ms": coll * 1e3,
             "collectives_error": coll * 1e3 / r["raw_ms"] - 1,
@@ -104,6 +113,12 @@ def _checks(topo: SimTopology, measured: dict, model, where: str) -> list[dict]:
             "bookkeeping_predicted_ms": sim.cpu_s * 1e3,
             "strategies": [e.strategy for e in sim.exchanges],
         })  # fmt: skip
+        if r.get("exposed_ms"):  # started by fetch_start, a backward of BACKWARD_MS
+            out.append(row | {
+                "metric": "exposed", "backward_ms": BACKWARD_MS,
+                "measured_ms": r["exposed_ms"], "predicted_ms": sim.exposed_s * 1e3,
+                "error": sim.exposed_s * 1e3 / r["exposed_ms"] - 1,
+            })  # fmt: skip
     return out
 
 
@@ -163,11 +178,13 @@ def main(argv: list[str]) -> None:
     if skipped:
         print(f"emulated hosts skipped: {skipped}", flush=True)
     for c in checks:
-        print(f"{c['where']:>22} {c['world']} ranks {c['case']:>15}: measured "
-              f"{c['measured_ms']:.3f} ms, predicted {c['predicted_ms']:.3f} ms "
-              f"({c['error']:+.0%}); collectives {c['raw_ms']:.3f} vs "
-              f"{c['collectives_ms']:.3f} ms ({c['collectives_error']:+.0%})",
-              flush=True)  # fmt: skip
+        line = (f"{c['where']:>22} {c['world']} ranks {c['case']:>15} {c['metric']:>7}: "
+                f"measured {c['measured_ms']:.3f} ms, predicted {c['predicted_ms']:.3f} ms "
+                f"({c['error']:+.0%})")  # fmt: skip
+        if c["metric"] == "round":
+            line += (f"; collectives {c['raw_ms']:.3f} vs {c['collectives_ms']:.3f} ms "
+                     f"({c['collectives_error']:+.0%})")  # fmt: skip
+        print(line, flush=True)
     t0 = time.perf_counter()
     rows, crossovers = [], {}
     for name in a.topologies:
@@ -182,11 +199,13 @@ def main(argv: list[str]) -> None:
                   f"faster with {c.get('faster')}, dominant "
                   f"{c.get('dominant')}", flush=True)  # fmt: skip
     errors = [abs(c["error"]) for c in checks]
-    coll = [abs(c["collectives_error"]) for c in checks]
+    coll = [abs(c["collectives_error"]) for c in checks if c["metric"] == "round"]
+    exposed = [abs(c["error"]) for c in checks if c["metric"] == "exposed"]
     summary = {
         "median_error": statistics.median(errors) if errors else None,
         "worst_error": max(errors) if errors else None,
         "median_collectives_error": statistics.median(coll) if coll else None,
+        "median_exposed_error": statistics.median(exposed) if exposed else None,
         "bookkeeping_fit": fit,
         "emulated_hosts": skipped or ("ran" if checks and a.host_rates else "not asked"),
         "projection_s": projection_s,

@@ -20,7 +20,8 @@ from conduit_dist.sim.topology import SimTopology
 # DQN-like: small items, a high replay ratio, gradients in the round (colocated, local)
 DQN = Workload(
     "dqn", record_bytes=64, puts_per_rank=8, batch_per_learner=256, reduce_numel=17_282,
-    backward_ms=0.5, notes="CartPole-sized MLP; 32 samples per item put",
+    backward_ms=0.5, overlap="flight",
+    notes="CartPole-sized MLP; 32 samples per item put; the round started after the backward",
 )  # fmt: skip
 # Atari-like: 56 KB frames, one learner per node fed by 7 actors (disaggregated, round-robin)
 ATARI = Workload(

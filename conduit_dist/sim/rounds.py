@@ -40,6 +40,7 @@ from conduit_dist.sampling.base import SamplerContext, Speculative
 from conduit_dist.sim.topology import SimTopology
 from conduit_dist.tiers import KINDS
 
+OVERLAPS = ("thread", "flight", "none")  # what of a round hides behind the backward
 SIM_SAMPLERS = ("uniform",)  # allocators whose steady state depends on shard sizes alone
 _CPU = torch.device("cpu")
 
@@ -62,6 +63,10 @@ class Workload:
             ``disk``); priced where the topology declares ``tier_gbps``.
         capacity_per_rank: items a shard holds (the store is simulated full).
         backward_ms: the learner's compute a round launched at its backward hides behind.
+        overlap: what hides behind it: ``thread`` (the whole round, on the plane's worker
+            thread: ``schedule="overlap"``), ``flight`` (only the exchanges; the bookkeeping
+            runs on the caller's thread: ``fetch_start``, the main job's early start) or
+            ``none`` (a sync round, all exposed).
         reduce_numel: float32 gradients riding in the round (``grad_sync=round``; 0: none).
         weights_bytes: bytes of the weights the first learner publishes (0: none).
         publish_every: rounds between publishes (the broadcast's cost is spread over them).
@@ -79,6 +84,7 @@ class Workload:
     tier: str = "device"
     capacity_per_rank: int = 100_000
     backward_ms: float = 0.0
+    overlap: str = "thread"
     reduce_numel: int = 0
     weights_bytes: int = 0
     publish_every: int = 1
@@ -98,6 +104,11 @@ class Workload:
         if self.tier not in KINDS:
             raise ConfigError(
                 f"workload {self.name!r} tier: expected one of {list(KINDS)}, got {self.tier!r}"
+            )
+        if self.overlap not in OVERLAPS:
+            raise ConfigError(
+                f"workload {self.name!r} overlap: expected one of {list(OVERLAPS)}, got "
+                f"{self.overlap!r}"
             )
         if self.producers not in ("all", "actors"):
             raise ConfigError(
@@ -136,6 +147,7 @@ class SimRound:
     exchanges: list[Exchange] = field(default_factory=list)
     cpu_s: float = 0.0
     backward_s: float = 0.0
+    overlap: str = "thread"
 
     @property
     def seconds(self) -> float:
@@ -144,7 +156,13 @@ class SimRound:
 
     @property
     def exposed_s(self) -> float:
-        """What the learner waits for with the round launched at its backward."""
+        """What the learner waits for with the round launched at its backward: the part over
+        the backward (``thread``), the bookkeeping plus the exchanges' part over it
+        (``flight``), or all of it (``none``)."""
+        if self.overlap == "none":
+            return self.seconds
+        if self.overlap == "flight":
+            return self.cpu_s + max(0.0, self.seconds - self.cpu_s - self.backward_s)
         return max(0.0, self.seconds - self.backward_s)
 
     def dominant(self) -> tuple[str, str]:
@@ -204,7 +222,7 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
     full = producers if placement.keeps_local else np.ones(world, dtype=bool)
     sizes = np.where(full, cap, 0).astype(np.int64)
     schedule, _ = round_devices(world, placement.keeps_local, _CPU, _CPU, host_rows=True, sync=True)
-    r = SimRound(world, schedule, backward_s=w.backward_ms * 1e-3)
+    r = SimRound(world, schedule, backward_s=w.backward_ms * 1e-3, overlap=w.overlap)
     head = MetaLayout().width * 8  # bytes of one rank's meta row / header
     rb = w.row_bytes
     if world == 1:
