@@ -15,7 +15,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -27,6 +29,7 @@ from pathlib import Path
 from conduit_dist.errors import ConfigError
 
 NAMES = ("hostA", "hostB")
+log = logging.getLogger("conduit_dist")
 
 
 class HostsUnavailable(RuntimeError):
@@ -101,13 +104,22 @@ class EmulatedHosts:
                     raise HostsUnavailable(f"{' '.join(cmd)}: {res.stderr.strip()}")
 
     def __exit__(self, *exc) -> None:
-        for ns in self._made:
-            self._kill_inside(ns)
-            _ip("netns", "del", ns)
-        self._made.clear()
+        made, self._made = self._made, []
+        for ns in made:  # each namespace alone: one that fails does not keep the rest
+            try:
+                self._kill_inside(ns)
+            finally:
+                try:
+                    res = _ip("netns", "del", ns)
+                    if res.returncode != 0:
+                        log.warning("emulated hosts: ip netns del %s: %s", ns, res.stderr.strip())
+                except subprocess.SubprocessError as err:
+                    log.warning("emulated hosts: ip netns del %s: %s", ns, err)
 
     @staticmethod
     def _kill_inside(ns: str) -> None:
+        """SIGKILL what still runs in ``ns`` (ranks torchrun started in sessions of their own
+        can outlive a killed torchrun)."""
         for pid in _ip("netns", "pids", ns).stdout.split():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
@@ -150,12 +162,12 @@ class EmulatedHosts:
         procs, paths = [], []
         try:
             for node, ((ns, dev, _), name) in enumerate(zip(self.hosts, self.names, strict=True)):
-                torchrun = (
-                    f"{sys.executable} -m torch.distributed.run --nnodes=2 --node_rank={node} "
-                    f"--nproc_per_node={nproc_per_node} --master_addr={master} "
-                    f"--master_port={port}"
-                )
-                inner = f"hostname {name} && exec {torchrun} {' '.join(args)}"
+                torchrun = [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}",
+                    f"--master_addr={master}", f"--master_port={port}", *args,
+                ]  # fmt: skip
+                inner = f"hostname {shlex.quote(name)} && exec {shlex.join(torchrun)}"
                 child = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=dev)
                 path = log_dir / f"node{node}.log"
                 paths.append(path)
@@ -180,12 +192,14 @@ class EmulatedHosts:
         finally:
             for p in procs:  # torchrun stops its ranks on SIGTERM; leftovers die with the
                 if p.poll() is None:  # namespace (__exit__)
-                    os.killpg(p.pid, signal.SIGTERM)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGTERM)
             for p in procs:
                 try:
                     p.wait(timeout=15)
                 except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
                     p.wait(timeout=15)
         return [p.read_text() for p in paths]
 

@@ -19,7 +19,9 @@
 3. Plots: ``--plot`` (default ``docs/img/sim_projection.png``).
 
 The JSON line's ``summary``: ``median_error``, ``worst_error`` (absolute, over the validation
-rounds and exposed latencies), ``median_collectives_error``, ``median_exposed_error``,
+rounds and exposed latencies), the same ``_held_out`` (without the 2-rank loopback run, whose
+configuration the bookkeeping was fitted on), ``median_collectives_error``,
+``median_exposed_error``,
 ``bookkeeping_fit``, ``emulated_hosts`` (``ran``, ``not asked`` or why skipped),
 ``projection_s``, ``crossovers`` (per topology and workload).
 """
@@ -27,6 +29,7 @@ rounds and exposed latencies), ``median_collectives_error``, ``median_exposed_er
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +42,7 @@ from dataclasses import replace
 from conduit_dist.bench.common import emit, number, out_path
 from conduit_dist.bench.hosts import EmulatedHosts, HostsUnavailable
 from conduit_dist.bench.rounds import GRAD_NUMEL
+from conduit_dist.errors import ConfigError
 from conduit_dist.sim import SimTopology, Workload, load, names, simulate
 from conduit_dist.sim.project import plot, project
 
@@ -59,7 +63,14 @@ def _rounds_args(samples: int, cache_dir: str) -> list[str]:
 
 
 def _last_json(text: str) -> dict:
-    return json.loads(text.strip().splitlines()[-1])
+    """The benchmark's JSON line: the last line that parses as one (a host's log also holds
+    torchrun's and the ranks' own messages, some printed after it)."""
+    for line in reversed(text.strip().splitlines()):
+        with contextlib.suppress(ValueError):
+            got = json.loads(line)
+            if isinstance(got, dict) and "bench" in got:
+                return got
+    raise RuntimeError(f"bench rounds printed no JSON line; its output ends:\n{text[-2000:]}")
 
 
 def _measure(world: int, samples: int, cache_dir: str) -> dict:
@@ -80,11 +91,26 @@ def _measure_hosts(rate_mbit: float, samples: int, cache_dir: str) -> tuple[dict
         return _last_json(outs[0]), hosts.host_keys(2)
 
 
-def fit_bookkeeping(measured: dict) -> dict[str, float]:
+def fit_bookkeeping(measured: dict, topo: SimTopology | None = None) -> dict[str, float]:
     """The topology's bookkeeping terms from one ``bench rounds`` run: each case's round time
     over its raw collectives' (``round_cpu_us`` the fused round's; ``exchange_cpu_us`` each of
-    the three-exchange round's two further exchanges; ``payload_gbps`` the gradients' extra)."""
-    extra = {r["case"]: max(0.0, r["round_ms"] - r["raw_ms"]) * 1e3 for r in measured["results"]}
+    the three-exchange round's two further exchanges; ``payload_gbps`` the gradients' extra),
+    undoing ``topo``'s oversubscription at the run's world size (the inverse of
+    :func:`~conduit_dist.sim.rounds.bookkeeping_s`).
+
+    Raises:
+        ConfigError: a run without one of the cases of :data:`ROUND_CASES`.
+    """
+    stretch = topo.oversubscription(measured["world"]) if topo is not None else 1.0
+    extra = {
+        r["case"]: max(0.0, r["round_ms"] - r["raw_ms"]) * 1e3 / stretch
+        for r in measured["results"]
+    }
+    missing = sorted(set(ROUND_CASES) - set(extra))
+    if missing:
+        raise ConfigError(
+            f"bench rounds results: expected cases {sorted(ROUND_CASES)}, missing {missing}"
+        )
     base = extra["fused"]
     grads_us = extra["fused_grads"] - base
     return {
@@ -136,8 +162,9 @@ def validate(
         ``(checks, bookkeeping, hosts_skipped)``: a row per run and case, the fitted terms, and
         why the emulated hosts were skipped (``None`` if they ran).
     """
-    fit = fit_bookkeeping(_measure(2, samples, cache_dir))
-    topo = replace(load("loopback"), **fit)
+    loopback = load("loopback")
+    fit = fit_bookkeeping(_measure(2, samples, cache_dir), loopback)
+    topo = replace(loopback, **fit)
     out = []
     for world in worlds:
         measured = _measure(world, samples, cache_dir)
@@ -199,11 +226,15 @@ def main(argv: list[str]) -> None:
                   f"faster with {c.get('faster')}, dominant "
                   f"{c.get('dominant')}", flush=True)  # fmt: skip
     errors = [abs(c["error"]) for c in checks]
+    # the runs the bookkeeping was not fitted on (the fit ran at 2 ranks on loopback)
+    held = [abs(c["error"]) for c in checks if (c["where"], c["world"]) != ("loopback", 2)]
     coll = [abs(c["collectives_error"]) for c in checks if c["metric"] == "round"]
     exposed = [abs(c["error"]) for c in checks if c["metric"] == "exposed"]
     summary = {
         "median_error": statistics.median(errors) if errors else None,
         "worst_error": max(errors) if errors else None,
+        "median_error_held_out": statistics.median(held) if held else None,
+        "worst_error_held_out": max(held) if held else None,
         "median_collectives_error": statistics.median(coll) if coll else None,
         "median_exposed_error": statistics.median(exposed) if exposed else None,
         "bookkeeping_fit": fit,

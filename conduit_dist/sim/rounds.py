@@ -17,8 +17,10 @@ plane's round would move, with the plane's own parts run on simulated shard size
   ``exchange_cpu_us`` for each further exchange, ``payload_gbps`` for a gradient payload), longer
   where a node has fewer cores than ranks (``cores_per_node``).
 
-Overlap: a round launched at the backward (or started after it, DQN's early start) is hidden up
-to ``backward_ms``; the rest is exposed.
+Overlap (``Workload.overlap``): a round launched at the backward on the plane's worker thread
+hides up to ``backward_ms`` of itself; a round started by ``fetch_start`` (DQN's early start)
+hides only its network exchanges (its bookkeeping and tier reads run on the caller's thread);
+a sync round hides nothing.
 """
 
 from __future__ import annotations
@@ -157,12 +159,13 @@ class SimRound:
     @property
     def exposed_s(self) -> float:
         """What the learner waits for with the round launched at its backward: the part over
-        the backward (``thread``), the bookkeeping plus the exchanges' part over it
-        (``flight``), or all of it (``none``)."""
+        the backward (``thread``); the host work (bookkeeping, tier reads) plus the network
+        exchanges' part over it (``flight``); or all of it (``none``)."""
         if self.overlap == "none":
             return self.seconds
         if self.overlap == "flight":
-            return self.cpu_s + max(0.0, self.seconds - self.cpu_s - self.backward_s)
+            host = self.cpu_s + sum(e.seconds for e in self.exchanges if e.strategy == "local")
+            return host + max(0.0, self.seconds - host - self.backward_s)
         return max(0.0, self.seconds - self.backward_s)
 
     def dominant(self) -> tuple[str, str]:
@@ -260,12 +263,18 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
     r.cpu_s = bookkeeping_s(topo, world, len(r.exchanges), w.reduce_numel)
     r.exchanges += tier_reads(topo, w, served * rb, requests * rb)
     if w.weights_bytes:
-        ring = np.zeros((world, world), dtype=np.int64)
-        ring[np.arange(world), (np.arange(world) + 1) % world] = w.weights_bytes
-        ex = price_exchange("broadcast(weights)", ring, links, model, fixed="p2p")
+        ex = price_exchange("broadcast(weights)", ring(world, w.weights_bytes), links, model, "p2p")
         ex.seconds /= w.publish_every
         r.exchanges.append(ex)
     return r
+
+
+def ring(world: int, nbytes: int) -> np.ndarray:
+    """The byte matrix of a pipelined ring broadcast from rank 0: one copy over each of the
+    ``world - 1`` links ``r -> r + 1``."""
+    m = np.zeros((world, world), dtype=np.int64)
+    m[np.arange(world - 1), np.arange(1, world)] = nbytes
+    return m
 
 
 def tier_reads(topo: SimTopology, w: Workload, served, landed) -> list[Exchange]:

@@ -17,7 +17,8 @@ Built with the token plane's own parts, priced by the plane's model (no formula 
 
 The learner's step (``step_ms``) is what the round can hide behind: the round for the next
 batch runs while the learners train on this one (streaming), so the part over the step is
-exposed.
+exposed. That includes the weights broadcast, which assumes generators may run one version
+behind (``max_policy_age >= 1``); strictly on-policy, generators wait for it in full.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.sim.rounds import SimRound, bookkeeping_s, price_exchange
+from conduit_dist.sim.rounds import SimRound, bookkeeping_s, price_exchange, ring
 from conduit_dist.sim.topology import SimTopology
 from conduit_dist.tokens import balance
 from conduit_dist.tokens import select as S
@@ -116,9 +117,6 @@ def simulate_tokens(
     if not len(producers):
         raise ConfigError(f"token workload {w.name!r}: no generator at world {world}")
     r = SimRound(world, "tokens", backward_s=w.step_ms * 1e-3)
-    if world == 1:
-        r.cpu_s = bookkeeping_s(topo, world, 1)
-        return r
     rng = np.random.default_rng(seed)
     n_groups = w.groups_per_learner * len(learners)
     lengths = rng.lognormal(np.log(w.median_tokens), w.sigma, (n_groups, w.group_size))
@@ -131,9 +129,8 @@ def simulate_tokens(
     meta = np.full((world, world), (META_WIDTH + hint * S.WIDTH) * 8, dtype=np.int64)
     np.fill_diagonal(meta, 0)
     r.exchanges.append(price_exchange("all_gather(meta)", meta, links, model, fixed="all_to_all"))
-    ring = np.zeros((world, world), dtype=np.int64)
-    ring[np.arange(world), (np.arange(world) + 1) % world] = w.weights_bytes
-    r.exchanges.append(price_exchange("broadcast(weights)", ring, links, model, fixed="p2p"))
+    weights = ring(world, w.weights_bytes)
+    r.exchanges.append(price_exchange("broadcast(weights)", weights, links, model, fixed="p2p"))
     plan = balance.plan(tokens, len(learners), w.token_budget)
     dest = np.empty(n_groups, dtype=np.int64)
     for li, mbs in enumerate(plan):

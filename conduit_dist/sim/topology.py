@@ -64,10 +64,10 @@ class SimTopology:
         payload_gbps: GB/s at which the bookkeeping handles a gradient payload riding in the
             round (packing it, averaging the learners', unpacking; 0: free).
         cores_per_node: cores the ranks of a node share (0: at least one per rank; ``auto`` in
-            YAML: this machine's). Where a
-            node runs more ranks than cores the bookkeeping takes ``ranks / cores`` times as
-            long (the ranks' Python shares the cores); the collectives' own costs come from a
-            model calibrated at that load, or declared for a machine with a core per rank.
+            YAML: this machine's). Where a node runs more ranks than cores the bookkeeping
+            takes ``ranks / cores`` times as long (the ranks' Python shares the cores); the
+            collectives' own costs come from a model calibrated at that load, or declared for
+            a machine with a core per rank.
         calibration: ``declared`` (the numbers above) or ``cache`` (this machine's calibrated
             model for the world size, from the plane's calibration cache).
         sources: where each constant comes from.
@@ -109,6 +109,11 @@ class SimTopology:
                 raise ConfigError(
                     f"topology {self.name!r} {key}: expected a number >= 0, got {v!r}"
                 )
+        if not isinstance(self.tier_gbps, dict):
+            raise ConfigError(
+                f"topology {self.name!r} tier_gbps: expected a mapping kind -> [read, write] "
+                f"GB/s, got {self.tier_gbps!r}"
+            )
         for kind, rw in self.tier_gbps.items():
             ok = isinstance(rw, list | tuple) and len(rw) == 2
             if (
