@@ -213,3 +213,13 @@ def test_what_hides_depends_on_how_the_round_overlaps():
     assert long.exposed_s == pytest.approx(long.cpu_s + reads)  # the exchange fully hidden
     with pytest.raises(ConfigError, match="overlap: expected one of"):
         Workload("x", record_bytes=8, puts_per_rank=1, batch_per_learner=1, overlap="async")
+
+
+def test_the_examples_in_docs_sim_run_as_written():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sim.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) >= 2
+    for block in blocks:
+        exec(compile(block, "docs/sim.md", "exec"), {})  # the docs' own examples
