@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -134,9 +135,10 @@ class Pooled:
 
     __slots__ = ("array", "buf", "idle", "read", "views")
 
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf, self.views, self.array = buf, None, None
-        self.idle = use_count(buf)  # just allocated: nothing else holds it yet
+    def __init__(self, buf: torch.Tensor, array: np.ndarray | None = None) -> None:
+        self.buf, self.views, self.array = buf, None, array
+        # just allocated: nothing else holds it yet (``array``, a reference of its own, counted)
+        self.idle = use_count(buf)
         self.read = None  # pinned host buffers: the CUDA event of the last copy reading them
 
     def free(self) -> bool:

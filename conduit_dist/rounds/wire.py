@@ -265,9 +265,7 @@ class _RecvPool:
             if e.buf.shape[0] >= rows and e.free():
                 return e.buf, e.array
         buf = torch.empty((rows + rows // 8 + 16, self.rb), dtype=torch.uint8, device=self.device)
-        array = buf.numpy()  # a storage reference of its own: taken before the idle count
-        entry = Pooled(buf)
-        entry.array = array
+        entry = Pooled(buf, buf.numpy())
         if entry.idle is not None:
             keep(self._pool, entry, self.size)
         return buf, entry.array

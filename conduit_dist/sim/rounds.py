@@ -34,7 +34,7 @@ from conduit_dist.collectives.model.costs import FEATURES, features
 from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement.base import PlacementContext
-from conduit_dist.registry import PLACEMENTS, SAMPLERS
+from conduit_dist.registry import PLACEMENTS, SAMPLERS, check_choice, check_count
 from conduit_dist.rounds.devices import round_devices
 from conduit_dist.rounds.meta import MetaLayout
 from conduit_dist.rounds.wire import candidates
@@ -93,35 +93,13 @@ class Workload:
     notes: str = ""
 
     def __post_init__(self) -> None:
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(
-                f"workload {self.name!r} placement: expected one of {list(PLACEMENTS)}, "
-                f"got {self.placement!r}"
-            )
-        if self.sampler not in SIM_SAMPLERS:
-            raise ConfigError(
-                f"workload {self.name!r} sampler: expected one of {list(SIM_SAMPLERS)}, got "
-                f"{self.sampler!r}"
-            )
-        if self.tier not in KINDS:
-            raise ConfigError(
-                f"workload {self.name!r} tier: expected one of {list(KINDS)}, got {self.tier!r}"
-            )
-        if self.overlap not in OVERLAPS:
-            raise ConfigError(
-                f"workload {self.name!r} overlap: expected one of {list(OVERLAPS)}, got "
-                f"{self.overlap!r}"
-            )
-        if self.producers not in ("all", "actors"):
-            raise ConfigError(
-                f"workload {self.name!r} producers: expected 'all' or 'actors', got "
-                f"{self.producers!r}"
-            )
+        where = f"workload {self.name!r}"
+        for key, allowed in (("placement", PLACEMENTS), ("sampler", SIM_SAMPLERS),
+                             ("tier", KINDS), ("overlap", OVERLAPS),
+                             ("producers", ("all", "actors"))):  # fmt: skip
+            check_choice(f"{where} {key}", getattr(self, key), allowed)
         for key in ("record_bytes", "batch_per_learner", "learner_every", "publish_every"):
-            if getattr(self, key) < 1:
-                raise ConfigError(
-                    f"workload {self.name!r} {key}: expected >= 1, got {getattr(self, key)}"
-                )
+            check_count(f"{where} {key}", getattr(self, key), 1)
 
     @property
     def row_bytes(self) -> int:

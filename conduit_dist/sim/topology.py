@@ -29,6 +29,7 @@ from conduit_dist.collectives.model.cache import cache_path, load_cache
 from conduit_dist.collectives.topology import Topology
 from conduit_dist.errors import ConfigError
 from conduit_dist.extras import require
+from conduit_dist.registry import check_choice, check_count
 from conduit_dist.tiers import KINDS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "topology"
@@ -93,11 +94,7 @@ class SimTopology:
 
     def __post_init__(self) -> None:
         for key, low in (("ranks_per_node", 1), ("ranks_per_nic", 1), ("cores_per_node", 0)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(
-                    f"topology {self.name!r} {key}: expected an int >= {low}, got {v!r}"
-                )
+            check_count(f"topology {self.name!r} {key}", getattr(self, key), low)
         for key in ("self_gbps", "host_gbps", "nic_gbps"):
             v = getattr(self, key)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
@@ -125,11 +122,7 @@ class SimTopology:
                     f"topology {self.name!r} tier_gbps[{kind!r}]: expected a kind of "
                     f"{list(KINDS)} with [read, write] GB/s > 0, got {rw!r}"
                 )
-        if self.calibration not in ("declared", "cache"):
-            raise ConfigError(
-                f"topology {self.name!r} calibration: expected 'declared' or 'cache', "
-                f"got {self.calibration!r}"
-            )
+        check_choice(f"topology {self.name!r} calibration", self.calibration, ("declared", "cache"))
 
     def oversubscription(self, world: int) -> float:
         """How many times longer the bookkeeping takes on the busiest node of ``world`` ranks:
