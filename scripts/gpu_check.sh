@@ -13,6 +13,8 @@
 # (d) scripts/gpu_check/train_run.py   train.py device=cuda: DQN (default experiment) and PPO,
 #     colocated and disaggregated
 # CONDUIT_GPU_CHECK_SKIP_INSTALL=1 skips the install (tests/test_gpu_check.py: the refusal on CPU).
+# GPU_CHECK_KEEP_GOING=1 runs every step after a failed one too (one run finds every failure; the
+# summary names the failed steps and the script exits non-zero); by default the first failure stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -51,21 +53,33 @@ echo "ok torch: $version, CUDA $cuda, $gpus GPU(s) visible"
 
 GPU_CHECK_OUT=$(mktemp -d)
 export GPU_CHECK_OUT
-run() { local limit=$1; shift; timeout "$limit" "$@"; }  # a hang fails its step, never the budget
+failed=()
+# step NAME LIMIT_S CMD...: a hang fails its step, never the budget
+step() {
+  local name=$1 limit=$2 rc=0
+  shift 2
+  timeout "$limit" "$@" || rc=$?
+  (( rc == 0 )) && return 0
+  echo "FAILED $name: exit code $rc$( ((rc == 124)) && echo " (timed out after ${limit} s)")" >&2
+  failed+=("$name")
+  [[ "${GPU_CHECK_KEEP_GOING:-0}" == 1 ]] || exit "$rc"
+}
 
-run 150 python scripts/gpu_check/world1.py
-CONDUIT_CUDA_BACKEND=gloo run 240 \
+step a.world1 150 python scripts/gpu_check/world1.py
+CONDUIT_CUDA_BACKEND=gloo step b.two_ranks 240 \
   torchrun --standalone --nproc_per_node=2 scripts/gpu_check/two_ranks.py
-run 120 torchrun --standalone --nproc_per_node=1 scripts/gpu_check/nccl_world1.py
+step c.nccl_world1 120 torchrun --standalone --nproc_per_node=1 scripts/gpu_check/nccl_world1.py
 
 dqn=(total_env_steps=3000 algo.learning_starts=500)  # the default experiment: PER, 3-step
 ppo=(experiment=cartpole_ppo total_env_steps=4096)
 one=(mode=disaggregated "learner_ranks=[0]")
-python scripts/gpu_check/train_run.py dqn-1 1 "${dqn[@]}"
-python scripts/gpu_check/train_run.py dqn-2 2 "${dqn[@]}"
-python scripts/gpu_check/train_run.py dqn-2-disaggregated 2 "${dqn[@]}" "${one[@]}"
-python scripts/gpu_check/train_run.py ppo-1 1 "${ppo[@]}"
-python scripts/gpu_check/train_run.py ppo-2 2 "${ppo[@]}"
-python scripts/gpu_check/train_run.py ppo-2-disaggregated 2 "${ppo[@]}" "${one[@]}"
+train() { step "d.train.$1" 320 python scripts/gpu_check/train_run.py "$@"; }
+train dqn-1 1 "${dqn[@]}"
+train dqn-2 2 "${dqn[@]}"
+train dqn-2-disaggregated 2 "${dqn[@]}" "${one[@]}"
+train ppo-1 1 "${ppo[@]}"
+train ppo-2 2 "${ppo[@]}"
+train ppo-2-disaggregated 2 "${ppo[@]}" "${one[@]}"
 
-python scripts/gpu_check/summary.py "$start"
+GPU_CHECK_FAILED="${failed[*]}" python scripts/gpu_check/summary.py "$start"
+(( ${#failed[@]} == 0 ))

@@ -26,3 +26,21 @@ def test_bench_rounds_runs_every_case_from_an_empty_store():
         assert r["calls"] >= 1 and r["bytes"] > 0 and r["round_ms"] > 0 and r["raw_ms"] > 0
         assert r["torch_allocs"] <= 0.1, r  # e.g. 0.05: one pool growth in 20 early rounds
         assert r["py_peak_bytes"] > 0, r  # tracemalloc saw the round's Python objects
+
+
+def test_the_allocation_counter_counts_new_storage_only():
+    import numpy as np
+    import torch
+
+    from conduit_dist.bench.rounds import TensorAllocations
+
+    a, out, small = torch.zeros(10), torch.empty(10), torch.empty(0)
+    with TensorAllocations() as counted:
+        a + 1  # new: 40 B
+        a.add_(1)
+        a.view(2, 5)
+        torch.add(a, 1, out=out)  # into a buffer large enough
+        torch.add(a, 1, out=small)  # resized: new, 40 B
+        torch.cat([a, a])  # new: 80 B
+        torch.from_numpy(np.zeros(3))  # NumPy's memory (tracemalloc's side)
+    assert (counted.count, counted.nbytes) == (3, 160)

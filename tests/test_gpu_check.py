@@ -115,3 +115,16 @@ def test_train_step_and_summary_rehearsed_on_the_cpu(tmp_path):
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["gpu_check"] == "cpu-dry-run (not a GPU check)"
     assert summary["steps"] == ["d.train.dqn"] and summary["numbers"]["d.train.dqn"]["env_steps"]
+
+
+def test_summary_names_the_failed_steps_of_a_keep_going_run(tmp_path):
+    # GPU_CHECK_KEEP_GOING=1: the script hands the failed steps over; none passed here
+    res = subprocess.run(
+        [sys.executable, str(STEPS / "summary.py"), str(time.time())], cwd=tmp_path,
+        env=child_env(GPU_CHECK_OUT=str(tmp_path), GPU_CHECK_FAILED="a.world1 d.train.dqn-2"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["gpu_check"] == "failed" and summary["failed"] == ["a.world1", "d.train.dqn-2"]
+    assert summary["steps"] == []

@@ -19,10 +19,10 @@ Cases (DQN-sized records: 56 bytes; every rank puts ``--put`` items and fetches 
 - ``three_exchange``: ``placement="round_robin"``: meta gather, ingestion, delivery.
 
 Allocations per round, after the timed samples (``--alloc-rounds`` more rounds, the most over
-ranks): ``torch_allocs`` and ``torch_alloc_bytes``, the tensor allocations the profiler's memory
-events attribute to a round (``put`` + ``fetch``; on CPU every one is a ``malloc``, on CUDA a
-request to the caching allocator); ``py_peak_bytes``, the most a round's Python objects and NumPy
-arrays held above what was live when it began (``tracemalloc``; the median round).
+ranks): ``torch_allocs`` and ``torch_alloc_bytes``, the tensors a round's torch ops allocate
+(``put`` + ``fetch``, inline; :class:`TensorAllocations`: on CPU every one is a ``malloc``, on
+CUDA a request to the caching allocator); ``py_peak_bytes``, the most a round's Python objects
+and NumPy arrays held above what was live when it began (``tracemalloc``; the median round).
 
 Exposed latency (``--backward-ms B``): one-exchange rounds started by ``fetch_start`` before a
 backward of ``B`` ms (a sleep: a GPU's backward leaves the host free), then fetched; each sample
@@ -44,6 +44,8 @@ import tracemalloc
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
@@ -85,15 +87,42 @@ def _sample(fn) -> tuple[float, float]:
     return time.perf_counter() - t, time.process_time() - c
 
 
-def _allocations(step, rounds: int) -> dict[str, float]:
-    """Allocations of ``rounds`` calls of ``step`` (a put and its round), per round, the most
-    over ranks: tensors (the profiler's memory events) and Python/NumPy (``tracemalloc``)."""
-    from torch.profiler import ProfilerActivity, profile
+class TensorAllocations(TorchDispatchMode):
+    """Counts the tensors torch ops allocate on this thread while the mode is on: an op's outputs
+    whose storage no input had before the op (a view, an in-place op or an ``out=`` write into
+    a buffer large enough allocates nothing; an ``out=`` buffer resized counts).
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    Not the profiler's memory events: stopping ``torch.profiler`` while gloo's threads run this
+    process's collectives crashed a rank (SIGSEGV in a gloo thread, a few runs in a hundred)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.nbytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in before:
+                before.add(storage.data_ptr())  # two outputs on one new storage: one allocation
+                self.count += 1
+                self.nbytes += storage.nbytes()
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _allocations(step, rounds: int) -> dict[str, float]:
+    """Allocations of ``rounds`` calls of ``step`` (a put and its round, inline: ``sync``), per
+    round, the most over ranks: tensors (:class:`TensorAllocations`) and Python/NumPy
+    (``tracemalloc``)."""
+    with TensorAllocations() as allocs:
         for _ in range(rounds):
             step()
-    allocs = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
     peaks = []
     tracemalloc.start()
     try:
@@ -104,7 +133,7 @@ def _allocations(step, rounds: int) -> dict[str, float]:
             peaks.append(tracemalloc.get_traced_memory()[1] - before)
     finally:
         tracemalloc.stop()
-    mine = [len(allocs) / rounds, sum(allocs) / rounds, statistics.median(peaks)]
+    mine = [allocs.count / rounds, allocs.nbytes / rounds, statistics.median(peaks)]
     t = torch.tensor(mine, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     keys = ("torch_allocs", "torch_alloc_bytes", "py_peak_bytes")

@@ -20,13 +20,18 @@ BUDGET_S = 8 * 60  # what the check is sized to on one GPU
 def main() -> None:
     """Print the summary line."""
     start = float(sys.argv[1])
-    out = os.environ["GPU_CHECK_OUT"]
-    with open(os.path.join(out, "results.jsonl")) as f:
-        steps = [json.loads(line) for line in f if line.strip()]
+    path = os.path.join(os.environ["GPU_CHECK_OUT"], "results.jsonl")
+    steps = []
+    if os.path.exists(path):  # absent when no step passed (GPU_CHECK_KEEP_GOING=1)
+        with open(path) as f:
+            steps = [json.loads(line) for line in f if line.strip()]
     wall = time.time() - start
+    failed = os.environ.get("GPU_CHECK_FAILED", "").split()  # GPU_CHECK_KEEP_GOING=1's failures
+    verdict = "failed" if failed else "ok"
     summary = {
-        "gpu_check": "cpu-dry-run (not a GPU check)" if DRY else "ok",
-        "device": "cpu" if DRY else torch.cuda.get_device_name(0),
+        "gpu_check": "cpu-dry-run (not a GPU check)" if DRY else verdict,
+        "failed": failed,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "steps": [s["step"] for s in steps],
