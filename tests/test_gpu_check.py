@@ -93,7 +93,11 @@ def _rehearse(tmp_path, nproc: int, step: str, *args: str) -> list[str]:
     [
         (0, "world1", ["a.tiers", "a.gpu_puts", "a.host_reads", "a.overlap"]),
         (1, "nccl_world1", ["c.groups", "c.plane"]),
-        (2, "two_ranks", ["b.overlap", "b.tiers", "b.prioritized", "b.windows", "b.checkpoint"]),
+        (
+            2,
+            "two_ranks",
+            ["b.overlap", "b.tiers", "b.prioritized", "b.windows", "b.queues", "b.checkpoint"],
+        ),
     ],
 )
 def test_steps_rehearsed_on_the_cpu(tmp_path, nproc, step, expect):

@@ -40,29 +40,50 @@ from conduit_dist.checkpoint import writer
 GAMMA = 0.9
 
 
-def sync_vs_overlap(spec: cd.ExperienceSpec, rank: int) -> None:
-    """The same puts give the same batches whether rounds run in fetch or behind backward."""
+def _fetches(spec: cd.ExperienceSpec, rank: int, schedule: str, placement: str):
+    """12 fetches of 128 (the same puts for either schedule); the ids delivered, the last put
+    iteration each fetch's round took in, and the plane's round schedule."""
     model = torch.nn.Linear(spec.fields["obs"].numel, 1).to(DEVICE)
-    got = {}
-    for schedule in ("sync", "overlap"):
-        plane = cd.DataPlane(spec, 4096, seed=1, device=DEVICE, schedule=schedule)
-        plane.attach(model)
-        check(plane.chosen_schedule == schedule, f"{schedule}: ran {plane.chosen_schedule}")
-        ids = []
-        for it in range(12):
-            batch = items(torch.arange(256) + 1000 * it + 1_000_000 * rank)
-            if schedule == "overlap" or it == 0:  # a launched round misses later puts
-                plane.put(batch)
-            b = plane.fetch(128)
-            verify(b, plane.device)
-            ids.append(b["id"].to("cpu", copy=True))  # a copy: the batch is a pooled view
-            model(b["obs"].flatten(1).float()).sum().backward()
-            if schedule == "sync" and it > 0:
-                plane.put(batch)
-        got[schedule] = torch.cat(ids)
-        plane.close()
-    check(torch.equal(got["sync"], got["overlap"]), f"rank {rank}: overlap differs from sync")
-    ok("b.overlap", "2 ranks: overlap's batches equal sync's (12 fetches each)")
+    plane = cd.DataPlane(spec, 4096, seed=1, device=DEVICE, schedule=schedule, placement=placement)
+    plane.attach(model)
+    check(plane.chosen_schedule == schedule, f"{schedule}: ran {plane.chosen_schedule}")
+    ids, put = [], []
+    for it in range(12):
+        batch = items(torch.arange(256) + 1000 * it + 1_000_000 * rank)
+        if schedule == "overlap" or it == 0:  # a launched round misses later puts
+            plane.put(batch)
+        b = plane.fetch(128)
+        verify(b, plane.device)
+        ids.append(b["id"].to("cpu", copy=True))  # a copy: the batch is a pooled view
+        put.append(max(it - 1, 0))  # the last put in its round (launched at the backward before)
+        model(b["obs"].flatten(1).float()).sum().backward()
+        if schedule == "sync" and it > 0:
+            plane.put(batch)
+    rounds = plane.schedule
+    plane.close()
+    return ids, put, rounds
+
+
+def sync_vs_overlap(spec: cd.ExperienceSpec, rank: int) -> None:
+    """The same puts give the same batches whether rounds run in fetch or behind backward,
+    where both run the same round schedule; where they do not (CUDA, ``local``: sync's rows stay
+    on the GPU, ``general``; overlapped rounds compose on the host, ``fused``), each is its own
+    uniform stream, and every delivered item was put before its round."""
+    notes = []
+    for placement in ("round_robin", "local"):
+        got = {s: _fetches(spec, rank, s, placement) for s in ("sync", "overlap")}
+        (s_ids, _, s_rounds), (o_ids, _, o_rounds) = got["sync"], got["overlap"]
+        if s_rounds == o_rounds:
+            same = all(torch.equal(a, b) for a, b in zip(s_ids, o_ids))
+            check(same, f"rank {rank}, {placement}: overlap differs from sync ({s_rounds})")
+            notes.append(f"{placement}: equal ({s_rounds} rounds)")
+            continue
+        for mode, (ids, put, _) in got.items():
+            for it, (b, last) in enumerate(zip(ids, put)):
+                step = b % 1_000_000 // 1000  # the put iteration of each item
+                check(bool((step <= last).all()), f"{mode}, fetch {it}: an item put after it")
+        notes.append(f"{placement}: sync {s_rounds} / overlap {o_rounds} rounds, each valid")
+    ok("b.overlap", f"2 ranks, 12 fetches each: {'; '.join(notes)}")
 
 
 def _put_in_thread(plane: cd.DataPlane, batch: dict[str, torch.Tensor]) -> None:
@@ -188,6 +209,40 @@ def _check_nstep(b: dict[str, torch.Tensor], dev: torch.device) -> None:
         check(math.isclose(disc, GAMMA**m, rel_tol=1e-6), f"discount {disc} from {i}")
 
 
+def queues(spec: cd.ExperienceSpec, rank: int) -> None:
+    """``Fifo`` and ``Lifo`` drained on the GPU: each item delivered once over both ranks, all
+    of them but fewer than a batch; ``stratified`` batches on the GPU; on both placements."""
+    notes = []
+    for placement in ("local", "round_robin"):
+        for name, sampler in (("fifo", cd.Fifo()), ("lifo", cd.Lifo()), ("stratified", None)):
+            plane = cd.DataPlane(
+                spec, 1024, seed=8, device=DEVICE, schedule="sync", placement=placement,
+                sampler=sampler or "stratified",
+            )  # fmt: skip
+            for it in range(4):
+                plane.put(items(torch.arange(64) + 1000 * it + 1_000_000 * rank))
+                plane.flush()
+            got: list[int] = []
+            for _ in range(100):  # plane.stored is the same on every rank: the same rounds
+                if sampler is not None and plane.stored < 8:
+                    break
+                b = plane.fetch(8)
+                verify(b, plane.device)
+                got += b["id"].tolist()
+                if sampler is None and len(got) >= 64:
+                    break
+            left, schedule = plane.stored, plane.schedule
+            plane.close()
+            parts: list[object] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, got)
+            every = [i for p in parts for i in p]
+            if sampler is not None:
+                check(len(every) == len(set(every)), f"{name}, {placement}: an item twice")
+                check(len(every) + left == 512 and left < 8, f"{name}: {len(every)} + {left}")
+            notes.append(f"{name} {placement} ({schedule})")
+    ok("b.queues", f"drained once each / delivered on the GPU: {', '.join(notes)}")
+
+
 def checkpoint_while_overwritten(spec: cd.ExperienceSpec, rank: int, root: str) -> None:
     """A device-tier plane checkpointed at a round, its ring overwritten twice while the
     writer (rate-limited, small chunks) is still reading; the restore holds the same items."""
@@ -248,6 +303,7 @@ def main() -> None:
         tiers_donated_thread(spec, rank)
         prioritized(spec, rank)
         windows(spec, rank)
+        queues(spec, rank)
         checkpoint_while_overwritten(spec, rank, _shared_dir())
     finally:
         cd.destroy_distributed()

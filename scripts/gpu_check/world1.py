@@ -12,7 +12,7 @@ reused while a consumer kernel still reads them.
 from __future__ import annotations
 
 import torch
-from common import DEVICE, DRY, Reads, check, items, median_ms, ok, tier, verify
+from common import DEVICE, DRY, Reads, check, items, median_ms, ok, sync, tier, verify
 
 import conduit_dist as cd
 from conduit_dist.flow.versions import check_ages
@@ -121,6 +121,48 @@ def reuse_waits_for_the_consumer(spec: cd.ExperienceSpec) -> None:
     ok("a.reuse", "pooled batch buffers wait for the consumer stream")
 
 
+def _allocs_per_round(spec: cd.ExperienceSpec, schedule: str) -> float:
+    """CUDA caching-allocator requests per round (a put from the host, its fetch, a Linear's
+    forward and backward) over 100 rounds after 20 of warm-up."""
+    plane = cd.DataPlane(spec, 8192, seed=3, device=DEVICE, schedule=schedule)
+    model = torch.nn.Linear(spec.fields["obs"].numel, 1).to(DEVICE)
+    plane.attach(model)
+    batch = items(torch.arange(256))
+    counts = []
+    for n in (20, 100):
+        sync()
+        counts.append(torch.cuda.memory_stats(plane.device)["allocation.all.allocated"])
+        for _ in range(n):
+            plane.put(batch)
+            b = plane.fetch(256)
+            model(b["obs"].flatten(1).float()).sum().backward()
+    sync()
+    after = torch.cuda.memory_stats(plane.device)["allocation.all.allocated"]
+    plane.close()
+    return (after - counts[1]) / 100
+
+
+def allocations(spec: cd.ExperienceSpec) -> None:
+    """The GPU side of ``bench rounds``' allocation count, for each schedule (the model's own
+    gradients and activations included: a baseline for the plane's share)."""
+    per_round = {s: _allocs_per_round(spec, s) for s in ("sync", "overlap")}
+    model = torch.nn.Linear(spec.fields["obs"].numel, 1).to(DEVICE)
+    obs = items(torch.arange(256), DEVICE)["obs"]
+    sync()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(100):
+        model(obs.flatten(1).float()).sum().backward()
+    sync()
+    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    per_round["model alone"] = (after - before) / 100
+    ok(
+        "a.allocs",
+        "CUDA allocator requests per round (put + fetch + a Linear's forward/backward): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in per_round.items()),
+        **{f"allocs_per_round_{k.replace(' ', '_')}": v for k, v in per_round.items()},
+    )
+
+
 def main() -> None:
     """Run step (a)."""
     check(DRY or torch.cuda.is_available(), "no CUDA device visible")
@@ -131,6 +173,7 @@ def main() -> None:
         overlap_matches_sync(spec)
         if not DRY:  # a race between CUDA streams: nothing to race on the CPU
             reuse_waits_for_the_consumer(spec)
+            allocations(spec)
     finally:
         cd.destroy_distributed()
 
