@@ -23,7 +23,7 @@ import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.spec import _native
-from conduit_dist.tiers.cuda import upload
+from conduit_dist.tiers.cuda import IndexUpload
 
 
 class Tier:
@@ -47,6 +47,7 @@ class Tier:
         # called with ``(start, end)`` before slots ``[start, end)`` may be overwritten
         self.guard = None
         self._host_rows: torch.Tensor | None = None  # scratch for gathers into strided host out
+        self._uploads: IndexUpload | None = None  # CUDA tiers: host-built indices, reused buffer
 
     def declare(self, read_gbps: float, write_gbps: float) -> None:
         """Take read/write bandwidths from config instead of measuring them.
@@ -182,9 +183,19 @@ class Tier:
                         f"{self.kind} tier gather: expected slots in [0, {self.slots}), "
                         f"got {lo}..{hi}"
                     )
+        if data.is_cuda and idx.is_cpu:  # CUDA only: up into the tier's reused index buffer
+            if self._uploads is None:
+                self._uploads = IndexUpload(data.device)
+            idx = self._uploads(idx if idx.dtype == torch.int64 else idx.long())
+            if base >= 0:
+                idx.remainder_(self.slots)  # our buffer: in place, nothing allocated
+            torch.index_select(data.view(torch.int64), 0, idx, out=rows.view(torch.int64))
+            self._uploads.done()
+            return
         if base >= 0:
             idx = idx.remainder(self.slots)
-        idx = upload(idx, data.device)
+        if idx.device != data.device:
+            idx = idx.to(data.device)
         torch.index_select(data.view(torch.int64), 0, idx, out=rows.view(torch.int64))
 
     def _scratch(self, n: int, pinned: bool) -> torch.Tensor:

@@ -17,7 +17,8 @@ CUDA. The rules every tier follows:
   the tier's device (the round's side stream). Indices built on the host go up through pinned
   memory from torch's caching host allocator (:func:`upload`), which does not hand that memory
   out again before the copy reading it has run (it records an event on the stream), so an upload
-  never waits on the host.
+  never waits on the host. A tier's gathers upload into one reused device buffer
+  (:class:`IndexUpload`), ordered by an event after its readers: no allocation per round.
 - **Work on another thread has its own stream and events** (:class:`WorkerStream`): the
   demoter's stream waits for the stream that handed it work, and the streams that read its
   results wait for an event it records after its copies. These waits are on the device; the host
@@ -81,6 +82,53 @@ def upload(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     staged = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
     staged.copy_(idx)
     return staged.to(device, non_blocking=True)
+
+
+class IndexUpload:
+    """Host-built int64 indices to one CUDA device through one reused device buffer, so that a
+    tier's gather asks the caching allocator for nothing, round after round.
+
+    Reuse is ordered on the device: after the last reader of an upload is enqueued,
+    :meth:`done` records an event on that stream, and the next upload's stream waits for it
+    (the two may differ: a round's side stream, the caller's stream). The staging copy goes
+    through pinned memory from torch's caching host allocator, as :func:`upload` does (no host
+    wait). Growing the buffer (geometric, so rarely) waits on the host for the last readers of
+    the old one, which is then given back to the allocator.
+
+    Args:
+        device: the ``cuda:<index>`` the indices are used on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf = torch.empty(0, dtype=torch.int64, device=device)
+        self._used = torch.cuda.Event()
+        self._pending = False  # an upload was used and its readers' event recorded
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        """``idx`` (int64 on the host) in the reused buffer on the device, ready on the current
+        stream; valid for readers enqueued before :meth:`done` (the buffer may then be
+        overwritten in place, e.g. by ``remainder_``)."""
+        n = idx.numel()
+        stream = torch.cuda.current_stream(self.device)
+        if self._buf.numel() < n:
+            if self._pending:
+                self._used.synchronize()  # the old buffer's readers ran: it can be given back
+            self._buf = torch.empty(max(n, 2 * self._buf.numel()), dtype=torch.int64,
+                                    device=self.device)  # fmt: skip
+        elif self._pending:
+            stream.wait_event(self._used)  # the last readers (maybe on another stream) ran
+        self._pending = False
+        staged = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        staged.copy_(idx.reshape(-1))
+        out = self._buf[:n]
+        out.copy_(staged, non_blocking=True)
+        return out.view(idx.shape)
+
+    def done(self) -> None:
+        """The readers of the last upload are enqueued on the current stream."""
+        self._used.record(torch.cuda.current_stream(self.device))
+        self._pending = True
 
 
 def record(device: torch.device | None) -> torch.cuda.Event | None:
