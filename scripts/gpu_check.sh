@@ -15,6 +15,8 @@
 # CONDUIT_GPU_CHECK_SKIP_INSTALL=1 skips the install (tests/test_gpu_check.py: the refusal on CPU).
 # GPU_CHECK_KEEP_GOING=1 runs every step after a failed one too (one run finds every failure; the
 # summary names the failed steps and the script exits non-zero); by default the first failure stops.
+# A step is a script (a.world1, b.two_ranks, ...); its checks print `ok` lines as they pass, so a
+# failed step may list some passed checks, and the checks after its failure did not run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -81,5 +83,5 @@ train ppo-1 1 "${ppo[@]}"
 train ppo-2 2 "${ppo[@]}"
 train ppo-2-disaggregated 2 "${ppo[@]}" "${one[@]}"
 
-GPU_CHECK_FAILED="${failed[*]}" python scripts/gpu_check/summary.py "$start"
+GPU_CHECK_FAILED="${failed[*]-}" python scripts/gpu_check/summary.py "$start"
 (( ${#failed[@]} == 0 ))

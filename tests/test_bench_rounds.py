@@ -43,4 +43,5 @@ def test_the_allocation_counter_counts_new_storage_only():
         torch.add(a, 1, out=small)  # resized: new, 40 B
         torch.cat([a, a])  # new: 80 B
         torch.from_numpy(np.zeros(3))  # NumPy's memory (tracemalloc's side)
-    assert (counted.count, counted.nbytes) == (3, 160)
+        torch.tensor([1, 2])  # from Python data: new, 16 B
+    assert (counted.count, counted.nbytes) == (4, 176)

@@ -184,13 +184,14 @@ class Tier:
                         f"got {lo}..{hi}"
                     )
         if data.is_cuda and idx.is_cpu:  # CUDA only: up into the tier's reused index buffer
+            if idx.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"{self.kind} tier gather: expected int64 slots, got {idx.dtype}")
             if self._uploads is None:
                 self._uploads = IndexUpload(data.device)
-            idx = self._uploads(idx if idx.dtype == torch.int64 else idx.long())
-            if base >= 0:
-                idx.remainder_(self.slots)  # our buffer: in place, nothing allocated
-            torch.index_select(data.view(torch.int64), 0, idx, out=rows.view(torch.int64))
-            self._uploads.done()
+            with self._uploads.use(idx) as up:
+                if base >= 0:
+                    up.remainder_(self.slots)  # the tier's own buffer: in place, no allocation
+                torch.index_select(data.view(torch.int64), 0, up, out=rows.view(torch.int64))
             return
         if base >= 0:
             idx = idx.remainder(self.slots)

@@ -28,6 +28,7 @@ CUDA. The rules every tier follows:
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -85,15 +86,17 @@ def upload(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class IndexUpload:
-    """Host-built int64 indices to one CUDA device through one reused device buffer, so that a
-    tier's gather asks the caching allocator for nothing, round after round.
+    """Host-built indices to one CUDA device through one reused device buffer, so that a device
+    tier's gather asks the CUDA caching allocator for nothing, round after round (its pinned
+    staging still comes from torch's caching host allocator, as in :func:`upload`).
 
-    Reuse is ordered on the device: after the last reader of an upload is enqueued,
-    :meth:`done` records an event on that stream, and the next upload's stream waits for it
-    (the two may differ: a round's side stream, the caller's stream). The staging copy goes
-    through pinned memory from torch's caching host allocator, as :func:`upload` does (no host
-    wait). Growing the buffer (geometric, so rarely) waits on the host for the last readers of
-    the old one, which is then given back to the allocator.
+    Reuse is ordered on the device: when the readers of an upload are enqueued (the end of
+    :meth:`use`), an event is recorded on that stream, and the next upload's stream waits for it
+    (the two may differ: a round's side stream, the caller's stream); the buffer is marked used
+    by every stream that read it (``record_stream``), so the allocator hands it out again only
+    after them once it is freed. Growing the buffer (geometric, so rarely) waits on the host for
+    the last readers of the old one. Uploads of one tier are serialised by a lock (a plane's
+    rounds already are).
 
     Args:
         device: the ``cuda:<index>`` the indices are used on.
@@ -103,32 +106,38 @@ class IndexUpload:
         self.device = device
         self._buf = torch.empty(0, dtype=torch.int64, device=device)
         self._used = torch.cuda.Event()
-        self._pending = False  # an upload was used and its readers' event recorded
+        self._pending = False  # readers of an upload were enqueued and the event recorded
+        self._streams: set[int] = set()  # streams recorded on the current buffer
+        self._lock = threading.Lock()
 
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        """``idx`` (int64 on the host) in the reused buffer on the device, ready on the current
-        stream; valid for readers enqueued before :meth:`done` (the buffer may then be
-        overwritten in place, e.g. by ``remainder_``)."""
+    @contextlib.contextmanager
+    def use(self, idx: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``idx`` (int64 or int32, on the host) as int64 in the reused buffer on the device,
+        ready on the current stream; enqueue every reader inside the ``with`` block (the tensor
+        may be changed in place there, e.g. by ``remainder_``, and is overwritten after it)."""
         n = idx.numel()
-        stream = torch.cuda.current_stream(self.device)
-        if self._buf.numel() < n:
-            if self._pending:
-                self._used.synchronize()  # the old buffer's readers ran: it can be given back
-            self._buf = torch.empty(max(n, 2 * self._buf.numel()), dtype=torch.int64,
-                                    device=self.device)  # fmt: skip
-        elif self._pending:
-            stream.wait_event(self._used)  # the last readers (maybe on another stream) ran
-        self._pending = False
-        staged = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        staged.copy_(idx.reshape(-1))
-        out = self._buf[:n]
-        out.copy_(staged, non_blocking=True)
-        return out.view(idx.shape)
-
-    def done(self) -> None:
-        """The readers of the last upload are enqueued on the current stream."""
-        self._used.record(torch.cuda.current_stream(self.device))
-        self._pending = True
+        with self._lock:
+            stream = torch.cuda.current_stream(self.device)
+            if self._buf.numel() < n:
+                if self._pending:
+                    self._used.synchronize()  # the old buffer's readers ran: it can go back
+                size = max(n, 2 * self._buf.numel())
+                self._buf = torch.empty(size, dtype=torch.int64, device=self.device)
+                self._streams = set()
+            elif self._pending:
+                stream.wait_event(self._used)  # the last readers (maybe on another stream) ran
+            if stream.cuda_stream not in self._streams:
+                self._buf.record_stream(stream)
+                self._streams.add(stream.cuda_stream)
+            staged = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            staged.copy_(idx.reshape(-1))
+            out = self._buf[:n]
+            out.copy_(staged, non_blocking=True)
+            try:
+                yield out.view(idx.shape)
+            finally:  # also when a reader failed: what was enqueued is waited for next time
+                self._used.record(stream)
+                self._pending = True
 
 
 def record(device: torch.device | None) -> torch.cuda.Event | None:

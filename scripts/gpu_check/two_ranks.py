@@ -36,6 +36,7 @@ from common import (
 
 import conduit_dist as cd
 from conduit_dist.checkpoint import writer
+from conduit_dist.errors import EmptyStoreError
 
 GAMMA = 0.9
 
@@ -82,6 +83,8 @@ def sync_vs_overlap(spec: cd.ExperienceSpec, rank: int) -> None:
             for it, (b, last) in enumerate(zip(ids, put)):
                 step = b % 1_000_000 // 1000  # the put iteration of each item
                 check(bool((step <= last).all()), f"{mode}, fetch {it}: an item put after it")
+                # and its round took the last put in: 128 draws miss a 1/it share < 1e-5
+                check(int(step.max()) == last, f"{mode}, fetch {it}: nothing from put {last}")
         notes.append(f"{placement}: sync {s_rounds} / overlap {o_rounds} rounds, each valid")
     ok("b.overlap", f"2 ranks, 12 fetches each: {'; '.join(notes)}")
 
@@ -211,7 +214,8 @@ def _check_nstep(b: dict[str, torch.Tensor], dev: torch.device) -> None:
 
 def queues(spec: cd.ExperienceSpec, rank: int) -> None:
     """``Fifo`` and ``Lifo`` drained on the GPU: each item delivered once over both ranks, all
-    of them but fewer than a batch; ``stratified`` batches on the GPU; on both placements."""
+    of them but fewer than a batch (378 items, batches of 8 on 2 learners: 2 left); delivered
+    ``stratified`` batches checked row by row; on both placements."""
     notes = []
     for placement in ("local", "round_robin"):
         for name, sampler in (("fifo", cd.Fifo()), ("lifo", cd.Lifo()), ("stratified", None)):
@@ -219,14 +223,17 @@ def queues(spec: cd.ExperienceSpec, rank: int) -> None:
                 spec, 1024, seed=8, device=DEVICE, schedule="sync", placement=placement,
                 sampler=sampler or "stratified",
             )  # fmt: skip
-            for it in range(4):
-                plane.put(items(torch.arange(64) + 1000 * it + 1_000_000 * rank))
+            for it in range(3):
+                plane.put(items(torch.arange(63) + 1000 * it + 1_000_000 * rank))
                 plane.flush()
             got: list[int] = []
             for _ in range(100):  # plane.stored is the same on every rank: the same rounds
                 if sampler is not None and plane.stored < 8:
                     break
-                b = plane.fetch(8)
+                try:
+                    b = plane.fetch(8)
+                except EmptyStoreError:  # the last items went to the learners before this one
+                    continue
                 verify(b, plane.device)
                 got += b["id"].tolist()
                 if sampler is None and len(got) >= 64:
@@ -238,7 +245,7 @@ def queues(spec: cd.ExperienceSpec, rank: int) -> None:
             every = [i for p in parts for i in p]
             if sampler is not None:
                 check(len(every) == len(set(every)), f"{name}, {placement}: an item twice")
-                check(len(every) + left == 512 and left < 8, f"{name}: {len(every)} + {left}")
+                check(len(every) + left == 378 and left < 8, f"{name}: {len(every)} + {left}")
             notes.append(f"{name} {placement} ({schedule})")
     ok("b.queues", f"drained once each / delivered on the GPU: {', '.join(notes)}")
 

@@ -130,12 +130,14 @@ def _allocs_per_round(spec: cd.ExperienceSpec, schedule: str) -> float:
     batch = items(torch.arange(256))
     counts = []
     for n in (20, 100):
+        plane.wait()  # overlap: the round launched at the last backward has finished
         sync()
         counts.append(torch.cuda.memory_stats(plane.device)["allocation.all.allocated"])
         for _ in range(n):
             plane.put(batch)
             b = plane.fetch(256)
             model(b["obs"].flatten(1).float()).sum().backward()
+    plane.wait()
     sync()
     after = torch.cuda.memory_stats(plane.device)["allocation.all.allocated"]
     plane.close()
@@ -148,13 +150,18 @@ def allocations(spec: cd.ExperienceSpec) -> None:
     per_round = {s: _allocs_per_round(spec, s) for s in ("sync", "overlap")}
     model = torch.nn.Linear(spec.fields["obs"].numel, 1).to(DEVICE)
     obs = items(torch.arange(256), DEVICE)["obs"]
+    dev = obs.device
     sync()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    before = torch.cuda.memory_stats(dev)["allocation.all.allocated"]
     for _ in range(100):
         model(obs.flatten(1).float()).sum().backward()
     sync()
-    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    after = torch.cuda.memory_stats(dev)["allocation.all.allocated"]
     per_round["model alone"] = (after - before) / 100
+    alone = per_round["model alone"]
+    for k in ("sync", "overlap"):  # the plane's own share: no allocation per round
+        check(per_round[k] <= alone + 0.05, f"{k}: {per_round[k]:.2f} requests a round, "
+              f"the model alone {alone:.2f}")  # fmt: skip
     ok(
         "a.allocs",
         "CUDA allocator requests per round (put + fetch + a Linear's forward/backward): "
