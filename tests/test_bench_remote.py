@@ -1,6 +1,6 @@
-"""``bench remote`` runs its three systems side by side (a two-process conduit plane, the raw gloo
-floor in the same processes, TorchRL's Ray-hosted buffer on its gloo transport) and reports each
-against the others; values, not timings, are asserted."""
+"""``bench remote`` runs its systems side by side (a two-process conduit plane over gloo and one
+over shared memory, the raw gloo floor in the same processes, TorchRL's Ray-hosted buffer on its
+gloo transport) and reports each against the others; values, not timings, are asserted."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ def test_bench_remote_measures_conduit_raw_and_torchrl_side_by_side():
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["bench"] == "remote" and line["batch"] == 64 and line["placement"] == "local"
     systems = {r["system"] for r in line["results"]}
-    assert systems == {"conduit", "raw", "torchrl"}, systems
+    assert systems == {"conduit", "conduit_shm", "raw", "torchrl"}, systems
     s = line["summary"]
-    for key in ("conduit_ms", "raw_ms", "torchrl_ms"):
+    for key in ("conduit_ms", "conduit_shm_ms", "raw_ms", "torchrl_ms"):
         assert s[key] > 0, (key, s)
     assert s["conduit_vs_torchrl"] == s["torchrl_ms"] / s["conduit_ms"]
+    assert s["conduit_shm_vs_torchrl"] == s["torchrl_ms"] / s["conduit_shm_ms"]
     assert s["raw_vs_torchrl"] == s["torchrl_ms"] / s["raw_ms"]
 
 

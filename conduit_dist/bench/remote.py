@@ -9,6 +9,9 @@ of ``--batch`` (default 256, ~14.5 MB a batch) from them, three ways:
   local`` (the default, the neutral setting) keeps every item on rank 1's shard, so the whole
   batch crosses processes, as it does for the baseline; ``round_robin`` spreads the items over
   both shards (about half of each batch is then the learner's own), the favourable setting.
+- ``conduit_shm``: the same plane with ``TransportConfig(shared_memory=True)``: the rows cross
+  through ``/dev/shm`` (written there by the store's gather, copied out once by the learner), not
+  gloo's socket.
 - ``raw``: the floor of any remote sampler over gloo in the same two processes: rank 1 gathers
   ``--batch`` random rows of its ``[items, bytes]`` tensor (``index_select`` into a reused
   buffer) and sends them, rank 0 receives into a reused buffer. Nothing else: no request, no
@@ -17,12 +20,14 @@ of ``--batch`` (default 256, ~14.5 MB a batch) from them, three ways:
   actor (``service_backend="ray"``) with its ``distributed`` transport on gloo, sampled from this
   process (``pip install -e ".[bench]"`` installs ``ray``).
 
-``conduit`` and ``raw`` alternate call by call in one spawned pair of processes (each timed on
-the learner, from the call to the batch in its memory); the ``torchrl`` block runs in this process
-after each pair's block, ``--repeats`` times, so drift hits all of them alike. Every figure is the
-median over calls, then over repeats. The JSON line's ``summary``: ``conduit_ms``, ``raw_ms``,
-``torchrl_ms`` (per batch), ``conduit_vs_torchrl`` (TorchRL's time over conduit's: > 1 is
-faster), ``raw_vs_torchrl`` (the most any gloo sampler could reach here) and ``conduit_vs_raw``.
+``conduit``, ``conduit_shm`` and ``raw`` alternate call by call in one spawned pair of processes
+(each timed on the learner, from the call to the batch in its memory); the ``torchrl`` block runs
+in this process after each pair's block, ``--repeats`` times, so drift hits all of them alike.
+Every figure is the median over calls, then over repeats. The JSON line's ``summary``:
+``conduit_ms``, ``raw_ms``, ``torchrl_ms`` (per batch), ``conduit_vs_torchrl`` (TorchRL's time
+over conduit's: > 1 is faster), ``raw_vs_torchrl`` (the most any gloo sampler could reach here)
+and ``conduit_vs_raw``; ``conduit_shm_ms``, ``conduit_shm_vs_torchrl`` and
+``conduit_shm_vs_raw`` likewise.
 """
 
 from __future__ import annotations
@@ -64,25 +69,33 @@ def _pair(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
     torch.set_num_threads(1)
     cd.init_distributed()
     spec = cd.ExperienceSpec.from_batch(make_batch("atari", 1))
-    plane = cd.DataPlane(
-        spec, a.items, learner_ranks=[0], placement=a.placement, schedule="sync", seed=rank
-    )
+    planes = {}
+    for name, shm in (("conduit", False), ("conduit_shm", True)):
+        planes[name] = cd.DataPlane(
+            spec, a.items, learner_ranks=[0], placement=a.placement, schedule="sync", seed=rank,
+            transport=cd.TransportConfig(shared_memory=shm),
+        )  # fmt: skip
+    plane = planes["conduit"]
     try:
         # the raw floor's store: the same items as flat rows, on the store's process
         flat = None
         if rank == 1:
             for i in range(0, a.items, CHUNK):
                 batch = make_batch("atari", min(CHUNK, a.items - i), seed=i)
-                plane.put(batch)
+                for p in planes.values():
+                    p.put(batch)
             flat = torch.randint(0, 256, (a.items, spec.record_bytes), dtype=torch.uint8)
         rows = torch.empty(a.batch, spec.record_bytes, dtype=torch.uint8)  # sent / received
         gen = torch.Generator().manual_seed(rank)
 
-        def conduit() -> None:
+        def conduit(plane: cd.DataPlane = plane) -> None:
             if rank == 0:
                 plane.fetch(a.batch)
             else:
                 plane.flush()
+
+        def conduit_shm() -> None:
+            conduit(planes["conduit_shm"])
 
         def raw() -> None:
             if rank == 1:
@@ -92,10 +105,11 @@ def _pair(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
             else:
                 dist.recv(rows, 1)
 
-        plane.flush() if rank == 1 else plane.fetch(a.batch)  # the first round ingests
-        times: dict[str, list[float]] = {"conduit": [], "raw": []}
+        for p in planes.values():  # the first round ingests
+            p.flush() if rank == 1 else p.fetch(a.batch)
+        times: dict[str, list[float]] = {"conduit": [], "conduit_shm": [], "raw": []}
         for i in range(a.warmup + a.samples):
-            for name, fn in (("conduit", conduit), ("raw", raw)):
+            for name, fn in (("conduit", conduit), ("conduit_shm", conduit_shm), ("raw", raw)):
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
@@ -105,7 +119,8 @@ def _pair(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             Path(out).write_text(json.dumps(med))
     finally:
-        plane.close()
+        for p in planes.values():
+            p.close()
         cd.destroy_distributed()
 
 
@@ -165,15 +180,15 @@ def main(argv: list[str]) -> None:
             rb = _torchrl_buffer(a)
         except ImportError as exc:
             p.error(f"torchrl with ray is needed (pip install -e '.[bench]'): {exc}")
-    blocks: dict[str, list[float]] = {"conduit": [], "raw": [], "torchrl": []}
+    blocks: dict[str, list[float]] = {"conduit": [], "conduit_shm": [], "raw": [], "torchrl": []}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(a.repeats):
                 out = os.path.join(tmp, f"pair{r}.json")
                 mp.spawn(_pair, args=(a, _free_port(), out), nprocs=2, join=True)
                 med = json.loads(Path(out).read_text())
-                blocks["conduit"].append(med["conduit"])
-                blocks["raw"].append(med["raw"])
+                for k in ("conduit", "conduit_shm", "raw"):
+                    blocks[k].append(med[k])
                 if rb is not None:
                     blocks["torchrl"].append(_torchrl_block(rb, a))
     finally:
@@ -182,8 +197,10 @@ def main(argv: list[str]) -> None:
     ms = {k: statistics.median(v) for k, v in blocks.items() if v}
     summary = {f"{k}_ms": v for k, v in ms.items()}
     summary["conduit_vs_raw"] = ms["raw"] / ms["conduit"]
+    summary["conduit_shm_vs_raw"] = ms["raw"] / ms["conduit_shm"]
     if "torchrl" in ms:
         summary["conduit_vs_torchrl"] = ms["torchrl"] / ms["conduit"]
+        summary["conduit_shm_vs_torchrl"] = ms["torchrl"] / ms["conduit_shm"]
         summary["raw_vs_torchrl"] = ms["torchrl"] / ms["raw"]
     mb = a.batch * cd.ExperienceSpec.from_batch(make_batch("atari", 1)).record_bytes / 1e6
     for k, v in ms.items():

@@ -35,6 +35,7 @@ from conduit_dist.collectives.dist import (
 )
 from conduit_dist.collectives.heartbeats import Heartbeats, _default_store, wait_gloo, wait_polling
 from conduit_dist.collectives.pending import PendingGather, PendingWork
+from conduit_dist.collectives.shm import SharedMemory, agree
 from conduit_dist.errors import PhaseError, RoundError
 
 T = TypeVar("T")
@@ -60,6 +61,8 @@ class Exchange:
         name: prefix of the heartbeat keys, unique per plane.
         device: the plane's device: whether CUDA tensors pass through the new
             group (``dist.uses_cuda``) and on which device.
+        shared_memory: all-to-alls of host tensors through ``/dev/shm`` (every rank on one
+            host; checked at construction), not gloo's sockets (``collectives/shm.py``).
 
     The new group's backend is ``dist.plane_backend`` of that: ``gloo``, or
     ``cpu:gloo,cuda:<dist.chosen_cuda_backend()>``. With NCCL, construction runs one warm-up
@@ -70,7 +73,8 @@ class Exchange:
 
     Raises:
         RuntimeError: under torchrun without a process group (call ``init_distributed``).
-        ConfigError: CUDA in use on a machine without it, or a bad ``CONDUIT_CUDA_BACKEND``.
+        ConfigError: CUDA in use on a machine without it, a bad ``CONDUIT_CUDA_BACKEND``, or
+            ``shared_memory`` with ranks that do not share rank 0's ``/dev/shm``.
         PhaseError: if the NCCL warm-up fails or times out (naming the ranks that never came).
 
     Example::
@@ -87,6 +91,7 @@ class Exchange:
         name: str = "0",
         *,
         device: str | torch.device = "cpu",
+        shared_memory: bool = False,
     ):
         self.timeout = timedelta(seconds=timeout_s)
         if dist.is_initialized():
@@ -129,6 +134,14 @@ class Exchange:
             # device; a rank that never comes fails start-up by name.
             try:
                 self._warm_up()
+            except BaseException:
+                self.close()
+                raise
+        self.shm: SharedMemory | None = None
+        if shared_memory and self.world > 1:
+            try:
+                with self.phase("start-up: shared memory"):
+                    self.shm = SharedMemory(self.group, self.rank, self.world, agree(self))
             except BaseException:
                 self.close()
                 raise
@@ -284,7 +297,9 @@ class Exchange:
 
         Calls the process group's ``alltoall_base`` directly: ``dist.all_to_all_single`` is that
         call behind Python-side checks and logging that cost ~0.04 ms a call here, and the
-        plane's buffers are contiguous and of one dtype by construction. Returns the work.
+        plane's buffers are contiguous and of one dtype by construction. Host tensors go
+        through shared memory instead where the exchange was built with ``shared_memory``
+        (``collectives/shm.py``). Returns the work.
         """
         if self.record is not None:
             sent, got = (
@@ -292,6 +307,8 @@ class Exchange:
                 _split_bytes(out, out_splits, self.world),
             )
             self.record.append((op, sent, got))
+        if self.shm is not None and not (out.is_cuda or inp.is_cuda):
+            return self.shm.start(out, inp, out_splits, in_splits)
         return self.group.alltoall_base(out, inp, out_splits, in_splits, self._a2a_opts)
 
     def all_to_all(
@@ -360,7 +377,11 @@ class Exchange:
         )
 
     def close(self) -> None:
-        """Destroy the plane's process group (not the default one)."""
+        """Remove the shared-memory files and destroy the plane's process group (not the
+        default one)."""
+        if getattr(self, "shm", None) is not None:
+            self.shm.close()
+            self.shm = None
         if self.group is not None and self.group is not dist.GroupMember.WORLD:
             with contextlib.suppress(Exception):  # the default group may already be gone
                 dist.destroy_process_group(self.group)

@@ -242,6 +242,7 @@ def assemble(
             transport.timeout_s,
             name=str(next(_plane_ids)),
             device=device,
+            shared_memory=transport.shared_memory,
         )
         undo.callback(ex.close)
         learners = rank_set("learner_ranks", learner_ranks, ex.world)

@@ -22,6 +22,10 @@ class TransportConfig:
         bandwidth: ``declared`` (datasheet-like numbers, no start-up cost), ``calibrate`` (probe
             the links at start-up, cached in ``bandwidth_cache``) or a ``BandwidthModel``.
         bandwidth_cache: directory of the calibration cache (``None``: no cache).
+        shared_memory: move host rows between the plane's ranks through ``/dev/shm`` instead
+            of gloo's sockets (every rank on one host, checked at construction; rows on the
+            GPU still go through the group). Off by default: the bandwidth model does not price
+            it yet (``collectives/shm.py``).
 
     Raises:
         ConfigError: on a value outside the allowed ones, naming the field.
@@ -31,6 +35,7 @@ class TransportConfig:
     strategy: str = "auto"
     bandwidth: str | BandwidthModel = "declared"
     bandwidth_cache: str | None = "~/.cache/conduit_dist"
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         t = self.timeout_s
@@ -43,6 +48,10 @@ class TransportConfig:
         check_choice("transport.strategy", self.strategy, STRATEGIES)
         if not isinstance(self.bandwidth, BandwidthModel):
             check_choice("transport.bandwidth", self.bandwidth, (*BANDWIDTHS, "a BandwidthModel"))
+        if not isinstance(self.shared_memory, bool):
+            raise ConfigError(
+                f"transport.shared_memory: expected True or False, got {self.shared_memory!r}"
+            )
         if self.bandwidth_cache is not None and not isinstance(self.bandwidth_cache, str):
             raise ConfigError(
                 f"transport.bandwidth_cache: expected a directory path or None, got "

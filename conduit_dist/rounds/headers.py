@@ -51,7 +51,15 @@ class HeaderExchange:
     ) -> None:
         self.ex, self.sampler, self.write, self.learners = exchange, sampler, write, learners
         self.rank, world = exchange.rank, exchange.world
-        self.layout = WireLayout(wire_bytes, self.rank, learners, head_len, reduce_numel, device)
+        self.layout = WireLayout(
+            wire_bytes,
+            self.rank,
+            learners,
+            head_len,
+            reduce_numel,
+            device,
+            getattr(exchange, "shm", None),
+        )
         self.speculative = isinstance(sampler, Speculative)
         self.routes = isinstance(sampler, RoutesFeedback)
         # candidate rows [shard, learner] of the next round (sized from this one's)

@@ -49,6 +49,8 @@ class WireLayout:
         head_len: int64 values in a header.
         reduce_numel: float32 elements of a payload (0: none).
         device: where the rows live (the host: headers are parsed there).
+        shm: the exchange's shared memory (``collectives.shm.SharedMemory``) or ``None``: host
+            send rows are then written into its file directly, not copied there.
     """
 
     def __init__(
@@ -59,8 +61,11 @@ class WireLayout:
         head_len: int,
         reduce_numel: int,
         device: torch.device,
+        shm=None,
     ) -> None:
         self.rb, self.rank, self.world = record_bytes, rank, learners.shape[0]
+        # host rows over shared memory: the send rows are written in the exchange's own file
+        self.shm = shm if torch.device(device).type == "cpu" else None
         self.learners = learners
         self._meta = torch.zeros((self.world, head_len), dtype=torch.int64)  # reused per round
         self._meta_np = self._meta.numpy()
@@ -149,8 +154,11 @@ class WireLayout:
             ``(rows, in_splits)``.
         """
         pay, in_splits, _ = self.splits(cand)
-        send = self._send.rows(sum(in_splits))
-        rows, hb = self._numpy(self._send), self._meta_np[self.rank].view(np.uint8)
+        if self.shm is not None:
+            send, rows = self.shm.send_rows(sum(in_splits), self.rb)
+        else:
+            send, rows = self._send.rows(sum(in_splits)), self._numpy(self._send)
+        hb = self._meta_np[self.rank].view(np.uint8)
         raw = payload.view(torch.uint8) if payload is not None else None
         at = drawn = 0
         for p in self.peers:

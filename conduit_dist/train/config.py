@@ -85,6 +85,8 @@ class PlaneConfig:
         bandwidth_cache: directory of calibration caches.
         latency_us: declared per-call latency (when not calibrating).
         gbps: declared bandwidth per link class ``self``, ``host``, ``net`` (GB/s).
+        shared_memory: host rows between the ranks through ``/dev/shm`` (every rank on one
+            host) instead of gloo's sockets.
     """
 
     kind: str = "conduit"
@@ -108,6 +110,7 @@ class PlaneConfig:
     bandwidth_cache: str = "~/.cache/conduit_dist"
     latency_us: float = 150.0
     gbps: dict[str, float] = field(default_factory=lambda: {"self": 8.0, "host": 1.5, "net": 0.1})
+    shared_memory: bool = False
 
 
 @dataclass

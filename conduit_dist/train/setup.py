@@ -325,6 +325,7 @@ def build_plane(
             strategy=pc.strategy,
             bandwidth=bandwidth(cfg),
             bandwidth_cache=pc.bandwidth_cache,
+            shared_memory=pc.shared_memory,
         ),
         trace=pc.trace_dir is not None,
         reduce_numel=reduce_numel,

@@ -1,0 +1,262 @@
+"""All-to-all of host rows between the ranks of one host through shared memory
+(``TransportConfig(shared_memory=True)``).
+
+gloo moves host tensors between processes over TCP, on one host too: every byte crosses the
+loopback socket, copied by the kernel on each side. Here each rank owns one file in ``/dev/shm``
+(mapped by every rank of the group), split in two halves used by alternate exchanges. An
+exchange writes this rank's rows for each peer into its half after a small header of byte
+offsets (one per destination), launches a tiny gloo all-reduce (the barrier, which also carries
+each rank's file generation), and, once every rank has written, copies each peer's rows for
+this rank out of that peer's half. The own rows are copied directly. Nothing is pickled.
+
+Why two halves are enough: a rank writes a half again two exchanges later, after the barrier of
+the exchange in between, which every peer enters only once it has finished reading the exchange
+before it. A half too small makes a new, larger file (the next generation, twice the size at
+least); the old one is unlinked after the next barrier (every peer has mapped it by then; a
+mapping outlives the name). Files are named ``conduit-<token>-<rank>-<generation>`` (the token
+agreed at start-up) and removed at :meth:`SharedMemory.close` or at interpreter exit; a process
+killed by a signal leaves its files behind (``rm /dev/shm/conduit-*``). Space is reserved with
+``posix_fallocate`` before any byte is written, so a full ``/dev/shm`` fails the exchange with a
+clear error, never with a ``SIGBUS``.
+
+Every rank must call :meth:`SharedMemory.start` for the same exchanges in the same order (as for
+any collective); waiting (:class:`ShmWork`) has the plane's timeout through the barrier's gloo
+work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import secrets
+import weakref
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from conduit_dist.errors import ConfigError
+
+SHM_DIR = "/dev/shm"
+_ALIGN = 64  # each block starts on a cache line
+
+
+def _offsets(splits: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(splits)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat (``t`` contiguous, as ``all_to_all_single`` requires)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size() // t.shape[0] if t.dim() and t.shape[0] else 0
+
+
+class ShmWork:
+    """The barrier's gloo work of one exchange; the first successful :meth:`wait` copies this
+    rank's rows out of the peers' halves (``wait`` returns as gloo's does, and may be called
+    again after gloo's timeout raised)."""
+
+    def __init__(self, work: dist.Work, finish) -> None:
+        self.work, self._finish, self.done = work, finish, False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for every rank to have written, then read what the peers wrote for this rank."""
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if ok is False:
+            return False
+        if not self.done:
+            self._finish()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the rows have landed."""
+        return self.done
+
+
+class SharedMemory:
+    """Shared-memory all-to-all for the ranks of ``group`` (all on one host: :func:`agree`).
+
+    Args:
+        group: the plane's process group (its gloo backend runs the barrier).
+        rank: this rank in the group; world: the group's size.
+        token: the files' name part every rank agreed on.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, token: str) -> None:
+        self.group, self.rank, self.world, self.token = group, rank, world, token
+        self.head = -(-world * 8 // _ALIGN) * _ALIGN  # a half's header: byte offsets
+        self.cap = 0  # bytes in each half of this rank's file
+        self.gen = 0  # this rank's file generation (0: none yet)
+        self._mine: torch.Tensor | None = None
+        self._mine_np: np.ndarray | None = None
+        self._peers: dict[int, tuple] = {}  # rank -> (gen, cap, map, its numpy view)
+        self._calls = 0  # exchanges so far, the same on every rank: which half is in use
+        self._stale: list[str] = []  # old files of this rank, unlinked after the next barrier
+        self._owned: list[str] = []  # every file of this rank still on disk (removed at exit)
+        weakref.finalize(self, _remove, self._owned)
+        self._gens = torch.zeros(world, dtype=torch.int64)
+        self._opts = dist.AllreduceOptions()
+
+    def path(self, rank: int, gen: int) -> str:
+        """The file of ``rank``'s generation ``gen``."""
+        return os.path.join(SHM_DIR, f"conduit-{self.token}-{rank}-{gen}")
+
+    def _grow(self, need: int) -> None:
+        """A new file whose halves hold ``need`` bytes at least (twice the old at least)."""
+        cap = -(-max(need, 2 * self.cap, 1 << 16) // _ALIGN) * _ALIGN
+        path = self.path(self.rank, self.gen + 1)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, 2 * cap)  # a full /dev/shm fails here, not in a write
+            except OSError as exc:
+                os.unlink(path)
+                raise ConfigError(
+                    f"transport.shared_memory: rank {self.rank} could not reserve "
+                    f"{2 * cap / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror}); make {SHM_DIR} "
+                    "larger (docker: --shm-size) or set shared_memory=False"
+                ) from exc
+            mapped = torch.from_file(path, shared=True, size=2 * cap, dtype=torch.uint8)
+            self._mine_np = mapped.numpy()
+        finally:
+            os.close(fd)
+        if self.gen:
+            self._stale.append(self.path(self.rank, self.gen))
+        self._owned.append(path)
+        self._mine, self.cap, self.gen = mapped, cap, self.gen + 1
+
+    def send_rows(self, rows: int, width: int) -> tuple[torch.Tensor, np.ndarray]:
+        """``uint8 [rows, width]`` in the half the next :meth:`start` uses (torch and NumPy
+        views), for a sender to write its rows into directly: passed to :meth:`start` as
+        ``inp``, they are not copied again. Valid until that exchange is launched."""
+        need = self.head + rows * width
+        if need > self.cap:
+            self._grow(need)
+        at = (self._calls % 2) * self.cap + self.head
+        end = at + rows * width
+        return self._mine[at:end].view(rows, width), self._mine_np[at:end].reshape(rows, width)
+
+    def _peer(self, p: int, gen: int) -> tuple[int, torch.Tensor, np.ndarray]:
+        """Peer ``p``'s file of generation ``gen``, mapped (kept until it changes)."""
+        got = self._peers.get(p)
+        if got is None or got[0] != gen:
+            path = self.path(p, gen)
+            size = os.stat(path).st_size
+            seg = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            got = self._peers[p] = (gen, size // 2, seg, seg.numpy())
+        return got[1], got[2], got[3]
+
+    def start(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+    ) -> ShmWork:
+        """Write this rank's rows for its peers (unless ``inp`` is :meth:`send_rows`'s) and its
+        own, launch the barrier; the returned work's ``wait`` lands the peers' rows in ``out``
+        (``all_to_all_single``'s contract, host tensors, splits in rows along dim 0; ``[]``:
+        even)."""
+        world, me = self.world, self.rank
+        src, dst = _bytes(inp), _bytes(out)
+        rb_in, rb_out = _row_bytes(inp), _row_bytes(out)
+        if not in_splits:
+            in_splits = [inp.shape[0] // world] * world
+        if not out_splits:
+            out_splits = [out.shape[0] // world] * world
+        i_off = [k * rb_in for k in _offsets(in_splits)]
+        o_off = [k * rb_out for k in _offsets(out_splits)]
+        sizes = [-(-(n * rb_in) // _ALIGN) * _ALIGN for n in in_splits]
+        half = self._calls % 2
+        base = half * self.cap
+        in_place = self.gen and src.data_ptr() == self._mine.data_ptr() + base + self.head
+        if in_place:  # written into send_rows: each block is where it was written
+            offsets = [self.head + i_off[d] for d in range(world)]
+        else:
+            need = self.head + sum(s for d, s in enumerate(sizes) if d != me)
+            if need > self.cap:
+                self._grow(need)
+                base = half * self.cap
+            mine, at, offsets = self._mine, self.head, [0] * world
+            for d in range(world):
+                n = in_splits[d] * rb_in
+                if d != me and n:
+                    mine[base + at : base + at + n].copy_(src[i_off[d] : i_off[d] + n])
+                    offsets[d] = at
+                    at += sizes[d]
+        self._mine_np[base : base + 8 * world].view(np.int64)[:] = offsets
+        n_own = out_splits[me] * rb_out
+        if n_own:
+            dst[o_off[me] : o_off[me] + n_own].copy_(src[i_off[me] : i_off[me] + n_own])
+        self._gens.zero_()
+        self._gens[me] = self.gen
+        work = self.group.allreduce([self._gens], self._opts)
+        self._calls += 1
+
+        def finish() -> None:
+            gens = self._gens.tolist()
+            for p in range(world):
+                n = out_splits[p] * rb_out
+                if p == me or not n:
+                    continue
+                cap, seg, seg_np = self._peer(p, int(gens[p]))
+                pbase = half * cap
+                off = int(seg_np[pbase + 8 * me : pbase + 8 * me + 8].view(np.int64)[0])
+                dst[o_off[p] : o_off[p] + n].copy_(seg[pbase + off : pbase + off + n])
+            for path in self._stale:  # every peer has mapped these by now (see the module)
+                os.unlink(path)
+                self._owned.remove(path)
+            self._stale = []
+
+        return ShmWork(work, finish)
+
+    def close(self) -> None:
+        """Remove this rank's files (the mappings peers hold stay valid until they drop them);
+        also run at interpreter exit for a plane never closed."""
+        _remove(self._owned)
+        self._stale, self._mine, self._mine_np, self._peers, self.gen = [], None, None, {}, 0
+
+
+def _remove(paths: list[str]) -> None:
+    """Unlink ``paths`` (those already gone are skipped) and empty the list."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    paths.clear()
+
+
+def agree(ex) -> str:
+    """Check that every rank of ``ex``'s group sees rank 0's ``/dev/shm`` and return the files'
+    token (collective: every rank calls it at the same point).
+
+    Raises:
+        ConfigError: naming the ranks that do not (another host, or another /dev/shm).
+    """
+    token = torch.zeros(2, dtype=torch.int64)
+    if ex.rank == 0:
+        token[0] = secrets.randbits(62)
+    ex.run(lambda: dist.broadcast(token, 0, group=ex.group, async_op=True), "shm token")
+    name = f"{int(token[0]):016x}"
+    probe = os.path.join(SHM_DIR, f"conduit-{name}-probe")
+    if ex.rank == 0:
+        with open(probe, "wb"):
+            pass
+    ex.barrier("shm probe")
+    seen = torch.zeros(ex.world, dtype=torch.int64)
+    seen[ex.rank] = int(os.path.exists(probe))
+    ex.run(lambda: dist.all_reduce(seen, group=ex.group, async_op=True), "shm probe")
+    if ex.rank == 0:
+        os.unlink(probe)
+    missing = [r for r, s in enumerate(seen.tolist()) if not s]
+    if missing:
+        raise ConfigError(
+            f"transport.shared_memory: ranks {missing} do not see rank 0's {SHM_DIR} (another "
+            "host, or a container with its own); set shared_memory=False for planes across hosts"
+        )
+    return name
