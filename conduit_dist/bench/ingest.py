@@ -11,6 +11,9 @@ are not timed, as the raw baseline's buffer is ready too; the round alone is). G
 experience bytes ingested per rank per second. All are timed interleaved, call by call (each
 rank's slowest, medians over repeats); the JSON line's ``summary`` has ``min_vs_raw_from_1MiB``
 (copying ``put``), ``min_vs_raw_from_1MiB_donated`` and ``min_vs_raw_from_1MiB_staged``.
+``--shared-memory`` runs the plane over ``/dev/shm`` (``TransportConfig(shared_memory=True)``)
+against the same gloo baseline: a different transport, so a favourable setting, not a like for
+like one.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def main(argv: list[str]) -> None:
         "--sizes-kib", nargs="+", type=number(int, 1), default=[64, 256, 1024, 4096, 16384, 65536]
     )
     p.add_argument("--repeats", type=number(int, 1), default=15)
+    p.add_argument("--shared-memory", action="store_true",
+                   help="the plane moves host rows through /dev/shm (TransportConfig(shared_"
+                        "memory=True)); the raw baseline stays gloo's all-to-all")  # fmt: skip
     a = p.parse_args(argv)
     cd.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -81,8 +87,9 @@ def main(argv: list[str]) -> None:
         nbytes = n * spec.record_bytes
         batch = _batch(n)
         plane = cd.DataPlane(
-            spec, capacity_per_rank=4 * n, seed=0, placement="round_robin", schedule="sync"
-        )
+            spec, capacity_per_rank=4 * n, seed=0, placement="round_robin", schedule="sync",
+            transport=cd.TransportConfig(shared_memory=a.shared_memory),
+        )  # fmt: skip
 
         def copying(plane=plane, batch=batch):
             plane.put(batch)
@@ -141,7 +148,8 @@ def main(argv: list[str]) -> None:
             "min_vs_raw_from_1MiB_donated": min(r["ratio_donated"] for r in big) if big else None,
             "min_vs_raw_from_1MiB_staged": min(r["ratio_staged"] for r in big) if big else None,
         }
-        emit("ingest", rows, summary, world=world, backend=dist.get_backend())
+        emit("ingest", rows, summary, world=world, backend=dist.get_backend(),
+             shared_memory=a.shared_memory)  # fmt: skip
     cd.destroy_distributed()
 
 

@@ -248,6 +248,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--backward-ms", type=number(float, 0.0), default=0.0,
                    help="also time what a round started at a backward this long leaves exposed "
                         "(one-exchange rounds, fetch_start; 0: not measured)")  # fmt: skip
+    p.add_argument("--shared-memory", action="store_true",
+                   help="the planes move host rows through /dev/shm; the raw replays stay gloo's "
+                        "(a different transport: a favourable setting)")  # fmt: skip
     a = p.parse_args(argv)
     cd.init_distributed()
     torch.set_num_threads(1)
@@ -260,7 +263,9 @@ def main(argv: list[str]) -> None:
     group = dist.new_group()  # the baseline's own group, like the plane's
     results = []
     for name, placement, numel in cases:
-        transport = cd.TransportConfig(bandwidth=a.bandwidth, bandwidth_cache=a.bandwidth_cache)
+        transport = cd.TransportConfig(
+            bandwidth=a.bandwidth, bandwidth_cache=a.bandwidth_cache, shared_memory=a.shared_memory
+        )
         plane = cd.DataPlane(
             spec, 50_000, placement=placement, schedule="sync", reduce_numel=numel,
             transport=transport,
@@ -284,5 +289,5 @@ def main(argv: list[str]) -> None:
                 flush=True,
             )
         emit("rounds", results, summary, world=dist.get_world_size(), put=a.put, batch=a.batch,
-             backward_ms=a.backward_ms)  # fmt: skip
+             backward_ms=a.backward_ms, shared_memory=a.shared_memory)  # fmt: skip
     cd.destroy_distributed()

@@ -101,6 +101,7 @@ class SharedMemory:
         self._owned: list[str] = []  # every file of this rank still on disk (removed at exit)
         weakref.finalize(self, _remove, self._owned)
         self._gens = torch.zeros(world, dtype=torch.int64)
+        self._gens_np = self._gens.numpy()  # (a Python int set into a tensor makes a tensor)
         self._opts = dist.AllreduceOptions()
 
     def path(self, rank: int, gen: int) -> str:
@@ -194,13 +195,13 @@ class SharedMemory:
         n_own = out_splits[me] * rb_out
         if n_own:
             dst[o_off[me] : o_off[me] + n_own].copy_(src[i_off[me] : i_off[me] + n_own])
-        self._gens.zero_()
-        self._gens[me] = self.gen
+        self._gens_np[:] = 0
+        self._gens_np[me] = self.gen
         work = self.group.allreduce([self._gens], self._opts)
         self._calls += 1
 
         def finish() -> None:
-            gens = self._gens.tolist()
+            gens = self._gens_np.tolist()
             for p in range(world):
                 n = out_splits[p] * rb_out
                 if p == me or not n:
