@@ -75,8 +75,9 @@ def _batches(rank: int, world: int, placement: str, strategy: str) -> dict[bool,
             b = plane.fetch(32)
             assert torch.equal(b["obs"], b["id"][:, None].float().expand(32, 20))
             ids.append(b["id"].tolist())
-        # with it, the exchanges went through its files (a generation was written)
-        used = plane._p.exchange.shm is not None and plane._p.exchange.shm.gen >= 1
+        # with it, the all-to-alls went through its files (fused: in place, as lent)
+        mem = plane._p.exchange.shm
+        used = (mem.exchanges, mem.in_place) if mem is not None else None
         got[shm] = (plane.schedule, ids, used)
         plane.close()
     return got
@@ -89,9 +90,58 @@ def test_a_plane_over_shared_memory_delivers_the_same_batches(placement, strateg
     for rank, got in run_ranks(_batches, 3, placement, strategy).items():
         assert got[True][:2] == got[False][:2], rank
         assert got[True][0] == ("fused" if placement == "local" else "general")
-        assert got[True][2] and not got[False][2]
+        exchanges, in_place = got[True][2]
+        assert got[False][2] is None and exchanges >= 12, got[True][2]
+        if placement == "local":  # every header exchange wrote its rows where they go (a
+            # round whose candidates fell short delivers with one more exchange, copied in)
+            assert in_place >= 12, got[True][2]
 
 
-def test_bad_values_are_refused():
+def _open_and_close(rank: int, world: int) -> list[str]:
+    spec = cd.ExperienceSpec.from_batch({"x": torch.zeros(1, 3)})
+    shm = cd.TransportConfig(shared_memory=True)
+    tokens = []
+    for fetches in (0, 1, 0, 2):  # closed at once: peers open every file in the closing round
+        plane = cd.DataPlane(spec, 64, seed=1, schedule="sync", transport=shm)
+        tokens.append(plane._p.exchange.shm.token)
+        plane.put({"x": torch.full((4, 3), float(rank))})
+        for _ in range(fetches):
+            plane.fetch(4)
+        plane.close()
+    return tokens
+
+
+def test_planes_closed_at_once_leave_no_file_and_fail_no_peer():
+    tokens = run_ranks(_open_and_close, 3)[0]
+    assert all(_files(t) == [] for t in tokens), [_files(t) for t in tokens]
+
+
+def _dies(rank: int, world: int) -> object:
+    plane = cd.DataPlane(
+        cd.ExperienceSpec.from_batch({"x": torch.zeros(1, 3)}), 64, seed=1, schedule="sync",
+        transport=cd.TransportConfig(shared_memory=True, timeout_s=3.0),
+    )  # fmt: skip
+    for it in range(4):
+        if rank == 1 and it == 2:
+            os._exit(3)
+        plane.put({"x": torch.zeros(4, 3)})
+        try:
+            plane.fetch(4)
+        except cd.RoundError as exc:
+            return exc.round, list(exc.ranks), plane._p.exchange.shm.token
+    return "no error"
+
+
+def test_a_dead_peer_fails_the_round_naming_it():
+    got = run_ranks(_dies, 2, collective_timeout_s=3.0, expect_exit={1: 3})[0]
+    assert got[:2] == (2, [1]), got
+    for f in _files(got[2]):  # the killed rank's file (a signal or os._exit skips the clean-up)
+        os.unlink(os.path.join(SHM_DIR, f))
+
+
+def test_bad_values_and_planes_without_it_are_refused():
     with pytest.raises(ConfigError, match="transport.shared_memory: expected True or False"):
         cd.TransportConfig(shared_memory="yes")
+    with pytest.raises(ConfigError, match="the token plane moves its rows through gloo only"):
+        spec = cd.TokenSpec({"tokens": cd.Ragged(torch.int32, 8), "reward": ((), torch.float32)})
+        cd.TokenPlane(spec, 16, 64, transport=cd.TransportConfig(shared_memory=True))

@@ -12,12 +12,22 @@ this rank out of that peer's half. The own rows are copied directly. Nothing is 
 Why two halves are enough: a rank writes a half again two exchanges later, after the barrier of
 the exchange in between, which every peer enters only once it has finished reading the exchange
 before it. A half too small makes a new, larger file (the next generation, twice the size at
-least); the old one is unlinked after the next barrier (every peer has mapped it by then; a
-mapping outlives the name). Files are named ``conduit-<token>-<rank>-<generation>`` (the token
-agreed at start-up) and removed at :meth:`SharedMemory.close` or at interpreter exit; a process
-killed by a signal leaves its files behind (``rm /dev/shm/conduit-*``). Space is reserved with
-``posix_fallocate`` before any byte is written, so a full ``/dev/shm`` fails the exchange with a
-clear error, never with a ``SIGBUS``.
+least); the old one is unlinked after the next barrier: a peer opens it by name only while
+reading the exchange before that barrier, and its mapping outlives the name. A peer's file is
+opened without ``O_CREAT`` (never recreated by a reader). Files are named
+``conduit-<token>-<rank>-<generation>`` (the token agreed at start-up) and removed at
+:meth:`SharedMemory.close` (a plane's ``close`` runs a barrier first, so no peer still reads) or
+at interpreter exit; a process killed by a signal leaves its files behind
+(``rm /dev/shm/conduit-*``). Space is reserved with ``posix_fallocate`` before any byte is
+written, so a full ``/dev/shm`` fails with a clear error on the rank that hit it, never with a
+``SIGBUS`` (its peers fail the round at the timeout).
+
+Which exchanges use it: every all-to-all of host tensors (the header exchange, writing its send
+rows in place; ingestion and delivery where the ``all_to_all`` strategy runs them). The meta
+all-gather, the ``p2p``, ``chunked4`` and ``gather`` strategies, broadcasts and rows on the GPU
+still go through the group.
+Files only grow: each rank's holds two halves of at least its largest exchange so far
+(calibration probes included).
 
 Every rank must call :meth:`SharedMemory.start` for the same exchanges in the same order (as for
 any collective); waiting (:class:`ShmWork`) has the plane's timeout through the barrier's gloo
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import mmap
 import os
 import secrets
 import weakref
@@ -75,8 +86,8 @@ class ShmWork:
         return True
 
     def is_completed(self) -> bool:
-        """Whether the rows have landed."""
-        return self.done
+        """Whether every rank has written (the rows are read by the next :meth:`wait`)."""
+        return self.done or self.work.is_completed()
 
 
 class SharedMemory:
@@ -102,6 +113,9 @@ class SharedMemory:
         weakref.finalize(self, _remove, self._owned)
         self._gens = torch.zeros(world, dtype=torch.int64)
         self._gens_np = self._gens.numpy()  # (a Python int set into a tensor makes a tensor)
+        self._lent: tuple[int, int] | None = None  # (exchange, address) of send_rows' rows
+        self.exchanges = 0  # all-to-alls run through shared memory
+        self.in_place = 0  # of which took their rows where send_rows lent them (no copy in)
         self._opts = dist.AllreduceOptions()
 
     def path(self, rank: int, gen: int) -> str:
@@ -109,28 +123,32 @@ class SharedMemory:
         return os.path.join(SHM_DIR, f"conduit-{self.token}-{rank}-{gen}")
 
     def _grow(self, need: int) -> None:
-        """A new file whose halves hold ``need`` bytes at least (twice the old at least)."""
+        """A new file whose halves hold ``need`` bytes at least (twice the old at least).
+
+        Raises:
+            ConfigError: if ``/dev/shm`` cannot hold it (nothing is left of the new file).
+        """
         cap = -(-max(need, 2 * self.cap, 1 << 16) // _ALIGN) * _ALIGN
         path = self.path(self.rank, self.gen + 1)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._owned.append(path)  # from here on removed at close or exit, whatever fails
         try:
             try:
                 os.posix_fallocate(fd, 0, 2 * cap)  # a full /dev/shm fails here, not in a write
             except OSError as exc:
+                self._owned.remove(path)
                 os.unlink(path)
                 raise ConfigError(
                     f"transport.shared_memory: rank {self.rank} could not reserve "
                     f"{2 * cap / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror}); make {SHM_DIR} "
                     "larger (docker: --shm-size) or set shared_memory=False"
                 ) from exc
-            mapped = torch.from_file(path, shared=True, size=2 * cap, dtype=torch.uint8)
-            self._mine_np = mapped.numpy()
+            mapped, mapped_np = _map(fd, 2 * cap)
         finally:
             os.close(fd)
         if self.gen:
             self._stale.append(self.path(self.rank, self.gen))
-        self._owned.append(path)
-        self._mine, self.cap, self.gen = mapped, cap, self.gen + 1
+        self._mine, self._mine_np, self.cap, self.gen = mapped, mapped_np, cap, self.gen + 1
 
     def send_rows(self, rows: int, width: int) -> tuple[torch.Tensor, np.ndarray]:
         """``uint8 [rows, width]`` in the half the next :meth:`start` uses (torch and NumPy
@@ -141,16 +159,20 @@ class SharedMemory:
             self._grow(need)
         at = (self._calls % 2) * self.cap + self.head
         end = at + rows * width
+        self._lent = (self._calls, self._mine.data_ptr() + at)  # start() takes it, or refuses
         return self._mine[at:end].view(rows, width), self._mine_np[at:end].reshape(rows, width)
 
     def _peer(self, p: int, gen: int) -> tuple[int, torch.Tensor, np.ndarray]:
         """Peer ``p``'s file of generation ``gen``, mapped (kept until it changes)."""
         got = self._peers.get(p)
         if got is None or got[0] != gen:
-            path = self.path(p, gen)
-            size = os.stat(path).st_size
-            seg = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            got = self._peers[p] = (gen, size // 2, seg, seg.numpy())
+            fd = os.open(self.path(p, gen), os.O_RDWR)  # never created here: the peer's own
+            try:
+                size = os.fstat(fd).st_size
+                seg, seg_np = _map(fd, size)
+            finally:
+                os.close(fd)
+            got = self._peers[p] = (gen, size // 2, seg, seg_np)
         return got[1], got[2], got[3]
 
     def start(
@@ -165,6 +187,8 @@ class SharedMemory:
         (``all_to_all_single``'s contract, host tensors, splits in rows along dim 0; ``[]``:
         even)."""
         world, me = self.world, self.rank
+        if not (out.is_contiguous() and inp.is_contiguous()):
+            raise ValueError("shared-memory all_to_all: expected contiguous out and inp tensors")
         src, dst = _bytes(inp), _bytes(out)
         rb_in, rb_out = _row_bytes(inp), _row_bytes(out)
         if not in_splits:
@@ -176,7 +200,13 @@ class SharedMemory:
         sizes = [-(-(n * rb_in) // _ALIGN) * _ALIGN for n in in_splits]
         half = self._calls % 2
         base = half * self.cap
-        in_place = self.gen and src.data_ptr() == self._mine.data_ptr() + base + self.head
+        lent, self._lent = self._lent, None
+        in_place = lent is not None and lent == (self._calls, src.data_ptr())
+        if lent is not None and not in_place:  # the lent rows would be overwritten here
+            raise RuntimeError(
+                "shared-memory all_to_all: rows from send_rows() were not the next exchange's "
+                "input (another exchange ran in between)"
+            )
         if in_place:  # written into send_rows: each block is where it was written
             offsets = [self.head + i_off[d] for d in range(world)]
         else:
@@ -199,6 +229,8 @@ class SharedMemory:
         self._gens_np[me] = self.gen
         work = self.group.allreduce([self._gens], self._opts)
         self._calls += 1
+        self.exchanges += 1
+        self.in_place += bool(in_place)
 
         def finish() -> None:
             gens = self._gens_np.tolist()
@@ -210,8 +242,9 @@ class SharedMemory:
                 pbase = half * cap
                 off = int(seg_np[pbase + 8 * me : pbase + 8 * me + 8].view(np.int64)[0])
                 dst[o_off[p] : o_off[p] + n].copy_(seg[pbase + off : pbase + off + n])
-            for path in self._stale:  # every peer has mapped these by now (see the module)
-                os.unlink(path)
+            for path in self._stale:  # no peer opens these by name any more (see the module)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
                 self._owned.remove(path)
             self._stale = []
 
@@ -221,7 +254,17 @@ class SharedMemory:
         """Remove this rank's files (the mappings peers hold stay valid until they drop them);
         also run at interpreter exit for a plane never closed."""
         _remove(self._owned)
-        self._stale, self._mine, self._mine_np, self._peers, self.gen = [], None, None, {}, 0
+        self._stale, self._mine, self._mine_np, self._peers = [], None, None, {}
+        self.gen = self.cap = 0
+        self._lent = None
+
+
+def _map(fd: int, size: int) -> tuple[torch.Tensor, np.ndarray]:
+    """``size`` bytes of the open file ``fd`` mapped shared, as torch and NumPy views (the
+    mapping lives as long as they do)."""
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    return torch.from_numpy(arr), arr
 
 
 def _remove(paths: list[str]) -> None:
@@ -239,16 +282,24 @@ def agree(ex) -> str:
     Raises:
         ConfigError: naming the ranks that do not (another host, or another /dev/shm).
     """
-    token = torch.zeros(2, dtype=torch.int64)
+    token = torch.zeros(2, dtype=torch.int64)  # [token, whether rank 0 wrote its probe]
+    why = ""
     if ex.rank == 0:
         token[0] = secrets.randbits(62)
+        try:
+            with open(os.path.join(SHM_DIR, f"conduit-{int(token[0]):016x}-probe"), "wb"):
+                pass
+            token[1] = 1
+        except OSError as exc:
+            why = f" ({exc.strerror})"
     ex.run(lambda: dist.broadcast(token, 0, group=ex.group, async_op=True), "shm token")
+    if not int(token[1]):
+        raise ConfigError(
+            f"transport.shared_memory: rank 0 could not create a file in {SHM_DIR}{why}; set "
+            "shared_memory=False where there is no shared /dev/shm"
+        )
     name = f"{int(token[0]):016x}"
     probe = os.path.join(SHM_DIR, f"conduit-{name}-probe")
-    if ex.rank == 0:
-        with open(probe, "wb"):
-            pass
-    ex.barrier("shm probe")
     seen = torch.zeros(ex.world, dtype=torch.int64)
     seen[ex.rank] = int(os.path.exists(probe))
     ex.run(lambda: dist.all_reduce(seen, group=ex.group, async_op=True), "shm probe")

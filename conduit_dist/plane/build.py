@@ -112,6 +112,8 @@ def release(parts: Parts) -> None:
     try:
         if parts.clock.failed is None:
             parts.control.closing_round()
+            if parts.exchange.shm is not None:  # no peer still reads this rank's files
+                parts.exchange.barrier("close (shared memory)")
     finally:
         if parts.sched.close(abandon=parts.clock.failed is not None):
             parts.exchange.close()

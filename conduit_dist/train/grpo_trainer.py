@@ -119,7 +119,11 @@ class GRPOTrainer:
             seed=cfg.seed,
             device=self.device,
             transport=TransportConfig(
-                pc.timeout_s, pc.strategy, setup.bandwidth(cfg), pc.bandwidth_cache
+                pc.timeout_s,
+                pc.strategy,
+                setup.bandwidth(cfg),
+                pc.bandwidth_cache,
+                shared_memory=pc.shared_memory,
             ),
         )
         self.version = self.steps = self.trained = self.next_gid = 0
