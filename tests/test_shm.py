@@ -139,6 +139,38 @@ def test_a_dead_peer_fails_the_round_naming_it():
         os.unlink(os.path.join(SHM_DIR, f))
 
 
+def _full(rank: int, world: int) -> dict[str, object]:
+    import errno
+
+    from conduit_dist.collectives.exchange import Exchange
+
+    ex = Exchange(10, name="full", shared_memory=True)
+    token = ex.shm.token
+    rows = torch.zeros(8, 16, dtype=torch.uint8)
+    ex.all_to_all(torch.empty_like(rows), rows, [4] * world, [4] * world, 0)  # files made
+    if rank == 1:  # this rank's /dev/shm is full from now on
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = full
+    big = torch.zeros(2 << 20, 16, dtype=torch.uint8)  # 32 MiB: rank 1 must grow its file
+    try:
+        ex.all_to_all(torch.empty_like(big), big, [1 << 20] * world, [1 << 20] * world, 1)
+        error = None
+    except cd.RoundError as exc:
+        error = str(exc)
+    ex.close()
+    return {"error": error, "token": token}
+
+
+def test_a_full_dev_shm_fails_the_exchange_on_every_rank_naming_the_rank():
+    res = run_ranks(_full, 2)
+    assert "rank 1 could not reserve" in res[1]["error"], res[1]["error"]
+    assert "ranks [1] could not make room" in res[0]["error"], res[0]["error"]
+    assert _files(res[0]["token"]) == []  # nothing half-made is left
+
+
 def test_bad_values_and_planes_without_it_are_refused():
     with pytest.raises(ConfigError, match="transport.shared_memory: expected True or False"):
         cd.TransportConfig(shared_memory="yes")

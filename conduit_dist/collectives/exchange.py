@@ -141,7 +141,8 @@ class Exchange:
         if shared_memory and self.world > 1:
             try:
                 with self.phase("start-up: shared memory"):
-                    self.shm = SharedMemory(self.group, self.rank, self.world, agree(self))
+                    token = agree(self)
+                    self.shm = SharedMemory(self.group, self.rank, self.world, token, self.timeout)
             except BaseException:
                 self.close()
                 raise

@@ -19,8 +19,9 @@ opened without ``O_CREAT`` (never recreated by a reader). Files are named
 :meth:`SharedMemory.close` (a plane's ``close`` runs a barrier first, so no peer still reads) or
 at interpreter exit; a process killed by a signal leaves its files behind
 (``rm /dev/shm/conduit-*``). Space is reserved with ``posix_fallocate`` before any byte is
-written, so a full ``/dev/shm`` fails with a clear error on the rank that hit it, never with a
-``SIGBUS`` (its peers fail the round at the timeout).
+written, so a full ``/dev/shm`` fails with a clear error, never with a ``SIGBUS``: the rank
+that hit it still enters the exchange's barrier with generation -1, and every peer fails the
+exchange naming it.
 
 Which exchanges use it: every all-to-all of host tensors (the header exchange, writing its send
 rows in place; ingestion and delivery where the ``all_to_all`` strategy runs them). The meta
@@ -97,10 +98,15 @@ class SharedMemory:
         group: the plane's process group (its gloo backend runs the barrier).
         rank: this rank in the group; world: the group's size.
         token: the files' name part every rank agreed on.
+        timeout: the plane's collective timeout.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, token: str) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, token: str,
+        timeout: timedelta = timedelta(seconds=60),
+    ) -> None:  # fmt: skip
         self.group, self.rank, self.world, self.token = group, rank, world, token
+        self.timeout = timeout  # of the barrier a rank that cannot grow its file still enters
         self.head = -(-world * 8 // _ALIGN) * _ALIGN  # a half's header: byte offsets
         self.cap = 0  # bytes in each half of this rank's file
         self.gen = 0  # this rank's file generation (0: none yet)
@@ -150,13 +156,17 @@ class SharedMemory:
             self._stale.append(self.path(self.rank, self.gen))
         self._mine, self._mine_np, self.cap, self.gen = mapped, mapped_np, cap, self.gen + 1
 
-    def send_rows(self, rows: int, width: int) -> tuple[torch.Tensor, np.ndarray]:
+    def send_rows(self, rows: int, width: int) -> tuple[torch.Tensor, np.ndarray] | None:
         """``uint8 [rows, width]`` in the half the next :meth:`start` uses (torch and NumPy
         views), for a sender to write its rows into directly: passed to :meth:`start` as
-        ``inp``, they are not copied again. Valid until that exchange is launched."""
+        ``inp``, they are not copied again. Valid until that exchange is launched. ``None``
+        where the file cannot grow: write elsewhere (``start`` then fails on every rank)."""
         need = self.head + rows * width
         if need > self.cap:
-            self._grow(need)
+            try:
+                self._grow(need)
+            except ConfigError:  # start() tries again, and fails naming this rank to every rank
+                return None
         at = (self._calls % 2) * self.cap + self.head
         end = at + rows * width
         self._lent = (self._calls, self._mine.data_ptr() + at)  # start() takes it, or refuses
@@ -212,7 +222,11 @@ class SharedMemory:
         else:
             need = self.head + sum(s for d, s in enumerate(sizes) if d != me)
             if need > self.cap:
-                self._grow(need)
+                try:
+                    self._grow(need)
+                except ConfigError:
+                    self._announce_failure()
+                    raise
                 base = half * self.cap
             mine, at, offsets = self._mine, self.head, [0] * world
             for d in range(world):
@@ -234,6 +248,12 @@ class SharedMemory:
 
         def finish() -> None:
             gens = self._gens_np.tolist()
+            failed = [p for p, g in enumerate(gens) if g < 0]
+            if failed:
+                raise ConfigError(
+                    f"transport.shared_memory: ranks {failed} could not make room for this "
+                    f"exchange in {SHM_DIR} (their own errors say how much; is it full?)"
+                )
             for p in range(world):
                 n = out_splits[p] * rb_out
                 if p == me or not n:
@@ -249,6 +269,15 @@ class SharedMemory:
             self._stale = []
 
         return ShmWork(work, finish)
+
+    def _announce_failure(self) -> None:
+        """Enter this exchange's barrier with generation -1, so that every peer fails it naming
+        this rank, instead of waiting for the timeout."""
+        self._gens_np[:] = 0
+        self._gens_np[self.rank] = -1
+        work = self.group.allreduce([self._gens], self._opts)
+        with contextlib.suppress(Exception):  # the error to raise is the caller's
+            work.wait(self.timeout)
 
     def close(self) -> None:
         """Remove this rank's files (the mappings peers hold stay valid until they drop them);

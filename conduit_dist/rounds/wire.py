@@ -154,8 +154,9 @@ class WireLayout:
             ``(rows, in_splits)``.
         """
         pay, in_splits, _ = self.splits(cand)
-        if self.shm is not None:
-            send, rows = self.shm.send_rows(sum(in_splits), self.rb)
+        lent = self.shm.send_rows(sum(in_splits), self.rb) if self.shm is not None else None
+        if lent is not None:
+            send, rows = lent
         else:
             send, rows = self._send.rows(sum(in_splits)), self._numpy(self._send)
         hb = self._meta_np[self.rank].view(np.uint8)
