@@ -171,6 +171,18 @@ def test_a_full_dev_shm_fails_the_exchange_on_every_rank_naming_the_rank():
     assert _files(res[0]["token"]) == []  # nothing half-made is left
 
 
+def _mismatched(rank: int, world: int) -> str:
+    with pytest.raises(ConfigError) as got:
+        cd.DataPlane(cd.ExperienceSpec.from_batch({"x": torch.zeros(1, 3)}), 64,
+                     transport=cd.TransportConfig(shared_memory=rank == 0))  # fmt: skip
+    return str(got.value)
+
+
+def test_ranks_that_disagree_are_refused_on_every_rank_by_rank():
+    for msg in run_ranks(_mismatched, 2).values():
+        assert "ranks [0] set it, ranks [1] did not" in msg, msg
+
+
 def test_bad_values_and_planes_without_it_are_refused():
     with pytest.raises(ConfigError, match="transport.shared_memory: expected True or False"):
         cd.TransportConfig(shared_memory="yes")

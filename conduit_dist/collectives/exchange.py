@@ -63,6 +63,8 @@ class Exchange:
             group (``dist.uses_cuda``) and on which device.
         shared_memory: all-to-alls of host tensors through ``/dev/shm`` (every rank on one
             host; checked at construction), not gloo's sockets (``collectives/shm.py``).
+            ``True``/``False``: every rank says which at construction (a plane's exchange;
+            ranks that differ are refused by rank); ``None``: off, nothing agreed.
 
     The new group's backend is ``dist.plane_backend`` of that: ``gloo``, or
     ``cpu:gloo,cuda:<dist.chosen_cuda_backend()>``. With NCCL, construction runs one warm-up
@@ -91,7 +93,7 @@ class Exchange:
         name: str = "0",
         *,
         device: str | torch.device = "cpu",
-        shared_memory: bool = False,
+        shared_memory: bool | None = None,
     ):
         self.timeout = timedelta(seconds=timeout_s)
         if dist.is_initialized():
@@ -138,11 +140,14 @@ class Exchange:
                 self.close()
                 raise
         self.shm: SharedMemory | None = None
-        if shared_memory and self.world > 1:
+        if shared_memory is not None and self.world > 1:  # a plane's: every rank says
             try:
                 with self.phase("start-up: shared memory"):
-                    token = agree(self)
-                    self.shm = SharedMemory(self.group, self.rank, self.world, token, self.timeout)
+                    token = agree(self, shared_memory)
+                    if token is not None:
+                        self.shm = SharedMemory(
+                            self.group, self.rank, self.world, token, self.timeout
+                        )
             except BaseException:
                 self.close()
                 raise

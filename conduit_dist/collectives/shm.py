@@ -304,13 +304,26 @@ def _remove(paths: list[str]) -> None:
     paths.clear()
 
 
-def agree(ex) -> str:
-    """Check that every rank of ``ex``'s group sees rank 0's ``/dev/shm`` and return the files'
-    token (collective: every rank calls it at the same point).
+def agree(ex, wanted: bool) -> str | None:
+    """Whether every rank of ``ex``'s group asked for shared memory (``wanted``), and if so,
+    check that each sees rank 0's ``/dev/shm`` and return the files' token (``None``: nobody
+    asked). Collective: every rank calls it at the same point, whatever it wants.
 
     Raises:
-        ConfigError: naming the ranks that do not (another host, or another /dev/shm).
+        ConfigError: naming the ranks that asked where others did not, or that do not see rank
+            0's ``/dev/shm`` (another host, or another container).
     """
+    asked = torch.zeros(ex.world, dtype=torch.int64)
+    asked[ex.rank] = int(wanted)
+    ex.run(lambda: dist.all_reduce(asked, group=ex.group, async_op=True), "shm setting")
+    yes = [r for r, a in enumerate(asked.tolist()) if a]
+    if not yes:
+        return None
+    if len(yes) < ex.world:
+        raise ConfigError(
+            f"transport.shared_memory: ranks {yes} set it, ranks "
+            f"{sorted(set(range(ex.world)) - set(yes))} did not; expected the same on every rank"
+        )
     token = torch.zeros(2, dtype=torch.int64)  # [token, whether rank 0 wrote its probe]
     why = ""
     if ex.rank == 0:
