@@ -75,7 +75,6 @@ def _pair(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
             spec, a.items, learner_ranks=[0], placement=a.placement, schedule="sync", seed=rank,
             transport=cd.TransportConfig(shared_memory=shm),
         )  # fmt: skip
-    plane = planes["conduit"]
     try:
         # the raw floor's store: the same items as flat rows, on the store's process
         flat = None
@@ -88,14 +87,11 @@ def _pair(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
         rows = torch.empty(a.batch, spec.record_bytes, dtype=torch.uint8)  # sent / received
         gen = torch.Generator().manual_seed(rank)
 
-        def conduit(plane: cd.DataPlane = plane) -> None:
+        def conduit(plane: cd.DataPlane) -> None:
             if rank == 0:
                 plane.fetch(a.batch)
             else:
                 plane.flush()
-
-        def conduit_shm() -> None:
-            conduit(planes["conduit_shm"])
 
         def raw() -> None:
             if rank == 1:
@@ -106,10 +102,11 @@ def _pair(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
                 dist.recv(rows, 1)
 
         for p in planes.values():  # the first round ingests
-            p.flush() if rank == 1 else p.fetch(a.batch)
-        times: dict[str, list[float]] = {"conduit": [], "conduit_shm": [], "raw": []}
+            conduit(p)
+        fns = {name: partial(conduit, p) for name, p in planes.items()} | {"raw": raw}
+        times: dict[str, list[float]] = {name: [] for name in fns}
         for i in range(a.warmup + a.samples):
-            for name, fn in (("conduit", conduit), ("conduit_shm", conduit_shm), ("raw", raw)):
+            for name, fn in fns.items():
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()

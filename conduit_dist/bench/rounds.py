@@ -207,7 +207,7 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
 
     allocs = _allocations(step, a.alloc_rounds)
     # fetch_start leaves one-exchange (fused) rounds in flight; the others have no exposed time
-    fused = plane._p.engine.schedule == "fused"
+    fused = plane.schedule == "fused"
     exposed = _exposed(plane, a, payload, batch) if a.backward_ms and fused else None
     t = torch.tensor([walls, raw_walls], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,7 +36,7 @@ from conduit_dist.collectives.dist import (
 )
 from conduit_dist.collectives.heartbeats import Heartbeats, _default_store, wait_gloo, wait_polling
 from conduit_dist.collectives.pending import PendingGather, PendingWork
-from conduit_dist.collectives.shm import SharedMemory, agree
+from conduit_dist.collectives.shm import SharedMemory, open_shared
 from conduit_dist.errors import PhaseError, RoundError
 
 T = TypeVar("T")
@@ -96,6 +97,7 @@ class Exchange:
         shared_memory: bool | None = None,
     ):
         self.timeout = timedelta(seconds=timeout_s)
+        self.shm: SharedMemory | None = None  # host all-to-alls through /dev/shm (shm.py)
         if dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         elif "RANK" in os.environ or "WORLD_SIZE" in os.environ:
@@ -139,15 +141,10 @@ class Exchange:
             except BaseException:
                 self.close()
                 raise
-        self.shm: SharedMemory | None = None
         if shared_memory is not None and self.world > 1:  # a plane's: every rank says
             try:
                 with self.phase("start-up: shared memory"):
-                    token = agree(self, shared_memory)
-                    if token is not None:
-                        self.shm = SharedMemory(
-                            self.group, self.rank, self.world, token, self.timeout
-                        )
+                    self.shm = open_shared(self, shared_memory)
             except BaseException:
                 self.close()
                 raise
@@ -382,12 +379,22 @@ class Exchange:
             buf.is_cuda,
         )
 
-    def close(self) -> None:
+    def send_rows(self, rows: int, width: int) -> tuple[torch.Tensor, np.ndarray] | None:
+        """Host rows to write the next all-to-all's input into (shared memory's own file: not
+        copied again there, ``SharedMemory.send_rows``); ``None``: use a buffer of your own."""
+        return self.shm.send_rows(rows, width) if self.shm is not None else None
+
+    def close(self, drain: bool = False) -> None:
         """Remove the shared-memory files and destroy the plane's process group (not the
-        default one)."""
-        if getattr(self, "shm", None) is not None:
-            self.shm.close()
-            self.shm = None
+        default one). ``drain``: every rank closes here after the same exchanges (a clean
+        close): a barrier first, so that no peer still reads this rank's files."""
+        if self.shm is not None:
+            try:
+                if drain:
+                    self.barrier("close (shared memory)")
+            finally:
+                self.shm.close()
+                self.shm = None
         if self.group is not None and self.group is not dist.GroupMember.WORLD:
             with contextlib.suppress(Exception):  # the default group may already be gone
                 dist.destroy_process_group(self.group)

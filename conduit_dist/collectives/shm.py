@@ -207,7 +207,6 @@ class SharedMemory:
             out_splits = [out.shape[0] // world] * world
         i_off = [k * rb_in for k in _offsets(in_splits)]
         o_off = [k * rb_out for k in _offsets(out_splits)]
-        sizes = [-(-(n * rb_in) // _ALIGN) * _ALIGN for n in in_splits]
         half = self._calls % 2
         base = half * self.cap
         lent, self._lent = self._lent, None
@@ -220,6 +219,7 @@ class SharedMemory:
         if in_place:  # written into send_rows: each block is where it was written
             offsets = [self.head + i_off[d] for d in range(world)]
         else:
+            sizes = [-(-(n * rb_in) // _ALIGN) * _ALIGN for n in in_splits]
             need = self.head + sum(s for d, s in enumerate(sizes) if d != me)
             if need > self.cap:
                 try:
@@ -304,10 +304,10 @@ def _remove(paths: list[str]) -> None:
     paths.clear()
 
 
-def agree(ex, wanted: bool) -> str | None:
+def open_shared(ex, wanted: bool) -> SharedMemory | None:
     """Whether every rank of ``ex``'s group asked for shared memory (``wanted``), and if so,
-    check that each sees rank 0's ``/dev/shm`` and return the files' token (``None``: nobody
-    asked). Collective: every rank calls it at the same point, whatever it wants.
+    check that each sees rank 0's ``/dev/shm`` and return its :class:`SharedMemory` (``None``:
+    nobody asked). Collective: every rank calls it at the same point, whatever it wants.
 
     Raises:
         ConfigError: naming the ranks that asked where others did not, or that do not see rank
@@ -353,4 +353,4 @@ def agree(ex, wanted: bool) -> str | None:
             f"transport.shared_memory: ranks {missing} do not see rank 0's {SHM_DIR} (another "
             "host, or a container with its own); set shared_memory=False for planes across hosts"
         )
-    return name
+    return SharedMemory(ex.group, ex.rank, ex.world, name, ex.timeout)

@@ -112,12 +112,12 @@ def release(parts: Parts) -> None:
     try:
         if parts.clock.failed is None:
             parts.control.closing_round()
-            if parts.exchange.shm is not None:  # no peer still reads this rank's files
-                parts.exchange.barrier("close (shared memory)")
     finally:
         if parts.sched.close(abandon=parts.clock.failed is not None):
-            parts.exchange.close()
-            parts.storage.close()
+            try:
+                parts.exchange.close(drain=parts.clock.failed is None)
+            finally:
+                parts.storage.close()
         else:
             log.warning(
                 "rank %d: the round worker is still inside a failed round; the plane's group "

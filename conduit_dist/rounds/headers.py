@@ -58,7 +58,7 @@ class HeaderExchange:
             head_len,
             reduce_numel,
             device,
-            getattr(exchange, "shm", None),
+            exchange.send_rows,
         )
         self.speculative = isinstance(sampler, Speculative)
         self.routes = isinstance(sampler, RoutesFeedback)

@@ -49,8 +49,8 @@ class WireLayout:
         head_len: int64 values in a header.
         reduce_numel: float32 elements of a payload (0: none).
         device: where the rows live (the host: headers are parsed there).
-        shm: the exchange's shared memory (``collectives.shm.SharedMemory``) or ``None``: host
-            send rows are then written into its file directly, not copied there.
+        lend: ``lend(rows, width)``: send rows the exchange lends (``Exchange.send_rows``:
+            written where they go, not copied there), or ``None``; asked for host rows only.
     """
 
     def __init__(
@@ -61,11 +61,11 @@ class WireLayout:
         head_len: int,
         reduce_numel: int,
         device: torch.device,
-        shm=None,
+        lend=None,
     ) -> None:
         self.rb, self.rank, self.world = record_bytes, rank, learners.shape[0]
         # host rows over shared memory: the send rows are written in the exchange's own file
-        self.shm = shm if torch.device(device).type == "cpu" else None
+        self.lend = lend if torch.device(device).type == "cpu" else None
         self.learners = learners
         self._meta = torch.zeros((self.world, head_len), dtype=torch.int64)  # reused per round
         self._meta_np = self._meta.numpy()
@@ -154,7 +154,7 @@ class WireLayout:
             ``(rows, in_splits)``.
         """
         pay, in_splits, _ = self.splits(cand)
-        lent = self.shm.send_rows(sum(in_splits), self.rb) if self.shm is not None else None
+        lent = self.lend(sum(in_splits), self.rb) if self.lend is not None else None
         if lent is not None:
             send, rows = lent
         else:

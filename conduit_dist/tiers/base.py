@@ -23,7 +23,7 @@ import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.spec import _native
-from conduit_dist.tiers.cuda import IndexUpload
+from conduit_dist.tiers.cuda import IndexUpload, upload
 
 
 class Tier:
@@ -195,8 +195,7 @@ class Tier:
             return
         if base >= 0:
             idx = idx.remainder(self.slots)
-        if idx.device != data.device:
-            idx = idx.to(data.device)
+        idx = upload(idx, data.device)
         torch.index_select(data.view(torch.int64), 0, idx, out=rows.view(torch.int64))
 
     def _scratch(self, n: int, pinned: bool) -> torch.Tensor:

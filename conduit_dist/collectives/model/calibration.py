@@ -143,7 +143,7 @@ def build(
 
 def _agreed_model(ex: Exchange, topo: Topology, cache_dir: str | None) -> BandwidthModel:
     """The cached model if every rank has it, else a fresh calibration (cached per host)."""
-    backend = str(dist.get_backend(ex.group)) + ("+shm" if getattr(ex, "shm", None) else "")
+    backend = str(dist.get_backend(ex.group)) + ("+shm" if ex.shm else "")
     path = cache_path(cache_dir, backend, topo) if cache_dir else None
     model = agree(ex, load_cache(path, backend, topo) if path else None)
     if model is None:
