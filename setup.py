@@ -1,5 +1,5 @@
 """Builds the native helpers (row packing, NaN/inf scans, draws, trees, sequence links and
-n-step rows); the rest is in pyproject.toml."""
+n-step rows, the shared-memory barrier); the rest is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -7,8 +7,12 @@ setup(
     ext_modules=[
         Extension(
             "conduit_dist._native._pack",
-            ["conduit_dist/_native/pack.c", "conduit_dist/_native/seq.c"],
-            depends=["conduit_dist/_native/seq.h"],
+            [
+                "conduit_dist/_native/pack.c",
+                "conduit_dist/_native/seq.c",
+                "conduit_dist/_native/shmbar.c",
+            ],
+            depends=["conduit_dist/_native/seq.h", "conduit_dist/_native/shmbar.h"],
             extra_compile_args=["-O3"],
         )
     ]

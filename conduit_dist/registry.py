@@ -42,6 +42,9 @@ SCHEDULES = ("overlap", "sync", "auto")
 STRATEGIES = ("auto", *STRATEGY_NAMES)
 BANDWIDTHS = ("declared", "calibrate")
 EARLY_STARTS = ("auto", True, False)  # plane.early_start (train.setup.early_start)
+# transport.shared_memory: auto = on where every rank of the plane is on one host with room in
+# /dev/shm (collectives.shm.open_shared), else off, saying why
+SHARED_MEMORY = ("auto", True, False)
 MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one round at most
 MODES = ("colocated", "disaggregated")
 PLANE_KINDS = ("conduit", "simple")

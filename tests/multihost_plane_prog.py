@@ -42,6 +42,7 @@ def run(placement: str, rank: int) -> dict:
         "put": put,
         "held": shard_items(plane).tolist(),
         "strategies": strategies,
+        "shared_memory": plane._p.exchange.shm is not None,  # auto: off across hosts
     }
     plane.close()
     return out

@@ -3,7 +3,8 @@ veth pair, each host's own hostname (``unshare --uts``), ``torchrun --nnodes=2 -
 --nproc_per_node=2`` in each, gloo over the veth link.
 
 Checks host discovery (two hosts of two ranks, also when both hosts share one hostname: torchrun's
-node rank tells them apart), the link classes the bandwidth model prices, that every item put
+node rank tells them apart), that ``shared_memory="auto"`` stays off across them (they share one
+``/dev/shm`` here), the link classes the bandwidth model prices, that every item put
 lands exactly once, and that ``bandwidth_aware`` sends fewer bytes across hosts than
 ``round_robin`` for the same puts and fetches.
 
@@ -66,6 +67,9 @@ def test_two_hosts_of_two_ranks_discover_link_classes_and_keep_traffic_local(nam
             # self 0, same host 1, across hosts 2: the classes the bandwidth model prices
             assert topo["links"] == [[0, 1, 2, 2], [1, 0, 2, 2], [2, 2, 0, 1], [2, 2, 1, 0]]
             assert topo["strategies"]  # the rounds' exchanges went through the transport
+            # one /dev/shm, two hosts by their keys: shared_memory="auto" stays off, the
+            # rows cross the shaped link
+            assert topo["shared_memory"] is False, r
     for placement in PLACEMENTS:  # every item put lands exactly once
         put = sorted(x for got in ranks.values() for x in got[placement]["put"])
         held = sorted(x for got in ranks.values() for x in got[placement]["held"])

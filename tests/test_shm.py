@@ -5,6 +5,7 @@ batches as a plane without it, the files gone after ``close``, bad values refuse
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -53,9 +54,10 @@ def test_shared_memory_all_to_all_moves_gloos_bytes_and_removes_its_files():
     for rank, r in res.items():
         assert r["bad"] == [], (rank, r["bad"])
         assert len(r["gens"]) > 1, r["gens"]  # the large exchanges made larger files
-        mine = [f for f in r["during"] if f.split("-")[2] == str(rank)]
-        assert len(mine) == 1, r["during"]  # older generations were removed on the way
-    assert _files(res[0]["token"]) == []  # and the last ones at close
+        # every file was unlinked at the exchange after the one that made it (the peers had
+        # mapped it): nothing named in /dev/shm while the exchanges run
+        assert r["during"] == [], r["during"]
+    assert _files(res[0]["token"]) == []  # nor after close
 
 
 def _batches(rank: int, world: int, placement: str, strategy: str) -> dict[bool, list]:
@@ -125,18 +127,45 @@ def _dies(rank: int, world: int) -> object:
         if rank == 1 and it == 2:
             os._exit(3)
         plane.put({"x": torch.zeros(4, 3)})
+        start = time.monotonic()
         try:
             plane.fetch(4)
         except cd.RoundError as exc:
-            return exc.round, list(exc.ranks), plane._p.exchange.shm.token
+            waited = time.monotonic() - start
+            return exc.round, list(exc.ranks), plane._p.exchange.shm.token, str(exc), waited
     return "no error"
 
 
-def test_a_dead_peer_fails_the_round_naming_it():
+def test_a_dead_peer_fails_the_round_at_once_naming_it():
     got = run_ranks(_dies, 2, collective_timeout_s=3.0, expect_exit={1: 3})[0]
     assert got[:2] == (2, [1]), got
-    for f in _files(got[2]):  # the killed rank's file (a signal or os._exit skips the clean-up)
-        os.unlink(os.path.join(SHM_DIR, f))
+    assert "ranks [1] exited before arriving" in got[3], got[3]  # its lock is gone
+    assert got[4] < 2.0, got  # seen gone, not waited out (timeout 3 s)
+    # os._exit skips every clean-up, yet the killed rank's files were unlinked long before
+    assert _files(got[2]) == []
+
+
+def _late(rank: int, world: int) -> str | None:
+    from conduit_dist.collectives.exchange import Exchange
+
+    ex = Exchange(1.5, name="late", shared_memory=True)
+    rows = torch.zeros(4, 8, dtype=torch.uint8)
+    ex.all_to_all(torch.empty_like(rows), rows, [2] * world, [2] * world, 0)
+    error = None
+    if rank == 1:
+        time.sleep(2.5)  # alive, holding its lock, but past rank 0's timeout
+    else:
+        try:
+            ex.all_to_all(torch.empty_like(rows), rows, [2] * world, [2] * world, 1)
+        except cd.RoundError as exc:
+            error = str(exc)
+    ex.close()
+    return error
+
+
+def test_a_late_peer_fails_the_exchange_at_the_timeout_naming_it():
+    error = run_ranks(_late, 2)[0]
+    assert "timed out after 1.5s on rank 0: ranks [1] never arrived" in error, error
 
 
 def _full(rank: int, world: int) -> dict[str, object]:
@@ -180,11 +209,60 @@ def _mismatched(rank: int, world: int) -> str:
 
 def test_ranks_that_disagree_are_refused_on_every_rank_by_rank():
     for msg in run_ranks(_mismatched, 2).values():
-        assert "ranks [0] set it, ranks [1] did not" in msg, msg
+        assert "ranks [1] set False, ranks [0] set True; expected the same" in msg, msg
+
+
+def _auto(rank: int, world: int, room: bool, native: bool) -> dict[str, object]:
+    import logging
+
+    from conduit_dist.collectives import shm
+
+    if not room:  # more than any /dev/shm has free: every rank is short of room
+        shm.AUTO_MIN_FREE = 1 << 62
+    if not native:
+        shm._native = None
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("conduit_dist").addHandler(handler)
+    logging.getLogger("conduit_dist").setLevel(logging.INFO)
+    spec = cd.ExperienceSpec.from_batch({"x": torch.zeros(1, 3)})
+    plane = cd.DataPlane(spec, 64, seed=1, schedule="sync")  # shared_memory="auto"
+    plane.put({"x": torch.full((4, 3), float(rank))})
+    batch = plane.fetch(4)["x"]
+    on = plane._p.exchange.shm is not None
+    used = plane._p.exchange.shm.exchanges if on else 0
+    plane.close()
+    refused = None
+    if not native:
+        with pytest.raises(ConfigError) as got:
+            cd.DataPlane(spec, 64, transport=cd.TransportConfig(shared_memory=True))
+        refused = str(got.value)
+    return {"on": on, "used": used, "rows": batch.shape[0], "said": said, "refused": refused}
+
+
+def test_auto_is_on_on_one_host_with_room_and_off_saying_why_otherwise():
+    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+    from conduit_dist.collectives.shm import AUTO_MIN_FREE
+
+    for r in run_ranks(_auto, 2, True, True).values():
+        assert r["on"] == (free >= AUTO_MIN_FREE), r  # the default, here
+        assert r["rows"] == 4 and (r["used"] > 0) == r["on"], r
+    short = run_ranks(_auto, 2, False, True)
+    assert not any(r["on"] for r in short.values()), short
+    assert any("off, ranks [0, 1] have less than" in m for m in short[0]["said"]), short[0]
+    assert short[1]["said"] == []  # said once, by rank 0
+    bare = run_ranks(_auto, 2, True, False)
+    assert not any(r["on"] for r in bare.values()), bare
+    assert any("native extension" in m for m in bare[0]["said"]), bare[0]
+    for r in bare.values():  # required, it is refused instead
+        assert "needs the native extension" in r["refused"], r
 
 
 def test_bad_values_and_planes_without_it_are_refused():
-    with pytest.raises(ConfigError, match="transport.shared_memory: expected True or False"):
+    with pytest.raises(
+        ConfigError, match=r"transport.shared_memory: expected one of \['auto', True, False\]"
+    ):
         cd.TransportConfig(shared_memory="yes")
     with pytest.raises(ConfigError, match="the token plane moves its rows through gloo only"):
         spec = cd.TokenSpec({"tokens": cd.Ragged(torch.int32, 8), "reward": ((), torch.float32)})

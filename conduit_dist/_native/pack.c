@@ -19,6 +19,7 @@
 #define MAX_FIELDS 256
 
 #include "seq.h"
+#include "shmbar.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 /* an AVX2 clone next to the baseline one, picked at load time by the CPU it runs on */
@@ -830,4 +831,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pack", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__pack(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__pack(void) {
+    PyObject* m = PyModule_Create(&module);
+    if (m && PyModule_AddFunctions(m, shmbar_methods)) Py_CLEAR(m);
+    return m;
+}

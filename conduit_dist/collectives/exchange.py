@@ -64,8 +64,9 @@ class Exchange:
             group (``dist.uses_cuda``) and on which device.
         shared_memory: all-to-alls of host tensors through ``/dev/shm`` (every rank on one
             host; checked at construction), not gloo's sockets (``collectives/shm.py``).
-            ``True``/``False``: every rank says which at construction (a plane's exchange;
-            ranks that differ are refused by rank); ``None``: off, nothing agreed.
+            ``True``/``False``/``"auto"``: every rank says which at construction (a plane's
+            exchange; ranks that differ are refused by rank; ``"auto"``: on where every rank
+            is on one host with room, ``shm.open_shared``); ``None``: off, nothing agreed.
 
     The new group's backend is ``dist.plane_backend`` of that: ``gloo``, or
     ``cpu:gloo,cuda:<dist.chosen_cuda_backend()>``. With NCCL, construction runs one warm-up
@@ -94,7 +95,7 @@ class Exchange:
         name: str = "0",
         *,
         device: str | torch.device = "cpu",
-        shared_memory: bool | None = None,
+        shared_memory: bool | str | None = None,
     ):
         self.timeout = timedelta(seconds=timeout_s)
         self.shm: SharedMemory | None = None  # host all-to-alls through /dev/shm (shm.py)

@@ -2,46 +2,60 @@
 (``TransportConfig(shared_memory=True)``).
 
 gloo moves host tensors between processes over TCP, on one host too: every byte crosses the
-loopback socket, copied by the kernel on each side. Here each rank owns one file in ``/dev/shm``
-(mapped by every rank of the group), split in two halves used by alternate exchanges. An
-exchange writes this rank's rows for each peer into its half after a small header of byte
-offsets (one per destination), launches a tiny gloo all-reduce (the barrier, which also carries
-each rank's file generation), and, once every rank has written, copies each peer's rows for
-this rank out of that peer's half. The own rows are copied directly. Nothing is pickled.
+loopback socket, copied by the kernel on each side, and every call pays the socket round trips.
+Here each rank owns one file in ``/dev/shm`` (mapped by every rank of the group), split in two
+halves used by alternate exchanges. An exchange writes this rank's rows for each peer into its
+half after a small header of byte offsets (one per destination), arrives at the barrier, and,
+once every rank has arrived, copies each peer's rows for this rank out of that peer's half. The
+own rows are copied directly. Nothing is pickled, and no socket is involved.
+
+The barrier is a control block in shared memory (``_native/shmbar.c``): one slot per rank with
+the last exchange it arrived at and its file generation, a futex to sleep on. Arriving writes
+the slot and wakes the sleepers; waiting spins for 30 us, then sleeps on the missing peer's
+futex (the GIL released), checking the deadline and the peer's liveness every 2 ms. Liveness:
+each rank holds a POSIX lock on its byte of the control file for as long as it lives, so a
+waiter sees at once that a peer exited (its lock is gone) and fails naming it; a peer that is
+alive but late fails the wait at the plane's timeout, named too. The control file is created by
+rank 0 at start-up and unlinked as soon as every rank has mapped and locked it: nothing of it
+outlives the processes.
 
 Why two halves are enough: a rank writes a half again two exchanges later, after the barrier of
 the exchange in between, which every peer enters only once it has finished reading the exchange
-before it. A half too small makes a new, larger file (the next generation, twice the size at
-least); the old one is unlinked after the next barrier: a peer opens it by name only while
-reading the exchange before that barrier, and its mapping outlives the name. A peer's file is
-opened without ``O_CREAT`` (never recreated by a reader). Files are named
-``conduit-<token>-<rank>-<generation>`` (the token agreed at start-up) and removed at
-:meth:`SharedMemory.close` (a plane's ``close`` runs a barrier first, so no peer still reads) or
-at interpreter exit; a process killed by a signal leaves its files behind
-(``rm /dev/shm/conduit-*``). Space is reserved with ``posix_fallocate`` before any byte is
+before it. (So a peer is at most one exchange ahead: each slot keeps the generation for
+exchanges of each parity.) A half too small makes a new, larger file (the next generation, twice
+the size at least). Every peer maps a new generation as soon as an exchange's barrier publishes
+it (whether or not it reads from it then), so the file's name is unlinked at the next exchange's
+barrier: the mappings outlive it, and a job killed by a signal leaves nothing in ``/dev/shm``,
+unless it dies between a growth and the exchange after (then ``rm /dev/shm/conduit-*``). A
+peer's file is opened without ``O_CREAT`` (never recreated by a reader). Files are named
+``conduit-<token>-<rank>-<generation>`` (the token agreed at start-up); what is still named is
+removed at :meth:`SharedMemory.close` (a plane's ``close`` runs a barrier first, so no peer
+still reads) or at interpreter exit. Space is reserved with ``posix_fallocate`` before any byte is
 written, so a full ``/dev/shm`` fails with a clear error, never with a ``SIGBUS``: the rank
-that hit it still enters the exchange's barrier with generation -1, and every peer fails the
+that hit it still arrives at the exchange's barrier with generation -1, and every peer fails the
 exchange naming it.
 
-Which exchanges use it: every all-to-all of host tensors (the header exchange, writing its send
-rows in place; ingestion and delivery where the ``all_to_all`` strategy runs them). The meta
-all-gather, the ``p2p``, ``chunked4`` and ``gather`` strategies, broadcasts and rows on the GPU
-still go through the group.
-Files only grow: each rank's holds two halves of at least its largest exchange so far
-(calibration probes included).
+Which exchanges use it: every all-to-all of host tensors (the meta all-gather, which runs as an
+all-to-all; the header exchange, writing its send rows in place; ingestion and delivery where
+the ``all_to_all`` strategy runs them). The ``p2p``, ``chunked4`` and ``gather`` strategies,
+broadcasts and rows on the GPU still go through the group. Files only grow: each rank's holds
+two halves of at least its largest exchange so far (calibration probes included).
 
 Every rank must call :meth:`SharedMemory.start` for the same exchanges in the same order (as for
-any collective); waiting (:class:`ShmWork`) has the plane's timeout through the barrier's gloo
-work.
+any collective); waiting (:class:`ShmWork`) has the plane's timeout. Linux only (futex); the
+native extension is required (``pip install -e .``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import logging
 import mmap
 import os
 import secrets
+import socket
 import weakref
 from datetime import timedelta
 
@@ -50,9 +64,13 @@ import torch
 import torch.distributed as dist
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.native import _native
+
+log = logging.getLogger("conduit_dist")
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # each block starts on a cache line
+_SLOT = 64  # bytes per rank in the control block (shmbar.c)
 
 
 def _offsets(splits: list[int]) -> list[int]:
@@ -69,44 +87,61 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 class ShmWork:
-    """The barrier's gloo work of one exchange; the first successful :meth:`wait` copies this
-    rank's rows out of the peers' halves (``wait`` returns as gloo's does, and may be called
-    again after gloo's timeout raised)."""
+    """One exchange's arrival at the barrier; the first successful :meth:`wait` copies this
+    rank's rows out of the peers' halves (a failed wait may be retried, as gloo's may)."""
 
-    def __init__(self, work: dist.Work, finish) -> None:
-        self.work, self._finish, self.done = work, finish, False
+    def __init__(self, shm: SharedMemory, seq: int, finish) -> None:
+        self._shm, self.seq, self._finish, self.done = shm, seq, finish, False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Wait for every rank to have written, then read what the peers wrote for this rank."""
-        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
-        if ok is False:
-            return False
+        """Wait for every rank to have written, then read what the peers wrote for this rank.
+
+        Raises:
+            RuntimeError: at the timeout (naming the ranks that never arrived), or at once when
+                a missing rank exited (naming it).
+        """
         if not self.done:
+            shm = self._shm
+            limit = (timeout or shm.timeout).total_seconds()
+            state, ranks = shm.wait(self.seq, limit)
+            if state == 1:
+                raise RuntimeError(
+                    f"shared-memory barrier timed out after {limit:g}s on rank {shm.rank}: ranks "
+                    f"{ranks} never arrived at this exchange"
+                )
+            if state == 2:
+                raise RuntimeError(
+                    f"shared-memory barrier: ranks {ranks} exited before arriving at this "
+                    f"exchange (their lock on the plane's control block is gone)"
+                )
             self._finish()
             self.done = True
         return True
 
     def is_completed(self) -> bool:
         """Whether every rank has written (the rows are read by the next :meth:`wait`)."""
-        return self.done or self.work.is_completed()
+        return self.done or self._shm.wait(self.seq, 0.0)[0] == 0
 
 
 class SharedMemory:
-    """Shared-memory all-to-all for the ranks of ``group`` (all on one host: :func:`agree`).
+    """Shared-memory all-to-all for the ranks of one host (made by :func:`open_shared`).
 
     Args:
-        group: the plane's process group (its gloo backend runs the barrier).
-        rank: this rank in the group; world: the group's size.
+        rank: this rank in the plane's group; world: the group's size.
         token: the files' name part every rank agreed on.
+        control: the control block's descriptor (holding this rank's lock) and mapping.
         timeout: the plane's collective timeout.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, world: int, token: str,
+        self, rank: int, world: int, token: str, control: tuple[int, torch.Tensor],
         timeout: timedelta = timedelta(seconds=60),
     ) -> None:  # fmt: skip
-        self.group, self.rank, self.world, self.token = group, rank, world, token
-        self.timeout = timeout  # of the barrier a rank that cannot grow its file still enters
+        self.rank, self.world, self.token = rank, world, token
+        self.timeout = timeout  # of every barrier wait (a ShmWork's unless it is given one)
+        self._ctl_fd, self._ctl = control
+        self._ctl_addr = self._ctl.data_ptr()
+        self._ctl_gens = self._ctl.numpy().view(np.int64)  # slot r's gen[k]: [r * 8 + 1 + k]
         self.head = -(-world * 8 // _ALIGN) * _ALIGN  # a half's header: byte offsets
         self.cap = 0  # bytes in each half of this rank's file
         self.gen = 0  # this rank's file generation (0: none yet)
@@ -114,15 +149,14 @@ class SharedMemory:
         self._mine_np: np.ndarray | None = None
         self._peers: dict[int, tuple] = {}  # rank -> (gen, cap, map, its numpy view)
         self._calls = 0  # exchanges so far, the same on every rank: which half is in use
-        self._stale: list[str] = []  # old files of this rank, unlinked after the next barrier
+        # this rank's files still named on disk: (the exchange that published it, path),
+        # unlinked once a later exchange's barrier passed (every peer has mapped them by then)
+        self._named: list[tuple[int, str]] = []
         self._owned: list[str] = []  # every file of this rank still on disk (removed at exit)
         weakref.finalize(self, _remove, self._owned)
-        self._gens = torch.zeros(world, dtype=torch.int64)
-        self._gens_np = self._gens.numpy()  # (a Python int set into a tensor makes a tensor)
         self._lent: tuple[int, int] | None = None  # (exchange, address) of send_rows' rows
         self.exchanges = 0  # all-to-alls run through shared memory
         self.in_place = 0  # of which took their rows where send_rows lent them (no copy in)
-        self._opts = dist.AllreduceOptions()
 
     def path(self, rank: int, gen: int) -> str:
         """The file of ``rank``'s generation ``gen``."""
@@ -152,8 +186,7 @@ class SharedMemory:
             mapped, mapped_np = _map(fd, 2 * cap)
         finally:
             os.close(fd)
-        if self.gen:
-            self._stale.append(self.path(self.rank, self.gen))
+        self._named.append((self._calls + 1, path))  # published by the next exchange
         self._mine, self._mine_np, self.cap, self.gen = mapped, mapped_np, cap, self.gen + 1
 
     def send_rows(self, rows: int, width: int) -> tuple[torch.Tensor, np.ndarray] | None:
@@ -239,15 +272,14 @@ class SharedMemory:
         n_own = out_splits[me] * rb_out
         if n_own:
             dst[o_off[me] : o_off[me] + n_own].copy_(src[i_off[me] : i_off[me] + n_own])
-        self._gens_np[:] = 0
-        self._gens_np[me] = self.gen
-        work = self.group.allreduce([self._gens], self._opts)
         self._calls += 1
+        seq = self._calls
+        _native.shm_arrive(self._ctl_addr, me, seq, self.gen)
         self.exchanges += 1
         self.in_place += bool(in_place)
 
         def finish() -> None:
-            gens = self._gens_np.tolist()
+            gens = self._ctl_gens[1 + (seq & 1) :: _SLOT // 8][:world].tolist()
             failed = [p for p, g in enumerate(gens) if g < 0]
             if failed:
                 raise ConfigError(
@@ -256,34 +288,42 @@ class SharedMemory:
                 )
             for p in range(world):
                 n = out_splits[p] * rb_out
-                if p == me or not n:
+                if p == me or not gens[p]:
                     continue
-                cap, seg, seg_np = self._peer(p, int(gens[p]))
+                cap, seg, seg_np = self._peer(p, int(gens[p]))  # a new file: mapped now
+                if not n:
+                    continue
                 pbase = half * cap
                 off = int(seg_np[pbase + 8 * me : pbase + 8 * me + 8].view(np.int64)[0])
                 dst[o_off[p] : o_off[p] + n].copy_(seg[pbase + off : pbase + off + n])
-            for path in self._stale:  # no peer opens these by name any more (see the module)
+            while self._named and self._named[0][0] < seq:  # every peer has mapped it
+                path = self._named.pop(0)[1]
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 self._owned.remove(path)
-            self._stale = []
 
-        return ShmWork(work, finish)
+        return ShmWork(self, seq, finish)
+
+    def wait(self, seq: int, timeout_s: float) -> tuple[int, list[int]]:
+        """Wait until every rank arrived at exchange ``seq`` (``0``, ``[]``), or say which ranks
+        had not at ``timeout_s`` (``1``, ranks; ``0.0``: check once) or exited (``2``, ranks)."""
+        return _native.shm_wait(self._ctl_addr, self.world, self.rank, seq, timeout_s, self._ctl_fd)
 
     def _announce_failure(self) -> None:
-        """Enter this exchange's barrier with generation -1, so that every peer fails it naming
-        this rank, instead of waiting for the timeout."""
-        self._gens_np[:] = 0
-        self._gens_np[self.rank] = -1
-        work = self.group.allreduce([self._gens], self._opts)
-        with contextlib.suppress(Exception):  # the error to raise is the caller's
-            work.wait(self.timeout)
+        """Arrive at this exchange's barrier with generation -1, so that every peer fails it
+        naming this rank, instead of waiting for the timeout."""
+        self._calls += 1
+        _native.shm_arrive(self._ctl_addr, self.rank, self._calls, -1)
+        self.wait(self._calls, self.timeout.total_seconds())  # the error to raise is the caller's
 
     def close(self) -> None:
         """Remove this rank's files (the mappings peers hold stay valid until they drop them);
         also run at interpreter exit for a plane never closed."""
         _remove(self._owned)
-        self._stale, self._mine, self._mine_np, self._peers = [], None, None, {}
+        self._named, self._mine, self._mine_np, self._peers = [], None, None, {}
+        if self._ctl_fd >= 0:  # releases this rank's lock: peers see it gone
+            os.close(self._ctl_fd)
+            self._ctl_fd = -1
         self.gen = self.cap = 0
         self._lent = None
 
@@ -304,53 +344,146 @@ def _remove(paths: list[str]) -> None:
     paths.clear()
 
 
-def open_shared(ex, wanted: bool) -> SharedMemory | None:
-    """Whether every rank of ``ex``'s group asked for shared memory (``wanted``), and if so,
-    check that each sees rank 0's ``/dev/shm`` and return its :class:`SharedMemory` (``None``:
-    nobody asked). Collective: every rank calls it at the same point, whatever it wants.
+AUTO_MIN_FREE = 512 << 20  # "auto" turns shared memory on only with this much free in /dev/shm
+_CODES = {False: 1, True: 2, "auto": 3}  # a rank's setting in the agreement (0: not heard)
+
+
+def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
+    """Agree ``transport.shared_memory`` (``wanted``: ``True``, ``False`` or ``"auto"``) over
+    ``ex``'s group and return this rank's :class:`SharedMemory`, or ``None`` where it is off.
+    Collective: every rank calls it at the same point, whatever it wants.
+
+    ``True`` checks that every rank sees rank 0's ``/dev/shm``; ``"auto"`` turns it on only
+    where every rank does, all are on one host by the topology's host keys
+    (``topology.host_key``: emulated hosts sharing one ``/dev/shm`` stay apart), the native
+    extension is built and every rank has :data:`AUTO_MIN_FREE` bytes free there, and
+    otherwise says why once (rank 0, ``INFO``).
 
     Raises:
-        ConfigError: naming the ranks that asked where others did not, or that do not see rank
-            0's ``/dev/shm`` (another host, or another container).
+        ConfigError: naming the ranks whose setting differs from rank 0's; with ``True``, the
+            ranks that do not see rank 0's ``/dev/shm`` (another host, or another container),
+            or a missing native extension.
     """
     asked = torch.zeros(ex.world, dtype=torch.int64)
-    asked[ex.rank] = int(wanted)
+    asked[ex.rank] = _CODES[wanted]
     ex.run(lambda: dist.all_reduce(asked, group=ex.group, async_op=True), "shm setting")
-    yes = [r for r, a in enumerate(asked.tolist()) if a]
-    if not yes:
-        return None
-    if len(yes) < ex.world:
-        raise ConfigError(
-            f"transport.shared_memory: ranks {yes} set it, ranks "
-            f"{sorted(set(range(ex.world)) - set(yes))} did not; expected the same on every rank"
+    codes = asked.tolist()
+    differ = [r for r, c in enumerate(codes) if c != codes[0]]
+    if differ:
+        names = {c: w for w, c in _CODES.items()}
+        said = ", ".join(
+            f"ranks {[r for r, c in enumerate(codes) if c == code]} set {names[code]!r}"
+            for code in sorted(set(codes))
         )
-    token = torch.zeros(2, dtype=torch.int64)  # [token, whether rank 0 wrote its probe]
+        raise ConfigError(f"transport.shared_memory: {said}; expected the same on every rank")
+    if wanted is False:
+        return None
+    auto = wanted == "auto"
+    if _native is None:  # the same install on every rank of one host: all decide alike
+        why = "the native extension conduit_dist._native._pack is not built (pip install -e .)"
+        if auto:
+            return _off(ex, why)
+        raise ConfigError(f"transport.shared_memory: needs {why}; set shared_memory=False")
+    token = torch.zeros(2, dtype=torch.int64)  # [token, whether rank 0 made the control file]
     why = ""
     if ex.rank == 0:
         token[0] = secrets.randbits(62)
         try:
-            with open(os.path.join(SHM_DIR, f"conduit-{int(token[0]):016x}-probe"), "wb"):
-                pass
+            _make_control(_control_path(f"{int(token[0]):016x}"), ex.world)
             token[1] = 1
         except OSError as exc:
             why = f" ({exc.strerror})"
     ex.run(lambda: dist.broadcast(token, 0, group=ex.group, async_op=True), "shm token")
     if not int(token[1]):
+        if auto:
+            return _off(ex, f"rank 0 could not create a file in {SHM_DIR}")
         raise ConfigError(
             f"transport.shared_memory: rank 0 could not create a file in {SHM_DIR}{why}; set "
             "shared_memory=False where there is no shared /dev/shm"
         )
     name = f"{int(token[0]):016x}"
-    probe = os.path.join(SHM_DIR, f"conduit-{name}-probe")
-    seen = torch.zeros(ex.world, dtype=torch.int64)
-    seen[ex.rank] = int(os.path.exists(probe))
-    ex.run(lambda: dist.all_reduce(seen, group=ex.group, async_op=True), "shm probe")
-    if ex.rank == 0:
-        os.unlink(probe)
-    missing = [r for r, s in enumerate(seen.tolist()) if not s]
-    if missing:
+    path = _control_path(name)
+    control = None
+    with contextlib.suppress(OSError):  # not seen: another host or container (named below)
+        control = _open_control(path, ex.rank, ex.world)
+    from conduit_dist.collectives.topology import host_key  # (topology imports the exchange)
+
+    # [rank]: 1 sees the control file; [world + rank]: MiB free in its /dev/shm; [2 world +
+    # rank]: its host key, hashed
+    seen = torch.zeros(3 * ex.world, dtype=torch.int64)
+    seen[ex.rank] = int(control is not None)
+    seen[ex.world + ex.rank] = _free_bytes() >> 20
+    key = host_key(os.environ, socket.gethostname()).encode()
+    seen[2 * ex.world + ex.rank] = int.from_bytes(hashlib.sha1(key).digest()[:7], "little")
+    try:
+        ex.run(lambda: dist.all_reduce(seen, group=ex.group, async_op=True), "shm probe")
+    finally:
+        if ex.rank == 0:  # every rank that sees it has mapped and locked it by now
+            os.unlink(path)
+    flags = seen.tolist()
+    missing = [r for r in range(ex.world) if not flags[r]]
+    low = [r for r in range(ex.world) if flags[ex.world + r] < AUTO_MIN_FREE >> 20]
+    apart = [r for r in range(ex.world) if flags[2 * ex.world + r] != flags[2 * ex.world]]
+    if missing or (auto and (low or apart)):
+        if control is not None:
+            os.close(control[0])
+        if auto:
+            return _off(
+                ex,
+                f"ranks {missing} do not see rank 0's {SHM_DIR} (several hosts or containers)"
+                if missing
+                else f"ranks {apart} are on other hosts than rank 0 (topology host keys)"
+                if apart
+                else f"ranks {low} have less than {AUTO_MIN_FREE >> 20} MiB free in {SHM_DIR} "
+                f"({min(flags[ex.world + r] for r in low)} MiB at least)",
+            )
         raise ConfigError(
             f"transport.shared_memory: ranks {missing} do not see rank 0's {SHM_DIR} (another "
             "host, or a container with its own); set shared_memory=False for planes across hosts"
         )
-    return SharedMemory(ex.group, ex.rank, ex.world, name, ex.timeout)
+    return SharedMemory(ex.rank, ex.world, name, control, ex.timeout)
+
+
+def _off(ex, why: str) -> None:
+    """``"auto"`` decided against shared memory: say why, once per plane (rank 0)."""
+    if ex.rank == 0:
+        log.info("transport.shared_memory=auto: off, %s; host rows go through gloo", why)
+    return None
+
+
+def _free_bytes() -> int:
+    """Bytes free in ``/dev/shm`` for this process (0 where it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _control_path(token: str) -> str:
+    return os.path.join(SHM_DIR, f"conduit-{token}-ctl")
+
+
+def _make_control(path: str, world: int) -> None:
+    """Create the control block (zeros: no rank arrived anywhere) with its space reserved."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, world * _SLOT)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _open_control(path: str, rank: int, world: int) -> tuple[int, torch.Tensor]:
+    """Map the control block and take this rank's lock on it; the descriptor stays open (closing
+    it releases the lock) until :meth:`SharedMemory.close`."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _native.shm_lock(fd, rank)
+        mapped, _ = _map(fd, world * _SLOT)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapped

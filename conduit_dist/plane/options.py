@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError
-from conduit_dist.registry import BANDWIDTHS, STRATEGIES, check_choice
+from conduit_dist.registry import BANDWIDTHS, SHARED_MEMORY, STRATEGIES, check_choice
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,10 @@ class TransportConfig:
             the links at start-up, cached in ``bandwidth_cache``) or a ``BandwidthModel``.
         bandwidth_cache: directory of the calibration cache (``None``: no cache).
         shared_memory: move host rows between the plane's ranks through ``/dev/shm`` instead
-            of gloo's sockets (every rank on one host, checked at construction; rows on the
-            GPU still go through the group). Off by default: the bandwidth model does not price
-            it yet (``collectives/shm.py``).
+            of gloo's sockets (``collectives/shm.py``; rows on the GPU still go through the
+            group). ``"auto"`` (the default): on where every rank of the plane is on one host
+            and each has 512 MiB free there, else off (logged once, with the reason); ``True``:
+            on, and a plane whose ranks do not share ``/dev/shm`` is refused; ``False``: off.
 
     Raises:
         ConfigError: on a value outside the allowed ones, naming the field.
@@ -35,7 +36,7 @@ class TransportConfig:
     strategy: str = "auto"
     bandwidth: str | BandwidthModel = "declared"
     bandwidth_cache: str | None = "~/.cache/conduit_dist"
-    shared_memory: bool = False
+    shared_memory: bool | str = "auto"
 
     def __post_init__(self) -> None:
         t = self.timeout_s
@@ -48,9 +49,10 @@ class TransportConfig:
         check_choice("transport.strategy", self.strategy, STRATEGIES)
         if not isinstance(self.bandwidth, BandwidthModel):
             check_choice("transport.bandwidth", self.bandwidth, (*BANDWIDTHS, "a BandwidthModel"))
-        if not isinstance(self.shared_memory, bool):
+        if not (isinstance(self.shared_memory, bool) or self.shared_memory == "auto"):
             raise ConfigError(
-                f"transport.shared_memory: expected True or False, got {self.shared_memory!r}"
+                f"transport.shared_memory: expected one of {list(SHARED_MEMORY)}, got "
+                f"{self.shared_memory!r}"
             )
         if self.bandwidth_cache is not None and not isinstance(self.bandwidth_cache, str):
             raise ConfigError(

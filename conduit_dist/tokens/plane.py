@@ -96,10 +96,10 @@ class TokenPlane:
             raise ConfigError(f"replay: expected one of {list(REPLAYS)}, got {replay!r}")
         max_age = check_max_age("max_policy_age", max_policy_age)
         transport = TransportConfig.of(transport)
-        if transport.shared_memory:  # no silent fallback to gloo
+        if transport.shared_memory is True:  # no silent fallback to gloo ("auto": off here)
             raise ConfigError(
                 "transport.shared_memory: the token plane moves its rows through gloo only (not "
-                "built for it yet); expected False, got True"
+                "built for it yet); expected 'auto' or False, got True"
             )
         self.spec, self.device = spec, resolve_device(device)
         self.store = GroupStore(spec, capacity_per_rank, tokens_per_rank)

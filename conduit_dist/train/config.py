@@ -85,8 +85,9 @@ class PlaneConfig:
         bandwidth_cache: directory of calibration caches.
         latency_us: declared per-call latency (when not calibrating).
         gbps: declared bandwidth per link class ``self``, ``host``, ``net`` (GB/s).
-        shared_memory: host rows between the ranks through ``/dev/shm`` (every rank on one
-            host) instead of gloo's sockets.
+        shared_memory: host rows between the ranks through ``/dev/shm`` instead of gloo's
+            sockets: ``auto`` (the default: on where every rank is on one host with room in
+            ``/dev/shm``), ``true`` (required) or ``false``.
     """
 
     kind: str = "conduit"
@@ -110,7 +111,7 @@ class PlaneConfig:
     bandwidth_cache: str = "~/.cache/conduit_dist"
     latency_us: float = 150.0
     gbps: dict[str, float] = field(default_factory=lambda: {"self": 8.0, "host": 1.5, "net": 0.1})
-    shared_memory: bool = False
+    shared_memory: Any = "auto"  # auto | true | false (registry.SHARED_MEMORY)
 
 
 @dataclass
@@ -332,6 +333,7 @@ def validate(cfg: TrainConfig) -> None:
         ("plane.strategy", cfg.plane.strategy, registry.STRATEGIES),
         ("plane.max_lag", cfg.plane.max_lag, registry.MAX_LAGS),
         ("plane.early_start", cfg.plane.early_start, registry.EARLY_STARTS),
+        ("plane.shared_memory", cfg.plane.shared_memory, registry.SHARED_MEMORY),
         ("logger.kind", cfg.logger.kind, registry.LOGGERS),
         ("logger.mode", cfg.logger.mode, registry.LOGGER_MODES),
         ("algo.ppo.shuffle", cfg.algo.ppo.shuffle, registry.SHUFFLES),
