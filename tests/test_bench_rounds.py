@@ -26,6 +26,8 @@ def test_bench_rounds_runs_every_case_from_an_empty_store():
         assert r["calls"] >= 1 and r["bytes"] > 0 and r["round_ms"] > 0 and r["raw_ms"] > 0
         assert r["torch_allocs"] <= 0.1, r  # e.g. 0.05: one pool growth in 20 early rounds
         assert r["py_peak_bytes"] > 0, r  # tracemalloc saw the round's Python objects
+        # shared_memory="auto" (the default) on one host: replayed through it too, like for like
+        assert r["shared_memory"] == (r["raw_shm_ms"] is not None), r
 
 
 def test_the_allocation_counter_counts_new_storage_only():

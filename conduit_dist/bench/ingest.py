@@ -9,11 +9,15 @@ returns), donating (``put(batch, donate=True)``: packed by the round, while its 
 in flight), and written in place (``plane.staged(n)``: the producer's writes into the staging rows
 are not timed, as the raw baseline's buffer is ready too; the round alone is). Goodput =
 experience bytes ingested per rank per second. All are timed interleaved, call by call (each
-rank's slowest, medians over repeats); the JSON line's ``summary`` has ``min_vs_raw_from_1MiB``
-(copying ``put``), ``min_vs_raw_from_1MiB_donated`` and ``min_vs_raw_from_1MiB_staged``.
-``--shared-memory`` runs the plane over ``/dev/shm`` (``TransportConfig(shared_memory=True)``)
-against the same gloo baseline: a different transport, so a favourable setting, not a like for
-like one.
+rank's slowest, medians over repeats).
+
+Two planes side by side (``--transports``): ``gloo`` (``shared_memory=False``, the neutral
+setting: the same transport as the raw baseline) and ``shm`` (``shared_memory=True``, what
+``auto`` picks for ranks of one host: a favourable setting against gloo, so the raw call is
+also replayed through a shared-memory exchange of its own, ``raw_shm_ms``). Every ratio
+(``<transport>_<copy|donate|staged>_vs_raw``) is against gloo's raw all-to-all; the JSON
+line's ``summary`` has each one's minimum from 1 MiB per peer
+(``<transport>_<how>_min_vs_raw_from_1MiB``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ import torch.distributed as dist
 
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
+from conduit_dist.collectives.exchange import Exchange
 
 KIB = 1024
+TRANSPORTS = ("gloo", "shm")
+HOWS = ("copy", "donate", "staged")
 
 
 def _batch(n: int) -> dict[str, torch.Tensor]:
@@ -73,84 +80,96 @@ def main(argv: list[str]) -> None:
         "--sizes-kib", nargs="+", type=number(int, 1), default=[64, 256, 1024, 4096, 16384, 65536]
     )
     p.add_argument("--repeats", type=number(int, 1), default=15)
-    p.add_argument("--shared-memory", action="store_true",
-                   help="the plane moves host rows through /dev/shm (TransportConfig(shared_"
-                        "memory=True)); the raw baseline stays gloo's all-to-all")  # fmt: skip
+    p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
+                   help="the planes timed: gloo (shared_memory=False), shm (True); the raw "
+                        "baselines are gloo's all-to-all and, with shm, a shared-memory "
+                        "exchange's")  # fmt: skip
     a = p.parse_args(argv)
     cd.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     spec = cd.ExperienceSpec.from_batch(_batch(1))
+    raw_ex = Exchange(60.0, name="bench-raw", shared_memory="shm" in a.transports)
     rows = []
     for kib in a.sizes_kib:
         per_peer = max(1, kib * KIB // spec.record_bytes)
         n = per_peer * world
         nbytes = n * spec.record_bytes
         batch = _batch(n)
-        plane = cd.DataPlane(
-            spec, capacity_per_rank=4 * n, seed=0, placement="round_robin", schedule="sync",
-            transport=cd.TransportConfig(shared_memory=a.shared_memory),
-        )  # fmt: skip
-
-        def copying(plane=plane, batch=batch):
-            plane.put(batch)
-            plane.flush()
-
-        def donating(plane=plane, batch=batch):
-            plane.put(batch, donate=True)
-            plane.flush()
-
-        def produce(plane=plane, batch=batch, n=n):  # untimed: a producer writing in place
-            with plane.staged(n) as rows:
-                for k, v in batch.items():
-                    rows[k].copy_(v)
-
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         dst = torch.empty_like(src)
-        t = _timed(
-            {
-                "copy": (None, copying),
-                "donate": (None, donating),
-                "staged": (produce, plane.flush),
-                "raw": (None, lambda src=src, dst=dst: dist.all_to_all_single(dst, src)),
-            },
-            a.repeats,
-            warmup=3,  # wraps the ring once: memory touched
-        )
-        plane.close()
-        rows.append(
-            {
-                "per_peer_kib": per_peer * spec.record_bytes / KIB,
-                "conduit_gbps": nbytes / t["copy"] / 1e9,
-                "donated_gbps": nbytes / t["donate"] / 1e9,
-                "raw_gbps": nbytes / t["raw"] / 1e9,
-                "ratio": t["raw"] / t["copy"],
-                "ratio_donated": t["raw"] / t["donate"],
-                "ratio_staged": t["raw"] / t["staged"],
-                "staged_ms": t["staged"] * 1e3,
-                "conduit_ms": t["copy"] * 1e3,
-                "donated_ms": t["donate"] * 1e3,
-                "raw_ms": t["raw"] * 1e3,
-            }
-        )
-        if rank == 0:
-            r = rows[-1]
-            print(
-                f"{kib:>6} KiB/peer  put {r['conduit_ms']:.2f} ms  put(donate) "
-                f"{r['donated_ms']:.2f} ms  raw {r['raw_ms']:.2f} ms ({r['raw_gbps']:.2f} GB/s)"
-                f"  ratio {r['ratio']:.2f} / donated {r['ratio_donated']:.2f}"
-                f" / staged {r['ratio_staged']:.2f} ({r['staged_ms']:.2f} ms)",
-                flush=True,
+        fns = {"raw": (None, lambda src=src, dst=dst: dist.all_to_all_single(dst, src))}
+        if raw_ex.shm is not None:
+            fns["raw_shm"] = (
+                None,
+                lambda src=src, dst=dst, shm=raw_ex.shm: shm.start(dst, src, [], []).wait(),
             )
+        planes = {}
+        for kind in a.transports:
+            plane = planes[kind] = cd.DataPlane(
+                spec, capacity_per_rank=4 * n, seed=0, placement="round_robin", schedule="sync",
+                transport=cd.TransportConfig(shared_memory=kind == "shm"),
+            )  # fmt: skip
+            fns.update(_plane_fns(kind, plane, batch, n))
+        t = _timed(fns, a.repeats, warmup=3)  # warm-up wraps the ring once: memory touched
+        for plane in planes.values():
+            plane.close()
+        row = {"per_peer_kib": per_peer * spec.record_bytes / KIB, "raw_ms": t["raw"] * 1e3}
+        row["raw_gbps"] = nbytes / t["raw"] / 1e9
+        if "raw_shm" in t:
+            row["raw_shm_ms"] = t["raw_shm"] * 1e3
+        for kind in a.transports:
+            for how in HOWS:
+                row[f"{kind}_{how}_ms"] = t[f"{kind}:{how}"] * 1e3
+                row[f"{kind}_{how}_vs_raw"] = t["raw"] / t[f"{kind}:{how}"]
+        rows.append(row)
+        if rank == 0:
+            _print(kib, row, a.transports)
     big = [r for r in rows if r["per_peer_kib"] >= 1000]
     if rank == 0:
         summary = {
-            "min_vs_raw_from_1MiB": min(r["ratio"] for r in big) if big else None,
-            "min_vs_raw_from_1MiB_donated": min(r["ratio_donated"] for r in big) if big else None,
-            "min_vs_raw_from_1MiB_staged": min(r["ratio_staged"] for r in big) if big else None,
-        }
+            f"{kind}_{how}_min_vs_raw_from_1MiB": min(r[f"{kind}_{how}_vs_raw"] for r in big)
+            if big else None
+            for kind in a.transports for how in HOWS
+        }  # fmt: skip
         emit("ingest", rows, summary, world=world, backend=dist.get_backend(),
-             shared_memory=a.shared_memory)  # fmt: skip
+             transports=a.transports)  # fmt: skip
+    raw_ex.close(drain=True)
     cd.destroy_distributed()
+
+
+def _plane_fns(kind: str, plane: cd.DataPlane, batch, n: int) -> dict[str, tuple]:
+    """The three timed ingestions of ``plane`` as ``(setup, fn)``: ``kind:copy``,
+    ``kind:donate`` and ``kind:staged``."""
+
+    def copying() -> None:
+        plane.put(batch)
+        plane.flush()
+
+    def donating() -> None:
+        plane.put(batch, donate=True)
+        plane.flush()
+
+    def produce() -> None:  # untimed: a producer writing in place
+        with plane.staged(n) as rows:
+            for k, v in batch.items():
+                rows[k].copy_(v)
+
+    return {
+        f"{kind}:copy": (None, copying),
+        f"{kind}:donate": (None, donating),
+        f"{kind}:staged": (produce, plane.flush),
+    }
+
+
+def _print(kib: int, row: dict, transports: list[str]) -> None:
+    shm = f", raw shm {row['raw_shm_ms']:.2f} ms" if "raw_shm_ms" in row else ""
+    print(f"{kib:>6} KiB/peer  raw gloo {row['raw_ms']:.2f} ms ({row['raw_gbps']:.2f} GB/s){shm}")
+    for kind in transports:
+        cells = "  ".join(
+            f"{how} {row[f'{kind}_{how}_ms']:.2f} ms ({row[f'{kind}_{how}_vs_raw']:.2f}x)"
+            for how in HOWS
+        )
+        print(f"        {kind:>5}: {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ records every all-to-all it launches (bytes sent to and received from each peer)
 replays exactly those calls from ready buffers, nothing else, through the entry point the plane
 uses (the process group's ``alltoall_base``, on a group of its own: ``dist.all_to_all_single``
 adds ~0.04 ms of Python-side checks a call here, which would flatter the plane).
-Both start after a barrier; each sample is the slowest rank's wall time (a round ends when its
-last rank does) and the CPU time (``time.process_time``: every thread of the process, gloo's
-included), medians over samples, the two interleaved sample by sample.
+Where the plane moves host rows through shared memory (``--shared-memory``: ``auto``, the
+plane's default, is on for ranks of one host), the same calls are also replayed raw through a
+shared-memory exchange of their own (``raw_shm_ms``: the round's own transport, like for like);
+``raw_ms`` stays gloo's (the neutral floor). Both start after a barrier; each sample is the
+slowest rank's wall time (a round ends when its last rank does) and the CPU time
+(``time.process_time``: every thread of the process, gloo's included), medians over samples,
+interleaved sample by sample.
 
 Cases (DQN-sized records: 56 bytes; every rank puts ``--put`` items and fetches ``--batch``):
 
@@ -29,10 +33,12 @@ backward of ``B`` ms (a sleep: a GPU's backward leaves the host free), then fetc
 is ``fetch_start``'s own time plus the wait in ``fetch`` (slowest rank), ``exposed_ms`` the
 median (``bench sim`` checks the simulator's exposed latency against it).
 
-The JSON line's ``summary`` has per case ``round_ms``, ``raw_ms``, ``vs_raw`` (round / raw, wall),
-``round_cpu_ms``, ``raw_cpu_ms``, ``cpu_vs_raw``, ``calls`` and ``bytes`` (per rank, sent), the
-allocation counts above, and ``fused_vs_three_exchange`` (the fused round's wall over the
-three-exchange round's).
+The JSON line's ``summary`` has per case ``round_ms``, ``raw_ms``, ``vs_raw`` (round / raw gloo,
+wall), ``round_cpu_ms``, ``raw_cpu_ms``, ``cpu_vs_raw``, with shared memory ``raw_shm_ms``,
+``raw_shm_cpu_ms``, ``vs_raw_shm`` and ``cpu_vs_raw_shm`` (``None`` without), ``shared_memory``
+(whether the plane used it), ``calls`` and ``bytes`` (per rank, sent), the allocation counts
+above, and ``fused_vs_three_exchange`` (the fused round's wall over the three-exchange
+round's).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
+from conduit_dist.collectives.exchange import Exchange
 
 GRAD_NUMEL = 17_282  # DQN's Q-network [4 -> 128 -> 128 -> 2]
 
@@ -67,8 +74,8 @@ class _Raw:
     """Buffers replaying recorded all-to-alls on ``group`` (byte splits), called as the plane
     calls them."""
 
-    def __init__(self, calls: list[tuple[str, list[int], list[int]]], group) -> None:
-        self.group, self.opts = group, dist.AllToAllOptions()
+    def __init__(self, calls: list[tuple[str, list[int], list[int]]], group, shm=None) -> None:
+        self.group, self.shm, self.opts = group, shm, dist.AllToAllOptions()
         self.calls = []
         for _op, sent, got in calls:
             inp = torch.zeros(sum(sent), dtype=torch.uint8)
@@ -78,6 +85,11 @@ class _Raw:
     def __call__(self) -> None:
         for out, inp, got, sent in self.calls:
             self.group.alltoall_base(out, inp, got, sent, self.opts).wait()
+
+    def shared(self) -> None:
+        """The same calls through shared memory (``collectives/shm.py``)."""
+        for out, inp, got, sent in self.calls:
+            self.shm.start(out, inp, got, sent).wait()
 
 
 def _sample(fn) -> tuple[float, float]:
@@ -169,10 +181,12 @@ def _exposed(plane: cd.DataPlane, a, payload: torch.Tensor | None, batch) -> flo
     return statistics.median(t.tolist()) * 1e3
 
 
-def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group) -> dict:
-    """Interleave ``a.samples`` rounds and raw replays of that round's calls."""
+def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group, raw_shm) -> dict:
+    """Interleave ``a.samples`` rounds and raw replays of that round's calls (through gloo,
+    and through ``raw_shm``, a shared-memory exchange, where the plane uses shared memory)."""
     batch = _batch(a.put)
     ex = plane._p.exchange  # the plane's own exchange records what its round launches
+    shm = raw_shm if ex.shm is not None else None
 
     def round_() -> None:
         if payload is not None:
@@ -187,18 +201,21 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
     for _ in range(a.warmup):
         plane.put(batch)
         round_()
-    walls, cpus, raw_walls, raw_cpus, sizes = [], [], [], [], []
+    walls, cpus, raw_walls, raw_cpus, shm_walls, shm_cpus, sizes = [], [], [], [], [], [], []
     for _ in range(a.samples):
         plane.put(batch)
         ex.record = []
         w, c = _sample(round_)
         calls, ex.record = ex.record, None
-        raw = _Raw(calls, group)
+        raw = _Raw(calls, group, shm)
         rw, rc = _sample(raw)
+        sw, sc = _sample(raw.shared) if shm is not None else (1.0, 1.0)
         walls.append(w)
         cpus.append(c)
         raw_walls.append(rw)
         raw_cpus.append(rc)
+        shm_walls.append(sw)
+        shm_cpus.append(sc)
         sizes.append((len(calls), sum(sum(s) for _, s, _ in calls)))
 
     def step() -> None:
@@ -209,9 +226,9 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
     # fetch_start leaves one-exchange (fused) rounds in flight; the others have no exposed time
     fused = plane.schedule == "fused"
     exposed = _exposed(plane, a, payload, batch) if a.backward_ms and fused else None
-    t = torch.tensor([walls, raw_walls], dtype=torch.float64)
+    t = torch.tensor([walls, raw_walls, shm_walls], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
-    c = torch.tensor([cpus, raw_cpus], dtype=torch.float64)
+    c = torch.tensor([cpus, raw_cpus, shm_cpus], dtype=torch.float64)
     dist.all_reduce(c, op=dist.ReduceOp.SUM)
     c /= dist.get_world_size()  # CPU: mean over ranks
     med = [statistics.median(row) * 1e3 for row in t.tolist()]
@@ -225,6 +242,11 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
         "round_cpu_ms": cmed[0],
         "raw_cpu_ms": cmed[1],
         "cpu_vs_raw": cmed[0] / cmed[1],
+        "shared_memory": shm is not None,
+        "raw_shm_ms": med[2] if shm is not None else None,
+        "raw_shm_cpu_ms": cmed[2] if shm is not None else None,
+        "vs_raw_shm": med[0] / med[2] if shm is not None else None,
+        "cpu_vs_raw_shm": cmed[0] / cmed[2] if shm is not None else None,
         "calls": calls,
         "bytes": nbytes,
         "exposed_ms": exposed,  # with --backward-ms, one-exchange rounds (fetch_start)
@@ -248,9 +270,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--backward-ms", type=number(float, 0.0), default=0.0,
                    help="also time what a round started at a backward this long leaves exposed "
                         "(one-exchange rounds, fetch_start; 0: not measured)")  # fmt: skip
-    p.add_argument("--shared-memory", action="store_true",
-                   help="the planes move host rows through /dev/shm; the raw replays stay gloo's "
-                        "(a different transport: a favourable setting)")  # fmt: skip
+    p.add_argument("--shared-memory", choices=("auto", "true", "false"), default="auto",
+                   help="the planes' transport.shared_memory (auto: the default, on for ranks of "
+                        "one host); with it the calls are replayed through gloo and through "
+                        "shared memory")  # fmt: skip
     a = p.parse_args(argv)
     cd.init_distributed()
     torch.set_num_threads(1)
@@ -261,10 +284,13 @@ def main(argv: list[str]) -> None:
         ("three_exchange", "round_robin", 0),
     ]
     group = dist.new_group()  # the baseline's own group, like the plane's
+    shared = {"auto": "auto", "true": True, "false": False}[a.shared_memory]
+    # the shared-memory baseline's own exchange (its files, its barrier), like the plane's
+    raw_ex = Exchange(60.0, name="bench-raw", shared_memory=shared)
     results = []
     for name, placement, numel in cases:
         transport = cd.TransportConfig(
-            bandwidth=a.bandwidth, bandwidth_cache=a.bandwidth_cache, shared_memory=a.shared_memory
+            bandwidth=a.bandwidth, bandwidth_cache=a.bandwidth_cache, shared_memory=shared
         )
         plane = cd.DataPlane(
             spec, 50_000, placement=placement, schedule="sync", reduce_numel=numel,
@@ -272,20 +298,27 @@ def main(argv: list[str]) -> None:
         )  # fmt: skip
         try:
             payload = torch.randn(numel) if numel else None
-            results.append(_case(name, plane, a, payload, group))
+            results.append(_case(name, plane, a, payload, group, raw_ex.shm))
         finally:
             plane.close()
+    raw_ex.close(drain=True)
     by = {r["case"]: r for r in results}
     summary = {name: {k: v for k, v in r.items() if k != "case"} for name, r in by.items()}
     summary["fused_vs_three_exchange"] = by["fused"]["round_ms"] / by["three_exchange"]["round_ms"]
     if dist.get_rank() == 0:
         for r in results:
+            own = (
+                f"; raw shm {r['raw_shm_ms']:.3f} ms ({r['vs_raw_shm']:.2f}x), CPU "
+                f"{r['raw_shm_cpu_ms']:.3f} ms ({r['cpu_vs_raw_shm']:.2f}x)"
+                if r["shared_memory"]
+                else ""
+            )
             print(
-                f"{r['case']:>15}: round {r['round_ms']:.3f} ms, raw {r['raw_ms']:.3f} ms "
+                f"{r['case']:>15}: round {r['round_ms']:.3f} ms, raw gloo {r['raw_ms']:.3f} ms "
                 f"({r['vs_raw']:.2f}x); CPU {r['round_cpu_ms']:.3f} vs {r['raw_cpu_ms']:.3f} ms "
-                f"({r['cpu_vs_raw']:.2f}x); {r['calls']} call(s), {r['bytes']} B sent; a round "
-                f"allocates {r['torch_allocs']:.1f} tensors ({r['torch_alloc_bytes']:.0f} B), "
-                f"Python/NumPy peak {r['py_peak_bytes']:.0f} B",
+                f"({r['cpu_vs_raw']:.2f}x){own}; {r['calls']} call(s), {r['bytes']} B sent; "
+                f"a round allocates {r['torch_allocs']:.1f} tensors "
+                f"({r['torch_alloc_bytes']:.0f} B), Python/NumPy peak {r['py_peak_bytes']:.0f} B",
                 flush=True,
             )
         emit("rounds", results, summary, world=dist.get_world_size(), put=a.put, batch=a.batch,
