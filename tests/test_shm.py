@@ -163,6 +163,33 @@ def _late(rank: int, world: int) -> str | None:
     return error
 
 
+def _interrupted(rank: int, world: int) -> object:
+    import signal
+    import threading
+
+    from conduit_dist.collectives.exchange import Exchange
+
+    ex = Exchange(30, name="int", shared_memory=True)
+    rows = torch.zeros(4, 8, dtype=torch.uint8)
+    got = None
+    if rank == 1:
+        time.sleep(2.0)  # late; rank 0 is interrupted meanwhile and never exchanges
+    else:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            ex.all_to_all(torch.empty_like(rows), rows, [2] * world, [2] * world, 0)
+        except KeyboardInterrupt:
+            got = time.monotonic() - start
+    ex.close()
+    return got
+
+
+def test_ctrl_c_ends_a_wait_for_a_peer_without_waiting_for_the_timeout():
+    waited = run_ranks(_interrupted, 2)[0]
+    assert waited is not None and waited < 1.5, waited  # the timeout is 30 s
+
+
 def test_a_late_peer_fails_the_exchange_at_the_timeout_naming_it():
     error = run_ranks(_late, 2)[0]
     assert "timed out after 1.5s on rank 0: ranks [1] never arrived" in error, error

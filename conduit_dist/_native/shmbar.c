@@ -13,7 +13,8 @@
  *
  * A peer is at most one exchange ahead of a waiter (it cannot pass exchange k + 1 before the
  * waiter arrives there), so gen[k % 2] is stable while the waiter reads exchange k. The GIL is
- * released while waiting. Linux only (futex); elsewhere the functions raise. */
+ * released while waiting, and taken back every 50 ms to run signal handlers (a KeyboardInterrupt
+ * in the main thread ends the wait). Linux only (futex); elsewhere the functions raise. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -25,6 +26,7 @@
 #define SLOT 64
 #define SPIN_NS 30000LL      /* spin this long before sleeping (a peer a few us behind) */
 #define SLEEP_NS 2000000LL   /* longest single sleep: the deadline and liveness are checked then */
+#define SIGNAL_NS 50000000LL /* the GIL is taken back this often to run signal handlers */
 
 #ifdef __linux__
 #include <fcntl.h>
@@ -120,47 +122,56 @@ static PyObject* shm_wait(PyObject* self, PyObject* args) {
     uint32_t target = (uint32_t)seq;
     int state = 0, lock_err = 0;
     long long first = 0; /* ranks below first have arrived */
-    Py_BEGIN_ALLOW_THREADS
     long long start = now_ns(), deadline = start + (long long)(timeout_s * 1e9);
-    for (;;) {
-        while (first < world && (first == me ||
-                                 reached(__atomic_load_n(seq_of(base, first), __ATOMIC_ACQUIRE),
-                                         target)))
-            first++;
-        if (first == world) break;
-        long long t = now_ns();
-        if (t >= deadline) {
-            state = 1;
-            break;
-        }
-        if (t - start < SPIN_NS) {
-            relax();
-            continue;
-        }
-        /* sleep on the first missing peer's seq: woken by its arrival, or after a while */
-        uint32_t* w = waiters_of(base, first);
-        uint32_t* s = seq_of(base, first);
-        __atomic_fetch_add(w, 1, __ATOMIC_SEQ_CST);
-        uint32_t seen = __atomic_load_n(s, __ATOMIC_SEQ_CST);
-        if (!reached(seen, target)) {
-            long long nap = deadline - t < SLEEP_NS ? deadline - t : SLEEP_NS;
-            struct timespec ts = {(time_t)(nap / 1000000000LL), (long)(nap % 1000000000LL)};
-            syscall(SYS_futex, s, FUTEX_WAIT, seen, &ts, NULL, 0);
-        }
-        __atomic_fetch_sub(w, 1, __ATOMIC_SEQ_CST);
-        if (!reached(__atomic_load_n(s, __ATOMIC_ACQUIRE), target)) {
-            int held = holds_lock(fd, first);
-            if (held < 0) {
-                lock_err = errno;
+    for (int again = 1; again;) {
+        again = 0;
+        Py_BEGIN_ALLOW_THREADS
+        long long slice_end = now_ns() + SIGNAL_NS;
+        for (;;) {
+            while (first < world &&
+                   (first == me ||
+                    reached(__atomic_load_n(seq_of(base, first), __ATOMIC_ACQUIRE), target)))
+                first++;
+            if (first == world) break;
+            long long t = now_ns();
+            if (t >= deadline) {
+                state = 1;
                 break;
             }
-            if (!held) {
-                state = 2;
+            if (t - start < SPIN_NS) {
+                relax();
+                continue;
+            }
+            if (t >= slice_end) { /* take the GIL back a moment: Ctrl-C must not wait 60 s */
+                again = 1;
                 break;
             }
+            /* sleep on the first missing peer's seq: woken by its arrival, or after a while */
+            uint32_t* w = waiters_of(base, first);
+            uint32_t* s = seq_of(base, first);
+            __atomic_fetch_add(w, 1, __ATOMIC_SEQ_CST);
+            uint32_t seen = __atomic_load_n(s, __ATOMIC_SEQ_CST);
+            if (!reached(seen, target)) {
+                long long nap = deadline - t < SLEEP_NS ? deadline - t : SLEEP_NS;
+                struct timespec ts = {(time_t)(nap / 1000000000LL), (long)(nap % 1000000000LL)};
+                syscall(SYS_futex, s, FUTEX_WAIT, seen, &ts, NULL, 0);
+            }
+            __atomic_fetch_sub(w, 1, __ATOMIC_SEQ_CST);
+            if (!reached(__atomic_load_n(s, __ATOMIC_ACQUIRE), target)) {
+                int held = holds_lock(fd, first);
+                if (held < 0) {
+                    lock_err = errno;
+                    break;
+                }
+                if (!held) {
+                    state = 2;
+                    break;
+                }
+            }
         }
+        Py_END_ALLOW_THREADS
+        if (again && PyErr_CheckSignals()) return NULL; /* e.g. KeyboardInterrupt */
     }
-    Py_END_ALLOW_THREADS
     if (lock_err) {
         errno = lock_err;
         return PyErr_SetFromErrno(PyExc_OSError);
