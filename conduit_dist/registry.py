@@ -59,12 +59,13 @@ T = TypeVar("T")
 
 
 def check_choice(field: str, value: object, allowed) -> None:
-    """Raise unless ``value`` is one of ``allowed``.
+    """Raise unless ``value`` is one of ``allowed`` (a bool matches only a bool: ``1`` is not
+    ``True``, nor ``True`` ``1``).
 
     Raises:
         ConfigError: naming the field, the allowed values and the received one.
     """
-    if value not in allowed:
+    if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
         raise ConfigError(f"{field}: expected one of {list(allowed)}, got {value!r}")
 
 

@@ -21,6 +21,12 @@ from conduit_dist.train.config import AlgoConfig, PlaneConfig, PPOConfig, TrainC
         (TrainConfig(plane=PlaneConfig(sampler="exact")), "plane.sampler: expected one of"),
         (TrainConfig(plane=PlaneConfig(max_lag=3)), r"plane.max_lag: expected one of \[0, 1\]"),
         (TrainConfig(plane=PlaneConfig(placement="nearest")), "plane.placement"),
+        # a bool matches only a bool: 1 is not true, nor true 1
+        (
+            TrainConfig(plane=PlaneConfig(shared_memory=1)),
+            r"plane.shared_memory: expected one of \['auto', True, False\], got 1",
+        ),
+        (TrainConfig(plane=PlaneConfig(max_lag=True)), r"plane.max_lag: .* got True"),
     ],
 )
 def test_unknown_values_are_errors(cfg, message):

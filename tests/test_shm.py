@@ -138,14 +138,17 @@ def _dies(rank: int, world: int) -> object:
 
 def test_a_dead_peer_fails_the_round_at_once_naming_it():
     got = run_ranks(_dies, 2, collective_timeout_s=3.0, expect_exit={1: 3})[0]
+    left = _files(got[2])
+    for f in left:  # (removed whatever the assertions say)
+        os.unlink(os.path.join(SHM_DIR, f))
     assert got[:2] == (2, [1]), got
-    assert "ranks [1] exited before arriving" in got[3], got[3]  # its lock is gone
+    assert "ranks [1] exited (or closed their plane) before arriving" in got[3], got[3]
     assert got[4] < 2.0, got  # seen gone, not waited out (timeout 3 s)
     # os._exit skips every clean-up, yet the killed rank's files were unlinked long before
-    assert _files(got[2]) == []
+    assert left == [], left
 
 
-def _late(rank: int, world: int) -> str | None:
+def _late(rank: int, world: int) -> object:
     from conduit_dist.collectives.exchange import Exchange
 
     ex = Exchange(1.5, name="late", shared_memory=True)
@@ -159,6 +162,10 @@ def _late(rank: int, world: int) -> str | None:
             ex.all_to_all(torch.empty_like(rows), rows, [2] * world, [2] * world, 1)
         except cd.RoundError as exc:
             error = str(exc)
+        try:  # out of step with its peer now: refused, not run
+            ex.all_to_all(torch.empty_like(rows), rows, [2] * world, [2] * world, 2)
+        except cd.RoundError as exc:
+            error = (error, str(exc))
     ex.close()
     return error
 
@@ -191,8 +198,9 @@ def test_ctrl_c_ends_a_wait_for_a_peer_without_waiting_for_the_timeout():
 
 
 def test_a_late_peer_fails_the_exchange_at_the_timeout_naming_it():
-    error = run_ranks(_late, 2)[0]
+    error, again = run_ranks(_late, 2)[0]
     assert "timed out after 1.5s on rank 0: ranks [1] never arrived" in error, error
+    assert "an earlier exchange failed: all_to_all failed in round 1" in again, again
 
 
 def _full(rank: int, world: int) -> dict[str, object]:
@@ -242,12 +250,12 @@ def test_ranks_that_disagree_are_refused_on_every_rank_by_rank():
 def _auto(rank: int, world: int, room: bool, native: bool) -> dict[str, object]:
     import logging
 
-    from conduit_dist.collectives import shm
+    from conduit_dist.collectives import shm_open
 
-    if not room:  # more than any /dev/shm has free: every rank is short of room
-        shm.AUTO_MIN_FREE = 1 << 62
+    # more than any /dev/shm has free, or nothing: the decision on every machine, CI's too
+    shm_open.AUTO_MIN_FREE = 0 if room else 1 << 62
     if not native:
-        shm._native = None
+        shm_open._native = None
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -269,21 +277,17 @@ def _auto(rank: int, world: int, room: bool, native: bool) -> dict[str, object]:
 
 
 def test_auto_is_on_on_one_host_with_room_and_off_saying_why_otherwise():
-    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
-    from conduit_dist.collectives.shm import AUTO_MIN_FREE
-
     for r in run_ranks(_auto, 2, True, True).values():
-        assert r["on"] == (free >= AUTO_MIN_FREE), r  # the default, here
-        assert r["rows"] == 4 and (r["used"] > 0) == r["on"], r
+        assert r["on"] and r["rows"] == 4 and r["used"] > 0, r  # one host, room: on
     short = run_ranks(_auto, 2, False, True)
     assert not any(r["on"] for r in short.values()), short
-    assert any("off, ranks [0, 1] have less than" in m for m in short[0]["said"]), short[0]
+    assert any("MiB free, less than" in m for m in short[0]["said"]), short[0]
     assert short[1]["said"] == []  # said once, by rank 0
     bare = run_ranks(_auto, 2, True, False)
     assert not any(r["on"] for r in bare.values()), bare
-    assert any("native extension" in m for m in bare[0]["said"]), bare[0]
+    assert any("ranks [0, 1] lack the native barrier" in m for m in bare[0]["said"]), bare[0]
     for r in bare.values():  # required, it is refused instead
-        assert "needs the native extension" in r["refused"], r
+        assert "ranks [0, 1] lack the native barrier" in r["refused"], r
 
 
 def test_bad_values_and_planes_without_it_are_refused():

@@ -112,7 +112,7 @@ static PyObject* shm_wait(PyObject* self, PyObject* args) {
     double timeout_s;
     int fd;
     if (!PyArg_ParseTuple(args, "KLLKdi", &ctl, &world, &me, &seq, &timeout_s, &fd)) return NULL;
-    if (world < 1 || me < 0 || me >= world || timeout_s < 0) {
+    if (world < 1 || me < 0 || me >= world || !(timeout_s >= 0)) {
         PyErr_Format(PyExc_ValueError,
                      "shm_wait: expected 0 <= rank < world and timeout_s >= 0, got rank %lld, "
                      "world %lld, timeout_s %g", me, world, timeout_s);
@@ -122,6 +122,7 @@ static PyObject* shm_wait(PyObject* self, PyObject* args) {
     uint32_t target = (uint32_t)seq;
     int state = 0, lock_err = 0;
     long long first = 0; /* ranks below first have arrived */
+    if (timeout_s > 1e9) timeout_s = 1e9; /* ~31 years: "never", without overflowing */
     long long start = now_ns(), deadline = start + (long long)(timeout_s * 1e9);
     for (int again = 1; again;) {
         again = 0;
@@ -163,7 +164,8 @@ static PyObject* shm_wait(PyObject* self, PyObject* args) {
                     lock_err = errno;
                     break;
                 }
-                if (!held) {
+                /* gone, unless it arrived (and closed) between the two loads */
+                if (!held && !reached(__atomic_load_n(s, __ATOMIC_ACQUIRE), target)) {
                     state = 2;
                     break;
                 }

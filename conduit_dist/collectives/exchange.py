@@ -36,7 +36,8 @@ from conduit_dist.collectives.dist import (
 )
 from conduit_dist.collectives.heartbeats import Heartbeats, _default_store, wait_gloo, wait_polling
 from conduit_dist.collectives.pending import PendingGather, PendingWork
-from conduit_dist.collectives.shm import SharedMemory, open_shared
+from conduit_dist.collectives.shm import SharedMemory
+from conduit_dist.collectives.shm_open import open_shared
 from conduit_dist.errors import PhaseError, RoundError
 
 T = TypeVar("T")
@@ -66,7 +67,7 @@ class Exchange:
             host; checked at construction), not gloo's sockets (``collectives/shm.py``).
             ``True``/``False``/``"auto"``: every rank says which at construction (a plane's
             exchange; ranks that differ are refused by rank; ``"auto"``: on where every rank
-            is on one host with room, ``shm.open_shared``); ``None``: off, nothing agreed.
+            is on one host with room, ``shm_open.open_shared``); ``None``: off, nothing agreed.
 
     The new group's backend is ``dist.plane_backend`` of that: ``gloo``, or
     ``cpu:gloo,cuda:<dist.chosen_cuda_backend()>``. With NCCL, construction runs one warm-up
@@ -235,6 +236,8 @@ class Exchange:
             self._fail(op, round, start, None)
 
     def _fail(self, op: str, round: int, start: float, exc: BaseException | None) -> None:
+        if self.shm is not None and self.shm.broken is None:  # no later exchange may run on it
+            self.shm.broken = f"{op} failed" + (f" in round {round}" if round >= 0 else "")
         waited = time.monotonic() - start
         cause = f": {exc}" if exc is not None else ""
         how = (

@@ -1,5 +1,6 @@
 """All-to-all of host rows between the ranks of one host through shared memory
-(``TransportConfig(shared_memory=True)``).
+(``TransportConfig(shared_memory="auto")``, the default: on where every rank is on one host;
+start-up and that decision are in ``shm_open.py``).
 
 gloo moves host tensors between processes over TCP, on one host too: every byte crosses the
 loopback socket, copied by the kernel on each side, and every call pays the socket round trips.
@@ -49,24 +50,17 @@ native extension is required (``pip install -e .``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
-import logging
 import mmap
 import os
-import secrets
-import socket
 import weakref
 from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.native import _native
-
-log = logging.getLogger("conduit_dist")
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # each block starts on a cache line
@@ -102,7 +96,7 @@ class ShmWork:
         """
         if not self.done:
             shm = self._shm
-            limit = (timeout or shm.timeout).total_seconds()
+            limit = (shm.timeout if timeout is None else timeout).total_seconds()
             state, ranks = shm.wait(self.seq, limit)
             if state == 1:
                 raise RuntimeError(
@@ -110,11 +104,16 @@ class ShmWork:
                     f"{ranks} never arrived at this exchange"
                 )
             if state == 2:
+                shm.broken = f"ranks {ranks} exited"
                 raise RuntimeError(
-                    f"shared-memory barrier: ranks {ranks} exited before arriving at this "
-                    f"exchange (their lock on the plane's control block is gone)"
+                    f"shared-memory barrier: ranks {ranks} exited (or closed their plane) before "
+                    f"arriving at this exchange (their lock on the plane's control block is gone)"
                 )
-            self._finish()
+            try:
+                self._finish()
+            except BaseException as exc:  # the peers' files were not all mapped: no retry
+                shm.broken = f"exchange {self.seq} failed ({exc})"
+                raise
             self.done = True
         return True
 
@@ -155,6 +154,7 @@ class SharedMemory:
         self._owned: list[str] = []  # every file of this rank still on disk (removed at exit)
         weakref.finalize(self, _remove, self._owned)
         self._lent: tuple[int, int] | None = None  # (exchange, address) of send_rows' rows
+        self.broken: str | None = None  # why no exchange may run any more (a failed one)
         self.exchanges = 0  # all-to-alls run through shared memory
         self.in_place = 0  # of which took their rows where send_rows lent them (no copy in)
 
@@ -230,6 +230,12 @@ class SharedMemory:
         (``all_to_all_single``'s contract, host tensors, splits in rows along dim 0; ``[]``:
         even)."""
         world, me = self.world, self.rank
+        if self.broken is not None or self._ctl_fd < 0:
+            raise RuntimeError(
+                f"shared-memory all_to_all on rank {me}: "
+                + (f"an earlier exchange failed: {self.broken}" if self.broken else "closed")
+                + "; build a new plane"
+            )
         if not (out.is_contiguous() and inp.is_contiguous()):
             raise ValueError("shared-memory all_to_all: expected contiguous out and inp tensors")
         src, dst = _bytes(inp), _bytes(out)
@@ -306,15 +312,22 @@ class SharedMemory:
 
     def wait(self, seq: int, timeout_s: float) -> tuple[int, list[int]]:
         """Wait until every rank arrived at exchange ``seq`` (``0``, ``[]``), or say which ranks
-        had not at ``timeout_s`` (``1``, ranks; ``0.0``: check once) or exited (``2``, ranks)."""
+        had not at ``timeout_s`` (``1``, ranks; ``0.0``: check once) or exited (``2``, ranks).
+
+        Raises:
+            RuntimeError: after :meth:`close`.
+        """
+        if self._ctl_fd < 0:
+            raise RuntimeError(f"shared memory of rank {self.rank}: waited on after close()")
         return _native.shm_wait(self._ctl_addr, self.world, self.rank, seq, timeout_s, self._ctl_fd)
 
     def _announce_failure(self) -> None:
         """Arrive at this exchange's barrier with generation -1, so that every peer fails it
-        naming this rank, instead of waiting for the timeout."""
+        naming this rank, instead of waiting for the timeout (this rank raises its own error at
+        once: it has nothing to wait for)."""
         self._calls += 1
         _native.shm_arrive(self._ctl_addr, self.rank, self._calls, -1)
-        self.wait(self._calls, self.timeout.total_seconds())  # the error to raise is the caller's
+        self.broken = "this rank could not grow its file"
 
     def close(self) -> None:
         """Remove this rank's files (the mappings peers hold stay valid until they drop them);
@@ -342,148 +355,3 @@ def _remove(paths: list[str]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     paths.clear()
-
-
-AUTO_MIN_FREE = 512 << 20  # "auto" turns shared memory on only with this much free in /dev/shm
-_CODES = {False: 1, True: 2, "auto": 3}  # a rank's setting in the agreement (0: not heard)
-
-
-def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
-    """Agree ``transport.shared_memory`` (``wanted``: ``True``, ``False`` or ``"auto"``) over
-    ``ex``'s group and return this rank's :class:`SharedMemory`, or ``None`` where it is off.
-    Collective: every rank calls it at the same point, whatever it wants.
-
-    ``True`` checks that every rank sees rank 0's ``/dev/shm``; ``"auto"`` turns it on only
-    where every rank does, all are on one host by the topology's host keys
-    (``topology.host_key``: emulated hosts sharing one ``/dev/shm`` stay apart), the native
-    extension is built and every rank has :data:`AUTO_MIN_FREE` bytes free there, and
-    otherwise says why once (rank 0, ``INFO``).
-
-    Raises:
-        ConfigError: naming the ranks whose setting differs from rank 0's; with ``True``, the
-            ranks that do not see rank 0's ``/dev/shm`` (another host, or another container),
-            or a missing native extension.
-    """
-    asked = torch.zeros(ex.world, dtype=torch.int64)
-    asked[ex.rank] = _CODES[wanted]
-    ex.run(lambda: dist.all_reduce(asked, group=ex.group, async_op=True), "shm setting")
-    codes = asked.tolist()
-    differ = [r for r, c in enumerate(codes) if c != codes[0]]
-    if differ:
-        names = {c: w for w, c in _CODES.items()}
-        said = ", ".join(
-            f"ranks {[r for r, c in enumerate(codes) if c == code]} set {names[code]!r}"
-            for code in sorted(set(codes))
-        )
-        raise ConfigError(f"transport.shared_memory: {said}; expected the same on every rank")
-    if wanted is False:
-        return None
-    auto = wanted == "auto"
-    if _native is None:  # the same install on every rank of one host: all decide alike
-        why = "the native extension conduit_dist._native._pack is not built (pip install -e .)"
-        if auto:
-            return _off(ex, why)
-        raise ConfigError(f"transport.shared_memory: needs {why}; set shared_memory=False")
-    token = torch.zeros(2, dtype=torch.int64)  # [token, whether rank 0 made the control file]
-    why = ""
-    if ex.rank == 0:
-        token[0] = secrets.randbits(62)
-        try:
-            _make_control(_control_path(f"{int(token[0]):016x}"), ex.world)
-            token[1] = 1
-        except OSError as exc:
-            why = f" ({exc.strerror})"
-    ex.run(lambda: dist.broadcast(token, 0, group=ex.group, async_op=True), "shm token")
-    if not int(token[1]):
-        if auto:
-            return _off(ex, f"rank 0 could not create a file in {SHM_DIR}")
-        raise ConfigError(
-            f"transport.shared_memory: rank 0 could not create a file in {SHM_DIR}{why}; set "
-            "shared_memory=False where there is no shared /dev/shm"
-        )
-    name = f"{int(token[0]):016x}"
-    path = _control_path(name)
-    control = None
-    with contextlib.suppress(OSError):  # not seen: another host or container (named below)
-        control = _open_control(path, ex.rank, ex.world)
-    from conduit_dist.collectives.topology import host_key  # (topology imports the exchange)
-
-    # [rank]: 1 sees the control file; [world + rank]: MiB free in its /dev/shm; [2 world +
-    # rank]: its host key, hashed
-    seen = torch.zeros(3 * ex.world, dtype=torch.int64)
-    seen[ex.rank] = int(control is not None)
-    seen[ex.world + ex.rank] = _free_bytes() >> 20
-    key = host_key(os.environ, socket.gethostname()).encode()
-    seen[2 * ex.world + ex.rank] = int.from_bytes(hashlib.sha1(key).digest()[:7], "little")
-    try:
-        ex.run(lambda: dist.all_reduce(seen, group=ex.group, async_op=True), "shm probe")
-    finally:
-        if ex.rank == 0:  # every rank that sees it has mapped and locked it by now
-            os.unlink(path)
-    flags = seen.tolist()
-    missing = [r for r in range(ex.world) if not flags[r]]
-    low = [r for r in range(ex.world) if flags[ex.world + r] < AUTO_MIN_FREE >> 20]
-    apart = [r for r in range(ex.world) if flags[2 * ex.world + r] != flags[2 * ex.world]]
-    if missing or (auto and (low or apart)):
-        if control is not None:
-            os.close(control[0])
-        if auto:
-            return _off(
-                ex,
-                f"ranks {missing} do not see rank 0's {SHM_DIR} (several hosts or containers)"
-                if missing
-                else f"ranks {apart} are on other hosts than rank 0 (topology host keys)"
-                if apart
-                else f"ranks {low} have less than {AUTO_MIN_FREE >> 20} MiB free in {SHM_DIR} "
-                f"({min(flags[ex.world + r] for r in low)} MiB at least)",
-            )
-        raise ConfigError(
-            f"transport.shared_memory: ranks {missing} do not see rank 0's {SHM_DIR} (another "
-            "host, or a container with its own); set shared_memory=False for planes across hosts"
-        )
-    return SharedMemory(ex.rank, ex.world, name, control, ex.timeout)
-
-
-def _off(ex, why: str) -> None:
-    """``"auto"`` decided against shared memory: say why, once per plane (rank 0)."""
-    if ex.rank == 0:
-        log.info("transport.shared_memory=auto: off, %s; host rows go through gloo", why)
-    return None
-
-
-def _free_bytes() -> int:
-    """Bytes free in ``/dev/shm`` for this process (0 where it cannot be read)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-def _control_path(token: str) -> str:
-    return os.path.join(SHM_DIR, f"conduit-{token}-ctl")
-
-
-def _make_control(path: str, world: int) -> None:
-    """Create the control block (zeros: no rank arrived anywhere) with its space reserved."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, world * _SLOT)
-    except OSError:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-
-
-def _open_control(path: str, rank: int, world: int) -> tuple[int, torch.Tensor]:
-    """Map the control block and take this rank's lock on it; the descriptor stays open (closing
-    it releases the lock) until :meth:`SharedMemory.close`."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        _native.shm_lock(fd, rank)
-        mapped, _ = _map(fd, world * _SLOT)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, mapped

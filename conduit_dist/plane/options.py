@@ -25,7 +25,7 @@ class TransportConfig:
         shared_memory: move host rows between the plane's ranks through ``/dev/shm`` instead
             of gloo's sockets (``collectives/shm.py``; rows on the GPU still go through the
             group). ``"auto"`` (the default): on where every rank of the plane is on one host
-            and each has 512 MiB free there, else off (logged once, with the reason); ``True``:
+            and ``/dev/shm`` has 512 MiB free, else off (logged once, with the reason); ``True``:
             on, and a plane whose ranks do not share ``/dev/shm`` is refused; ``False``: off.
 
     Raises:

@@ -1,0 +1,191 @@
+"""Start-up of the shared-memory transport (``collectives/shm.py``): every rank of a plane agrees
+``transport.shared_memory`` (``"auto"``, ``True`` or ``False``), rank 0 makes the control block
+of the barrier, every rank maps and locks it, and ``"auto"`` decides, the same on every rank,
+whether the transport is on."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import socket
+
+import torch
+import torch.distributed as dist
+
+from conduit_dist.collectives.shm import _SLOT, SHM_DIR, SharedMemory, _map
+from conduit_dist.errors import ConfigError
+from conduit_dist.records.native import _native
+
+log = logging.getLogger("conduit_dist")
+
+AUTO_MIN_FREE = 512 << 20
+"""``"auto"`` turns shared memory on only where ``/dev/shm`` has this much free, as every rank
+sees it (ranks of one host share one ``/dev/shm``). A plane's files then hold, per rank, two
+halves of its largest exchange so far: an exchange that does not fit later fails naming the
+rank (``shared_memory=False`` avoids it)."""
+
+_CODES = {False: 1, True: 2, "auto": 3}  # a rank's setting in the agreement (0: not heard)
+
+
+def native_barrier() -> bool:
+    """Whether the native extension has the barrier (a build older than it does not)."""
+    return _native is not None and hasattr(_native, "shm_wait")
+
+
+def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
+    """Agree ``transport.shared_memory`` (``wanted``: ``True``, ``False`` or ``"auto"``) over
+    ``ex``'s group and return this rank's :class:`SharedMemory`, or ``None`` where it is off.
+    Collective: every rank calls it at the same point, whatever it wants, and every rank takes
+    the same decision from what all of them reported.
+
+    ``True`` checks that every rank sees rank 0's ``/dev/shm``; ``"auto"`` turns it on only
+    where every rank does, all are on one host by the topology's host keys
+    (``topology.host_key``: emulated hosts sharing one ``/dev/shm`` stay apart), every rank's
+    native extension has the barrier and ``/dev/shm`` has :data:`AUTO_MIN_FREE` bytes free for
+    every rank, and otherwise says why once (rank 0, ``INFO``).
+
+    Raises:
+        ConfigError: naming the ranks whose setting differs from the others'; with ``True``, the
+            ranks that do not see rank 0's ``/dev/shm`` (another host, another container or
+            user), or whose native extension lacks the barrier.
+    """
+    # [rank]: the setting's code; [world + rank]: 1 where the native barrier is there
+    asked = torch.zeros(2 * ex.world, dtype=torch.int64)
+    asked[ex.rank] = _CODES[wanted]
+    asked[ex.world + ex.rank] = int(native_barrier())
+    ex.run(lambda: dist.all_reduce(asked, group=ex.group, async_op=True), "shm setting")
+    got = asked.tolist()
+    codes, native = got[: ex.world], got[ex.world :]
+    if len(set(codes)) > 1:
+        names = {c: w for w, c in _CODES.items()}
+        said = ", ".join(
+            f"ranks {[r for r, c in enumerate(codes) if c == code]} set {names[code]!r}"
+            for code in sorted(set(codes))
+        )
+        raise ConfigError(f"transport.shared_memory: {said}; expected the same on every rank")
+    if wanted is False:
+        return None
+    auto = wanted == "auto"
+    bare = [r for r, n in enumerate(native) if not n]
+    if bare:
+        why = (
+            f"ranks {bare} lack the native barrier (conduit_dist._native._pack not built, or "
+            "built before it: pip install -e .)"
+        )
+        if auto:
+            return _off(ex, why)
+        raise ConfigError(f"transport.shared_memory: {why}; expected it on every rank")
+    token = torch.zeros(2, dtype=torch.int64)  # [token, whether rank 0 made the control file]
+    why = ""
+    if ex.rank == 0:
+        token[0] = secrets.randbits(62)
+        try:
+            _make_control(_control_path(f"{int(token[0]):016x}"), ex.world)
+            token[1] = 1
+        except OSError as exc:
+            why = f" ({exc.strerror})"
+    ex.run(lambda: dist.broadcast(token, 0, group=ex.group, async_op=True), "shm token")
+    if not int(token[1]):
+        if auto:
+            return _off(ex, f"rank 0 could not create a file in {SHM_DIR}")
+        raise ConfigError(
+            f"transport.shared_memory: rank 0 could not create a file in {SHM_DIR}{why}; set "
+            "shared_memory=False where there is no shared /dev/shm"
+        )
+    name = f"{int(token[0]):016x}"
+    path = _control_path(name)
+    control, unseen = None, ""
+    try:
+        try:
+            control = _open_control(path, ex.rank, ex.world)
+        except OSError as exc:  # another host or container, another user: named below
+            unseen = f"; this rank: {exc.strerror}"
+        flags = _probe(ex, control is not None)
+    finally:
+        if ex.rank == 0:  # every rank that sees it has mapped and locked it by now
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    w = ex.world
+    missing = [r for r in range(w) if not flags[r]]
+    low = [r for r in range(w) if flags[w + r] < AUTO_MIN_FREE >> 20]
+    apart = [r for r in range(w) if flags[2 * w + r] != flags[2 * w]]
+    if missing or (auto and (low or apart)):
+        if control is not None:
+            os.close(control[0])
+        if not auto:
+            raise ConfigError(
+                f"transport.shared_memory: ranks {missing} do not see rank 0's {SHM_DIR} "
+                f"(another host, a container with its own, or another user{unseen}); set "
+                "shared_memory=False for planes across hosts"
+            )
+        if missing:
+            why = f"ranks {missing} do not see rank 0's {SHM_DIR} (several hosts or containers)"
+        elif apart:
+            why = f"ranks {apart} are on other hosts than rank 0 (topology host keys)"
+        else:
+            most = max(flags[w + r] for r in low)
+            why = f"{SHM_DIR} has {most} MiB free, less than {AUTO_MIN_FREE >> 20} MiB"
+        return _off(ex, why)
+    return SharedMemory(ex.rank, ex.world, name, control, ex.timeout)
+
+
+def _probe(ex, seen: bool) -> list[int]:
+    """Every rank's view, all-reduced: ``[rank]`` 1 where it sees the control file, ``[world +
+    rank]`` MiB free in its ``/dev/shm``, ``[2 world + rank]`` its host key, hashed."""
+    from conduit_dist.collectives.topology import host_key  # (topology imports the exchange)
+
+    flags = torch.zeros(3 * ex.world, dtype=torch.int64)
+    flags[ex.rank] = int(seen)
+    flags[ex.world + ex.rank] = _free_bytes() >> 20
+    key = host_key(os.environ, socket.gethostname()).encode()
+    flags[2 * ex.world + ex.rank] = int.from_bytes(hashlib.sha1(key).digest()[:7], "little")
+    ex.run(lambda: dist.all_reduce(flags, group=ex.group, async_op=True), "shm probe")
+    return flags.tolist()
+
+
+def _off(ex, why: str) -> None:
+    """``"auto"`` decided against shared memory: say why, once per plane (rank 0)."""
+    if ex.rank == 0:
+        log.info("transport.shared_memory=auto: off, %s; host rows go through gloo", why)
+    return None
+
+
+def _free_bytes() -> int:
+    """Bytes free in ``/dev/shm`` for this process (0 where it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _control_path(token: str) -> str:
+    return os.path.join(SHM_DIR, f"conduit-{token}-ctl")
+
+
+def _make_control(path: str, world: int) -> None:
+    """Create the control block (zeros: no rank arrived anywhere) with its space reserved."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, world * _SLOT)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _open_control(path: str, rank: int, world: int) -> tuple[int, torch.Tensor]:
+    """Map the control block and take this rank's lock on it; the descriptor stays open (closing
+    it releases the lock) until :meth:`SharedMemory.close`."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _native.shm_lock(fd, rank)
+        mapped, _ = _map(fd, world * _SLOT)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapped
