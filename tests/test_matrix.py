@@ -60,10 +60,12 @@ def _windows_ok(kind: str, b: dict[str, torch.Tensor]) -> list[str]:
     return bad
 
 
-def _combo(rank: int, world: int, kind: str, placement: str) -> dict[str, object]:
+def _combo(
+    rank: int, world: int, kind: str, placement: str, shm: bool = False
+) -> dict[str, object]:
     plane = cd.DataPlane(
         cd.ExperienceSpec(FIELDS), CAP, seed=11, sampler=sampler(kind), placement=placement,
-        schedule="sync",
+        schedule="sync", transport=cd.TransportConfig(shared_memory=shm),
     )  # fmt: skip
     for t in range(STEPS):
         plane.put(step(rank, t))
@@ -103,6 +105,7 @@ def _combo(rank: int, world: int, kind: str, placement: str) -> dict[str, object
             for i in first.tolist():
                 out["counts"][i] = out["counts"].get(i, 0) + 1
     out["schedule"] = plane.schedule
+    out["shm"] = plane._p.exchange.shm is not None
     plane.close()
     return out
 
@@ -132,13 +135,23 @@ def _check(kind: str, world: int, res: dict[int, dict[str, object]]) -> None:
     assert ok, (kind, why)
 
 
+def _over_shm(kind: str, placement: str) -> bool:
+    """Which transport a combination runs on: alternating, so every sampler and every placement
+    runs over both gloo's sockets and shared memory."""
+    return (KINDS.index(kind) + PLACEMENTS.index(placement)) % 2 == 0
+
+
 def _matrix(rank: int, world: int) -> dict[tuple[str, str], dict[str, object]]:
-    return {(k, p): _combo(rank, world, k, p) for k in KINDS for p in PLACEMENTS}
+    return {(k, p): _combo(rank, world, k, p, _over_shm(k, p)) for k in KINDS for p in PLACEMENTS}
 
 
 def test_every_sampler_on_every_placement_is_exact_on_three_ranks():
-    """8 samplers x 3 placements on 3 gloo ranks, one plane each: all 24 work and are exact."""
+    """8 samplers x 3 placements on 3 ranks, one plane each: all 24 work and are exact; every
+    sampler and every placement runs over gloo and over shared memory (``_over_shm``)."""
     res = run_ranks(_matrix, 3, timeout_s=400)
+    for kind in KINDS:  # each ran where it was meant to
+        for placement in PLACEMENTS:
+            assert res[0][(kind, placement)]["shm"] == _over_shm(kind, placement)
     worked = []
     for kind in KINDS:
         for placement in PLACEMENTS:
