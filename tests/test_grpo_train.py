@@ -188,7 +188,7 @@ def test_three_generators_at_age_zero_stop_on_time_and_log_the_last_window(tmp_p
     that window although log_every was not reached."""
     res = _torchrun(
         tmp_path, "experiment=grpo", "logger=none", "mode=disaggregated", "learner_ranks=[0]",
-        "algo.grpo.max_policy_age=0", "algo.grpo.max_minutes=0.15", "logger.log_every=100000",
+        "algo.grpo.max_policy_age=0", "algo.grpo.max_minutes=0.1", "logger.log_every=100000",
         nproc=4,
     )  # fmt: skip
     done = _done(res)

@@ -247,10 +247,15 @@ def test_ranks_that_disagree_are_refused_on_every_rank_by_rank():
         assert "ranks [1] set False, ranks [0] set True; expected the same" in msg, msg
 
 
-def _auto(rank: int, world: int, room: bool, native: bool) -> dict[str, object]:
+def _auto(
+    rank: int, world: int, room: bool, native: bool, apart: bool = False
+) -> dict[str, object]:
     import logging
 
     from conduit_dist.collectives import shm_open
+
+    if apart:  # each rank its own torchrun node: two hosts by their keys, one /dev/shm
+        os.environ["GROUP_RANK"] = str(rank)
 
     # more than any /dev/shm has free, or nothing: the decision on every machine, CI's too
     shm_open.AUTO_MIN_FREE = 0 if room else 1 << 62
@@ -283,6 +288,9 @@ def test_auto_is_on_on_one_host_with_room_and_off_saying_why_otherwise():
     assert not any(r["on"] for r in short.values()), short
     assert any("MiB free, less than" in m for m in short[0]["said"]), short[0]
     assert short[1]["said"] == []  # said once, by rank 0
+    hosts = run_ranks(_auto, 2, True, True, True)
+    assert not any(r["on"] for r in hosts.values()), hosts
+    assert any("ranks [1] are on other hosts" in m for m in hosts[0]["said"]), hosts[0]
     bare = run_ranks(_auto, 2, True, False)
     assert not any(r["on"] for r in bare.values()), bare
     assert any("ranks [0, 1] lack the native barrier" in m for m in bare[0]["said"]), bare[0]
