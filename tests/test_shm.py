@@ -200,7 +200,7 @@ def test_ctrl_c_ends_a_wait_for_a_peer_without_waiting_for_the_timeout():
 def test_a_late_peer_fails_the_exchange_at_the_timeout_naming_it():
     error, again = run_ranks(_late, 2)[0]
     assert "timed out after 1.5s on rank 0: ranks [1] never arrived" in error, error
-    assert "an earlier exchange failed: all_to_all failed in round 1" in again, again
+    assert "an earlier collective of the plane failed (all_to_all in round 1)" in again, again
 
 
 def _full(rank: int, world: int) -> dict[str, object]:
@@ -296,6 +296,19 @@ def test_auto_is_on_on_one_host_with_room_and_off_saying_why_otherwise():
     assert any("ranks [0, 1] lack the native barrier" in m for m in bare[0]["said"]), bare[0]
     for r in bare.values():  # required, it is refused instead
         assert "ranks [0, 1] lack the native barrier" in r["refused"], r
+
+
+def _malformed_node(rank: int, world: int) -> str:
+    if rank == 1:
+        os.environ["GROUP_RANK"] = "x"  # what host_key refuses: one rank only
+    with pytest.raises(ConfigError) as got:
+        cd.DataPlane(cd.ExperienceSpec.from_batch({"x": torch.zeros(1, 3)}), 64)
+    return str(got.value)
+
+
+def test_a_malformed_node_index_on_one_rank_fails_every_rank_alike():
+    for rank, msg in run_ranks(_malformed_node, 2).items():
+        assert "ranks [1]: their node index variable is malformed" in msg, (rank, msg)
 
 
 def test_bad_values_and_planes_without_it_are_refused():

@@ -237,7 +237,8 @@ class Exchange:
 
     def _fail(self, op: str, round: int, start: float, exc: BaseException | None) -> None:
         if self.shm is not None and self.shm.broken is None:  # no later exchange may run on it
-            self.shm.broken = f"{op} failed" + (f" in round {round}" if round >= 0 else "")
+            where = f" in round {round}" if round >= 0 else ""
+            self.shm.broken = f"an earlier collective of the plane failed ({op}{where})"
         waited = time.monotonic() - start
         cause = f": {exc}" if exc is not None else ""
         how = (

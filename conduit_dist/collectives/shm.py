@@ -27,7 +27,7 @@ exchanges of each parity.) A half too small makes a new, larger file (the next g
 the size at least). Every peer maps a new generation as soon as an exchange's barrier publishes
 it (whether or not it reads from it then), so the file's name is unlinked at the next exchange's
 barrier: the mappings outlive it, and a job killed by a signal leaves nothing in ``/dev/shm``,
-unless it dies between a growth and the exchange after (then ``rm /dev/shm/conduit-*``). A
+unless it dies within the two exchanges after a growth (then ``rm /dev/shm/conduit-*``). A
 peer's file is opened without ``O_CREAT`` (never recreated by a reader). Files are named
 ``conduit-<token>-<rank>-<generation>`` (the token agreed at start-up); what is still named is
 removed at :meth:`SharedMemory.close` (a plane's ``close`` runs a barrier first, so no peer
@@ -82,7 +82,9 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 class ShmWork:
     """One exchange's arrival at the barrier; the first successful :meth:`wait` copies this
-    rank's rows out of the peers' halves (a failed wait may be retried, as gloo's may)."""
+    rank's rows out of the peers' halves. A wait that timed out may be retried, as gloo's may
+    (the exchange's 50 ms grace does); any other failure, and an exchange's final one
+    (``Exchange._fail``), leave the transport ``broken``: no later exchange runs."""
 
     def __init__(self, shm: SharedMemory, seq: int, finish) -> None:
         self._shm, self.seq, self._finish, self.done = shm, seq, finish, False
@@ -97,14 +99,18 @@ class ShmWork:
         if not self.done:
             shm = self._shm
             limit = (shm.timeout if timeout is None else timeout).total_seconds()
-            state, ranks = shm.wait(self.seq, limit)
+            try:
+                state, ranks = shm.wait(self.seq, limit)
+            except BaseException as exc:  # e.g. Ctrl-C mid-wait: the ranks are out of step
+                shm.broken = f"an earlier exchange's wait was interrupted ({type(exc).__name__})"
+                raise
             if state == 1:
                 raise RuntimeError(
                     f"shared-memory barrier timed out after {limit:g}s on rank {shm.rank}: ranks "
                     f"{ranks} never arrived at this exchange"
                 )
             if state == 2:
-                shm.broken = f"ranks {ranks} exited"
+                shm.broken = f"an earlier exchange failed: ranks {ranks} exited"
                 raise RuntimeError(
                     f"shared-memory barrier: ranks {ranks} exited (or closed their plane) before "
                     f"arriving at this exchange (their lock on the plane's control block is gone)"
@@ -112,7 +118,7 @@ class ShmWork:
             try:
                 self._finish()
             except BaseException as exc:  # the peers' files were not all mapped: no retry
-                shm.broken = f"exchange {self.seq} failed ({exc})"
+                shm.broken = f"an earlier exchange failed: exchange {self.seq} ({exc})"
                 raise
             self.done = True
         return True
@@ -233,7 +239,7 @@ class SharedMemory:
         if self.broken is not None or self._ctl_fd < 0:
             raise RuntimeError(
                 f"shared-memory all_to_all on rank {me}: "
-                + (f"an earlier exchange failed: {self.broken}" if self.broken else "closed")
+                + (self.broken or "closed")
                 + "; build a new plane"
             )
         if not (out.is_contiguous() and inp.is_contiguous()):
@@ -327,7 +333,7 @@ class SharedMemory:
         once: it has nothing to wait for)."""
         self._calls += 1
         _native.shm_arrive(self._ctl_addr, self.rank, self._calls, -1)
-        self.broken = "this rank could not grow its file"
+        self.broken = "an earlier exchange failed: this rank could not grow its file"
 
     def close(self) -> None:
         """Remove this rank's files (the mappings peers hold stay valid until they drop them);

@@ -66,9 +66,10 @@ def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
             for code in sorted(set(codes))
         )
         raise ConfigError(f"transport.shared_memory: {said}; expected the same on every rank")
-    if wanted is False:
+    agreed = {c: w for w, c in _CODES.items()}[codes[0]]  # not this rank's value: 0 == False
+    if agreed is False:
         return None
-    auto = wanted == "auto"
+    auto = agreed == "auto"
     bare = [r for r, n in enumerate(native) if not n]
     if bare:
         why = (
@@ -79,14 +80,26 @@ def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
             return _off(ex, why)
         raise ConfigError(f"transport.shared_memory: {why}; expected it on every rank")
     token = torch.zeros(2, dtype=torch.int64)  # [token, whether rank 0 made the control file]
-    why = ""
+    why, made = "", ""  # made: rank 0's control file, unlinked below whatever happens
     if ex.rank == 0:
         token[0] = secrets.randbits(62)
         try:
             _make_control(_control_path(f"{int(token[0]):016x}"), ex.world)
+            made = _control_path(f"{int(token[0]):016x}")
             token[1] = 1
         except OSError as exc:
             why = f" ({exc.strerror})"
+    try:
+        return _decide(ex, auto, token, why)
+    finally:
+        if made:  # every rank that sees it has mapped and locked it by now (or failed)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(made)
+
+
+def _decide(ex, auto: bool, token: torch.Tensor, why: str) -> SharedMemory | None:
+    """The rest of :func:`open_shared`, from the token's broadcast on: every rank maps and locks
+    the control file, reports what it sees, and all decide alike."""
     ex.run(lambda: dist.broadcast(token, 0, group=ex.group, async_op=True), "shm token")
     if not int(token[1]):
         if auto:
@@ -96,54 +109,77 @@ def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
             "shared_memory=False where there is no shared /dev/shm"
         )
     name = f"{int(token[0]):016x}"
-    path = _control_path(name)
     control, unseen = None, ""
     try:
         try:
-            control = _open_control(path, ex.rank, ex.world)
+            control = _open_control(_control_path(name), ex.rank, ex.world)
         except OSError as exc:  # another host or container, another user: named below
             unseen = f"; this rank: {exc.strerror}"
-        flags = _probe(ex, control is not None)
-    finally:
-        if ex.rank == 0:  # every rank that sees it has mapped and locked it by now
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-    w = ex.world
-    missing = [r for r in range(w) if not flags[r]]
-    low = [r for r in range(w) if flags[w + r] < AUTO_MIN_FREE >> 20]
-    apart = [r for r in range(w) if flags[2 * w + r] != flags[2 * w]]
-    if missing or (auto and (low or apart)):
+        flags, bad_key = _probe(ex, control is not None)
+        why = _judge(ex.world, auto, flags, bad_key, unseen)
+    except BaseException:
+        if control is not None:  # its lock and mapping go with it
+            os.close(control[0])
+        raise
+    if why:
         if control is not None:
             os.close(control[0])
-        if not auto:
-            raise ConfigError(
-                f"transport.shared_memory: ranks {missing} do not see rank 0's {SHM_DIR} "
-                f"(another host, a container with its own, or another user{unseen}); set "
-                "shared_memory=False for planes across hosts"
-            )
-        if missing:
-            why = f"ranks {missing} do not see rank 0's {SHM_DIR} (several hosts or containers)"
-        elif apart:
-            why = f"ranks {apart} are on other hosts than rank 0 (topology host keys)"
-        else:
-            most = max(flags[w + r] for r in low)
-            why = f"{SHM_DIR} has {most} MiB free, less than {AUTO_MIN_FREE >> 20} MiB"
         return _off(ex, why)
     return SharedMemory(ex.rank, ex.world, name, control, ex.timeout)
 
 
-def _probe(ex, seen: bool) -> list[int]:
+def _judge(w: int, auto: bool, flags: list[int], bad_key: str, unseen: str) -> str:
+    """From every rank's report (:func:`_probe`): why ``"auto"`` is off (``""``: on).
+
+    Raises:
+        ConfigError: the same on every rank: ranks with a malformed node index variable; with
+            ``True``, ranks that do not see rank 0's ``/dev/shm``.
+    """
+    missing = [r for r in range(w) if not flags[r]]
+    keys = flags[2 * w :]
+    malformed = [r for r in range(w) if keys[r] < 0]
+    if malformed:  # the same error on every rank, not one raising and the rest timing out
+        raise ConfigError(
+            f"ranks {malformed}: their node index variable is malformed "
+            f"({bad_key or 'their own error says how'}); it tells hosts apart"
+        )
+    if missing and not auto:
+        raise ConfigError(
+            f"transport.shared_memory: ranks {missing} do not see rank 0's {SHM_DIR} (another "
+            f"host, a container with its own, or another user{unseen}); set "
+            "shared_memory=False for planes across hosts"
+        )
+    if not auto:
+        return ""
+    low = [r for r in range(w) if flags[w + r] < AUTO_MIN_FREE >> 20]
+    apart = [r for r in range(w) if keys[r] != keys[0]]
+    if missing:
+        return f"ranks {missing} do not see rank 0's {SHM_DIR} (several hosts or containers)"
+    if apart:
+        return f"ranks {apart} are on other hosts than rank 0 (topology host keys)"
+    if low:
+        most = max(flags[w + r] for r in low)
+        return f"{SHM_DIR} has {most} MiB free, less than {AUTO_MIN_FREE >> 20} MiB"
+    return ""
+
+
+def _probe(ex, seen: bool) -> tuple[list[int], str]:
     """Every rank's view, all-reduced: ``[rank]`` 1 where it sees the control file, ``[world +
-    rank]`` MiB free in its ``/dev/shm``, ``[2 world + rank]`` its host key, hashed."""
+    rank]`` MiB free in its ``/dev/shm``, ``[2 world + rank]`` its host key, hashed (-1: its node
+    index variable is malformed; this rank's error is returned beside)."""
     from conduit_dist.collectives.topology import host_key  # (topology imports the exchange)
 
     flags = torch.zeros(3 * ex.world, dtype=torch.int64)
     flags[ex.rank] = int(seen)
     flags[ex.world + ex.rank] = _free_bytes() >> 20
-    key = host_key(os.environ, socket.gethostname()).encode()
-    flags[2 * ex.world + ex.rank] = int.from_bytes(hashlib.sha1(key).digest()[:7], "little")
+    bad = ""
+    try:
+        key = host_key(os.environ, socket.gethostname()).encode()
+        flags[2 * ex.world + ex.rank] = int.from_bytes(hashlib.sha1(key).digest()[:7], "little")
+    except ConfigError as exc:
+        flags[2 * ex.world + ex.rank], bad = -1, str(exc)
     ex.run(lambda: dist.all_reduce(flags, group=ex.group, async_op=True), "shm probe")
-    return flags.tolist()
+    return flags.tolist(), bad
 
 
 def _off(ex, why: str) -> None:
