@@ -176,19 +176,16 @@ class SharedMemory:
         """
         cap = -(-max(need, 2 * self.cap, 1 << 16) // _ALIGN) * _ALIGN
         path = self.path(self.rank, self.gen + 1)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = create(path, 2 * cap)  # a full /dev/shm fails here, not in a write
+        except OSError as exc:
+            raise ConfigError(
+                f"transport.shared_memory: rank {self.rank} could not reserve "
+                f"{2 * cap / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror}); make {SHM_DIR} "
+                "larger (docker: --shm-size) or set shared_memory=False"
+            ) from exc
         self._owned.append(path)  # from here on removed at close or exit, whatever fails
         try:
-            try:
-                os.posix_fallocate(fd, 0, 2 * cap)  # a full /dev/shm fails here, not in a write
-            except OSError as exc:
-                self._owned.remove(path)
-                os.unlink(path)
-                raise ConfigError(
-                    f"transport.shared_memory: rank {self.rank} could not reserve "
-                    f"{2 * cap / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror}); make {SHM_DIR} "
-                    "larger (docker: --shm-size) or set shared_memory=False"
-                ) from exc
             mapped, mapped_np = _map(fd, 2 * cap)
         finally:
             os.close(fd)
@@ -345,6 +342,23 @@ class SharedMemory:
             self._ctl_fd = -1
         self.gen = self.cap = 0
         self._lent = None
+
+
+def create(path: str, size: int) -> int:
+    """Create ``path`` (never an existing file) with ``size`` bytes reserved; returns its open
+    descriptor.
+
+    Raises:
+        OSError: where it cannot be made or ``/dev/shm`` cannot hold it (nothing is left).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
 
 
 def _map(fd: int, size: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -15,7 +15,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from conduit_dist.collectives.shm import _SLOT, SHM_DIR, SharedMemory, _map
+from conduit_dist.collectives.shm import _SLOT, SHM_DIR, SharedMemory, _map, create
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.native import _native
 
@@ -83,10 +83,10 @@ def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
     why, made = "", ""  # made: rank 0's control file, unlinked below whatever happens
     if ex.rank == 0:
         token[0] = secrets.randbits(62)
-        try:
-            _make_control(_control_path(f"{int(token[0]):016x}"), ex.world)
-            made = _control_path(f"{int(token[0]):016x}")
-            token[1] = 1
+        path = _control_path(f"{int(token[0]):016x}")
+        try:  # zeros: no rank arrived anywhere
+            os.close(create(path, ex.world * _SLOT))
+            made, token[1] = path, 1
         except OSError as exc:
             why = f" ({exc.strerror})"
     try:
@@ -109,7 +109,7 @@ def _decide(ex, auto: bool, token: torch.Tensor, why: str) -> SharedMemory | Non
             "shared_memory=False where there is no shared /dev/shm"
         )
     name = f"{int(token[0]):016x}"
-    control, unseen = None, ""
+    control, unseen, why = None, "", None
     try:
         try:
             control = _open_control(_control_path(name), ex.rank, ex.world)
@@ -117,13 +117,10 @@ def _decide(ex, auto: bool, token: torch.Tensor, why: str) -> SharedMemory | Non
             unseen = f"; this rank: {exc.strerror}"
         flags, bad_key = _probe(ex, control is not None)
         why = _judge(ex.world, auto, flags, bad_key, unseen)
-    except BaseException:
-        if control is not None:  # its lock and mapping go with it
+    finally:
+        if why != "" and control is not None:  # off or failed: its lock and mapping go
             os.close(control[0])
-        raise
     if why:
-        if control is not None:
-            os.close(control[0])
         return _off(ex, why)
     return SharedMemory(ex.rank, ex.world, name, control, ex.timeout)
 
@@ -200,18 +197,6 @@ def _free_bytes() -> int:
 
 def _control_path(token: str) -> str:
     return os.path.join(SHM_DIR, f"conduit-{token}-ctl")
-
-
-def _make_control(path: str, world: int) -> None:
-    """Create the control block (zeros: no rank arrived anywhere) with its space reserved."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, world * _SLOT)
-    except OSError:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
 
 
 def _open_control(path: str, rank: int, world: int) -> tuple[int, torch.Tensor]:
