@@ -23,12 +23,14 @@ from conduit_dist.collectives.dist import (
     CUDA_BACKEND_ENV,
     CUDA_BACKENDS,
     backends_of,
+    cuda_backend_of,
     plane_backend,
     resolve_cuda_backend,
     uses_cuda,
     watchdog_timeout,
 )
 from conduit_dist.collectives.heartbeats import poll_until
+from conduit_dist.collectives.strategies import GLOO_CUDA, NAMES, usable
 from conduit_dist.collectives.topology import host_key
 from conduit_dist.errors import ConfigError
 
@@ -49,6 +51,17 @@ def test_plane_backend_is_gloo_on_cpu_and_names_the_cuda_backend_otherwise():
         ConfigError, match=r"cuda_backend: expected one of \['nccl', 'gloo'\], got 'mpi'"
     ):
         plane_backend(True, "mpi")
+
+
+def test_gpu_rows_over_gloo_move_by_the_fused_all_to_all_only():
+    # gloo's send/recv and gather take host pointers only (a CUDA tensor's fail with EFAULT,
+    # seen on an H200): point-to-point and gather are kept for host rows and NCCL
+    assert cuda_backend_of("cpu:gloo,cuda:nccl") == "nccl"
+    assert cuda_backend_of("cpu:gloo,cuda:gloo") == "gloo"
+    assert cuda_backend_of("gloo") == "gloo"
+    assert usable(True, "gloo") == GLOO_CUDA == ("all_to_all",)
+    assert usable(False, "gloo") == usable(True, "nccl") == usable(True, "") == NAMES
+    assert {"p2p", "gather"} <= set(NAMES)
 
 
 def test_cuda_backend_comes_from_the_argument_then_the_environment_then_nccl():

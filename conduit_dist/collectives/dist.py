@@ -238,6 +238,16 @@ def backends_of(group_backend: str) -> set[str]:
     return {part.rsplit(":", 1)[-1] for part in group_backend.split(",") if part}
 
 
+def cuda_backend_of(group_backend: str) -> str:
+    """The backend that carries a group's CUDA tensors: the one named for ``cuda``
+    (``"cpu:gloo,cuda:nccl"``: nccl), else the group's only one (``"gloo"``: gloo)."""
+    parts = [part.split(":") for part in group_backend.split(",") if part]
+    for part in parts:
+        if len(part) == 2 and part[0] == "cuda":
+            return part[1]
+    return parts[-1][-1]
+
+
 def init_distributed(
     device: str | torch.device = "cpu",
     timeout_s: float = 120.0,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from conduit_dist.collectives.dist import (
     backends_of,
     chosen_cuda_backend,
+    cuda_backend_of,
     plane_group,
     resolve_device,
     uses_cuda,
@@ -116,7 +117,11 @@ class Exchange:
             if uses_cuda(device):  # resolved before any group exists: errors leave none
                 self.cuda = resolve_device(device)
             self.group = plane_group(self.timeout, self.cuda, chosen_cuda_backend())
-        kinds = backends_of(str(dist.get_backend(self.group))) if self.world > 1 else set()
+        backend = str(dist.get_backend(self.group)) if self.world > 1 else ""
+        kinds = backends_of(backend)
+        # the backend CUDA tensors go through ("": none between ranks); gloo has all-to-all,
+        # broadcast and all-reduce for them but no send/recv or gather (strategies.usable)
+        self.cuda_backend = cuda_backend_of(backend) if backend else ""
         # gloo's work.wait(t) raises when t expires and can be waited on again: marks can wait
         self._lazy = kinds == {"gloo"}
         # NCCL's work.wait() bounds nothing on the host: every wait of the group polls instead

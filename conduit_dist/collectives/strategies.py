@@ -144,3 +144,21 @@ def make_strategies() -> dict[str, Strategy]:
 
 
 NAMES = tuple(make_strategies())
+
+# gloo carries CUDA tensors through all_to_all but has no send/recv or gather for them (its
+# sockets would be handed device pointers): only the fused collective moves rows on the GPU there
+GLOO_CUDA = ("all_to_all",)
+
+
+def usable(on_cuda: bool, cuda_backend: str) -> tuple[str, ...]:
+    """The strategies that can move rows of one device through a group.
+
+    Args:
+        on_cuda: whether the rows are CUDA tensors.
+        cuda_backend: the backend that carries the group's CUDA tensors
+            (``Exchange.cuda_backend``: ``"nccl"``, ``"gloo"``, or ``""`` at world size 1).
+
+    Returns:
+        :data:`NAMES`, or :data:`GLOO_CUDA` for CUDA rows over gloo.
+    """
+    return GLOO_CUDA if on_cuda and cuda_backend == "gloo" else NAMES

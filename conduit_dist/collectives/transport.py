@@ -10,7 +10,7 @@ import torch
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model import BandwidthModel
-from conduit_dist.collectives.strategies import NAMES, make_strategies
+from conduit_dist.collectives.strategies import GLOO_CUDA, NAMES, make_strategies, usable
 from conduit_dist.collectives.topology import Topology
 from conduit_dist.errors import ConfigError
 
@@ -35,7 +35,11 @@ class Transport:
         strategy: ``auto`` or one of the strategy names (forces it).
 
     Raises:
-        ConfigError: on an unknown strategy.
+        ConfigError: on an unknown strategy, or one that cannot move the plane's CUDA rows
+            (point-to-point or gather with gloo carrying CUDA tensors).
+
+    Rows on the GPU over gloo (``CONDUIT_CUDA_BACKEND=gloo``) move by the fused all-to-all only
+    (``strategies.usable``); host rows of the same plane may take any strategy.
     """
 
     def __init__(self, ex: Exchange, topo: Topology, model: BandwidthModel, strategy: str = "auto"):
@@ -43,20 +47,30 @@ class Transport:
             raise ConfigError(
                 f"strategy: expected 'auto' or one of {list(NAMES)}, got {strategy!r}"
             )
+        cuda = ex.cuda is not None
+        if strategy != "auto" and cuda and strategy not in usable(cuda, ex.cuda_backend):
+            raise ConfigError(
+                f"strategy: {strategy!r} cannot move CUDA rows over {ex.cuda_backend} (gloo has "
+                f"no send/recv or gather of CUDA tensors); expected 'auto' or one of "
+                f"{list(GLOO_CUDA)} on a CUDA plane over gloo, or nccl (CONDUIT_CUDA_BACKEND) "
+                f"for {strategy!r}"
+            )
         self.ex, self.topo, self.model, self.forced = ex, topo, model, strategy
         self.links = topo.link_matrix()
         self.strategies = make_strategies()
         self._choices: dict[bytes, tuple[str, float]] = {}
 
-    def choose(self, matrix_bytes: np.ndarray) -> tuple[str, float]:
-        """Strategy and predicted seconds for a byte matrix (memoised per matrix)."""
-        key = matrix_bytes.tobytes()
+    def choose(self, matrix_bytes: np.ndarray, on_cuda: bool = False) -> tuple[str, float]:
+        """Strategy and predicted seconds for a byte matrix of host or (``on_cuda``) GPU rows
+        (memoised per matrix and device)."""
+        key = matrix_bytes.tobytes() + bytes([on_cuda])
         hit = self._choices.get(key)
         if hit is None:
             if self.forced != "auto":
                 hit = (self.forced, self.model.predict(self.forced, matrix_bytes, self.links))
             else:
-                hit = self.model.choose(matrix_bytes, self.links)
+                allowed = usable(on_cuda, self.ex.cuda_backend)
+                hit = self.model.choose(matrix_bytes, self.links, allowed)
             if len(self._choices) > 1024:
                 self._choices.clear()
             self._choices[key] = hit
@@ -73,7 +87,7 @@ class Transport:
         """Move record rows: ``rows[src, dst]`` (the same on every rank) of ``width`` bytes."""
         me = self.ex.rank
         width = inp.shape[1] * inp.element_size() if inp.dim() == 2 else 1
-        name, pred = self.choose(rows * width)
+        name, pred = self.choose(rows * width, inp.is_cuda or out.is_cuda)
         t0 = time.perf_counter()
         self.strategies[name].run(
             self.ex, out, inp, rows[:, me].tolist(), rows[me].tolist(), round, op, rows

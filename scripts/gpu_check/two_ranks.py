@@ -36,7 +36,7 @@ from common import (
 
 import conduit_dist as cd
 from conduit_dist.checkpoint import writer
-from conduit_dist.errors import EmptyStoreError
+from conduit_dist.errors import ConfigError, EmptyStoreError
 
 GAMMA = 0.9
 
@@ -247,6 +247,16 @@ def queues(spec: cd.ExperienceSpec, rank: int) -> None:
                 check(len(every) == len(set(every)), f"{name}, {placement}: an item twice")
                 check(len(every) + left == 378 and left < 8, f"{name}: {len(every)} + {left}")
             notes.append(f"{name} {placement} ({schedule})")
+    # gloo has no send/recv or gather of CUDA tensors: forcing either on this plane is refused
+    # (auto keeps GPU rows to the fused all-to-all, which the rounds above went through)
+    for forced in ("p2p", "gather"):
+        try:
+            cd.DataPlane(spec, 64, device=DEVICE, transport=cd.TransportConfig(strategy=forced))
+        except ConfigError as exc:
+            check(repr(forced) in str(exc) and "gloo" in str(exc), f"refusal: {exc}")
+        else:
+            check(False, f"strategy={forced!r} on a CUDA plane over gloo was not refused")
+    notes.append("p2p and gather refused")
     ok("b.queues", f"drained once each / delivered on the GPU: {', '.join(notes)}")
 
 
