@@ -44,9 +44,27 @@ def _same_bytes_as_gloo(rank: int, world: int) -> dict[str, object]:
             bad.append(it)
         gens.add(shm.shm.gen)
     during = _files(token)
+    # splits past the buffers are refused before anything is copied or anyone arrives (the
+    # copies run on raw addresses), and the next exchange runs as before
+    inp = (torch.arange(2 * world, dtype=torch.uint8) + 10 * rank).view(world, 2)
+    out = torch.zeros(world, 2, dtype=torch.uint8)
+    refused = ""
+    try:
+        shm.shm.start(out, inp, [2] * world, [3] * world)
+    except ValueError as exc:
+        refused = str(exc)
+    shm.all_to_all(out, inp, [1] * world, [1] * world, 99)
+    after = out[:, 0].tolist() == [10 * p + 2 * rank for p in range(world)]
     shm.close()
     ref.close()
-    return {"bad": bad, "gens": sorted(gens), "during": during, "token": token}
+    return {
+        "bad": bad,
+        "gens": sorted(gens),
+        "during": during,
+        "token": token,
+        "refused": refused,
+        "after": after,
+    }
 
 
 def test_shared_memory_all_to_all_moves_gloos_bytes_and_removes_its_files():
@@ -57,6 +75,8 @@ def test_shared_memory_all_to_all_moves_gloos_bytes_and_removes_its_files():
         # every file was unlinked at the exchange after the one that made it (the peers had
         # mapped it): nothing named in /dev/shm while the exchanges run
         assert r["during"] == [], r["during"]
+        assert f"on rank {rank}: splits [3, 3, 3] of 2-byte rows in" in r["refused"], r
+        assert r["after"], r
     assert _files(res[0]["token"]) == []  # nor after close
 
 

@@ -266,3 +266,16 @@ def test_a_pack_larger_than_the_caches_streams_and_still_checks():
     batch["r"][n - 1] = float("inf")
     with pytest.raises(SpecError, match="'r'.*NaN/inf"):
         spec.pack(batch, out, check=True)
+
+
+def test_native_copy_spans_copies_in_order_and_refuses_bad_spans():
+    src = torch.arange(16, dtype=torch.uint8)
+    dst = torch.zeros(16, dtype=torch.uint8)
+    s, d = src.data_ptr(), dst.data_ptr()
+    native.copy_spans((d + 4, s, 3, d, s + 10, 2, d + 8, s, 0))  # a 0-byte span copies nothing
+    assert dst.tolist() == [10, 11, 0, 0, 0, 1, 2] + [0] * 9
+    with pytest.raises(ValueError, match=r"expected \(dst, src, n\) triples, at most 192, got 2"):
+        native.copy_spans((d, s))
+    with pytest.raises(ValueError, match="span 1 has -1 bytes, expected >= 0"):
+        native.copy_spans((d, s, 1, d, s, -1))
+    assert dst[0] == 10  # refused before any copy

@@ -71,11 +71,6 @@ def _offsets(splits: list[int]) -> list[int]:
     return [0, *itertools.accumulate(splits)]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes, flat (``t`` contiguous, as ``all_to_all_single`` requires)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _row_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size() // t.shape[0] if t.dim() and t.shape[0] else 0
 
@@ -152,7 +147,9 @@ class SharedMemory:
         self.gen = 0  # this rank's file generation (0: none yet)
         self._mine: torch.Tensor | None = None
         self._mine_np: np.ndarray | None = None
-        self._peers: dict[int, tuple] = {}  # rank -> (gen, cap, map, its numpy view)
+        self._mine_p = 0  # its address
+        self._mine_hdr: tuple[np.ndarray, ...] = ()  # each half's header, int64 offsets
+        self._peers: dict[int, tuple] = {}  # rank -> (gen, cap, address, headers, map)
         self._calls = 0  # exchanges so far, the same on every rank: which half is in use
         # this rank's files still named on disk: (the exchange that published it, path),
         # unlinked once a later exchange's barrier passed (every peer has mapped them by then)
@@ -191,6 +188,7 @@ class SharedMemory:
             os.close(fd)
         self._named.append((self._calls + 1, path))  # published by the next exchange
         self._mine, self._mine_np, self.cap, self.gen = mapped, mapped_np, cap, self.gen + 1
+        self._mine_p, self._mine_hdr = mapped.data_ptr(), self._headers(mapped_np, cap)
 
     def send_rows(self, rows: int, width: int) -> tuple[torch.Tensor, np.ndarray] | None:
         """``uint8 [rows, width]`` in the half the next :meth:`start` uses (torch and NumPy
@@ -208,8 +206,15 @@ class SharedMemory:
         self._lent = (self._calls, self._mine.data_ptr() + at)  # start() takes it, or refuses
         return self._mine[at:end].view(rows, width), self._mine_np[at:end].reshape(rows, width)
 
-    def _peer(self, p: int, gen: int) -> tuple[int, torch.Tensor, np.ndarray]:
-        """Peer ``p``'s file of generation ``gen``, mapped (kept until it changes)."""
+    def _headers(self, mapped: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+        """The two halves' headers of a file of ``cap``-byte halves (int64 offsets, one per
+        destination rank)."""
+        n = 8 * self.world
+        return mapped[:n].view(np.int64), mapped[cap : cap + n].view(np.int64)
+
+    def _peer(self, p: int, gen: int) -> tuple[int, int, tuple[np.ndarray, np.ndarray]]:
+        """Peer ``p``'s file of generation ``gen``, mapped (kept until it changes): its halves'
+        size, its address and its halves' headers."""
         got = self._peers.get(p)
         if got is None or got[0] != gen:
             fd = os.open(self.path(p, gen), os.O_RDWR)  # never created here: the peer's own
@@ -218,7 +223,8 @@ class SharedMemory:
                 seg, seg_np = _map(fd, size)
             finally:
                 os.close(fd)
-            got = self._peers[p] = (gen, size // 2, seg, seg_np)
+            cap = size // 2
+            got = self._peers[p] = (gen, cap, seg.data_ptr(), self._headers(seg_np, cap), seg)
         return got[1], got[2], got[3]
 
     def start(
@@ -241,7 +247,7 @@ class SharedMemory:
             )
         if not (out.is_contiguous() and inp.is_contiguous()):
             raise ValueError("shared-memory all_to_all: expected contiguous out and inp tensors")
-        src, dst = _bytes(inp), _bytes(out)
+        src, dst = inp.data_ptr(), out.data_ptr()  # every copy below checked against these
         rb_in, rb_out = _row_bytes(inp), _row_bytes(out)
         if not in_splits:
             in_splits = [inp.shape[0] // world] * world
@@ -249,10 +255,22 @@ class SharedMemory:
             out_splits = [out.shape[0] // world] * world
         i_off = [k * rb_in for k in _offsets(in_splits)]
         o_off = [k * rb_out for k in _offsets(out_splits)]
+        n_in, n_out = inp.numel() * inp.element_size(), out.numel() * out.element_size()
+        n_own = out_splits[me] * rb_out
+        if (
+            i_off[-1] > n_in or o_off[-1] > n_out or min(in_splits) < 0 or min(out_splits) < 0
+            or n_own != in_splits[me] * rb_in
+        ):  # fmt: skip
+            raise ValueError(
+                f"shared-memory all_to_all on rank {me}: splits {in_splits} of {rb_in}-byte rows "
+                f"in and {out_splits} of {rb_out}-byte rows out, expected non-negative, within "
+                f"inp's {n_in} and out's {n_out} bytes, and as many bytes to itself as from itself"
+            )
         half = self._calls % 2
         base = half * self.cap
         lent, self._lent = self._lent, None
-        in_place = lent is not None and lent == (self._calls, src.data_ptr())
+        in_place = lent is not None and lent == (self._calls, src)
+        spans: list[int] = []  # (to, from, bytes) of each copy
         if lent is not None and not in_place:  # the lent rows would be overwritten here
             raise RuntimeError(
                 "shared-memory all_to_all: rows from send_rows() were not the next exchange's "
@@ -270,17 +288,18 @@ class SharedMemory:
                     self._announce_failure()
                     raise
                 base = half * self.cap
-            mine, at, offsets = self._mine, self.head, [0] * world
+            mine, at, offsets = self._mine_p + base, self.head, [0] * world
             for d in range(world):
                 n = in_splits[d] * rb_in
-                if d != me and n:
-                    mine[base + at : base + at + n].copy_(src[i_off[d] : i_off[d] + n])
+                if d != me and n:  # within the half: need <= cap above
+                    spans += (mine + at, src + i_off[d], n)
                     offsets[d] = at
                     at += sizes[d]
-        self._mine_np[base : base + 8 * world].view(np.int64)[:] = offsets
-        n_own = out_splits[me] * rb_out
+        self._mine_hdr[half][:] = offsets
         if n_own:
-            dst[o_off[me] : o_off[me] + n_own].copy_(src[i_off[me] : i_off[me] + n_own])
+            spans += (dst + o_off[me], src + i_off[me], n_own)
+        if spans:  # one native call for every copy (torch's slice and copy_: ~4 us each)
+            _native.copy_spans(tuple(spans))
         self._calls += 1
         seq = self._calls
         _native.shm_arrive(self._ctl_addr, me, seq, self.gen)
@@ -295,16 +314,23 @@ class SharedMemory:
                     f"transport.shared_memory: ranks {failed} could not make room for this "
                     f"exchange in {SHM_DIR} (their own errors say how much; is it full?)"
                 )
+            spans: list[int] = []
             for p in range(world):
                 n = out_splits[p] * rb_out
                 if p == me or not gens[p]:
                     continue
-                cap, seg, seg_np = self._peer(p, int(gens[p]))  # a new file: mapped now
+                cap, addr, heads = self._peer(p, int(gens[p]))  # a new file: mapped now
                 if not n:
                     continue
-                pbase = half * cap
-                off = int(seg_np[pbase + 8 * me : pbase + 8 * me + 8].view(np.int64)[0])
-                dst[o_off[p] : o_off[p] + n].copy_(seg[pbase + off : pbase + off + n])
+                off = int(heads[half][me])
+                if off < self.head or off + n > cap:  # the peer disagrees on the splits
+                    raise RuntimeError(
+                        f"shared-memory all_to_all on rank {me}: rank {p}'s {n} bytes for it "
+                        f"at offset {off} lie outside its {cap}-byte half"
+                    )
+                spans += (dst + o_off[p], addr + half * cap + off, n)
+            if spans:
+                _native.copy_spans(tuple(spans))
             while self._named and self._named[0][0] < seq:  # every peer has mapped it
                 path = self._named.pop(0)[1]
                 with contextlib.suppress(FileNotFoundError):

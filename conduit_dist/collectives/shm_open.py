@@ -31,8 +31,9 @@ _CODES = {False: 1, True: 2, "auto": 3}  # a rank's setting in the agreement (0:
 
 
 def native_barrier() -> bool:
-    """Whether the native extension has the barrier (a build older than it does not)."""
-    return _native is not None and hasattr(_native, "shm_wait")
+    """Whether the native extension has the barrier and the batched copies of an exchange (a
+    build older than them does not)."""
+    return _native is not None and all(hasattr(_native, f) for f in ("shm_wait", "copy_spans"))
 
 
 def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
