@@ -74,7 +74,8 @@ class Stager:
         self.put_seq = 0  # puts so far (a fetched batch's lag is measured against it)
         self.in_block = False  # inside a staged() block
         self.dropped = 0  # staged items dropped oldest-first to stay under the limit
-        self._version_cols: dict[torch.device, torch.Tensor] = {}  # reused: packed at once
+        # per device: a reused column (packed at once), its host view, its views by length
+        self._version_cols: dict[torch.device, tuple] = {}
 
     @property
     def pending(self) -> int:
@@ -126,12 +127,22 @@ class Stager:
         once, a new tensor where it donates (a donated batch is packed by the round, later)."""
         if donate:
             return torch.full((n,), v, dtype=torch.int64, device=device)
-        col = self._version_cols.get(device)
-        if col is None or col.numel() < n:
-            col = self._version_cols[device] = torch.empty(
-                max(n, 2 * (0 if col is None else col.numel())), dtype=torch.int64, device=device
-            )
-        return col[:n].fill_(v)
+        got = self._version_cols.get(device)
+        if got is None or got[0].numel() < n:
+            size = max(n, 2 * (0 if got is None else got[0].numel()))
+            col = torch.empty(size, dtype=torch.int64, device=device)
+            got = self._version_cols[device] = (col, col.numpy() if col.is_cpu else None, {})
+        col, host, views = got
+        view = views.get(n)  # a put's sizes repeat: torch's slice costs ~1 us, a dict lookup less
+        if view is None:
+            if len(views) > 64:
+                views.clear()
+            view = views[n] = col[:n]
+        if host is not None:
+            host[:n] = v  # numpy's fill: ~0.3 us where torch's fill_ costs ~2
+        else:
+            view.fill_(v)
+        return view
 
     def _put_direct(self, batch: Mapping[str, torch.Tensor], n: int) -> bool:
         """Where items stay local, no round is in flight and nothing is staged: pack into the
