@@ -245,7 +245,8 @@ def _draws(seq: cd.Windows, stream_dtype: torch.dtype, steps: int) -> list[dict]
     ids=["nstep", "slices"],
 )
 def test_native_links_and_nstep_rows_match_the_torch_path(monkeypatch, seq, dtype):
-    """``seq_link``/``seq_nstep`` (the C loops) give the torch path's batches, item for item."""
+    """``seq_link``/``seq_nstep``/``unpack_rows`` (the C loops) give the torch path's batches,
+    item for item."""
     from conduit_dist.records.spec import _native as native
     from conduit_dist.sampling import sequences
 
@@ -257,7 +258,8 @@ def test_native_links_and_nstep_rows_match_the_torch_path(monkeypatch, seq, dtyp
     assert len(fast) == len(slow) == 52
     for a, b in zip(fast, slow):
         assert a.keys() == b.keys()
-        for k in a:
+        for k in a:  # the native unpack's fields too: same dtypes, each its own contiguous copy
+            assert a[k].dtype == b[k].dtype and a[k].is_contiguous(), k
             if k == "_return":
                 torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
             else:

@@ -279,3 +279,15 @@ def test_native_copy_spans_copies_in_order_and_refuses_bad_spans():
     with pytest.raises(ValueError, match="span 1 has -1 bytes, expected >= 0"):
         native.copy_spans((d, s, 1, d, s, -1))
     assert dst[0] == 10  # refused before any copy
+
+
+def test_native_unpack_rows_copies_each_field_out_and_refuses_bad_layouts():
+    rows = torch.arange(24, dtype=torch.uint8).view(3, 8)  # 3 rows of 8 bytes, 6 of them used
+    a, b = torch.zeros(3, 2, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8)
+    dsts = (a.data_ptr(), b.data_ptr())
+    native.unpack_rows(rows.data_ptr(), 6, 8, 3, dsts, (2, 1), (1, 5), (0, 0))
+    assert a.tolist() == [[1, 2], [9, 10], [17, 18]] and b.view(-1).tolist() == [5, 13, 21]
+    with pytest.raises(ValueError, match="field 0 .start 5, size 2. does not fit in a record of 6"):
+        native.unpack_rows(rows.data_ptr(), 6, 8, 3, (a.data_ptr(),), (2,), (5,), (0,))
+    with pytest.raises(ValueError, match="expected stride >= row_bytes, got stride 4, row_bytes 6"):
+        native.unpack_rows(rows.data_ptr(), 6, 4, 3, (a.data_ptr(),), (2,), (0,), (0,))

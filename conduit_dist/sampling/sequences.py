@@ -147,6 +147,7 @@ class Episodes:
     def __init__(self, seq: Windows, spec, storage, gen: torch.Tensor) -> None:
         seq.check(spec)
         self.seq, self.spec, self.storage, self.gen = seq, spec, storage, gen
+        self._gen_np = gen.numpy()  # the same memory (the sampler never replaces it)
         cap = storage.capacity
         self.prev = torch.full((cap,), -1, dtype=torch.int64)
         self.next = torch.full((cap,), -1, dtype=torch.int64)
@@ -155,7 +156,8 @@ class Episodes:
         self.src = torch.full((cap,), -1, dtype=torch.int32)  # the rank that put each item
         self.rb = spec.record_bytes
         self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
-        self._arrivals: list[torch.Tensor] = []  # sources of items not linked yet, in order
+        self._outputs: tuple | None = None  # what unpack copies out of an n-step row (native)
+        self._arrivals: list[np.ndarray] = []  # sources of items not linked yet, in order
         # the fields linking reads, as (byte offset, kind) in a record for the native loop
         off = spec.offsets
         self._off_done = off[seq.done]
@@ -219,12 +221,12 @@ class Episodes:
 
     def arrived(self, sources: np.ndarray) -> None:
         """``[world]`` how many of the next new items (in arrival order) each rank sent."""
-        counts = torch.from_numpy(np.ascontiguousarray(sources, dtype=np.int64))
-        self._arrivals.append(torch.repeat_interleave(torch.arange(counts.numel()), counts))
+        counts = np.ascontiguousarray(sources, dtype=np.int64)
+        self._arrivals.append(np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts))
 
     def arrived_items(self, sources: torch.Tensor) -> None:
         """The source rank of each of the next new items (a restored piece's)."""
-        self._arrivals.append(sources.to(torch.int64))
+        self._arrivals.append(sources.to(torch.int64).cpu().numpy())
 
     def sources_of(self, gens: torch.Tensor) -> torch.Tensor:
         """The rank that put each live item ``gens``."""
@@ -233,15 +235,19 @@ class Episodes:
     def _sources(self, n: int) -> torch.Tensor:
         """Sources of the ``n`` newest arrivals (older ones the ring overwrote are dropped;
         items with no recorded arrival count as source -1)."""
-        got = torch.cat(self._arrivals) if self._arrivals else torch.zeros(0, dtype=torch.int64)
+        got = np.concatenate(self._arrivals) if self._arrivals else np.zeros(0, dtype=np.int64)
         self._arrivals = []
-        if got.numel() >= n:
-            return got[got.numel() - n :]
-        return torch.cat([torch.full((n - got.numel(),), -1, dtype=torch.int64), got])
+        if got.shape[0] < n:
+            got = np.concatenate([np.full(n - got.shape[0], -1, dtype=np.int64), got])
+        return torch.from_numpy(np.ascontiguousarray(got[got.shape[0] - n :]))
 
     def _live(self, g: torch.Tensor) -> torch.Tensor:
         cap = self.storage.capacity
         return (g >= 0) & (self.gen[g.clamp(min=0) % cap] == g)
+
+    def _live_np(self, g: np.ndarray) -> np.ndarray:
+        """:meth:`_live` of int64 generations in NumPy."""
+        return (g >= 0) & (self._gen_np[np.maximum(g, 0) % self.storage.capacity] == g)
 
     def _gather(self, gens: torch.Tensor) -> torch.Tensor:
         """The stored records of live generations, in order (``[n, record_bytes]``)."""
@@ -308,7 +314,7 @@ class Episodes:
             self._off_stream, self._kind, sources.data_ptr(), self._tab.data_ptr(),
             self._tab.shape[0],
         )  # fmt: skip
-        return self._starts(gens, self.end[gens % cap])
+        return self._starts(gens, self.end.numpy()[gens.numpy() % cap])
 
     def _back(self, g: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(item, ok)``: the item ``steps`` links before each of ``g``; ``ok`` where it exists."""
@@ -330,18 +336,20 @@ class Episodes:
             cur = torch.where(ok, p, cur)
         return cur, ok
 
-    def _starts(self, gens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        """Starts whose window the new items complete."""
+    def _starts(self, gens: torch.Tensor, end) -> torch.Tensor:
+        """Starts whose window the new items complete (``end``: bool, which of ``gens`` end an
+        episode; computed in NumPy: a few dozen items a round)."""
         L = self.seq.window
         start, ok = self._back(gens, L - 1)
-        found = [start[ok]]
-        if self.seq.n_step > 1 and bool(end.any()):  # windows an episode end cuts short
-            cur = gens[end]
+        found = [start.numpy()[ok.numpy()]]
+        end = np.asarray(end, dtype=bool)
+        if self.seq.n_step > 1 and end.any():  # windows an episode end cuts short
+            cur = torch.from_numpy(gens.numpy()[end])
             for back in range(L - 1):  # the ends themselves, then 1 .. L-2 links back
                 item, ok = self._back(cur, back)
-                found.append(item[ok])
-        starts = torch.cat(found) if len(found) > 1 else found[0]
-        return starts[self._live(starts)]
+                found.append(item.numpy()[ok.numpy()])
+        starts = np.concatenate(found) if len(found) > 1 else found[0]
+        return torch.from_numpy(starts[self._live_np(starts)])
 
     def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gens [k, L], m [k])``: each start's window (repeating its last item past its
@@ -400,9 +408,35 @@ class Episodes:
         vals[:, 0] = ret.float()
         vals[:, 1] = disc.float()
 
+    def _n_step_outputs(self) -> tuple:
+        """``(names, dtypes, shapes, sizes, offsets)`` of what :meth:`unpack` returns of an
+        n-step row: the first item's fields, the last item's (but reserved ``_`` ones), the
+        return and the discount."""
+        if self._outputs is None:
+            fields, off, rb = self.spec.fields.items(), self.spec.offsets, self.rb
+            at = self.seq.trailer_at(rb) + 16
+            rows = [(n, f.dtype, f.shape, f.nbytes, off[n]) for n, f in fields]
+            rows += [
+                (f"_last_{n}", f.dtype, f.shape, f.nbytes, rb + off[n])
+                for n, f in fields
+                if n[0] != "_"
+            ]
+            f32 = torch.float32
+            rows += [("_return", f32, (), 4, at), ("_discount", f32, (), 4, at + 4)]
+            self._outputs = tuple(tuple(col) for col in zip(*rows))
+        return self._outputs
+
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """A learner's delivered rows as fields (a copy; see the module docstring)."""
         n, L, rb, seq = records.shape[0], self.seq.window, self.rb, self.seq
+        if seq.n_step > 1 and _native is not None and records.is_cpu and records.stride(1) == 1:
+            names, dtypes, shapes, sizes, offsets = self._n_step_outputs()
+            out = [torch.empty((n, *s), dtype=d) for d, s in zip(dtypes, shapes)]
+            _native.unpack_rows(
+                records.data_ptr(), records.shape[1], records.stride(0), n,
+                tuple(t.data_ptr() for t in out), sizes, offsets, (0,) * len(out),
+            )  # fmt: skip
+            return dict(zip(names, out))
         if seq.n_step == 1:
             flat = records[:, : L * rb].reshape(n * L, rb)
             fields = self.spec.unpack(flat)

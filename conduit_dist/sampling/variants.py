@@ -113,12 +113,13 @@ class WindowedPrioritized(Prioritized, Streams):
         super().attach(storage, spec)
         self.episodes = Episodes(self.sequence, spec, storage, self._gen)
 
-    def _enter(self, gens: torch.Tensor, top: torch.Tensor) -> None:
+    def _enter(self, gens: np.ndarray, top: torch.Tensor) -> None:
         """A new item becomes a start (drawable) once its window is in."""
         cap = self.storage.capacity
-        self.tree.set(gens % cap, torch.zeros(gens.numel(), dtype=torch.float64))
-        starts = self.episodes.ingest(gens)
-        self.tree.set(starts % cap, top.expand(starts.numel()))
+        leaf = torch.from_numpy(gens % cap)
+        self.tree.set(leaf, torch.zeros(gens.shape[0], dtype=torch.float64))
+        starts = self.episodes.ingest(torch.from_numpy(gens))
+        self.tree.set(torch.from_numpy(starts.numpy() % cap), top.expand(starts.numel()))
 
     def stream_keys(self, records: torch.Tensor) -> torch.Tensor:
         """Each staged record's stream within its rank (the ``stream`` field, or 0)."""
