@@ -69,7 +69,7 @@ class Transport:
             if self.forced != "auto":
                 hit = (self.forced, self.model.predict(self.forced, matrix_bytes, self.links))
             else:
-                allowed = usable(on_cuda, self.ex.cuda_backend)
+                allowed = usable(True, self.ex.cuda_backend) if on_cuda else None  # host: any
                 hit = self.model.choose(matrix_bytes, self.links, allowed)
             if len(self._choices) > 1024:
                 self._choices.clear()
