@@ -264,3 +264,18 @@ def test_native_links_and_nstep_rows_match_the_torch_path(monkeypatch, seq, dtyp
                 torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(a[k], b[k]), k
+
+
+def test_nstep_rows_of_a_spec_past_the_native_table_unpack_through_torch():
+    """130 more fields: the n-step outputs (first, last, return, discount) outgrow the native
+    unpack's table of 256, and those batches come through the torch path, whole."""
+    extra = {f"f{i}": torch.full((ENVS,), float(i)) for i in range(130)}
+    seq = cd.Windows(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
+    spec = cd.ExperienceSpec.from_batch({**_step(0, 0), **extra})
+    plane = cd.DataPlane(spec, 256, seed=0, sampler=cd.Prioritized(alpha=0.0, sequence=seq))
+    for t in range(40):
+        plane.put({**_step(0, t), **extra})
+    b = plane.fetch(6)
+    plane.close()
+    assert b["f129"].tolist() == [129.0] * 6 and b["_last_f7"].tolist() == [7.0] * 6
+    assert b["_discount"].shape == (6,) and len(b) > 256

@@ -392,40 +392,50 @@ static PyObject* unpack_rows(PyObject* self, PyObject* args) {
 }
 
 /* copy_spans((dst, src, n, dst, src, n, ...)): memcpy each span of n >= 0 bytes, in order (the
- * caller checked every address against its buffer); the GIL is released above 64 KiB in all.
- * One call for the few copies of an exchange, where torch's slicing and copy_ cost ~4 us each. */
-#define MAX_SPANS 192
+ * caller checked every address against its buffer); every span is parsed before any byte is
+ * copied; the GIL is released above 64 KiB in all. One call for the copies of an exchange (one
+ * per peer), where torch's slicing and copy_ cost ~4 us each. */
 static PyObject* copy_spans(PyObject* self, PyObject* args) {
     PyObject* spans;
     if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &spans)) return NULL;
     Py_ssize_t k = PyTuple_GET_SIZE(spans);
-    if (k % 3 || k / 3 > MAX_SPANS) {
-        PyErr_Format(PyExc_ValueError, "copy_spans: expected (dst, src, n) triples, at most %d, "
-                     "got %zd values", MAX_SPANS, k);
+    if (k % 3) {
+        PyErr_Format(PyExc_ValueError, "copy_spans: expected (dst, src, n) triples, got %zd "
+                     "values", k);
         return NULL;
     }
-    uint8_t *dst[MAX_SPANS], *src[MAX_SPANS];
-    size_t len[MAX_SPANS], total = 0;
-    for (Py_ssize_t i = 0; i < k / 3; i++) {
-        dst[i] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 3 * i));
-        src[i] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 3 * i + 1));
+    Py_ssize_t m = k / 3;
+    /* at least one element: PyMem_Malloc(0) may return NULL */
+    uintptr_t* span = PyMem_Malloc((size_t)(3 * m + 1) * sizeof(uintptr_t));
+    if (!span) return PyErr_NoMemory();
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        span[3 * i] = (uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 3 * i));
+        span[3 * i + 1] = (uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 3 * i + 1));
         long long n = PyLong_AsLongLong(PyTuple_GET_ITEM(spans, 3 * i + 2));
-        if (PyErr_Occurred()) return NULL;
+        if (PyErr_Occurred()) {
+            PyMem_Free(span);
+            return NULL;
+        }
         if (n < 0) {
             PyErr_Format(PyExc_ValueError, "copy_spans: span %zd has %lld bytes, expected >= 0",
                          i, n);
+            PyMem_Free(span);
             return NULL;
         }
-        len[i] = (size_t)n;
-        total += len[i];
+        span[3 * i + 2] = (uintptr_t)n;
+        total += (size_t)n;
     }
     if (total >= 65536) {
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < k / 3; i++) memcpy(dst[i], src[i], len[i]);
+        for (Py_ssize_t i = 0; i < m; i++)
+            memcpy((void*)span[3 * i], (const void*)span[3 * i + 1], (size_t)span[3 * i + 2]);
         Py_END_ALLOW_THREADS
     } else {
-        for (Py_ssize_t i = 0; i < k / 3; i++) memcpy(dst[i], src[i], len[i]);
+        for (Py_ssize_t i = 0; i < m; i++)
+            memcpy((void*)span[3 * i], (const void*)span[3 * i + 1], (size_t)span[3 * i + 2]);
     }
+    PyMem_Free(span);
     Py_RETURN_NONE;
 }
 

@@ -81,8 +81,9 @@ class ShmWork:
     (the exchange's 50 ms grace does); any other failure, and an exchange's final one
     (``Exchange._fail``), leave the transport ``broken``: no later exchange runs."""
 
-    def __init__(self, shm: SharedMemory, seq: int, finish) -> None:
+    def __init__(self, shm: SharedMemory, seq: int, finish, keep: tuple = ()) -> None:
         self._shm, self.seq, self._finish, self.done = shm, seq, finish, False
+        self._keep = keep  # the tensors finish() copies into by address: alive until it ran
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait for every rank to have written, then read what the peers wrote for this rank.
@@ -115,7 +116,7 @@ class ShmWork:
             except BaseException as exc:  # the peers' files were not all mapped: no retry
                 shm.broken = f"an earlier exchange failed: exchange {self.seq} ({exc})"
                 raise
-            self.done = True
+            self.done, self._keep = True, ()
         return True
 
     def is_completed(self) -> bool:
@@ -245,8 +246,17 @@ class SharedMemory:
                 + (self.broken or "closed")
                 + "; build a new plane"
             )
-        if not (out.is_contiguous() and inp.is_contiguous()):
-            raise ValueError("shared-memory all_to_all: expected contiguous out and inp tensors")
+        if not (out.is_contiguous() and inp.is_contiguous() and out.is_cpu and inp.is_cpu):
+            raise ValueError(
+                "shared-memory all_to_all: expected contiguous host tensors, got out on "
+                f"{out.device} (contiguous: {out.is_contiguous()}), inp on {inp.device} "
+                f"(contiguous: {inp.is_contiguous()})"
+            )
+        if (in_splits and len(in_splits) != world) or (out_splits and len(out_splits) != world):
+            raise ValueError(
+                f"shared-memory all_to_all: expected {world} splits (one per rank) or none, got "
+                f"{len(in_splits)} in and {len(out_splits)} out"
+            )
         src, dst = inp.data_ptr(), out.data_ptr()  # every copy below checked against these
         rb_in, rb_out = _row_bytes(inp), _row_bytes(out)
         if not in_splits:
@@ -337,7 +347,7 @@ class SharedMemory:
                     os.unlink(path)
                 self._owned.remove(path)
 
-        return ShmWork(self, seq, finish)
+        return ShmWork(self, seq, finish, (out, inp))
 
     def wait(self, seq: int, timeout_s: float) -> tuple[int, list[int]]:
         """Wait until every rank arrived at exchange ``seq`` (``0``, ``[]``), or say which ranks
@@ -363,6 +373,7 @@ class SharedMemory:
         also run at interpreter exit for a plane never closed."""
         _remove(self._owned)
         self._named, self._mine, self._mine_np, self._peers = [], None, None, {}
+        self._mine_p, self._mine_hdr = 0, ()  # the mapping goes with its last view
         if self._ctl_fd >= 0:  # releases this rank's lock: peers see it gone
             os.close(self._ctl_fd)
             self._ctl_fd = -1

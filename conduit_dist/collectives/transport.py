@@ -39,7 +39,9 @@ class Transport:
             (point-to-point or gather with gloo carrying CUDA tensors).
 
     Rows on the GPU over gloo (``CONDUIT_CUDA_BACKEND=gloo``) move by the fused all-to-all only
-    (``strategies.usable``); host rows of the same plane may take any strategy.
+    (``strategies.usable``); under ``auto``, host rows of the same plane may take any strategy.
+    A forced strategy is refused on any CUDA plane over gloo, whichever device its rounds'
+    rows turn out to be on.
     """
 
     def __init__(self, ex: Exchange, topo: Topology, model: BandwidthModel, strategy: str = "auto"):

@@ -136,7 +136,7 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         self._gen = torch.full((cap,), -1, dtype=torch.int64)  # generation in each tree leaf
         self._gen_np = self._gen.numpy()  # the same memory (never replaced: copy_, fill_)
         self._lo = self._hi = 0  # live generations the tree holds: [lo, hi)
-        self._top: tuple[float, torch.Tensor] | None = None  # (max_priority, its mass)
+        self._top: tuple[tuple, torch.Tensor] | None = None  # ((max_priority, alpha, eps), mass)
         self._mass = torch.empty(256, dtype=torch.float64)
         self._draws = torch.empty(256, dtype=torch.int64)
 
@@ -169,10 +169,12 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         self._lo, self._hi = oldest, written
 
     def _top_mass(self) -> torch.Tensor:
-        """``[1]`` the mass of the largest priority (recomputed only when it changed)."""
-        if self._top is None or self._top[0] != self.max_priority:
-            top = self.mass(torch.tensor([self.max_priority], dtype=torch.float64))
-            self._top = (self.max_priority, top)
+        """``[1]`` the mass of the largest priority (recomputed only when it, ``alpha`` or
+        ``eps`` changed)."""
+        key = (self.max_priority, self.alpha, self.eps)
+        if self._top is None or self._top[0] != key:
+            top = self.mass(torch.tensor([key[0]], dtype=torch.float64))
+            self._top = (key, top)
         return self._top[1]
 
     def _enter(self, gens: np.ndarray, top: torch.Tensor) -> None:

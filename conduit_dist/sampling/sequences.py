@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.native import NATIVE_MAX_FIELDS
 from conduit_dist.records.spec import _native
 
 _EMPTY = -(2**63)  # an empty row of the native stream table (INT64_MIN in seq.c)
@@ -157,6 +158,11 @@ class Episodes:
         self.rb = spec.record_bytes
         self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
         self._outputs: tuple | None = None  # what unpack copies out of an n-step row (native)
+        # the native unpack's table holds the n-step outputs (first, last, return, discount)
+        outputs = 2 * len(spec.fields) - sum(n[0] == "_" for n in spec.fields) + 2
+        self._native_unpack = (
+            hasattr(_native, "unpack_rows") and seq.n_step > 1 and outputs <= NATIVE_MAX_FIELDS
+        )
         self._arrivals: list[np.ndarray] = []  # sources of items not linked yet, in order
         # the fields linking reads, as (byte offset, kind) in a record for the native loop
         off = spec.offsets
@@ -429,7 +435,7 @@ class Episodes:
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """A learner's delivered rows as fields (a copy; see the module docstring)."""
         n, L, rb, seq = records.shape[0], self.seq.window, self.rb, self.seq
-        if seq.n_step > 1 and _native is not None and records.is_cpu and records.stride(1) == 1:
+        if seq.n_step > 1 and self._native_unpack and records.is_cpu and records.stride(1) == 1:
             names, dtypes, shapes, sizes, offsets = self._n_step_outputs()
             out = [torch.empty((n, *s), dtype=d) for d, s in zip(dtypes, shapes)]
             _native.unpack_rows(
