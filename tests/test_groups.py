@@ -62,6 +62,12 @@ def test_gpu_rows_over_gloo_move_by_the_fused_all_to_all_only():
     assert usable(True, "gloo") == GLOO_CUDA == ("all_to_all",)
     assert usable(False, "gloo") == usable(True, "nccl") == usable(True, "") == NAMES
     assert {"p2p", "gather"} <= set(NAMES)
+    from conduit_dist.collectives.transport import check_cuda_strategy
+
+    for ok in (("auto", "gloo"), ("all_to_all", "gloo"), ("p2p", "nccl"), ("gather", "nccl")):
+        check_cuda_strategy(*ok)
+    with pytest.raises(ConfigError, match=r"strategy: 'p2p' cannot move CUDA rows over gloo"):
+        check_cuda_strategy("p2p", "gloo")
 
 
 def test_cuda_backend_comes_from_the_argument_then_the_environment_then_nccl():

@@ -15,6 +15,22 @@ from conduit_dist.collectives.topology import Topology
 from conduit_dist.errors import ConfigError
 
 
+def check_cuda_strategy(strategy: str, cuda_backend: str) -> None:
+    """Refuse forcing a strategy that cannot move a CUDA plane's rows over ``cuda_backend``
+    (point-to-point or gather over gloo). A plane checks it before its first collective, and
+    its :class:`Transport` again.
+
+    Raises:
+        ConfigError: naming the strategy, the backend and what is accepted.
+    """
+    if strategy != "auto" and strategy not in usable(True, cuda_backend):
+        raise ConfigError(
+            f"strategy: {strategy!r} cannot move CUDA rows over {cuda_backend} (gloo has no "
+            f"send/recv or gather of CUDA tensors); expected 'auto' or one of {list(GLOO_CUDA)} "
+            f"on a CUDA plane over gloo, or nccl (CONDUIT_CUDA_BACKEND) for {strategy!r}"
+        )
+
+
 @dataclass
 class Move:
     """One exchange as it happened: strategy, predicted and measured milliseconds."""
@@ -49,14 +65,8 @@ class Transport:
             raise ConfigError(
                 f"strategy: expected 'auto' or one of {list(NAMES)}, got {strategy!r}"
             )
-        cuda = ex.cuda is not None
-        if strategy != "auto" and cuda and strategy not in usable(cuda, ex.cuda_backend):
-            raise ConfigError(
-                f"strategy: {strategy!r} cannot move CUDA rows over {ex.cuda_backend} (gloo has "
-                f"no send/recv or gather of CUDA tensors); expected 'auto' or one of "
-                f"{list(GLOO_CUDA)} on a CUDA plane over gloo, or nccl (CONDUIT_CUDA_BACKEND) "
-                f"for {strategy!r}"
-            )
+        if ex.cuda is not None:
+            check_cuda_strategy(strategy, ex.cuda_backend)
         self.ex, self.topo, self.model, self.forced = ex, topo, model, strategy
         self.links = topo.link_matrix()
         self.strategies = make_strategies()

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from conduit_dist.collectives.dist import resolve_device
+from conduit_dist.collectives.dist import chosen_cuda_backend, resolve_device
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model import BandwidthModel, build
 from conduit_dist.collectives.topology import Topology, discover
-from conduit_dist.collectives.transport import Transport
+from conduit_dist.collectives.transport import Transport, check_cuda_strategy
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.ratelimit import RateLimiter
 from conduit_dist.flow.versions import AgeBound, PolicyVersions, check_max_age
@@ -237,6 +238,8 @@ def assemble(
     if placement is not None:
         placement = _unbound(resolve("placement", placement, PLACEMENTS, Placement), "placement")
     device = resolve_device(device)  # once: cuda:<index>, never a bare "cuda"
+    if device.type == "cuda" and dist.is_initialized() and dist.get_world_size() > 1:
+        check_cuda_strategy(transport.strategy, chosen_cuda_backend())  # before any collective
     if storage is not None and not isinstance(storage, Tiers):
         raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")
     with contextlib.ExitStack() as undo:
