@@ -426,15 +426,10 @@ static PyObject* copy_spans(PyObject* self, PyObject* args) {
         span[3 * i + 2] = (uintptr_t)n;
         total += (size_t)n;
     }
-    if (total >= 65536) {
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < m; i++)
-            memcpy((void*)span[3 * i], (const void*)span[3 * i + 1], (size_t)span[3 * i + 2]);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (Py_ssize_t i = 0; i < m; i++)
-            memcpy((void*)span[3 * i], (const void*)span[3 * i + 1], (size_t)span[3 * i + 2]);
-    }
+    PyThreadState* saved = total >= 65536 ? PyEval_SaveThread() : NULL; /* GIL off if large */
+    for (Py_ssize_t i = 0; i < m; i++)
+        memcpy((void*)span[3 * i], (const void*)span[3 * i + 1], (size_t)span[3 * i + 2]);
+    if (saved) PyEval_RestoreThread(saved);
     PyMem_Free(span);
     Py_RETURN_NONE;
 }

@@ -157,12 +157,11 @@ class Episodes:
         self.src = torch.full((cap,), -1, dtype=torch.int32)  # the rank that put each item
         self.rb = spec.record_bytes
         self._rows = torch.empty((0, self.rb), dtype=torch.uint8)
-        self._outputs: tuple | None = None  # what unpack copies out of an n-step row (native)
-        # the native unpack's table holds the n-step outputs (first, last, return, discount)
-        outputs = 2 * len(spec.fields) - sum(n[0] == "_" for n in spec.fields) + 2
-        self._native_unpack = (
-            hasattr(_native, "unpack_rows") and seq.n_step > 1 and outputs <= NATIVE_MAX_FIELDS
-        )
+        # what unpack copies out of an n-step row natively (None: the torch path), where the
+        # extension has it and the outputs fit its table
+        outputs = self._n_step_outputs() if seq.n_step > 1 else None
+        fits = outputs is not None and len(outputs[0]) <= NATIVE_MAX_FIELDS
+        self._outputs = outputs if fits and hasattr(_native, "unpack_rows") else None
         self._arrivals: list[np.ndarray] = []  # sources of items not linked yet, in order
         # the fields linking reads, as (byte offset, kind) in a record for the native loop
         off = spec.offsets
@@ -248,11 +247,11 @@ class Episodes:
         return torch.from_numpy(np.ascontiguousarray(got[got.shape[0] - n :]))
 
     def _live(self, g: torch.Tensor) -> torch.Tensor:
-        cap = self.storage.capacity
-        return (g >= 0) & (self.gen[g.clamp(min=0) % cap] == g)
+        """:meth:`_live_np` of a host tensor."""
+        return torch.from_numpy(self._live_np(g.numpy()))
 
     def _live_np(self, g: np.ndarray) -> np.ndarray:
-        """:meth:`_live` of int64 generations in NumPy."""
+        """Which int64 generations are still stored (their slot holds them)."""
         return (g >= 0) & (self._gen_np[np.maximum(g, 0) % self.storage.capacity] == g)
 
     def _gather(self, gens: torch.Tensor) -> torch.Tensor:
@@ -418,25 +417,20 @@ class Episodes:
         """``(names, dtypes, shapes, sizes, offsets)`` of what :meth:`unpack` returns of an
         n-step row: the first item's fields, the last item's (but reserved ``_`` ones), the
         return and the discount."""
-        if self._outputs is None:
-            fields, off, rb = self.spec.fields.items(), self.spec.offsets, self.rb
-            at = self.seq.trailer_at(rb) + 16
-            rows = [(n, f.dtype, f.shape, f.nbytes, off[n]) for n, f in fields]
-            rows += [
-                (f"_last_{n}", f.dtype, f.shape, f.nbytes, rb + off[n])
-                for n, f in fields
-                if n[0] != "_"
-            ]
-            f32 = torch.float32
-            rows += [("_return", f32, (), 4, at), ("_discount", f32, (), 4, at + 4)]
-            self._outputs = tuple(tuple(col) for col in zip(*rows))
-        return self._outputs
+        fields, off, rb = self.spec.fields.items(), self.spec.offsets, self.rb
+        at = self.seq.trailer_at(rb) + 16
+        rows = [(n, f.dtype, f.shape, f.nbytes, off[n]) for n, f in fields]
+        last = [(n, f) for n, f in fields if n[0] != "_"]
+        rows += [(f"_last_{n}", f.dtype, f.shape, f.nbytes, rb + off[n]) for n, f in last]
+        f32 = torch.float32
+        rows += [("_return", f32, (), 4, at), ("_discount", f32, (), 4, at + 4)]
+        return tuple(tuple(col) for col in zip(*rows))
 
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """A learner's delivered rows as fields (a copy; see the module docstring)."""
         n, L, rb, seq = records.shape[0], self.seq.window, self.rb, self.seq
-        if seq.n_step > 1 and self._native_unpack and records.is_cpu and records.stride(1) == 1:
-            names, dtypes, shapes, sizes, offsets = self._n_step_outputs()
+        if self._outputs is not None and records.is_cpu and records.stride(1) == 1:
+            names, dtypes, shapes, sizes, offsets = self._outputs
             out = [torch.empty((n, *s), dtype=d) for d, s in zip(dtypes, shapes)]
             _native.unpack_rows(
                 records.data_ptr(), records.shape[1], records.stride(0), n,
