@@ -295,3 +295,82 @@ def test_native_unpack_rows_copies_each_field_out_and_refuses_bad_layouts():
         native.unpack_rows(rows.data_ptr(), 6, 8, 3, (a.data_ptr(),), (2,), (5,), (0,))
     with pytest.raises(ValueError, match="expected stride >= row_bytes, got stride 4, row_bytes 6"):
         native.unpack_rows(rows.data_ptr(), 6, 4, 3, (a.data_ptr(),), (2,), (0,), (0,))
+
+
+def _threaded_batch(n: int) -> tuple[ExperienceSpec, dict[str, torch.Tensor]]:
+    spec = ExperienceSpec({"obs": ((1000,), torch.float32), "a": ((), torch.int64)})
+    g = torch.Generator().manual_seed(0)
+    return spec, {"obs": torch.randn(n, 1000, generator=g), "a": torch.arange(n)}
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16, 64])
+def test_native_copies_split_over_threads_match_one_thread(threads):
+    """pack_rows, gather_rows and any_nonfinite split large copies over worker threads (the
+    caller passes torch.get_num_threads()); the bytes and the verdicts are those of one thread,
+    whatever the number of parts (64 is capped at 16)."""
+    n = 3001  # 12 MB of records: several parts, rows not divisible by the parts
+    spec, batch = _threaded_batch(n)
+    one = torch.empty(n, spec.record_bytes, dtype=torch.uint8)
+    many = torch.empty_like(one)
+    srcs = tuple(batch[k].data_ptr() for k in ("obs", "a"))
+    args = (spec.record_bytes, n, srcs, spec._sizes, spec._starts, spec._kinds)
+    assert native.pack_rows(one.data_ptr(), *args, 1) == -1
+    assert native.pack_rows(many.data_ptr(), *args, threads) == -1
+    assert torch.equal(one, many)
+    batch["obs"][n - 1, 999] = float("nan")  # in the last part only
+    assert native.pack_rows(many.data_ptr(), *args, threads) == 0
+    flat = batch["obs"].view(-1)  # 12 MB of floats: split as a scan too
+    assert native.any_nonfinite(flat.data_ptr(), flat.numel(), 4, threads)
+    batch["obs"][n - 1, 999] = 0.0
+    assert not native.any_nonfinite(flat.data_ptr(), flat.numel(), 4, threads)
+
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    got1, got = torch.empty_like(one), torch.empty_like(one)
+    native.gather_rows(got1.data_ptr(), one.data_ptr(), spec.record_bytes, n, idx.data_ptr(), n)
+    native.gather_rows(
+        got.data_ptr(), one.data_ptr(), spec.record_bytes, n, idx.data_ptr(), n, -1, threads
+    )
+    assert torch.equal(got, got1) and torch.equal(got, one[idx])
+    gens = idx + 5 * n  # a ring's generations: slot = gen - base, wrapped once
+    native.gather_rows(
+        got.data_ptr(), one.data_ptr(), spec.record_bytes, n, gens.data_ptr(), n, 5 * n, threads
+    )
+    assert torch.equal(got, one[idx])
+    idx[n - 1] = n  # out of range in the last part: refused before any row is copied
+    got.zero_()
+    with pytest.raises(IndexError, match=f"index {n} at position {n - 1} is outside the {n} rows"):
+        native.gather_rows(
+            got.data_ptr(), one.data_ptr(), spec.record_bytes, n, idx.data_ptr(), n, -1, threads
+        )
+    assert not got.any()
+
+
+def _pack_threaded(n: int, threads: int) -> torch.Tensor:
+    spec, batch = _threaded_batch(n)
+    out = torch.empty(n, spec.record_bytes, dtype=torch.uint8)
+    srcs = tuple(batch[k].data_ptr() for k in ("obs", "a"))
+    args = (spec.record_bytes, n, srcs, spec._sizes, spec._starts, spec._kinds, threads)
+    assert native.pack_rows(out.data_ptr(), *args) == -1
+    return out
+
+
+def _pack_in_child(q) -> None:
+    q.put(bool((_pack_threaded(3001, 4).numpy() == _pack_threaded(3001, 1).numpy()).all()))
+
+
+def test_native_worker_threads_restart_in_a_forked_child():
+    """A child forked after the pool's workers started has none of them: its first large copy
+    starts its own (rather than waiting forever for threads that do not exist there)."""
+    import multiprocessing as mp
+
+    _pack_threaded(3001, 4)  # workers start in this process
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_pack_in_child, args=(q,))
+    p.start()
+    p.join(timeout=60)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+    assert not alive and p.exitcode == 0, f"child: alive={alive}, exit code {p.exitcode}"
+    assert q.get(timeout=5)

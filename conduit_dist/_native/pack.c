@@ -18,6 +18,7 @@
 
 #define MAX_FIELDS 256
 
+#include "pool.h"
 #include "seq.h"
 #include "shmbar.h"
 
@@ -149,6 +150,37 @@ static void pack_nt(uint8_t* out, size_t row_bytes, size_t n, Py_ssize_t nf,
 }
 #endif
 
+/* A pack split by rows over pool workers: part p packs rows [n * p / parts, n * (p + 1) / parts)
+ * and ORs its NaN/inf flags into bad[] (each part keeps its own, merged atomically). */
+typedef struct {
+    uint8_t* out;
+    size_t row_bytes, n;
+    Py_ssize_t nf;
+    uint8_t* const* src;
+    const size_t *size, *off;
+    const int* kind;
+    int* bad;
+    int nt;
+} PackJob;
+
+static void pack_part(void* arg, size_t part, size_t parts) {
+    const PackJob* j = arg;
+    size_t lo = j->n * part / parts, hi = j->n * (part + 1) / parts;
+    uint8_t* src[MAX_FIELDS];
+    int bad[MAX_FIELDS] = {0};
+    for (Py_ssize_t f = 0; f < j->nf; f++) src[f] = j->src[f] + lo * j->size[f];
+#ifdef HAVE_NT
+    if (j->nt)
+        pack_nt(j->out + lo * j->row_bytes, j->row_bytes, hi - lo, j->nf, src, j->size, j->off,
+                j->kind, bad);
+    else
+#endif
+        pack_impl(j->out + lo * j->row_bytes, j->row_bytes, hi - lo, j->nf, src, j->size, j->off,
+                  j->kind, bad);
+    for (Py_ssize_t f = 0; f < j->nf; f++)
+        if (bad[f]) __atomic_fetch_or(&j->bad[f], 1, __ATOMIC_RELAXED);
+}
+
 /* Check that n items of `width` bytes span at most PY_SSIZE_T_MAX bytes (both already >= 0).
  * Returns 0, or -1 with OverflowError set. */
 static int check_span(const char* fn, const char* what, long long n, long long width) {
@@ -219,9 +251,11 @@ static PyObject* first_bad(const int* bad, Py_ssize_t nf) {
 static PyObject* pack_rows(PyObject* self, PyObject* args) {
     unsigned long long dst;
     long long row_bytes, n;
+    long threads = 1;
     PyObject *srcs, *sizes, *offsets, *kinds;
-    if (!PyArg_ParseTuple(args, "KLLO!O!O!O!", &dst, &row_bytes, &n, &PyTuple_Type, &srcs,
-                          &PyTuple_Type, &sizes, &PyTuple_Type, &offsets, &PyTuple_Type, &kinds))
+    if (!PyArg_ParseTuple(args, "KLLO!O!O!O!|l", &dst, &row_bytes, &n, &PyTuple_Type, &srcs,
+                          &PyTuple_Type, &sizes, &PyTuple_Type, &offsets, &PyTuple_Type, &kinds,
+                          &threads))
         return NULL;
     Py_ssize_t nf = PyTuple_GET_SIZE(srcs);
     uint8_t* src[MAX_FIELDS];
@@ -234,19 +268,14 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
     for (Py_ssize_t f = 0; f < nf; f++)
         src[f] = (uint8_t*)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(srcs, f));
     if (PyErr_Occurred()) return NULL;
+    PackJob job = {(uint8_t*)(uintptr_t)dst, (size_t)row_bytes, (size_t)n, nf, src, size, off,
+                   kind, bad, 0};
 #ifdef HAVE_NT
-    if ((size_t)n * (size_t)row_bytes >= NT_MIN_BYTES &&
-        nt_layout((uintptr_t)dst, (size_t)row_bytes, nf, size, off)) {
-        Py_BEGIN_ALLOW_THREADS
-        pack_nt((uint8_t*)(uintptr_t)dst, (size_t)row_bytes, (size_t)n, nf, src, size, off, kind,
-                bad);
-        Py_END_ALLOW_THREADS
-        return first_bad(bad, nf);
-    }
+    job.nt = (size_t)n * (size_t)row_bytes >= NT_MIN_BYTES &&
+             nt_layout((uintptr_t)dst, (size_t)row_bytes, nf, size, off);
 #endif
     Py_BEGIN_ALLOW_THREADS
-    pack_impl((uint8_t*)(uintptr_t)dst, (size_t)row_bytes, (size_t)n, nf, src, size, off, kind,
-              bad);
+    pool_run(pack_part, &job, pool_parts((size_t)n * (size_t)row_bytes, threads, POOL_COPY));
     Py_END_ALLOW_THREADS
     return first_bad(bad, nf);
 }
@@ -254,12 +283,28 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
 CLONES
 static int any_impl(const uint8_t* p, size_t nbytes, int kind) { return scan(p, NULL, nbytes, kind); }
 
-/* any_nonfinite(addr, n, kind): whether any of n contiguous floats of a kind is NaN/inf. */
+/* A scan split over pool workers: part p scans values [m * p / parts, m * (p + 1) / parts). */
+typedef struct {
+    const uint8_t* p;
+    size_t m;
+    int width, kind, any;
+} ScanJob;
+
+static void scan_part(void* arg, size_t part, size_t parts) {
+    ScanJob* j = arg;
+    size_t lo = j->m * part / parts, hi = j->m * (part + 1) / parts;
+    if (any_impl(j->p + lo * (size_t)j->width, (hi - lo) * (size_t)j->width, j->kind))
+        __atomic_fetch_or(&j->any, 1, __ATOMIC_RELAXED);
+}
+
+/* any_nonfinite(addr, n, kind[, threads]): whether any of n contiguous floats of a kind is
+ * NaN/inf. */
 static PyObject* any_nonfinite(PyObject* self, PyObject* args) {
     unsigned long long addr;
     long long n;
-    int kind, any;
-    if (!PyArg_ParseTuple(args, "KLi", &addr, &n, &kind)) return NULL;
+    int kind;
+    long threads = 1;
+    if (!PyArg_ParseTuple(args, "KLi|l", &addr, &n, &kind, &threads)) return NULL;
     const int width = kind_width(kind);
     if (width == 0 || n < 0) {
         PyErr_Format(PyExc_ValueError, "any_nonfinite: expected kind 2, 3, 4 or 8 and n >= 0, got "
@@ -267,10 +312,11 @@ static PyObject* any_nonfinite(PyObject* self, PyObject* args) {
         return NULL;
     }
     if (check_span("any_nonfinite", "floats", n, width)) return NULL;
+    ScanJob job = {(const uint8_t*)(uintptr_t)addr, (size_t)n, width, kind, 0};
     Py_BEGIN_ALLOW_THREADS
-    any = any_impl((const uint8_t*)(uintptr_t)addr, (size_t)n * (size_t)width, kind);
+    pool_run(scan_part, &job, pool_parts((size_t)n * (size_t)width, threads, POOL_SCAN));
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(any);
+    return PyBool_FromLong(job.any);
 }
 
 CLONES
@@ -305,52 +351,52 @@ static PyObject* rows_nonfinite(PyObject* self, PyObject* args) {
     return first_bad(bad, nf);
 }
 
-/* Copy rows idx[0..n) of src (src_rows rows) into n contiguous rows of dst, prefetching a few
- * rows ahead: random rows of a large store miss the caches, and overlapping those misses is what
- * makes a gather fast. Every index is checked before any byte is copied. */
+/* Copy rows idx[lo..hi) of src into rows lo..hi of dst, prefetching a few rows ahead: random
+ * rows of a large store miss the caches, and overlapping those misses is what makes a gather
+ * fast. With base >= 0, idx holds generations of a ring of src_rows slots (see gather_rows).
+ * Every index was checked by gather_check first. */
 #define PREFETCH_AHEAD 8
-static int gather_impl(uint8_t* restrict dst, const uint8_t* restrict src, size_t row_bytes,
-                       size_t src_rows, const int64_t* idx, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (idx[i] < 0 || (uint64_t)idx[i] >= src_rows) return (int)(i < INT32_MAX ? i : INT32_MAX);
-    for (size_t i = 0; i < n; i++) {
-#if defined(__GNUC__)
-        if (i + PREFETCH_AHEAD < n) {
-            const uint8_t* ahead = src + (size_t)idx[i + PREFETCH_AHEAD] * row_bytes;
-            for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-        }
-#endif
-        memcpy(dst + i * row_bytes, src + (size_t)idx[i] * row_bytes, row_bytes);
+typedef struct {
+    uint8_t* dst;
+    const uint8_t* src;
+    size_t row_bytes, src_rows, n;
+    const int64_t* idx;
+    int64_t base;
+} GatherJob;
+
+static inline size_t gather_slot(const GatherJob* j, size_t i) {
+    int64_t k = j->idx[i];
+    if (j->base >= 0) {
+        k -= j->base;
+        if (k >= (int64_t)j->src_rows) k -= (int64_t)j->src_rows;
     }
-    return -1;
+    return (size_t)k;
 }
 
-/* gather_rows(dst, src, row_bytes, src_rows, idx, n[, base]): dst[i] = src[idx[i]] for n int64
- * indices; with base >= 0, idx holds generations of a ring of src_rows slots and
- * dst[i] = src[idx[i] - base], less src_rows when that passes the end (base: the first
- * generation of the lap the oldest live item is in, so every live generation is within
- * [base, base + 2 * src_rows): no division per row). IndexError naming the first index whose
- * slot falls outside [0, src_rows). */
-static int wrap_impl(uint8_t* restrict dst, const uint8_t* restrict src, size_t row_bytes,
-                     size_t src_rows, const int64_t* idx, size_t n, int64_t base) {
-    const int64_t rows = (int64_t)src_rows;
-    for (size_t i = 0; i < n; i++) {
-        int64_t k = idx[i] - base;
-        if (k >= rows) k -= rows;
-        if (k < 0 || k >= rows) return (int)(i < INT32_MAX ? i : INT32_MAX);
-    }
-    for (size_t i = 0; i < n; i++) {
+static void gather_part(void* arg, size_t part, size_t parts) {
+    const GatherJob* j = arg;
+    size_t lo = j->n * part / parts, hi = j->n * (part + 1) / parts;
+    for (size_t i = lo; i < hi; i++) {
 #if defined(__GNUC__)
-        if (i + PREFETCH_AHEAD < n) {
-            int64_t a = idx[i + PREFETCH_AHEAD] - base;
-            if (a >= rows) a -= rows;
-            const uint8_t* ahead = src + (size_t)a * row_bytes;
-            for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+        if (i + PREFETCH_AHEAD < hi) {
+            const uint8_t* ahead = j->src + gather_slot(j, i + PREFETCH_AHEAD) * j->row_bytes;
+            for (size_t b = 0; b < j->row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
         }
 #endif
-        int64_t k = idx[i] - base;
-        if (k >= rows) k -= rows;
-        memcpy(dst + i * row_bytes, src + (size_t)k * row_bytes, row_bytes);
+        memcpy(j->dst + i * j->row_bytes, j->src + gather_slot(j, i) * j->row_bytes, j->row_bytes);
+    }
+}
+
+/* The position of the first index whose slot falls outside [0, src_rows), or -1. */
+static long long gather_check(const GatherJob* j) {
+    const int64_t rows = (int64_t)j->src_rows;
+    for (size_t i = 0; i < j->n; i++) {
+        int64_t k = j->idx[i];
+        if (j->base >= 0) {
+            k -= j->base;
+            if (k >= rows) k -= rows;
+        }
+        if (k < 0 || k >= rows) return (long long)i;
     }
     return -1;
 }
@@ -434,11 +480,18 @@ static PyObject* copy_spans(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* gather_rows(dst, src, row_bytes, src_rows, idx, n[, base[, threads]]): dst[i] = src[idx[i]]
+ * for n int64 indices; with base >= 0, idx holds generations of a ring of src_rows slots and
+ * dst[i] = src[idx[i] - base], less src_rows when that passes the end (base: the first
+ * generation of the lap the oldest live item is in, so every live generation is within
+ * [base, base + 2 * src_rows): no division per row). IndexError naming the first index whose
+ * slot falls outside [0, src_rows); nothing is copied then. */
 static PyObject* gather_rows(PyObject* self, PyObject* args) {
     unsigned long long dst, src, idx;
-    long long row_bytes, src_rows, n, base = -1;
-    int bad;
-    if (!PyArg_ParseTuple(args, "KKLLKL|L", &dst, &src, &row_bytes, &src_rows, &idx, &n, &base))
+    long long row_bytes, src_rows, n, base = -1, bad;
+    long threads = 1;
+    if (!PyArg_ParseTuple(args, "KKLLKL|Ll", &dst, &src, &row_bytes, &src_rows, &idx, &n, &base,
+                          &threads))
         return NULL;
     if (check_rows("gather_rows", row_bytes, n) || check_rows("gather_rows", row_bytes, src_rows))
         return NULL;
@@ -446,19 +499,16 @@ static PyObject* gather_rows(PyObject* self, PyObject* args) {
         PyErr_Format(PyExc_IndexError, "gather_rows: %lld indices into 0 rows", n);
         return NULL;
     }
+    GatherJob job = {(uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src, (size_t)row_bytes,
+                     (size_t)src_rows, (size_t)n, (const int64_t*)(uintptr_t)idx, base};
     Py_BEGIN_ALLOW_THREADS
-    if (base >= 0)
-        bad = wrap_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src,
-                        (size_t)row_bytes, (size_t)src_rows, (const int64_t*)(uintptr_t)idx,
-                        (size_t)n, (int64_t)base);
-    else
-        bad = gather_impl((uint8_t*)(uintptr_t)dst, (const uint8_t*)(uintptr_t)src,
-                          (size_t)row_bytes, (size_t)src_rows, (const int64_t*)(uintptr_t)idx,
-                          (size_t)n);
+    bad = gather_check(&job);
+    if (bad < 0)
+        pool_run(gather_part, &job, pool_parts((size_t)n * (size_t)row_bytes, threads, POOL_COPY));
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
-        PyErr_Format(PyExc_IndexError, "gather_rows: index %lld at position %d is outside the "
-                     "%lld rows", (long long)((const int64_t*)(uintptr_t)idx)[bad], bad, src_rows);
+        PyErr_Format(PyExc_IndexError, "gather_rows: index %lld at position %lld is outside the "
+                     "%lld rows", (long long)job.idx[bad], bad, src_rows);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -895,22 +945,24 @@ static PyMethodDef methods[] = {
      "uniform_slots(out, n, size, seed, round, rank[, offset]): n int64 values uniform in "
      "offset + [0, size) into out, from a stream keyed by (seed, round, rank)."},
     {"gather_rows", gather_rows, METH_VARARGS,
-     "gather_rows(dst, src, row_bytes, src_rows, idx, n[, base]): copy rows src[idx[i]] (base >= "
-     "0: generations of a ring, slot idx[i] - base wrapped once) into n contiguous rows of dst "
-     "(int64 indices, each checked)."},
+     "gather_rows(dst, src, row_bytes, src_rows, idx, n[, base[, threads]]): copy rows "
+     "src[idx[i]] (base >= 0: generations of a ring, slot idx[i] - base wrapped once) into n "
+     "contiguous rows of dst (int64 indices, each checked), large copies split over threads."},
     {"rows_nonfinite", rows_nonfinite, METH_VARARGS,
      "rows_nonfinite(addr, row_bytes, n, sizes, offsets, kinds): first field of n records "
      "holding NaN/inf (float kinds only), scanned in place, or -1."},
     {"any_nonfinite", any_nonfinite, METH_VARARGS,
-     "any_nonfinite(addr, n, kind): whether n contiguous floats (kind 2, 3, 4 or 8) hold NaN/inf."},
+     "any_nonfinite(addr, n, kind[, threads]): whether n contiguous floats (kind 2, 3, 4 or 8) "
+     "hold NaN/inf, large scans split over threads."},
     {"unpack_rows", unpack_rows, METH_VARARGS,
      "unpack_rows(src, row_bytes, stride, n, dsts, sizes, offsets, kinds): copy each field of "
      "n rows into its own contiguous destination."},
     {"copy_spans", copy_spans, METH_VARARGS,
      "copy_spans((dst, src, n, ...)): memcpy n bytes from each src address to its dst."},
     {"pack_rows", pack_rows, METH_VARARGS,
-     "pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds): pack n items into rows; "
-     "returns the first field with NaN/inf (float kinds only) or -1."},
+     "pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds[, threads]): pack n items into "
+     "rows, large packs split over threads; returns the first field with NaN/inf (float kinds "
+     "only) or -1."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pack", NULL, -1, methods};

@@ -161,6 +161,7 @@ class RecordLayout:
                 self._sizes,
                 self._starts,
                 self._kinds if check else self._unchecked,
+                torch.get_num_threads(),  # large packs split as torch's copies are
             )
             if bad >= 0:
                 self._reject(self._cols[bad][0], srcs[bad])
@@ -239,7 +240,9 @@ class RecordLayout:
             t = batch[name]
             if t.is_cpu and _native is not None:
                 t = t.contiguous()
-                if _native.any_nonfinite(t.data_ptr(), t.numel(), KIND[t.dtype]):
+                if _native.any_nonfinite(
+                    t.data_ptr(), t.numel(), KIND[t.dtype], torch.get_num_threads()
+                ):
                     self._reject(name, t)
             else:
                 names.append(name)

@@ -172,6 +172,7 @@ class Tier:
                     idx.data_ptr(),
                     idx.shape[0],
                     base,
+                    torch.get_num_threads(),  # large gathers split as torch's copies are
                 )
                 return
         else:  # CUDA only: indices checked on the host (a device-side assert is fatal), then up

@@ -1,0 +1,23 @@
+/* A few worker threads for the extension's large copies (pool.c), used by pack.c. */
+#ifndef CONDUIT_POOL_H
+#define CONDUIT_POOL_H
+#include <stddef.h>
+
+/* One part of a job: the caller splits its work into `parts` pieces and does piece `part`. */
+typedef void (*pool_fn)(void* arg, size_t part, size_t parts);
+
+/* The parts a copy of `nbytes` is split into with `threads` allowed: 1 below 2 * part_bytes,
+ * else up to `threads` (at most 16), each part at least part_bytes. */
+size_t pool_parts(size_t nbytes, long threads, size_t part_bytes);
+
+/* The least a part of a copy (POOL_COPY) or of a NaN/inf scan (POOL_SCAN, which reads at several
+ * times copy speed) is worth waking a worker for. */
+#define POOL_COPY ((size_t)512 << 10)
+#define POOL_SCAN ((size_t)4 << 20)
+
+/* Run fn(arg, p, parts) for p in [0, parts): part 0 on the calling thread, the others on workers;
+ * returns once every part has run. Call without the GIL. Parts no worker could be started for
+ * run on the calling thread, after part 0. */
+void pool_run(pool_fn fn, void* arg, size_t parts);
+
+#endif
