@@ -172,6 +172,7 @@ def test_store_summary_takes_the_faster_ring():
         (["--min-time", "-1"], "--min-time"),
         (["--repeats", "two"], "--repeats"),
         (["--scale", "0.01", "--batches", "9000"], "--batches"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_store_rejects_bad_flags_at_parse_time(argv, flag, capsys):

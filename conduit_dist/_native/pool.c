@@ -19,7 +19,7 @@
 #include <time.h>
 
 #define POOL_MAX 15                          /* workers: 16 parts at most */
-#define SPIN_NS 200000L /* a worker polls this long for the next job before it sleeps */
+#define SPIN_NS 50000L /* a worker polls this long for the next job before it sleeps */
 
 static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;     /* the fields below */

@@ -12,7 +12,7 @@ size_t pool_parts(size_t nbytes, long threads, size_t part_bytes);
 
 /* The least a part of a copy (POOL_COPY) or of a NaN/inf scan (POOL_SCAN, which reads at several
  * times copy speed) is worth waking a worker for. */
-#define POOL_COPY ((size_t)512 << 10)
+#define POOL_COPY ((size_t)2 << 20)
 #define POOL_SCAN ((size_t)4 << 20)
 
 /* Run fn(arg, p, parts) for p in [0, parts): part 0 on the calling thread, the others on workers;

@@ -15,6 +15,8 @@ TorchRL ``extend``. Two transitions (small, 525 B; Atari-like, 56 KB), batches o
 insert and sample. Stores are prefilled to capacity first, so inserts overwrite memory already
 touched (steady state). Where the stores of all systems fit in half the available memory (the
 small transition) they are measured interleaved, block by block; otherwise one after another.
+Every system runs with ``--threads`` intra-op threads (default 1, the neutral setting; with more,
+torch's copies in the rings and TorchRL and conduit's large packs and gathers split over them).
 Reports transitions/s (medians of timed blocks) and conduit's ratio over each baseline; the JSON
 line's ``summary`` has ``min_vs_ring`` (against the faster ring variant of each cell),
 ``min_vs_ring_fresh``, ``min_vs_ring_out``, ``min_vs_torchrl`` and the same minima per op.
@@ -353,6 +355,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--min-time", type=positive(float), default=0.3, help="s per timed block")
     p.add_argument("--repeats", type=positive(int), default=5)
     p.add_argument("--scale", type=positive(float), default=1.0, help="capacity multiplier")
+    p.add_argument(
+        "--threads",
+        type=positive(int),
+        default=1,
+        help="torch.set_num_threads for every system (1: the neutral setting; more: torch's "
+        "copies and conduit's large packs and gathers split over them)",
+    )
     a = p.parse_args(argv)
     smallest = min(capacity_of(k, a.scale) for k in a.kinds)
     if max(a.batches) > smallest:
@@ -366,7 +375,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     """Run the store benchmark and print the JSON line last."""
     a = parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     rows = run(a.kinds, a.batches, a.min_time, a.repeats, a.scale)
     ratios, summary = summarize(rows)
     for e in ratios:
@@ -376,7 +385,7 @@ def main(argv: list[str]) -> None:
             + "  "
             + " ".join(f"{k}={v:.2f}" for k, v in e.items() if k.startswith("vs_"))
         )
-    emit("store", ratios, summary, threads=1, insert_counts=INSERT_COUNTS)
+    emit("store", ratios, summary, threads=a.threads, insert_counts=INSERT_COUNTS)
 
 
 if __name__ == "__main__":
