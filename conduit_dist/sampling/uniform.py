@@ -19,11 +19,26 @@ from conduit_dist.sampling.base import Sampler, Speculative, proportional, split
 _KEY = 1 << 40  # allocation streams: (seed, round, _KEY + learner), apart from the draw streams
 
 
+class _AllocBuffers(tuple):
+    """The native allocation's arrays, reused round after round, and their addresses (numpy's
+    ``ctypes.data`` builds an object a call: ~1 us each): ``(ends, requests, counts, ends
+    address, requests address, counts address)``."""
+
+    @staticmethod
+    def new(world: int) -> _AllocBuffers:
+        ends, req = np.empty(world, dtype=np.int64), np.empty(world, dtype=np.int64)
+        counts = np.empty((world, world), dtype=np.int64)
+        return _AllocBuffers(
+            (ends, req, counts, ends.ctypes.data, req.ctypes.data, counts.ctypes.data)
+        )
+
+
 class Uniform(Speculative, Sampler):
     """Each learner's batch i.i.d. uniform over every item of every shard (a shard's draws are
     i.i.d. whatever its share: :class:`Speculative`)."""
 
     name = "uniform"
+    _bufs: _AllocBuffers | None = None
 
     def allocate(
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
@@ -32,18 +47,20 @@ class Uniform(Speculative, Sampler):
         if sizes.shape[0] == 1:  # one shard: it supplies every draw
             return np.array([[requests[0] if sizes[0] else 0]], dtype=np.int64)
         world = sizes.shape[0]
+        if _native is not None:  # one call for every learner (~2 us)
+            bufs = self._bufs
+            if bufs is None or bufs[0].shape[0] != world:
+                bufs = self._bufs = _AllocBuffers.new(world)
+            ends, req, counts = bufs[:3]
+            np.cumsum(sizes, out=ends)
+            if ends[-1] == 0:  # an empty store (a learner without a request draws nothing)
+                return np.zeros((world, world), dtype=np.int64)
+            req[:] = requests
+            _native.uniform_alloc(bufs[5], world, bufs[3], bufs[4], self.ctx.seed, round, _KEY)
+            return counts.copy()  # the caller keeps it; the buffer is next round's
         counts = np.zeros((world, world), dtype=np.int64)
         ends = np.cumsum(sizes)
-        if ends[-1] == 0:  # an empty store (a learner without a request draws nothing)
-            return counts
-        if _native is not None:  # one call for every learner (~2 us)
-            req = requests
-            if req.dtype != np.int64 or not req.flags.c_contiguous:
-                req = np.ascontiguousarray(requests, dtype=np.int64)
-            _native.uniform_alloc(
-                counts.ctypes.data, world, ends.ctypes.data, req.ctypes.data,
-                self.ctx.seed, round, _KEY,
-            )  # fmt: skip
+        if ends[-1] == 0:
             return counts
         for learner in np.nonzero(requests)[0]:  # the same stream without the extension
             n, key = int(requests[learner]), _KEY + int(learner)
