@@ -317,6 +317,7 @@ def test_native_copies_split_over_threads_match_one_thread(threads):
     assert native.pack_rows(one.data_ptr(), *args, 1) == -1
     assert native.pack_rows(many.data_ptr(), *args, threads) == -1
     assert torch.equal(one, many)
+    assert native.pool_workers() >= 1  # the copy was split: workers ran parts of it
     batch["obs"][n - 1, 999] = float("nan")  # in the last part only
     assert native.pack_rows(many.data_ptr(), *args, threads) == 0
     flat = batch["obs"].view(-1)  # 12 MB of floats: split as a scan too
@@ -331,11 +332,12 @@ def test_native_copies_split_over_threads_match_one_thread(threads):
         got.data_ptr(), one.data_ptr(), spec.record_bytes, n, idx.data_ptr(), n, -1, threads
     )
     assert torch.equal(got, got1) and torch.equal(got, one[idx])
-    gens = idx + 5 * n  # a ring's generations: slot = gen - base, wrapped once
+    gens = idx + 5 * n  # a ring's generations: slot = gen - base, wrapped once past the end
+    base = 5 * n - n // 2
     native.gather_rows(
-        got.data_ptr(), one.data_ptr(), spec.record_bytes, n, gens.data_ptr(), n, 5 * n, threads
+        got.data_ptr(), one.data_ptr(), spec.record_bytes, n, gens.data_ptr(), n, base, threads
     )
-    assert torch.equal(got, one[idx])
+    assert torch.equal(got, one[(idx + n // 2) % n])
     idx[n - 1] = n  # out of range in the last part: refused before any row is copied
     got.zero_()
     with pytest.raises(IndexError, match=f"index {n} at position {n - 1} is outside the {n} rows"):
@@ -355,7 +357,9 @@ def _pack_threaded(n: int, threads: int) -> torch.Tensor:
 
 
 def _pack_in_child(q) -> None:
-    q.put(bool((_pack_threaded(3001, 4).numpy() == _pack_threaded(3001, 1).numpy()).all()))
+    none = native.pool_workers() == 0  # the parent's workers do not exist here
+    same = bool((_pack_threaded(3001, 4).numpy() == _pack_threaded(3001, 1).numpy()).all())
+    q.put((none, same, native.pool_workers() >= 1))
 
 
 def test_native_worker_threads_restart_in_a_forked_child():
@@ -373,4 +377,28 @@ def test_native_worker_threads_restart_in_a_forked_child():
     if alive:
         p.kill()
     assert not alive and p.exitcode == 0, f"child: alive={alive}, exit code {p.exitcode}"
-    assert q.get(timeout=5)
+    assert q.get(timeout=5) == (True, True, True)
+
+
+def test_native_split_copies_from_several_threads_at_once():
+    """Python threads packing at once (the GIL released): one job runs on the workers at a
+    time, a caller that finds one running copies alone, and every result is right."""
+    import threading
+
+    want = _pack_threaded(3001, 1).numpy()
+    results, errors = [], []
+
+    def run() -> None:
+        try:
+            for _ in range(20):
+                results.append(bool((_pack_threaded(3001, 4).numpy() == want).all()))
+        except Exception as e:  # reported below, not lost in the thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert results == [True] * 60

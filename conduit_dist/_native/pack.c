@@ -165,7 +165,8 @@ typedef struct {
 
 static void pack_part(void* arg, size_t part, size_t parts) {
     const PackJob* j = arg;
-    size_t lo = j->n * part / parts, hi = j->n * (part + 1) / parts;
+    size_t lo, hi;
+    pool_range(j->n, part, parts, &lo, &hi);
     uint8_t* src[MAX_FIELDS];
     int bad[MAX_FIELDS] = {0};
     for (Py_ssize_t f = 0; f < j->nf; f++) src[f] = j->src[f] + lo * j->size[f];
@@ -245,9 +246,11 @@ static PyObject* first_bad(const int* bad, Py_ssize_t nf) {
     return PyLong_FromLong(-1);
 }
 
-/* pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds) -> index of the first field holding
- * NaN/inf among those with a float kind (2, 3, 4, 8; 0 = not checked), or -1. (Non-temporal
- * stores into cold ring slots were tried: slower here than plain stores, for both record sizes.) */
+/* pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds[, threads]) -> index of the first
+ * field holding NaN/inf among those with a float kind (2, 3, 4, 8; 0 = not checked), or -1.
+ * Packs from 4 MiB are split by rows over up to `threads` threads (pool.c). Non-temporal stores
+ * are used only above NT_MIN_BYTES: into cold ring slots of smaller packs they were slower here
+ * than plain stores, for both record sizes. */
 static PyObject* pack_rows(PyObject* self, PyObject* args) {
     unsigned long long dst;
     long long row_bytes, n;
@@ -275,7 +278,8 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
              nt_layout((uintptr_t)dst, (size_t)row_bytes, nf, size, off);
 #endif
     Py_BEGIN_ALLOW_THREADS
-    pool_run(pack_part, &job, pool_parts((size_t)n * (size_t)row_bytes, threads, POOL_COPY));
+    pool_run(pack_part, &job,
+             pool_parts((size_t)n * (size_t)row_bytes, (size_t)n, threads, POOL_COPY));
     Py_END_ALLOW_THREADS
     return first_bad(bad, nf);
 }
@@ -292,7 +296,8 @@ typedef struct {
 
 static void scan_part(void* arg, size_t part, size_t parts) {
     ScanJob* j = arg;
-    size_t lo = j->m * part / parts, hi = j->m * (part + 1) / parts;
+    size_t lo, hi;
+    pool_range(j->m, part, parts, &lo, &hi);
     if (any_impl(j->p + lo * (size_t)j->width, (hi - lo) * (size_t)j->width, j->kind))
         __atomic_fetch_or(&j->any, 1, __ATOMIC_RELAXED);
 }
@@ -314,7 +319,8 @@ static PyObject* any_nonfinite(PyObject* self, PyObject* args) {
     if (check_span("any_nonfinite", "floats", n, width)) return NULL;
     ScanJob job = {(const uint8_t*)(uintptr_t)addr, (size_t)n, width, kind, 0};
     Py_BEGIN_ALLOW_THREADS
-    pool_run(scan_part, &job, pool_parts((size_t)n * (size_t)width, threads, POOL_SCAN));
+    pool_run(scan_part, &job,
+             pool_parts((size_t)n * (size_t)width, (size_t)n, threads, POOL_SCAN));
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(job.any);
 }
@@ -375,7 +381,8 @@ static inline size_t gather_slot(const GatherJob* j, size_t i) {
 
 static void gather_part(void* arg, size_t part, size_t parts) {
     const GatherJob* j = arg;
-    size_t lo = j->n * part / parts, hi = j->n * (part + 1) / parts;
+    size_t lo, hi;
+    pool_range(j->n, part, parts, &lo, &hi);
     for (size_t i = lo; i < hi; i++) {
 #if defined(__GNUC__)
         if (i + PREFETCH_AHEAD < hi) {
@@ -504,7 +511,8 @@ static PyObject* gather_rows(PyObject* self, PyObject* args) {
     Py_BEGIN_ALLOW_THREADS
     bad = gather_check(&job);
     if (bad < 0)
-        pool_run(gather_part, &job, pool_parts((size_t)n * (size_t)row_bytes, threads, POOL_COPY));
+        pool_run(gather_part, &job,
+                 pool_parts((size_t)n * (size_t)row_bytes, (size_t)n, threads, POOL_COPY));
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_IndexError, "gather_rows: index %lld at position %lld is outside the "
@@ -902,6 +910,11 @@ static PyObject* mass_alloc(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* pool_workers(): the extension's worker threads started in this process (for tests). */
+static PyObject* py_pool_workers(PyObject* self, PyObject* args) {
+    return PyLong_FromSize_t(pool_workers());
+}
+
 static PyMethodDef methods[] = {
     {"tree_set", tree_set, METH_VARARGS,
      "tree_set(sum, min, offs, H, idx, val, n): set n leaves of float64 8-ary sum/min trees "
@@ -959,6 +972,8 @@ static PyMethodDef methods[] = {
      "n rows into its own contiguous destination."},
     {"copy_spans", copy_spans, METH_VARARGS,
      "copy_spans((dst, src, n, ...)): memcpy n bytes from each src address to its dst."},
+    {"pool_workers", py_pool_workers, METH_NOARGS,
+     "pool_workers(): worker threads the large copies have started in this process."},
     {"pack_rows", pack_rows, METH_VARARGS,
      "pack_rows(dst, row_bytes, n, srcs, sizes, offsets, kinds[, threads]): pack n items into "
      "rows, large packs split over threads; returns the first field with NaN/inf (float kinds "

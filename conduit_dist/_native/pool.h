@@ -6,9 +6,17 @@
 /* One part of a job: the caller splits its work into `parts` pieces and does piece `part`. */
 typedef void (*pool_fn)(void* arg, size_t part, size_t parts);
 
-/* The parts a copy of `nbytes` is split into with `threads` allowed: 1 below 2 * part_bytes,
- * else up to `threads` (at most 16), each part at least part_bytes. */
-size_t pool_parts(size_t nbytes, long threads, size_t part_bytes);
+/* The parts a copy of `nbytes` in `units` rows (or values) is split into with `threads` allowed:
+ * 1 below 2 * part_bytes, else up to `threads` (at most 16) and `units`, each part at least
+ * part_bytes. */
+size_t pool_parts(size_t nbytes, size_t units, long threads, size_t part_bytes);
+
+/* Part `part` of `parts` of n units: [lo, hi), the first n % parts parts one longer (no
+ * n * part product: it cannot overflow). */
+void pool_range(size_t n, size_t part, size_t parts, size_t* lo, size_t* hi);
+
+/* Workers started in this process (0 in a child until its first split copy). */
+size_t pool_workers(void);
 
 /* The least a part of a copy (POOL_COPY) or of a NaN/inf scan (POOL_SCAN, which reads at several
  * times copy speed) is worth waking a worker for. */
