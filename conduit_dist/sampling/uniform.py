@@ -11,6 +11,8 @@ for the shard that holds it: every rank computes the same allocation without a f
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from conduit_dist.records.spec import _native
@@ -52,7 +54,10 @@ class Uniform(Speculative, Sampler):
             if bufs is None or bufs[0].shape[0] != world:
                 bufs = self._bufs = _AllocBuffers.new(world)
             ends, req, counts = bufs[:3]
-            np.cumsum(sizes, out=ends)
+            if world <= 64:  # a few values: Python beats numpy's cumsum (~2 us)
+                ends[:] = list(itertools.accumulate(sizes.tolist()))
+            else:
+                np.cumsum(sizes, out=ends)
             if ends[-1] == 0:  # an empty store (a learner without a request draws nothing)
                 return np.zeros((world, world), dtype=np.int64)
             req[:] = requests
