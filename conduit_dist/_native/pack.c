@@ -150,8 +150,8 @@ static void pack_nt(uint8_t* out, size_t row_bytes, size_t n, Py_ssize_t nf,
 }
 #endif
 
-/* A pack split by rows over pool workers: part p packs rows [n * p / parts, n * (p + 1) / parts)
- * and ORs its NaN/inf flags into bad[] (each part keeps its own, merged atomically). */
+/* A pack split by rows over pool workers: part p packs its rows (pool_range) and ORs its NaN/inf
+ * flags into bad[] (each part keeps its own, merged atomically). */
 typedef struct {
     uint8_t* out;
     size_t row_bytes, n;
@@ -287,7 +287,7 @@ static PyObject* pack_rows(PyObject* self, PyObject* args) {
 CLONES
 static int any_impl(const uint8_t* p, size_t nbytes, int kind) { return scan(p, NULL, nbytes, kind); }
 
-/* A scan split over pool workers: part p scans values [m * p / parts, m * (p + 1) / parts). */
+/* A scan split over pool workers: part p scans its values (pool_range). */
 typedef struct {
     const uint8_t* p;
     size_t m;

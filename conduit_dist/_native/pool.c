@@ -93,18 +93,21 @@ static void* worker(void* p) {
     return NULL;
 }
 
-static void init_conds(void) {
+static void init_wake(void) {
     for (size_t w = 0; w <= POOL_MAX; w++) pthread_cond_init(&wake[w], NULL);
-    pthread_cond_init(&done, NULL);
 }
 
-/* In a forked child: no workers, every lock free (whatever the parent's threads held). */
+/* In a forked child (registered only once pthread_atfork succeeded): no workers, every lock
+ * free (whatever the parent's threads held), and workers may start again even where a thread
+ * start had failed in the parent. */
 static void reset_in_child(void) {
     pthread_mutex_init(&run_mu, NULL);
     pthread_mutex_init(&mu, NULL);
-    init_conds();
+    init_wake();
+    pthread_cond_init(&done, NULL);
     workers = 0;
     pending = 0;
+    state = 1;
 }
 
 size_t pool_parts(size_t nbytes, size_t units, long threads, size_t part_bytes) {
@@ -133,7 +136,7 @@ size_t pool_workers(void) {
  * signals keep going to the threads that handle them. Called with mu held. */
 static void start_workers(size_t parts) {
     if (state == 0) { /* without the child's reset a fork would leave a pool with no threads */
-        init_conds();
+        init_wake();
         state = pthread_atfork(NULL, NULL, reset_in_child) == 0 ? 1 : -1;
     }
     if (state != 1 || workers + 1 >= parts) return;

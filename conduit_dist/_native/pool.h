@@ -8,7 +8,7 @@ typedef void (*pool_fn)(void* arg, size_t part, size_t parts);
 
 /* The parts a copy of `nbytes` in `units` rows (or values) is split into with `threads` allowed:
  * 1 below 2 * part_bytes, else up to `threads` (at most 16) and `units`, each part at least
- * part_bytes. */
+ * part_bytes (to within one unit). */
 size_t pool_parts(size_t nbytes, size_t units, long threads, size_t part_bytes);
 
 /* Part `part` of `parts` of n units: [lo, hi), the first n % parts parts one longer (no
@@ -25,7 +25,8 @@ size_t pool_workers(void);
 
 /* Run fn(arg, p, parts) for p in [0, parts): part 0 on the calling thread, the others on workers;
  * returns once every part has run. Call without the GIL. Parts no worker could be started for
- * run on the calling thread, after part 0. */
+ * run on the calling thread, after part 0; where another thread's job is running, the caller runs
+ * fn(arg, 0, 1) instead: fn must cover its work for any number of parts. */
 void pool_run(pool_fn fn, void* arg, size_t parts);
 
 #endif

@@ -236,13 +236,12 @@ class RecordLayout:
         if not self._checked:
             return
         names, tensors, accs = [], [], []
+        threads = torch.get_num_threads()  # large scans split as torch's copies are
         for name, acc in self._checked:
             t = batch[name]
             if t.is_cpu and _native is not None:
                 t = t.contiguous()
-                if _native.any_nonfinite(
-                    t.data_ptr(), t.numel(), KIND[t.dtype], torch.get_num_threads()
-                ):
+                if _native.any_nonfinite(t.data_ptr(), t.numel(), KIND[t.dtype], threads):
                     self._reject(name, t)
             else:
                 names.append(name)

@@ -42,6 +42,11 @@ class Uniform(Speculative, Sampler):
     name = "uniform"
     _bufs: _AllocBuffers | None = None
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickle) rebuilds its own allocation buffers: the cached
+        addresses are this object's arrays'."""
+        return {k: v for k, v in self.__dict__.items() if k != "_bufs"}
+
     def allocate(
         self, requests: np.ndarray, sizes: np.ndarray, round: int, meta: np.ndarray
     ) -> np.ndarray:
