@@ -28,10 +28,17 @@ def test_bench_sim_validates_projects_and_plots(tmp_path):
     assert {c["case"] for c in checks} == {"fused", "fused_grads", "three_exchange"}
     # exposed latency where a round can be started early: the one-exchange rounds
     assert {c["case"] for c in checks if c["metric"] == "exposed"} == {"fused", "fused_grads"}
+    # a round always takes time; an exposed latency may be predicted 0 (a fitting run whose
+    # round came out no slower than its raw collectives fits no bookkeeping, and the exchange
+    # then hides behind the backward): 0 is a prediction, a negative one is a bug
     bad = [
         c
         for c in checks
-        if not (c["world"] == 2 and c["measured_ms"] > 0 and c["predicted_ms"] > 0)
+        if not (
+            c["world"] == 2
+            and c["measured_ms"] > 0
+            and (c["predicted_ms"] > 0 if c["metric"] == "round" else c["predicted_ms"] >= 0)
+        )
     ]
     assert not bad, f"checks {bad}; bookkeeping fit {line['summary']['bookkeeping_fit']}"
     s = line["summary"]
