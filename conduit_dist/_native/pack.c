@@ -370,13 +370,14 @@ typedef struct {
     int64_t base;
 } GatherJob;
 
-static inline size_t gather_slot(const GatherJob* j, size_t i) {
+/* Row i's slot: its index, or its generation less base, wrapped once (checked: gather_check). */
+static inline int64_t gather_slot(const GatherJob* j, size_t i) {
     int64_t k = j->idx[i];
     if (j->base >= 0) {
         k -= j->base;
         if (k >= (int64_t)j->src_rows) k -= (int64_t)j->src_rows;
     }
-    return (size_t)k;
+    return k;
 }
 
 static void gather_part(void* arg, size_t part, size_t parts) {
@@ -386,24 +387,21 @@ static void gather_part(void* arg, size_t part, size_t parts) {
     for (size_t i = lo; i < hi; i++) {
 #if defined(__GNUC__)
         if (i + PREFETCH_AHEAD < hi) {
-            const uint8_t* ahead = j->src + gather_slot(j, i + PREFETCH_AHEAD) * j->row_bytes;
+            size_t ahead_slot = (size_t)gather_slot(j, i + PREFETCH_AHEAD);
+            const uint8_t* ahead = j->src + ahead_slot * j->row_bytes;
             for (size_t b = 0; b < j->row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
         }
 #endif
-        memcpy(j->dst + i * j->row_bytes, j->src + gather_slot(j, i) * j->row_bytes, j->row_bytes);
+        memcpy(j->dst + i * j->row_bytes, j->src + (size_t)gather_slot(j, i) * j->row_bytes,
+               j->row_bytes);
     }
 }
 
 /* The position of the first index whose slot falls outside [0, src_rows), or -1. */
 static long long gather_check(const GatherJob* j) {
-    const int64_t rows = (int64_t)j->src_rows;
     for (size_t i = 0; i < j->n; i++) {
-        int64_t k = j->idx[i];
-        if (j->base >= 0) {
-            k -= j->base;
-            if (k >= rows) k -= rows;
-        }
-        if (k < 0 || k >= rows) return (long long)i;
+        int64_t k = gather_slot(j, i);
+        if (k < 0 || k >= (int64_t)j->src_rows) return (long long)i;
     }
     return -1;
 }

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.buffers import DoubleBuffer, RecordBuffer
+from conduit_dist.records.buffers import DoubleBuffer, Prefixes, RecordBuffer
 from conduit_dist.records.spec import VERSION, ExperienceSpec
 from conduit_dist.sched.scheduler import Scheduler, now
 from conduit_dist.sched.timeline import Timeline
@@ -75,7 +75,7 @@ class Stager:
         self.in_block = False  # inside a staged() block
         self.dropped = 0  # staged items dropped oldest-first to stay under the limit
         # per device: a reused column (packed at once), its host view, its views by length
-        self._version_cols: dict[torch.device, tuple] = {}
+        self._version_cols: dict[torch.device, Prefixes] = {}
 
     @property
     def pending(self) -> int:
@@ -127,19 +127,12 @@ class Stager:
         once, a new tensor where it donates (a donated batch is packed by the round, later)."""
         if donate:
             return torch.full((n,), v, dtype=torch.int64, device=device)
-        got = self._version_cols.get(device)
-        if got is None or got[0].numel() < n:
-            size = max(n, 2 * (0 if got is None else got[0].numel()))
-            col = torch.empty(size, dtype=torch.int64, device=device)
-            got = self._version_cols[device] = (col, col.numpy() if col.is_cpu else None, {})
-        col, host, views = got
-        view = views.get(n)  # a put's sizes repeat: torch's slice costs ~1 us, a dict lookup less
-        if view is None:
-            if len(views) > 64:
-                views.clear()
-            view = views[n] = col[:n]
-        if host is not None:
-            host[:n] = v  # numpy's fill: ~0.3 us where torch's fill_ costs ~2
+        col = self._version_cols.get(device)
+        if col is None:
+            col = self._version_cols[device] = Prefixes(torch.int64, device)
+        view = col.first(n)
+        if col.host is not None:
+            col.host[:n] = v  # numpy's fill: ~0.3 us where torch's fill_ costs ~2
         else:
             view.fill_(v)
         return view

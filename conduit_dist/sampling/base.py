@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.buffers import Prefixes
 from conduit_dist.records.spec import _native
 
 _MASK = (1 << 63) - 1
@@ -125,8 +126,7 @@ class Sampler(ABC):
     def __init__(self) -> None:
         self.ctx: SamplerContext | None = None
         self.storage = None
-        self._values = torch.empty(256, dtype=torch.int64)  # reused by the native draw
-        self._slices: dict[int, torch.Tensor] = {}  # its first rows by count (a slice: ~1.5 us)
+        self._values = Prefixes(torch.int64, torch.device("cpu"))  # reused by the native draw
 
     def bind(self, ctx: SamplerContext) -> None:
         """Attach to a plane (called once, when the plane is built)."""
@@ -174,14 +174,7 @@ class Sampler(ABC):
         if _native is None:
             gen = seeded(torch.Generator(), self.ctx.seed, round, key)
             return torch.randint(size, (count,), generator=gen, dtype=torch.int64) + offset
-        out = self._slices.get(count)
-        if out is None:
-            if self._values.shape[0] < count:
-                self._values = torch.empty(max(count, 2 * self._values.shape[0]), dtype=torch.int64)
-                self._slices = {}
-            if len(self._slices) > 64:  # counts that keep changing: keep the cache small
-                self._slices = {}
-            out = self._slices[count] = self._values[:count]
+        out = self._values.first(count)
         _native.uniform_slots(out.data_ptr(), count, size, self.ctx.seed, round, key, offset)
         return out
 

@@ -12,6 +12,7 @@ for the shard that holds it: every rank computes the same allocation without a f
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,17 +22,23 @@ from conduit_dist.sampling.base import Sampler, Speculative, proportional, split
 _KEY = 1 << 40  # allocation streams: (seed, round, _KEY + learner), apart from the draw streams
 
 
-class _AllocBuffers(tuple):
+class _AllocBuffers(NamedTuple):
     """The native allocation's arrays, reused round after round, and their addresses (numpy's
-    ``ctypes.data`` builds an object a call: ~1 us each): ``(ends, requests, counts, ends
-    address, requests address, counts address)``."""
+    ``ctypes.data`` builds an object a call: ~1 us each)."""
+
+    ends: np.ndarray
+    requests: np.ndarray
+    counts: np.ndarray
+    ends_p: int
+    requests_p: int
+    counts_p: int
 
     @staticmethod
     def new(world: int) -> _AllocBuffers:
         ends, req = np.empty(world, dtype=np.int64), np.empty(world, dtype=np.int64)
         counts = np.empty((world, world), dtype=np.int64)
         return _AllocBuffers(
-            (ends, req, counts, ends.ctypes.data, req.ctypes.data, counts.ctypes.data)
+            ends, req, counts, ends.ctypes.data, req.ctypes.data, counts.ctypes.data
         )
 
 
@@ -56,18 +63,19 @@ class Uniform(Speculative, Sampler):
         world = sizes.shape[0]
         if _native is not None:  # one call for every learner (~2 us)
             bufs = self._bufs
-            if bufs is None or bufs[0].shape[0] != world:
+            if bufs is None or bufs.ends.shape[0] != world:
                 bufs = self._bufs = _AllocBuffers.new(world)
-            ends, req, counts = bufs[:3]
             if world <= 64:  # a few values: Python beats numpy's cumsum (~2 us)
-                ends[:] = list(itertools.accumulate(sizes.tolist()))
+                bufs.ends[:] = list(itertools.accumulate(sizes.tolist()))
             else:
-                np.cumsum(sizes, out=ends)
-            if ends[-1] == 0:  # an empty store (a learner without a request draws nothing)
+                np.cumsum(sizes, out=bufs.ends)
+            if bufs.ends[-1] == 0:  # an empty store (a learner without a request draws nothing)
                 return np.zeros((world, world), dtype=np.int64)
-            req[:] = requests
-            _native.uniform_alloc(bufs[5], world, bufs[3], bufs[4], self.ctx.seed, round, _KEY)
-            return counts.copy()  # the caller keeps it; the buffer is next round's
+            bufs.requests[:] = requests
+            _native.uniform_alloc(
+                bufs.counts_p, world, bufs.ends_p, bufs.requests_p, self.ctx.seed, round, _KEY
+            )
+            return bufs.counts.copy()  # the caller keeps it; the buffer is next round's
         counts = np.zeros((world, world), dtype=np.int64)
         ends = np.cumsum(sizes)
         if ends[-1] == 0:
