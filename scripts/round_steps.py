@@ -6,7 +6,10 @@ wrapper adds ~0.5 us a call, nested steps include their children). A before/afte
 round's Python, not a benchmark against a baseline (``bench rounds`` is); run it on two
 checkouts, alternating, since the machine's speed moves between runs:
 
-    PYTHONPATH=. torchrun --standalone --nproc_per_node=2 scripts/round_steps.py
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=2 scripts/round_steps.py [REDUCE_NUMEL]
+
+With ``REDUCE_NUMEL`` (e.g. 17282, DQN's gradients: ``bench rounds``'s ``fused_grads``) every
+fetch carries a ``reduce`` payload of that many floats.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +37,7 @@ STEPS = (
     "rounds.headers.HeaderExchange.take",
     "rounds.wire.WireLayout.pack",
     "rounds.wire.WireLayout.unpack",
+    "rounds.wire.WireLayout.average",
     "collectives.shm.SharedMemory.start",
     "collectives.shm.ShmWork.wait",
     "rounds.delivery.Delivery.own",
@@ -60,24 +65,27 @@ def _wrap(times: dict[str, list[float]]) -> None:
 
 def main() -> None:
     """Run the rounds and print each step's calls a round and median on rank 0."""
+    numel = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    payload = torch.randn(numel) if numel else None
     times: dict[str, list[float]] = {}
     _wrap(times)
     cd.init_distributed()
     torch.set_num_threads(1)
     plane = cd.DataPlane(
-        cd.ExperienceSpec.from_batch(_batch(1)), 50_000, placement="local", schedule="sync"
+        cd.ExperienceSpec.from_batch(_batch(1)), 50_000, placement="local", schedule="sync",
+        reduce_numel=numel,
     )
     batch = _batch(8)
     for _ in range(20):
         plane.put(batch)
     for _ in range(300):
         plane.put(batch)
-        plane.fetch(128)
+        plane.fetch(128, reduce=payload)
     times.clear()
     rounds = 3000
     for _ in range(rounds):
         plane.put(batch)
-        plane.fetch(128)
+        plane.fetch(128, reduce=payload)
     if dist.get_rank() == 0:
         for key, seconds in times.items():
             med = statistics.median(seconds) * 1e6
