@@ -72,7 +72,10 @@ def main() -> None:
     cd.init_distributed()
     torch.set_num_threads(1)
     plane = cd.DataPlane(
-        cd.ExperienceSpec.from_batch(_batch(1)), 50_000, placement="local", schedule="sync",
+        cd.ExperienceSpec.from_batch(_batch(1)),
+        50_000,
+        placement="local",
+        schedule="sync",
         reduce_numel=numel,
     )
     batch = _batch(8)
