@@ -216,6 +216,22 @@ def _special_models(rank, world):
     plane.detach()
     assert not model._forward_hooks
     plane.close()
+
+    # a fixed sync schedule: no hook, unless a trace records the forward spans
+    for trace in (False, True):
+        plane = cd.DataPlane(spec(), capacity_per_rank=100, schedule="sync", trace=trace)
+        plane.attach(model)
+        assert len(model._forward_hooks) == len(model._forward_pre_hooks) == int(trace)
+        with pytest.raises(cd.ConfigError, match="attached already"):
+            plane.attach(model)  # attached all the same
+        plane.put(make_batch(torch.arange(10) + 100 * rank))
+        _train_step(model, plane.fetch(4))
+        assert not plane.last_fetch.prefetched
+        plane.detach()
+        assert not model._forward_hooks and not model._forward_pre_hooks
+        plane.attach(model)  # detached: may attach again
+        plane.close()
+        assert not model._forward_hooks
     return True
 
 

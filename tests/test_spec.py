@@ -285,6 +285,25 @@ def test_native_copy_spans_copies_in_order_and_refuses_bad_spans():
     assert dst[0] == 10  # refused before any copy
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 17_282, 40_000])  # 40k: the GIL-released pass
+def test_native_mean2_is_bitwise_torch_add_then_half_and_reads_unaligned(n):
+    gen = torch.Generator().manual_seed(n)
+    a = torch.randn(n, generator=gen) * 1e3
+    b = torch.randn(n, generator=gen) * torch.logspace(-40, 38, max(n, 1))[:n]  # subnormals too
+    if n > 3:
+        a[:3] = torch.tensor([float("inf"), -0.0, 3.4e38])
+        b[:3] = torch.tensor([1.0, 0.0, 3.4e38])  # overflow to inf, signed zeros
+    raw = torch.zeros(4 * n + 3, dtype=torch.uint8)  # b's bytes at an odd address
+    raw[3:].copy_(b.view(torch.uint8))
+    want = a.clone().add_(b).mul_(0.5)
+    for first, second in ((a.clone(), raw), (b.clone(), None)):  # each learner's side
+        src = raw.data_ptr() + 3 if second is not None else a.data_ptr()
+        native.mean2_f32(first.data_ptr(), src, n)
+        assert first.view(torch.int32).tolist() == want.view(torch.int32).tolist()
+    with pytest.raises(ValueError, match="expected n >= 0 values, got -1"):
+        native.mean2_f32(a.data_ptr(), b.data_ptr(), -1)
+
+
 def test_native_unpack_rows_copies_each_field_out_and_refuses_bad_layouts():
     rows = torch.arange(24, dtype=torch.uint8).view(3, 8)  # 3 rows of 8 bytes, 6 of them used
     a, b = torch.zeros(3, 2, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8)

@@ -485,6 +485,31 @@ static PyObject* copy_spans(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* mean2_f32(dst, src, n): dst[i] = (dst[i] + src[i]) * 0.5f for n float32 values, in place: the
+ * mean of two learners' payloads, bitwise what torch's add_ then mul_ by 0.5 give (IEEE single
+ * addition commutes, so both learners get the same bits). dst is a float32 tensor's data; src may
+ * be unaligned (a payload inside received rows): each value is loaded with memcpy. The GIL is
+ * released above 64 KiB. */
+static PyObject* mean2_f32(PyObject* self, PyObject* args) {
+    unsigned long long dst, src;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KKL", &dst, &src, &n)) return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "mean2_f32: expected n >= 0 values, got %lld", n);
+        return NULL;
+    }
+    float* d = (float*)(uintptr_t)dst;
+    const unsigned char* s = (const unsigned char*)(uintptr_t)src;
+    PyThreadState* saved = n >= 16384 ? PyEval_SaveThread() : NULL;
+    for (long long i = 0; i < n; i++) {
+        float v;
+        memcpy(&v, s + 4 * i, 4);
+        d[i] = (d[i] + v) * 0.5f;
+    }
+    if (saved) PyEval_RestoreThread(saved);
+    Py_RETURN_NONE;
+}
+
 /* gather_rows(dst, src, row_bytes, src_rows, idx, n[, base[, threads]]): dst[i] = src[idx[i]]
  * for n int64 indices; with base >= 0, idx holds generations of a ring of src_rows slots and
  * dst[i] = src[idx[i] - base], less src_rows when that passes the end (base: the first
@@ -970,6 +995,9 @@ static PyMethodDef methods[] = {
      "n rows into its own contiguous destination."},
     {"copy_spans", copy_spans, METH_VARARGS,
      "copy_spans((dst, src, n, ...)): memcpy n bytes from each src address to its dst."},
+    {"mean2_f32", mean2_f32, METH_VARARGS,
+     "mean2_f32(dst, src, n): dst[i] = (dst[i] + src[i]) * 0.5 for n float32 values (src may be "
+     "unaligned)."},
     {"pool_workers", py_pool_workers, METH_NOARGS,
      "pool_workers(): worker threads the large copies have started in this process."},
     {"pack_rows", pack_rows, METH_VARARGS,

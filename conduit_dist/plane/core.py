@@ -175,7 +175,8 @@ class DataPlane:
 
     def attach(self, module: nn.Module) -> None:
         """Launch the next fetch's round when ``module``'s backward starts (``overlap``/``auto``);
-        ``ConfigError`` if a module is attached already."""
+        ``ConfigError`` if a module is attached already. Under a fixed ``sync`` schedule with no
+        trace the module is attached without hooks (they would have nothing to do)."""
         self._p.control.attach(module)
 
     def detach(self) -> None:

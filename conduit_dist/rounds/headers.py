@@ -95,7 +95,7 @@ class HeaderExchange:
         for rows in updates:
             self.sampler.incoming(rows)
         if f.ticket.reduce is not None:
-            self.layout.average(f.ticket.reduce, payloads)
+            self.layout.average(f.ticket.reduce, f.recv, payloads)
         return meta
 
     def allocated(self, counts: np.ndarray, requests: np.ndarray, shares: np.ndarray) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.buffers import Pooled, RecordBuffer, keep
+from conduit_dist.records.native import _native
 from conduit_dist.rounds.meta import PAYLOAD
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 
@@ -70,6 +71,7 @@ class WireLayout:
         self._meta = torch.zeros((self.world, head_len), dtype=torch.int64)  # reused per round
         self._meta_np = self._meta.numpy()
         self.head = self._meta[rank]  # this rank's header is its row of the round's meta
+        self._head_span = (self.head.data_ptr(), head_len * 8)  # its address and bytes
         self.h = -(-head_len * 8 // record_bytes)  # header rows
         self.numel = reduce_numel
         self.pay = -(-reduce_numel * 4 // record_bytes)  # payload rows between two learners
@@ -159,14 +161,17 @@ class WireLayout:
             send, rows = lent
         else:
             send, rows = self._send.rows(sum(in_splits)), self._numpy(self._send)
-        hb = self._meta_np[self.rank].view(np.uint8)
-        raw = payload.view(torch.uint8) if payload is not None else None
+        # header and payload copies: one native call (torch's slicing and copy_: ~5 us each);
+        # both fit their rows (h and pay rows are sized from them), inside send's rows
+        head, rb = self._head_span, self.rb
+        base = send.data_ptr()
+        spans: list[int] = []
         at = drawn = 0
         for p in self.peers:
-            rows[at : at + self.h].reshape(-1)[: hb.shape[0]] = hb  # h rows: small records
+            spans += (base + at * rb, *head)  # h rows: small records
             at += self.h
-            if pay[p] and raw is not None:
-                send[at : at + pay[p]].view(-1)[: raw.numel()].copy_(raw)
+            if pay[p] and payload is not None:
+                spans += (base + at * rb, payload.data_ptr(), self.numel * 4)
             at += pay[p]
             k = int(cand[self.rank, p])
             if k and slots is not None:
@@ -181,6 +186,7 @@ class WireLayout:
                 if n:
                     region[2 : 2 + 2 * n] = pairs.numpy().reshape(-1)
                 at += u
+        _native.copy_spans(tuple(spans))
         return send, in_splits
 
     def recv_rows(self, cand: np.ndarray) -> tuple[torch.Tensor, list[int]]:
@@ -193,21 +199,21 @@ class WireLayout:
 
     def unpack(
         self, recv: torch.Tensor, cand: np.ndarray
-    ) -> tuple[np.ndarray, dict[int, torch.Tensor], dict[int, int], list[torch.Tensor]]:
-        """Every rank's header (this rank's own included), each peer's payload (learners that
-        sent one), where each peer's candidate block starts in ``recv``, and the update pairs
-        peers sent.
+    ) -> tuple[np.ndarray, dict[int, int], dict[int, int], list[torch.Tensor]]:
+        """Every rank's header (this rank's own included), where each peer's payload starts
+        (learners that sent one) and where its candidate block starts in ``recv``, and the
+        update pairs peers sent.
 
         Returns:
             ``(meta [world, head_len], payloads, candidates, updates)``; ``meta`` is reused by
-            the next round; ``candidates``: ``{peer: first row}``; ``updates``: ``[k, 2]``
-            int64 copies.
+            the next round; ``payloads`` and ``candidates``: ``{peer: first row}``;
+            ``updates``: ``[k, 2]`` int64 copies.
         """
         pay, _, out_splits = self.splits(cand)
         meta, rows = self._meta_np, self.landed
         mb = meta.view(np.uint8)
         nb = mb.shape[1]
-        payloads: dict[int, torch.Tensor] = {}
+        payloads: dict[int, int] = {}
         blocks: dict[int, int] = {}
         updates: list[torch.Tensor] = []
         at = 0
@@ -216,7 +222,7 @@ class WireLayout:
                 continue
             mb[p] = rows[at : at + self.h].reshape(-1)[:nb]
             if pay[p] and meta[p, PAYLOAD]:
-                payloads[p] = self._as_floats(recv[at + self.h : at + self.h + pay[p]], p)
+                payloads[p] = at + self.h
             u = self.up_recv[p]
             end = at + out_splits[p] - u
             blocks[p] = at + self.h + pay[p]
@@ -228,31 +234,37 @@ class WireLayout:
             at += out_splits[p]
         return meta, payloads, blocks, updates
 
-    def _as_floats(self, rows: torch.Tensor, p: int) -> torch.Tensor:
-        """A payload's float32 values: a view of the rows when aligned, else a copy."""
-        raw = rows.reshape(-1)[: self.numel * 4]
+    def _as_floats(self, recv: torch.Tensor, row: int, p: int) -> torch.Tensor:
+        """Peer ``p``'s payload from ``recv[row:]``, as float32 values: a view of the rows when
+        aligned, else a copy."""
+        raw = recv[row:].reshape(-1)[: self.numel * 4]
         if (raw.storage_offset() % 4) == 0:
             return raw.view(torch.float32)
         self._rows[p].view(torch.uint8).copy_(raw)
         return self._rows[p]
 
-    def average(self, payload: torch.Tensor, payloads: dict[int, torch.Tensor]) -> None:
+    def average(self, payload: torch.Tensor, recv: torch.Tensor, payloads: dict[int, int]) -> None:
         """Replace ``payload`` by the mean of it and the payloads received, in place.
 
         Every rank adds the same values in rank order (two: IEEE addition commutes), so the
         result is bitwise identical on every learner: replicas updated with it stay identical.
+
+        Args:
+            payload: this learner's payload (a contiguous host float32 tensor: ``check_payload``).
+            recv: the rows received (on the host: a plane with a payload keeps its rows there).
+            payloads: ``{peer: first row}`` of each payload received (:meth:`unpack`).
         """
         if not payloads:
             return
-        if len(payloads) == 1:
-            (other,) = payloads.values()
-            payload.add_(other).mul_(self._inv[2])
+        if len(payloads) == 1:  # two learners: (a + b) * 0.5 in one pass, read where it landed
+            (row,) = payloads.values()
+            _native.mean2_f32(payload.data_ptr(), recv.data_ptr() + row * self.rb, self.numel)
             return
         # the contributions in rank order in the first rows of the pooled [world, numel] buffer
         # (row i <= rank p: a payload copied into its own row is read before it is overwritten)
         rows = sorted([*payloads, self.rank])
         for i, p in enumerate(rows):
-            src = payload if p == self.rank else payloads[p]
+            src = payload if p == self.rank else self._as_floats(recv, payloads[p], p)
             if src.data_ptr() != self._rows[i].data_ptr():
                 self._rows[i].copy_(src)
         torch.sum(self._rows[: len(rows)], dim=0, out=payload).mul_(self._inv[len(rows)])

@@ -32,6 +32,13 @@ class BackwardTrigger:
         module: the learner's module (a DDP wrapper is unwrapped: hooks go on ``.module``).
         on_backward: called at backward start (at most once per forward with grad).
         on_forward: called after every forward with its ``(start, end)`` times (optional).
+        active: ``False`` where neither callback could ever act (a fixed ``sync`` schedule with no
+            trace): the module counts as attached but carries no hook, since hooks cost every
+            forward ~17 us (torch's hooked call path, a hook per output tensor, a Python call in
+            the backward).
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
     """
 
     def __init__(
@@ -39,6 +46,7 @@ class BackwardTrigger:
         module: nn.Module,
         on_backward: Callable[[], None],
         on_forward: Callable[[float, float], None] | None = None,
+        active: bool = True,
     ) -> None:
         if isinstance(module, nn.parallel.DistributedDataParallel):
             module = module.module
@@ -48,10 +56,15 @@ class BackwardTrigger:
         self._on_backward = on_backward
         self._on_forward = on_forward
         self._forward_start = 0.0
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_hook),
-            module.register_forward_hook(self._forward_hook),
-        ]
+        self._attached = True
+        self._handles = (
+            [
+                module.register_forward_pre_hook(self._pre_hook),
+                module.register_forward_hook(self._forward_hook),
+            ]
+            if active
+            else []
+        )
 
     def _pre_hook(self, _module: nn.Module, _inputs: Any) -> None:
         self._forward_start = time.perf_counter()
@@ -77,8 +90,14 @@ class BackwardTrigger:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._attached = False
 
     @property
     def attached(self) -> bool:
-        """Whether the hooks are still in place."""
+        """Whether the module is still attached (:meth:`remove` not called yet)."""
+        return self._attached
+
+    @property
+    def hooked(self) -> bool:
+        """Whether hooks are in place on the module (attached and ``active``)."""
         return bool(self._handles)

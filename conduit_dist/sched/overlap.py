@@ -271,7 +271,9 @@ class OverlapController:
         def forward_span(start: float, end: float) -> None:
             timeline.add("forward", Timeline.LEARNER, start, end)
 
-        self.trigger = BackwardTrigger(module, self._on_backward, forward_span)
+        # a fixed sync schedule with no trace: the hooks could never launch or record anything
+        active = self.overlap or self.trial is not None or timeline.enabled
+        self.trigger = BackwardTrigger(module, self._on_backward, forward_span, active)
 
     def state_dict(self) -> dict[str, object]:
         """The schedule in force on this rank and the auto trial's choice."""
