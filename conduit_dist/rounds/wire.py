@@ -375,7 +375,8 @@ def check_payload(t: torch.Tensor, numel: int) -> None:
         raise ConfigError("reduce: this plane was built with reduce_numel=0; pass reduce_numel")
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"reduce: expected a torch.Tensor, got {type(t).__name__}")
-    ok = t.dtype == torch.float32 and t.shape == (numel,) and t.device.type == "cpu"
+    # is_cpu and shape[0]: no device or size object built (every round checks its payload)
+    ok = t.is_cpu and t.dtype == torch.float32 and t.dim() == 1 and t.shape[0] == numel
     if not ok or not t.is_contiguous():
         raise ConfigError(
             f"reduce: expected a contiguous cpu float32 tensor of shape ({numel},), got "
