@@ -127,6 +127,36 @@ def test_payloads_are_averaged_inside_the_round_identically_on_every_learner(pla
         assert all("expected a contiguous cpu float32 tensor of shape (5,)" in e for e in errors)
 
 
+def _average_without_extension(rank, world):
+    from conduit_dist.rounds import wire
+
+    wire._native = None  # a checkout that was not built: torch's copies and mean
+    plane = _plane(numel=5, placement="local")
+    plane.put(make_batch(torch.arange(10 * rank, 10 * rank + 10)))
+    plane.flush()
+    payload = torch.randn(5, generator=torch.Generator().manual_seed(rank))
+    batch = plane.fetch(8, reduce=payload)
+    errors = []
+    odd = torch.frombuffer(bytearray(24), dtype=torch.float32, offset=1, count=5)
+    for bad in (torch.zeros(5, requires_grad=True), odd):
+        try:
+            plane.fetch(8, reduce=bad)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    plane.close()
+    return payload.view(torch.int32).tolist(), batch["id"].shape[0], errors
+
+
+def test_payloads_average_without_the_extension_and_bad_payloads_are_refused():
+    res = run_ranks(_average_without_extension, 2)
+    a, b = (torch.randn(5, generator=torch.Generator().manual_seed(r)) for r in range(2))
+    want = a.add(b).mul(0.5).view(torch.int32).tolist()  # the extension's mean2_f32 bits too
+    for got, rows, errors in res.values():
+        assert got == want and rows == 8
+        assert "does not require grad" in errors[0]
+        assert "expected float32 data aligned to 4 bytes" in errors[1]
+
+
 def _replicas(rank, world):
     from conduit_dist.rl.dqn import DQN
     from conduit_dist.train.config import AlgoConfig

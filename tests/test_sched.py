@@ -259,13 +259,36 @@ def _auto(rank, world):
         _train_step(model, b)
     trial = plane._p.control.trial
     medians = (trial.median("sync"), trial.median("overlap"))
+    hooks = len(model._forward_hooks)
+    with pytest.raises(cd.ConfigError, match="attached already"):
+        plane.attach(model)  # attached, hooks or not
     plane.close()
-    return modes, trial.choice, medians
+    return modes, trial.choice, medians, hooks
 
 
 def test_auto_schedule_tries_sync_then_overlap_and_keeps_the_faster():
-    for modes, choice, (sync_ms, overlap_ms) in run_ranks(_auto, 2).values():
+    for modes, choice, (sync_ms, overlap_ms), hooks in run_ranks(_auto, 2).values():
+        assert hooks == (choice == "overlap")  # settled on sync: the hooks came off
         assert [p for _, p in modes[:7]] == [False] * 7  # sync trial: no prefetch
         assert any(p for _, p in modes[7:13])  # overlap trial: rounds launched at backward
         assert choice == ("overlap" if overlap_ms < sync_ms else "sync")
         assert {m for m, _ in modes[14:]} == {choice}
+
+
+def test_backward_trigger_hooks_come_off_and_back_while_attached():
+    from conduit_dist.sched.hooks import BackwardTrigger
+
+    model, fired = Learner(), []
+    trigger = BackwardTrigger(model, lambda: fired.append(1), active=False)
+    model(torch.ones(2, 3)).sum().backward()
+    assert trigger.attached and not trigger.hooked and not fired
+    trigger.activate()
+    trigger.activate()  # once only
+    assert len(model._forward_hooks) == 1
+    model(torch.ones(2, 3)).sum().backward()
+    assert fired == [1]
+    trigger.deactivate()
+    model(torch.ones(2, 3)).sum().backward()
+    assert fired == [1] and trigger.attached and not model._forward_pre_hooks
+    trigger.remove()
+    assert not trigger.attached

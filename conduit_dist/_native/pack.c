@@ -487,9 +487,9 @@ static PyObject* copy_spans(PyObject* self, PyObject* args) {
 
 /* mean2_f32(dst, src, n): dst[i] = (dst[i] + src[i]) * 0.5f for n float32 values, in place: the
  * mean of two learners' payloads, bitwise what torch's add_ then mul_ by 0.5 give (IEEE single
- * addition commutes, so both learners get the same bits). dst is a float32 tensor's data; src may
- * be unaligned (a payload inside received rows): each value is loaded with memcpy. The GIL is
- * released above 64 KiB. */
+ * addition commutes, so both learners get the same bits). dst must be 4-byte aligned; src may be
+ * unaligned (a payload inside received rows). The two ranges must not overlap. The GIL is released
+ * above 64 KiB. */
 static PyObject* mean2_f32(PyObject* self, PyObject* args) {
     unsigned long long dst, src;
     long long n;
@@ -498,8 +498,10 @@ static PyObject* mean2_f32(PyObject* self, PyObject* args) {
         PyErr_Format(PyExc_ValueError, "mean2_f32: expected n >= 0 values, got %lld", n);
         return NULL;
     }
-    float* d = (float*)(uintptr_t)dst;
-    const unsigned char* s = (const unsigned char*)(uintptr_t)src;
+    /* dst: a float32 tensor's data, 4-byte aligned (check_payload refuses any other); src is read
+     * with memcpy (any alignment). restrict: the two never overlap (the loop vectorises) */
+    float* restrict d = (float*)(uintptr_t)dst;
+    const unsigned char* restrict s = (const unsigned char*)(uintptr_t)src;
     PyThreadState* saved = n >= 16384 ? PyEval_SaveThread() : NULL;
     for (long long i = 0; i < n; i++) {
         float v;

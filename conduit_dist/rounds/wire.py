@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.buffers import Pooled, RecordBuffer, keep
@@ -72,6 +73,9 @@ class WireLayout:
         self._meta_np = self._meta.numpy()
         self.head = self._meta[rank]  # this rank's header is its row of the round's meta
         self._head_span = (self.head.data_ptr(), head_len * 8)  # its address and bytes
+        # the extension's copies and mean where it is built (and new enough), else torch's
+        self._copy_spans = getattr(_native, "copy_spans", None)
+        self._mean2 = getattr(_native, "mean2_f32", None)
         self.h = -(-head_len * 8 // record_bytes)  # header rows
         self.numel = reduce_numel
         self.pay = -(-reduce_numel * 4 // record_bytes)  # payload rows between two learners
@@ -163,15 +167,25 @@ class WireLayout:
             send, rows = self._send.rows(sum(in_splits)), self._numpy(self._send)
         # header and payload copies: one native call (torch's slicing and copy_: ~5 us each);
         # both fit their rows (h and pay rows are sized from them), inside send's rows
-        head, rb = self._head_span, self.rb
+        head, rb, native = self._head_span, self.rb, self._copy_spans is not None
         base = send.data_ptr()
         spans: list[int] = []
         at = drawn = 0
         for p in self.peers:
-            spans += (base + at * rb, *head)  # h rows: small records
+            if native:
+                spans += (base + at * rb, *head)  # h rows: small records
+            else:
+                rows[at : at + self.h].reshape(-1)[: head[1]] = self._meta_np[self.rank].view(
+                    np.uint8
+                )
             at += self.h
             if pay[p] and payload is not None:
-                spans += (base + at * rb, payload.data_ptr(), self.numel * 4)
+                if native:
+                    spans += (base + at * rb, payload.data_ptr(), self.numel * 4)
+                else:
+                    send[at : at + pay[p]].view(-1)[: self.numel * 4].copy_(
+                        payload.view(torch.uint8)
+                    )
             at += pay[p]
             k = int(cand[self.rank, p])
             if k and slots is not None:
@@ -186,7 +200,8 @@ class WireLayout:
                 if n:
                     region[2 : 2 + 2 * n] = pairs.numpy().reshape(-1)
                 at += u
-        _native.copy_spans(tuple(spans))
+        if spans:
+            self._copy_spans(tuple(spans))
         return send, in_splits
 
     def recv_rows(self, cand: np.ndarray) -> tuple[torch.Tensor, list[int]]:
@@ -256,9 +271,18 @@ class WireLayout:
         """
         if not payloads:
             return
+        if payload.numel() != self.numel:  # changed since check_payload (fetch_start, fetch)
+            raise ConfigError(
+                f"reduce: expected {self.numel} float32 values, got {payload.numel()} (the "
+                "payload was resized while its round was in flight)"
+            )
         if len(payloads) == 1:  # two learners: (a + b) * 0.5 in one pass, read where it landed
-            (row,) = payloads.values()
-            _native.mean2_f32(payload.data_ptr(), recv.data_ptr() + row * self.rb, self.numel)
+            ((p, row),) = payloads.items()
+            if self._mean2 is None:
+                payload.add_(self._as_floats(recv, row, p)).mul_(self._inv[2])
+                return
+            self._mean2(payload.data_ptr(), recv.data_ptr() + row * self.rb, self.numel)
+            increment_version(payload)  # written by address: autograd's in-place check sees it
             return
         # the contributions in rank order in the first rows of the pooled [world, numel] buffer
         # (row i <= rank p: a payload copied into its own row is read before it is overwritten)
@@ -368,8 +392,8 @@ def check_payload(t: torch.Tensor, numel: int) -> None:
     """Check a fetch's ``reduce`` payload.
 
     Raises:
-        ConfigError: unless it is a contiguous CPU float32 ``[numel]`` tensor (or when the plane
-            has no payloads: ``numel == 0``).
+        ConfigError: unless it is a contiguous, 4-byte aligned CPU float32 ``[numel]`` tensor
+            that does not require grad (or when the plane has no payloads: ``numel == 0``).
     """
     if numel == 0:
         raise ConfigError("reduce: this plane was built with reduce_numel=0; pass reduce_numel")
@@ -381,4 +405,13 @@ def check_payload(t: torch.Tensor, numel: int) -> None:
         raise ConfigError(
             f"reduce: expected a contiguous cpu float32 tensor of shape ({numel},), got "
             f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
+        )
+    if t.requires_grad:  # averaged in place: autograd forbids it on a tensor that needs grad
+        raise ConfigError(
+            "reduce: expected a tensor that does not require grad (it is averaged in place), got "
+            "requires_grad=True; pass a gradient buffer or t.detach()"
+        )
+    if t.data_ptr() % 4:
+        raise ConfigError(
+            f"reduce: expected float32 data aligned to 4 bytes, got address {t.data_ptr():#x}"
         )

@@ -57,14 +57,9 @@ class BackwardTrigger:
         self._on_forward = on_forward
         self._forward_start = 0.0
         self._attached = True
-        self._handles = (
-            [
-                module.register_forward_pre_hook(self._pre_hook),
-                module.register_forward_hook(self._forward_hook),
-            ]
-            if active
-            else []
-        )
+        self._handles: list = []
+        if active:
+            self.activate()
 
     def _pre_hook(self, _module: nn.Module, _inputs: Any) -> None:
         self._forward_start = time.perf_counter()
@@ -85,11 +80,24 @@ class BackwardTrigger:
         for t in outs:
             t.register_hook(hook)
 
-    def remove(self) -> None:
-        """Remove every hook this trigger registered."""
+    def activate(self) -> None:
+        """Put the hooks on the module (no-op if they are on)."""
+        if not self._handles:
+            self._handles = [
+                self.module.register_forward_pre_hook(self._pre_hook),
+                self.module.register_forward_hook(self._forward_hook),
+            ]
+
+    def deactivate(self) -> None:
+        """Remove the hooks but stay attached (nothing will need them again: an auto trial that
+        settled on ``sync`` with no trace)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def remove(self) -> None:
+        """Remove every hook this trigger registered."""
+        self.deactivate()
         self._attached = False
 
     @property

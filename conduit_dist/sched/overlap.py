@@ -285,6 +285,8 @@ class OverlapController:
         if self.trial is not None and state["choice"]:
             self.trial.choice = str(state["choice"])
             self.overlap = self.trial.choice == "overlap"
+            if self.overlap and self.trigger is not None and self.trigger.attached:
+                self.trigger.activate()  # hooks taken off when this process's trial chose sync
 
     def detach(self) -> None:
         """Remove the hooks (a launched round still completes at the next call)."""
@@ -315,3 +317,10 @@ class OverlapController:
             self.overlap = mode == "overlap"
             if self.trial.choice is not None:
                 log.info("rank %d: %s", self.rank, self.trial.describe())
+                # settled on sync with no trace: the hooks have nothing left to do
+                if (
+                    not self.overlap
+                    and self.trigger is not None
+                    and not self.clock.timeline.enabled
+                ):
+                    self.trigger.deactivate()
