@@ -1,4 +1,5 @@
-"""Run a function on several real gloo ranks (spawned processes) and collect results or errors."""
+"""Run a function on several real gloo ranks (processes forked from a fork server) and collect
+results or errors."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ _STRIPPED = ("WANDB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_
 # Ranks start from a fork server that imported torch, NumPy and the package once (~1.7 s of CPU
 # a process when each rank imports them itself, as under "spawn"): a rank is a fresh fork of
 # that server (no thread of the test process, no state the test changed) and imports only the
-# test's module. The server starts at the first run_ranks with the environment of that moment;
-# a test that needs other variables in its ranks sets them inside the rank function.
+# test's module. Each rank takes the test process's environment of the moment it starts.
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "conduit_dist"])
+# conduit_dist is not preloaded: each rank imports the copy on the test's own sys.path
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
 
 # two ranks on this machine, as the tests launch programs under torchrun
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -41,7 +42,9 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _worker(fn, rank, world, init_file, timeout_s, queue, args):  # pragma: no cover - child
+def _worker(fn, rank, world, init_file, timeout_s, queue, args, env):  # pragma: no cover - child
+    os.environ.clear()  # the test's environment now, not the fork server's at its start
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -93,7 +96,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world, init_file, collective_timeout_s, queue, args),
+                args=(fn, r, world, init_file, collective_timeout_s, queue, args, dict(os.environ)),
                 daemon=True,
             )
             for r in range(world)
