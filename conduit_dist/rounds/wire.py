@@ -26,6 +26,7 @@ exchanging them first.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class WireLayout:
         self.head = self._meta[rank]  # this rank's header is its row of the round's meta
         self._head_span = (self.head.data_ptr(), head_len * 8)  # its address and bytes
         # the extension's copies and mean where it is built (and new enough), else torch's
-        self._copy_spans = getattr(_native, "copy_spans", None)
+        self._copy_spans = getattr(_native, "copy_spans", None) or _memmove_spans
         self._mean2 = getattr(_native, "mean2_f32", None)
         self.h = -(-head_len * 8 // record_bytes)  # header rows
         self.numel = reduce_numel
@@ -167,25 +168,15 @@ class WireLayout:
             send, rows = self._send.rows(sum(in_splits)), self._numpy(self._send)
         # header and payload copies: one native call (torch's slicing and copy_: ~5 us each);
         # both fit their rows (h and pay rows are sized from them), inside send's rows
-        head, rb, native = self._head_span, self.rb, self._copy_spans is not None
+        head, rb = self._head_span, self.rb
         base = send.data_ptr()
         spans: list[int] = []
         at = drawn = 0
         for p in self.peers:
-            if native:
-                spans += (base + at * rb, *head)  # h rows: small records
-            else:
-                rows[at : at + self.h].reshape(-1)[: head[1]] = self._meta_np[self.rank].view(
-                    np.uint8
-                )
+            spans += (base + at * rb, *head)  # h rows: small records
             at += self.h
             if pay[p] and payload is not None:
-                if native:
-                    spans += (base + at * rb, payload.data_ptr(), self.numel * 4)
-                else:
-                    send[at : at + pay[p]].view(-1)[: self.numel * 4].copy_(
-                        payload.view(torch.uint8)
-                    )
+                spans += (base + at * rb, payload.data_ptr(), self.numel * 4)
             at += pay[p]
             k = int(cand[self.rank, p])
             if k and slots is not None:
@@ -292,6 +283,12 @@ class WireLayout:
             if src.data_ptr() != self._rows[i].data_ptr():
                 self._rows[i].copy_(src)
         torch.sum(self._rows[: len(rows)], dim=0, out=payload).mul_(self._inv[len(rows)])
+
+
+def _memmove_spans(spans: tuple[int, ...]) -> None:
+    """``copy_spans`` without the extension: each ``(dst, src, n)`` triple by ``ctypes``."""
+    for i in range(0, len(spans), 3):
+        ctypes.memmove(spans[i], spans[i + 1], spans[i + 2])
 
 
 class _RecvPool:
