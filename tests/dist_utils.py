@@ -3,6 +3,8 @@ results or errors."""
 
 from __future__ import annotations
 
+import atexit
+import gc
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -65,6 +67,11 @@ def _worker(fn, rank, world, init_file, timeout_s, queue, args, env):  # pragma:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # a fork server's child ends with os._exit: run what an interpreter's exit would (the
+        # finalizers that unlink a plane's shared-memory files, atexit handlers), so a crash or
+        # a leak at teardown shows here as it would in a program
+        gc.collect()
+        atexit._run_exitfuncs()
 
 
 def run_ranks(
@@ -83,7 +90,8 @@ def run_ranks(
     Returns ``{rank: result}``. Fails (``AssertionError``) when a rank raises (with the child's
     traceback; unless ``allow_failure``: then its result is ``("error", traceback)``), when a
     rank dies without reporting, when a rank exits with a non-zero code (also after reporting:
-    a crash at teardown), or when a rank that reported has not exited ``exit_s`` later; raises
+    a crash at teardown, which destroys the process group, collects and runs the exit
+    handlers), or when a rank that reported has not exited ``exit_s`` later; raises
     ``TimeoutError`` if the ranks do not report within ``timeout_s``. ``expect_exit``: ranks
     that must exit without reporting, with these codes (a test that kills a rank); they are
     left out of the result. Every child is killed on the way out.

@@ -11,7 +11,7 @@ import torch
 from dist_utils import run_ranks
 from plane_helpers import assert_intact, make_batch, spec
 
-from conduit_dist.errors import ConfigError
+from conduit_dist.errors import ConfigError, RoundError
 
 
 def _plane(numel: int = 0, **kw):
@@ -138,11 +138,20 @@ def _average_without_extension(rank, world):
     batch = plane.fetch(8, reduce=payload)
     errors = []
     odd = torch.frombuffer(bytearray(24), dtype=torch.float32, offset=1, count=5)
-    for bad in (torch.zeros(5, requires_grad=True), odd):
+    with torch.inference_mode():
+        frozen = torch.zeros(5)
+    for bad in (torch.zeros(5, requires_grad=True), odd, frozen):
         try:
             plane.fetch(8, reduce=bad)
         except ConfigError as exc:
             errors.append(str(exc))
+    changed = torch.zeros(5)
+    plane.fetch_start(8, reduce=changed)
+    changed.requires_grad_(True)  # while its round is in flight: refused where it is averaged
+    try:
+        plane.fetch(8)
+    except RoundError as exc:  # the plane is failed: the round could not complete its average
+        errors.append(str(exc))
     plane.close()
     return payload.view(torch.int32).tolist(), batch["id"].shape[0], errors
 
@@ -155,6 +164,8 @@ def test_payloads_average_without_the_extension_and_bad_payloads_are_refused():
         assert got == want and rows == 8
         assert "does not require grad" in errors[0]
         assert "expected float32 data aligned to 4 bytes" in errors[1]
+        assert "got an inference tensor" in errors[2]
+        assert "does not require grad" in errors[3] and len(errors) == 4
 
 
 def _replicas(rank, world):

@@ -292,3 +292,34 @@ def test_backward_trigger_hooks_come_off_and_back_while_attached():
     assert fired == [1] and trigger.attached and not model._forward_pre_hooks
     trigger.remove()
     assert not trigger.attached
+
+
+def _restored(rank, world):
+    hooked = []
+    for choice, order in [(c, o) for c in ("sync", "overlap") for o in ("load", "attach")]:
+        plane = cd.DataPlane(spec(), capacity_per_rank=100, schedule="auto", auto_trial=6)
+        model, control = Learner(), plane._p.control
+        state = {"overlap": choice == "overlap", "choice": choice}
+        if order == "load":
+            control.load_state_dict(state)
+            plane.attach(model)
+        else:
+            plane.attach(model)
+            hooked.append(("trial", control.trigger.hooked))  # the trial still to run
+            control.load_state_dict(state)
+        hooked.append((choice, control.trigger.hooked, len(model._forward_hooks)))
+        plane.close()
+    return hooked
+
+
+def test_a_restored_auto_choice_puts_the_hooks_on_only_for_overlap():
+    """Resumed auto runs: the trial's choice restored before or after attach."""
+    for hooked in run_ranks(_restored, 2).values():
+        assert hooked == [
+            ("sync", False, 0),
+            ("trial", True),
+            ("sync", False, 0),
+            ("overlap", True, 1),
+            ("trial", True),
+            ("overlap", True, 1),
+        ]

@@ -45,7 +45,9 @@ class Consumer:
         Args:
             batch_size: items to return.
             more: another fetch follows before the next ``put`` (minibatches of one rollout).
-            reduce: a CPU float32 ``[reduce_numel]`` tensor, replaced by its mean over learners.
+            reduce: a contiguous, 4-byte aligned CPU float32 ``[reduce_numel]`` tensor that
+                does not require grad and is no inference tensor, replaced in place by its mean
+                over learners.
             max_policy_age: a bound for this fetch (``None``: the plane's), checked on every
                 row against the newest version this rank knew when the round was prepared
                 (with actors and a bound >= 1: the one it knew a round earlier, what the actors'

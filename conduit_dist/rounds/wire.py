@@ -267,6 +267,7 @@ class WireLayout:
                 f"reduce: expected {self.numel} float32 values, got {payload.numel()} (the "
                 "payload was resized while its round was in flight)"
             )
+        check_payload(payload, self.numel)  # and anything else changed while it was in flight
         if len(payloads) == 1:  # two learners: (a + b) * 0.5 in one pass, read where it landed
             ((p, row),) = payloads.items()
             if self._mean2 is None:
@@ -390,7 +391,8 @@ def check_payload(t: torch.Tensor, numel: int) -> None:
 
     Raises:
         ConfigError: unless it is a contiguous, 4-byte aligned CPU float32 ``[numel]`` tensor
-            that does not require grad (or when the plane has no payloads: ``numel == 0``).
+            that does not require grad and is no inference tensor (or when the plane has no
+            payloads: ``numel == 0``).
     """
     if numel == 0:
         raise ConfigError("reduce: this plane was built with reduce_numel=0; pass reduce_numel")
@@ -407,6 +409,11 @@ def check_payload(t: torch.Tensor, numel: int) -> None:
         raise ConfigError(
             "reduce: expected a tensor that does not require grad (it is averaged in place), got "
             "requires_grad=True; pass a gradient buffer or t.detach()"
+        )
+    if t.is_inference():  # written in place by address: autograd could not refuse it later
+        raise ConfigError(
+            "reduce: expected a tensor created outside torch.inference_mode() (it is averaged in "
+            "place), got an inference tensor; pass a gradient buffer or t.clone() outside it"
         )
     if t.data_ptr() % 4:
         raise ConfigError(

@@ -272,7 +272,8 @@ class OverlapController:
             timeline.add("forward", Timeline.LEARNER, start, end)
 
         # a fixed sync schedule with no trace: the hooks could never launch or record anything
-        active = self.overlap or self.trial is not None or timeline.enabled
+        trying = self.trial is not None and self.trial.choice is None
+        active = self.overlap or trying or timeline.enabled
         self.trigger = BackwardTrigger(module, self._on_backward, forward_span, active)
 
     def state_dict(self) -> dict[str, object]:
@@ -285,8 +286,13 @@ class OverlapController:
         if self.trial is not None and state["choice"]:
             self.trial.choice = str(state["choice"])
             self.overlap = self.trial.choice == "overlap"
-            if self.overlap and self.trigger is not None and self.trigger.attached:
-                self.trigger.activate()  # hooks taken off when this process's trial chose sync
+            trigger = self.trigger
+            if trigger is None or not trigger.attached:
+                return
+            if self.overlap:
+                trigger.activate()  # hooks taken off when this process's trial chose sync
+            elif not self.clock.timeline.enabled:
+                trigger.deactivate()  # a restored sync choice: the hooks can do nothing
 
     def detach(self) -> None:
         """Remove the hooks (a launched round still completes at the next call)."""
