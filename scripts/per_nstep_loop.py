@@ -2,9 +2,10 @@
 
 One iteration is what the README's main job does per learner step on one rank: ``put`` 8
 transitions (one per env stream), ``fetch(64)`` n-step rows, ``update_priorities``. Prints the
-median microseconds per iteration over 5 blocks of 1,500 (after 400 puts). A before/after probe
-for the per-round bookkeeping, not a benchmark against a baseline (``python -m conduit_dist.bench
-per`` is, without windows); run it on two checkouts to compare:
+median microseconds per iteration over 5 blocks of 1,500 (after 400 puts), then the tensors torch
+allocates an iteration (``bench rounds``'s ``TensorAllocations``, over 500 more). A before/after
+probe for the per-round bookkeeping, not a benchmark against a baseline (``python -m
+conduit_dist.bench per`` is, without windows); run it on two checkouts to compare:
 
     PYTHONPATH=. python scripts/per_nstep_loop.py
 """
@@ -17,6 +18,7 @@ import time
 import torch
 
 import conduit_dist as cd
+from conduit_dist.bench.rounds import TensorAllocations
 
 
 def main() -> None:
@@ -51,8 +53,19 @@ def main() -> None:
             b = plane.fetch(64)
             plane.update_priorities(b["_index"], torch.rand(64, generator=g))
         blocks.append((time.perf_counter() - t0) / 1500 * 1e6)
+    with TensorAllocations() as allocs:  # the plane's own tensors: the priorities made first
+        prios = [torch.rand(64, generator=g) for _ in range(64)]
+        made = allocs.count
+        for i in range(500):
+            plane.put(puts[i % 64])
+            b = plane.fetch(64)
+            plane.update_priorities(b["_index"], prios[i % 64])
+    per_iter = (allocs.count - made) / 500
     plane.close()
-    print(f"per_nstep_loop: {statistics.median(blocks):.1f} us an iteration (median of 5 blocks)")
+    print(
+        f"per_nstep_loop: {statistics.median(blocks):.1f} us an iteration (median of 5 blocks), "
+        f"{per_iter:.1f} tensors allocated an iteration"
+    )
 
 
 if __name__ == "__main__":

@@ -248,3 +248,37 @@ def test_prioritized_refuses_overflowing_masses():
     plane.close()
     with pytest.raises(ConfigError, match="pass sequence=None"):
         cd.Prioritized(sequence=cd.Windows(length=1))
+
+
+def test_update_queue_keeps_order_across_partial_sends_growth_and_states():
+    """Pairs wait in reused buffers: sent oldest first within each peer's budget (the rest
+    moved to the front), grown past their first size, received and own pairs taken together,
+    and a state round trip keeps what waits."""
+    from conduit_dist.sampling.updates import GEN_MASK, RANK_SHIFT, UpdateQueue
+
+    q = UpdateQueue(rank=0, world=3)
+    owners = torch.tensor([1, 0, 2, 1] * 50)  # 200 updates: past the buffers' first 64 rows
+    index = (owners << RANK_SHIFT) | torch.arange(200)
+    prio = torch.arange(200, dtype=torch.float32) / 8  # float32: converted by the queue
+    q.queue(index, prio)
+    assert q.pending() == 200
+
+    def gens(rows):
+        return (rows[:, 0] & GEN_MASK).tolist()
+
+    want1 = [i for i in range(200) if owners[i] == 1]  # 100 for peer 1, in put order
+    sent = q.outgoing({1: 30, 2: 0})
+    assert list(sent) == [1] and gens(sent[1]) == want1[:30]
+    assert sent[1][:, 1].view(torch.float64).tolist() == [i / 8 for i in want1[:30]]
+    sent = q.outgoing({1: 500})
+    assert gens(sent[1]) == want1[30:]  # the rest, moved to the front, in order
+    assert q.outgoing({1: 5}) == {}
+    q.incoming(torch.tensor([[7, 0], [8, 0]]))
+    state = q.state_dict()
+    own = q.take_own()
+    assert gens(own) == [7, 8] + [i for i in range(200) if owners[i] == 0]
+    assert q.take_own() is None and q.pending() == 50  # peer 2's wait
+    restored = UpdateQueue(rank=0, world=3)
+    restored.load_state_dict(state)
+    assert gens(restored.take_own()) == gens(own)
+    assert gens(restored.outgoing({2: 100})[2]) == [i for i in range(200) if owners[i] == 2]

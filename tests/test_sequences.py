@@ -279,3 +279,40 @@ def test_nstep_rows_of_a_spec_past_the_native_table_unpack_through_torch():
     plane.close()
     assert b["f129"].tolist() == [129.0] * 6 and b["_last_f7"].tolist() == [7.0] * 6
     assert b["_discount"].shape == (6,) and len(b) > 256
+
+
+def test_nstep_batches_reuse_their_buffers_only_once_dropped():
+    """The learner's n-step fields, ``_index`` and ``_weight`` land in pooled buffers: a batch
+    still held is never written by a later fetch, and once batches are dropped a fetch and its
+    round allocate no tensor (what the main job's loop does every iteration)."""
+    from conduit_dist.bench.rounds import TensorAllocations
+
+    seq = cd.Windows(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
+    plane = cd.DataPlane(
+        cd.ExperienceSpec(FIELDS), 512, seed=1, sampler=cd.Prioritized(alpha=0.6, sequence=seq)
+    )
+    for t in range(60):
+        plane.put(_step(0, t))
+    held = plane.fetch(16)
+    kept = {k: v.clone() for k, v in held.items()}
+    for _ in range(8):  # more fetches than the pool keeps buffers, while `held` is held
+        b = plane.fetch(16)
+        mine = {v.untyped_storage().data_ptr() for v in held.values()}
+        assert not mine & {v.untyped_storage().data_ptr() for v in b.values()}
+        plane.update_priorities(b["_index"], torch.rand(16))
+    assert all(torch.equal(held[k], kept[k]) for k in kept)  # never overwritten
+    for k, v in held.items():  # and right: the reference's n-step values
+        if k == "_return":
+            want = [_reference(int(i), 3)[1] for i in held["id"]]
+            assert torch.allclose(v, torch.tensor(want), atol=1e-4)
+    del held, b
+    for t in range(60, 64):  # warm: the pool's buffers are free again
+        plane.put(_step(0, t))
+        plane.fetch(16)
+    steps = [_step(0, t) for t in range(64, 96)]
+    with TensorAllocations() as allocs:
+        for step in steps:
+            plane.put(step)
+            plane.fetch(16)
+    plane.close()
+    assert allocs.count == 0, allocs.count

@@ -131,8 +131,9 @@ class Consumer:
 
 
 def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
-    """``update_priorities``' arguments as contiguous CPU int64 and float64 ``[k]`` tensors
-    (their values are checked by the sampler); from one GPU, in one device-to-host copy.
+    """``update_priorities``' arguments as contiguous CPU int64 and floating ``[k]`` tensors
+    (their values are checked by the sampler; the queue converts to float64 in a reused buffer);
+    from one GPU, as float64 in one device-to-host copy.
 
     Raises:
         ConfigError: naming the argument, the expected and the received type or shape.
@@ -150,10 +151,11 @@ def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
             f"update_priorities priority: expected shape {list(index.shape)} (one per index), "
             f"got {list(priority.shape)}"
         )
-    index, priority = index.detach(), priority.detach().to(torch.float64)
+    index, priority = index.detach(), priority.detach()
     if index.device == priority.device and index.device.type != "cpu":
         # one device-to-host copy (one sync) for both: the float64 priorities ride as raw
         # int64 bits beside the indices
-        both = torch.stack([index, priority.view(torch.int64)]).cpu()
+        bits = priority.to(torch.float64).view(torch.int64)
+        both = torch.stack([index, bits]).cpu()
         return both[0].contiguous(), both[1].view(torch.float64).contiguous()
     return index.to("cpu").contiguous(), priority.to("cpu").contiguous()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -278,3 +281,52 @@ class OutputPool:
             if e.buf is records:
                 return e.view_fields(self._unpack)
         return self._unpack(records)
+
+
+class FieldPool:
+    """Contiguous output fields of ``n`` rows carved out of one pooled buffer, handed out again
+    once the caller has dropped every one of them (as :class:`OutputPool`'s buffers, by storage
+    use counts); what a learner gets where the plane copies values out of delivered rows (n-step
+    entries, ``_index`` and ``_weight``), so a fetch allocates no tensor in steady state.
+
+    Args:
+        fields: ``(name, dtype, shape)`` per field (shape without the row dimension).
+        size: buffers kept (the smallest leaves past it; whoever holds it keeps it alive).
+    """
+
+    ALIGN = 64  # each field starts on its own cache line
+
+    def __init__(
+        self, fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], size: int = 3
+    ) -> None:
+        self.fields = tuple((name, dtype, tuple(shape)) for name, dtype, shape in fields)
+        self._nbytes = [
+            dtype.itemsize * math.prod(shape) for _, dtype, shape in self.fields
+        ]  # per row
+        self.size = size
+        self._pool: list[Pooled] = []
+
+    def take(self, n: int) -> dict[str, torch.Tensor]:
+        """``name -> [n, *shape]`` contiguous tensors nobody else holds (contents undefined)."""
+        for e in self._pool:
+            if e.buf.shape[0] == n and e.free():
+                return e.view_fields(self._carve)
+        buf = self._flat(n)
+        if use_count(buf) is None:  # no use counts: a fresh buffer every time (correct)
+            return self._carve(buf)
+        entry = Pooled(buf)
+        keep(self._pool, entry, self.size)
+        return entry.view_fields(self._carve)
+
+    def _flat(self, n: int) -> torch.Tensor:
+        """One uint8 ``[n, row]`` buffer whose bytes hold every field (``_carve`` lays them out
+        field by field, each ``[n, ...]`` block aligned to ``ALIGN``)."""
+        total = sum(-(-n * b // self.ALIGN) * self.ALIGN for b in self._nbytes)
+        return torch.empty((n, -(-total // max(n, 1))), dtype=torch.uint8)
+
+    def _carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, flat, at, out = buf.shape[0], buf.view(-1), 0, {}
+        for (name, dtype, shape), b in zip(self.fields, self._nbytes, strict=True):
+            out[name] = flat[at : at + n * b].view(dtype).view(n, *shape)
+            at += -(-n * b // self.ALIGN) * self.ALIGN
+        return out

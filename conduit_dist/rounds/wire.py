@@ -213,7 +213,7 @@ class WireLayout:
         Returns:
             ``(meta [world, head_len], payloads, candidates, updates)``; ``meta`` is reused by
             the next round; ``payloads`` and ``candidates``: ``{peer: first row}``;
-            ``updates``: ``[k, 2]`` int64 copies.
+            ``updates``: ``[k, 2]`` int64 views of ``recv`` (read them before it is reused).
         """
         pay, _, out_splits = self.splits(cand)
         meta, rows = self._meta_np, self.landed
@@ -236,7 +236,8 @@ class WireLayout:
                 region = rows[end : end + u].reshape(-1).view(np.int64)
                 n = int(region[0])
                 if n:
-                    updates.append(torch.from_numpy(region[2 : 2 + 2 * n].reshape(n, 2).copy()))
+                    # a view of the received rows: the queue copies it (``incoming``)
+                    updates.append(torch.from_numpy(region[2 : 2 + 2 * n].reshape(n, 2)))
             at += out_splits[p]
         return meta, payloads, blocks, updates
 

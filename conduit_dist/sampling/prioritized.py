@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.buffers import FieldPool
 from conduit_dist.records.spec import _native
 from conduit_dist.sampling.base import (
     OWN_KEY,
@@ -136,8 +137,10 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         self._gen = torch.full((cap,), -1, dtype=torch.int64)  # generation in each tree leaf
         self._gen_np = self._gen.numpy()  # the same memory (never replaced: copy_, fill_)
         self._lo = self._hi = 0  # live generations the tree holds: [lo, hi)
-        self._top: tuple[tuple, torch.Tensor] | None = None  # ((max_priority, alpha, eps), mass)
+        self._top: tuple[tuple, float] | None = None  # ((max_priority, alpha, eps), mass)
         self._mass = torch.empty(256, dtype=torch.float64)
+        # a learner's _index and _weight, pooled (read out of the trailers of each batch)
+        self._entries = FieldPool([("_index", torch.int64, ()), ("_weight", torch.float32, ())])
         self._draws = torch.empty(256, dtype=torch.int64)
 
     def _trailer_at(self, spec) -> int:
@@ -168,19 +171,18 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
             self._enter(gens, self._top_mass())
         self._lo, self._hi = oldest, written
 
-    def _top_mass(self) -> torch.Tensor:
-        """``[1]`` the mass of the largest priority (recomputed only when it, ``alpha`` or
-        ``eps`` changed)."""
+    def _top_mass(self) -> float:
+        """The mass of the largest priority (recomputed only when it, ``alpha`` or ``eps``
+        changed)."""
         key = (self.max_priority, self.alpha, self.eps)
         if self._top is None or self._top[0] != key:
             top = self.mass(torch.tensor([key[0]], dtype=torch.float64))
-            self._top = (key, top)
+            self._top = (key, float(top[0]))
         return self._top[1]
 
-    def _enter(self, gens: np.ndarray, top: torch.Tensor) -> None:
+    def _enter(self, gens: np.ndarray, top: float) -> None:
         """New items (generations ``gens``, int64) become drawable with mass ``top``."""
-        leaf = torch.from_numpy(gens % self.storage.capacity)
-        self.tree.set(leaf, top.expand(gens.shape[0]))
+        self.tree.fill(torch.from_numpy(gens % self.storage.capacity), top)
 
     def _apply(self) -> None:
         """Apply priority updates received for this shard (routed variants)."""
@@ -286,13 +288,13 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         at = self._col * 8
         n = rows.shape[0]
         if _native is not None and rows.is_cpu and rows.stride(1) == 1:
-            index = torch.empty(n, dtype=torch.int64)
-            weight = torch.empty(n, dtype=torch.float32)
+            out = self._entries.take(n)  # pooled: reused once the caller drops the batch
+            index, weight = out["_index"], out["_weight"]
             _native.read_trailer(
                 rows.data_ptr(), rows.stride(0), n, at, self.global_min, self.beta,
                 index.data_ptr(), weight.data_ptr(),
             )  # fmt: skip
-            return {"_index": index, "_weight": weight}
+            return out
         # on the rows' device (a CUDA learner's batch: no copy back to the host)
         cols = rows[:, at : at + 16].contiguous().view(torch.int64)
         mass = cols[:, 1].view(torch.float64)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.buffers import FieldPool
 from conduit_dist.records.native import NATIVE_MAX_FIELDS
 from conduit_dist.records.spec import _native
 
@@ -162,6 +163,10 @@ class Episodes:
         outputs = self._n_step_outputs() if seq.n_step > 1 else None
         fits = outputs is not None and len(outputs[0]) <= NATIVE_MAX_FIELDS
         self._outputs = outputs if fits and hasattr(_native, "unpack_rows") else None
+        if self._outputs is not None:  # the learner's n-step fields, pooled (no per-fetch tensors)
+            names, dtypes, shapes = self._outputs[:3]
+            self._fields = FieldPool(list(zip(names, dtypes, shapes, strict=True)))
+        self._scratch: dict[str, torch.Tensor] = {}  # per-round index work, reused
         self._arrivals: list[np.ndarray] = []  # sources of items not linked yet, in order
         # the fields linking reads, as (byte offset, kind) in a record for the native loop
         off = spec.offsets
@@ -321,13 +326,22 @@ class Episodes:
         )  # fmt: skip
         return self._starts(gens, self.end.numpy()[gens.numpy() % cap])
 
+    def _work(self, name: str, n: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """``n`` values of a reused buffer for index work read before the next call of the same
+        name (grown by doubling; never handed to the caller of the round)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch[name] = torch.empty(
+                max(n, 64, 2 * (0 if buf is None else buf.numel())), dtype=dtype
+            )
+        return buf[:n]
+
     def _back(self, g: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(item, ok)``: the item ``steps`` links before each of ``g``; ``ok`` where it exists."""
         cap = self.storage.capacity
         if _native is not None:
             g = g.contiguous()
-            cur = torch.empty_like(g)
-            ok = torch.empty(g.numel(), dtype=torch.bool)
+            cur, ok = self._work("back", g.numel(), torch.int64), self._work("ok", g.numel())
             _native.seq_back(
                 self.prev.data_ptr(), self.gen.data_ptr(), cap, g.data_ptr(), g.numel(), steps,
                 cur.data_ptr(), ok.data_ptr(),
@@ -358,17 +372,19 @@ class Episodes:
 
     def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gens [k, L], m [k])``: each start's window (repeating its last item past its
-        end) and its length."""
+        end) and its length (with the extension, in reused buffers: read them before the next
+        call)."""
         cap, L = self.storage.capacity, self.seq.window
-        out = torch.empty((starts.numel(), L), dtype=torch.int64)
         if _native is not None:
-            starts = starts.contiguous()
-            m = torch.empty(starts.numel(), dtype=torch.int64)
+            starts, k = starts.contiguous(), starts.numel()
+            out = self._work("windows", k * L, torch.int64).view(k, L)
+            m = self._work("lengths", k, torch.int64)
             _native.seq_windows(
                 self.next.data_ptr(), cap, starts.data_ptr(), starts.numel(), L,
                 out.data_ptr(), m.data_ptr(),
             )  # fmt: skip
             return out, m
+        out = torch.empty((starts.numel(), L), dtype=torch.int64)
         out[:, 0] = starts
         m = torch.ones(starts.numel(), dtype=torch.int64)
         alive = torch.ones(starts.numel(), dtype=torch.bool)
@@ -427,16 +443,17 @@ class Episodes:
         return tuple(tuple(col) for col in zip(*rows))
 
     def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A learner's delivered rows as fields (a copy; see the module docstring)."""
+        """A learner's delivered rows as fields (a copy; see the module docstring; n-step
+        fields from the extension land in a pooled buffer, reused once the caller drops them)."""
         n, L, rb, seq = records.shape[0], self.seq.window, self.rb, self.seq
         if self._outputs is not None and records.is_cpu and records.stride(1) == 1:
-            names, dtypes, shapes, sizes, offsets = self._outputs
-            out = [torch.empty((n, *s), dtype=d) for d, s in zip(dtypes, shapes)]
+            sizes, offsets = self._outputs[3:]
+            out = self._fields.take(n)
             _native.unpack_rows(
                 records.data_ptr(), records.shape[1], records.stride(0), n,
-                tuple(t.data_ptr() for t in out), sizes, offsets, (0,) * len(out),
+                tuple(t.data_ptr() for t in out.values()), sizes, offsets, (0,) * len(out),
             )  # fmt: skip
-            return dict(zip(names, out))
+            return out
         if seq.n_step == 1:
             flat = records[:, : L * rb].reshape(n * L, rb)
             fields = self.spec.unpack(flat)

@@ -47,6 +47,7 @@ class SumTree:
         self._sum_np, self._min_np = self.sum.numpy(), self.min.numpy()  # cheap scalar reads
         self._gen = torch.Generator()
         self._fan = torch.arange(FAN)
+        self._vals = torch.empty(64, dtype=torch.float64)  # fill's values
 
     @property
     def total(self) -> float:
@@ -83,6 +84,15 @@ class SumTree:
             kids = self._offs[d - 1] + node[:, None] * FAN + self._fan
             self.sum[self._offs[d] + node] = self.sum[kids].sum(dim=1)
             self.min[self._offs[d] + node] = self.min[kids].min(dim=1).values
+
+    def fill(self, idx: torch.Tensor, value: float) -> None:
+        """Set leaves ``idx`` (int64) to one ``value`` (>= 0), through a reused buffer."""
+        n = idx.numel()
+        if self._vals.numel() < n:
+            self._vals = torch.empty(max(n, 2 * self._vals.numel()), dtype=torch.float64)
+        vals = self._vals[:n]
+        vals.fill_(value)
+        self.set(idx, vals)
 
     def load(self, leaves: torch.Tensor) -> None:
         """Replace every leaf (``[capacity]`` float64) and rebuild the levels bottom-up."""

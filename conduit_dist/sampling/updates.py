@@ -9,6 +9,7 @@ its thread, rounds take on theirs.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -21,8 +22,41 @@ RANK_SHIFT = 48  # _index = rank << 48 | generation
 GEN_MASK = (1 << RANK_SHIFT) - 1
 
 
+class Pairs:
+    """A growable ``[k, 2]`` int64 list of queued pairs, oldest first, in one reused buffer
+    (grown by doubling: a queue in steady state allocates nothing)."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self, rows: int = 64) -> None:
+        self.buf = torch.empty((rows, 2), dtype=torch.int64)
+        self.n = 0
+
+    def view(self) -> torch.Tensor:
+        """The queued pairs (a view: valid until the next change)."""
+        return self.buf[: self.n]
+
+    def extend(self, rows: torch.Tensor) -> None:
+        """Append ``rows`` (``[k, 2]`` int64, copied)."""
+        k = rows.shape[0]
+        if self.n + k > self.buf.shape[0]:
+            grown = torch.empty((max(self.n + k, 2 * self.buf.shape[0]), 2), dtype=torch.int64)
+            grown[: self.n].copy_(self.buf[: self.n])
+            self.buf = grown
+        self.buf[self.n : self.n + k].copy_(rows)
+        self.n += k
+
+    def drop(self, k: int) -> None:
+        """Drop the ``k`` oldest pairs (the rest move to the front: a memmove)."""
+        rest = self.n - k
+        if rest > 0:
+            ctypes.memmove(self.buf.data_ptr(), self.buf[k].data_ptr(), rest * 16)
+        self.n = max(rest, 0)
+
+
 class UpdateQueue:
-    """Queued ``(generation, priority bits)`` int64 pairs, by owner rank.
+    """Queued ``(generation, priority bits)`` int64 pairs, by owner rank, in buffers reused
+    every round (:class:`Pairs`).
 
     Args:
         rank: this shard's rank.
@@ -32,11 +66,16 @@ class UpdateQueue:
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self._lock = threading.Lock()
-        self._pending: dict[int, list[torch.Tensor]] = {}  # owner -> [k, 2] rows
-        self._received: list[torch.Tensor] = []  # [k, 2] rows for this shard
+        self._pending = [Pairs() for _ in range(world)]  # by owner
+        self._received = Pairs()  # what peers sent this shard
+        self._rows = torch.empty((64, 2), dtype=torch.int64)  # queue's grouping, reused
+        self._counts = np.zeros(world, dtype=np.int64)
+        self._prio = torch.empty(64, dtype=torch.float64)  # queue's float64 priorities, reused
+        self._out = [Pairs() for _ in range(world)]  # outgoing's pairs, by peer
+        self._own = Pairs()  # take_own's pairs
 
     def queue(self, index: torch.Tensor, priority: torch.Tensor) -> None:
-        """Check and queue updates (contiguous CPU int64 ``[k]`` addresses and float64 ``[k]``
+        """Check and queue updates (contiguous CPU int64 ``[k]`` addresses and floating ``[k]``
         priorities), grouped by the shard that owns each item.
 
         Raises:
@@ -44,92 +83,104 @@ class UpdateQueue:
                 (nothing is queued then).
         """
         world, n = self.world, index.numel()
-        rows = torch.empty((n, 2), dtype=torch.int64)
-        counts = np.zeros(world, dtype=np.int64)
-        if _native is not None:
-            bad = _native.queue_updates(
-                index.data_ptr(), priority.data_ptr(), n, world, RANK_SHIFT, rows.data_ptr(),
-                counts.ctypes.data,
-            )  # fmt: skip
-        else:
-            bad = _group(index, priority, rows, counts)
-        if bad >= 0:
-            pos = bad // 2
-            if bad % 2 == 0:
-                raise ConfigError(
-                    "update_priorities priority: expected finite values >= 0, got "
-                    f"{float(priority[pos])} at position {pos}"
-                )
-            rank = int(index[pos]) >> RANK_SHIFT if int(index[pos]) >= 0 else -1
+        with self._lock:  # the grouping buffers are shared: one caller at a time
+            if self._rows.shape[0] < n:
+                self._rows = torch.empty((max(n, 2 * self._rows.shape[0]), 2), dtype=torch.int64)
+            rows, counts = self._rows[:n], self._counts
+            counts.fill(0)
+            if priority.dtype is not torch.float64:  # converted into a reused buffer
+                if self._prio.shape[0] < n:
+                    self._prio = torch.empty(max(n, 2 * self._prio.shape[0]), dtype=torch.float64)
+                priority = self._prio[:n].copy_(priority)
+            if _native is not None:
+                bad = _native.queue_updates(
+                    index.data_ptr(), priority.data_ptr(), n, world, RANK_SHIFT,
+                    rows.data_ptr(), counts.ctypes.data,
+                )  # fmt: skip
+            else:
+                bad = _group(index, priority, rows, counts)
+            if bad < 0:
+                at = 0
+                for owner, k in enumerate(counts.tolist()):
+                    if k:
+                        self._pending[owner].extend(rows[at : at + k])
+                        at += k
+                return
+        pos = bad // 2
+        if bad % 2 == 0:
             raise ConfigError(
-                "update_priorities index: expected '_index' entries of fetched batches (ranks "
-                f"0..{world - 1}), got rank {rank} at position {pos}"
+                "update_priorities priority: expected finite values >= 0, got "
+                f"{float(priority[pos])} at position {pos}"
             )
-        with self._lock:
-            at = 0
-            for owner, k in enumerate(counts.tolist()):
-                if k:
-                    self._pending.setdefault(owner, []).append(rows[at : at + k])
-                    at += k
+        rank = int(index[pos]) >> RANK_SHIFT if int(index[pos]) >= 0 else -1
+        raise ConfigError(
+            "update_priorities index: expected '_index' entries of fetched batches (ranks "
+            f"0..{world - 1}), got rank {rank} at position {pos}"
+        )
 
     def outgoing(self, budgets: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Up to ``budgets[peer]`` queued updates per peer (``[k, 2]`` int64), oldest first; the
-        rest stay queued."""
+        """Up to ``budgets[peer]`` queued updates per peer (``[k, 2]`` int64, oldest first; in
+        a buffer reused at the next call); the rest stay queued."""
         out = {}
         with self._lock:
             for peer, budget in budgets.items():
-                queued = self._pending.get(peer)
-                if not queued or budget <= 0:
+                queued = self._pending[peer]
+                k = min(budget, queued.n)
+                if k <= 0:
                     continue
-                rows = torch.cat(queued) if len(queued) > 1 else queued[0]
-                out[peer] = rows[:budget]
-                rest = rows[budget:]
-                self._pending[peer] = [rest] if rest.numel() else []
+                box = self._out[peer]
+                box.n = 0
+                box.extend(queued.buf[:k])
+                queued.drop(k)
+                out[peer] = box.view()
         return out
 
     def incoming(self, rows: torch.Tensor) -> None:
-        """Updates another learner sent this shard (rows the queue may keep: a copy)."""
+        """Updates another learner sent this shard (``[k, 2]`` int64; copied)."""
         if rows.numel():
             with self._lock:
-                self._received.append(rows)
+                self._received.extend(rows)
 
     def take_own(self) -> torch.Tensor | None:
-        """Everything for this shard (received and this rank's own), as ``[k, 2]`` rows."""
+        """Everything for this shard (received, then this rank's own), as ``[k, 2]`` rows (in
+        a buffer reused at the next call)."""
         with self._lock:
-            rows, self._received = self._received, []
-            rows = rows + self._pending.pop(self.rank, [])
-        if not rows:
-            return None
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+            got, mine = self._received, self._pending[self.rank]
+            if not got.n and not mine.n:
+                return None
+            own = self._own
+            own.n = 0
+            own.extend(got.view())
+            own.extend(mine.view())
+            got.n = mine.n = 0
+        return own.view()
 
     def pending(self) -> int:
         """Updates queued here and not yet sent or applied."""
         with self._lock:
-            return sum(int(r.shape[0]) for q in self._pending.values() for r in q)
+            return sum(q.n for q in self._pending)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``queued`` (``[k, 3]``: owner, generation, priority bits) and ``received``."""
         with self._lock:
             queued = [
-                torch.cat([torch.full((r.shape[0], 1), owner), r], dim=1)
-                for owner, rows in self._pending.items()
-                for r in rows
+                torch.cat([torch.full((q.n, 1), owner), q.view()], dim=1)
+                for owner, q in enumerate(self._pending)
+                if q.n
             ]
-            received = list(self._received)
+            received = self._received.view().clone()
         empty = torch.zeros((0, 3), dtype=torch.int64)
-        return {
-            "queued": torch.cat(queued) if queued else empty,
-            "received": torch.cat(received) if received else empty[:, :2],
-        }
+        return {"queued": torch.cat(queued) if queued else empty, "received": received}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict`."""
         queued = state["queued"]
         with self._lock:
-            self._pending = {}
+            for q in (*self._pending, self._received):
+                q.n = 0
             for owner in torch.unique(queued[:, 0]).tolist():
-                self._pending[owner] = [queued[queued[:, 0] == owner, 1:].clone()]
-            self._received = [state["received"].clone()] if state["received"].numel() else []
+                self._pending[owner].extend(queued[queued[:, 0] == owner, 1:])
+            self._received.extend(state["received"])
 
 
 def apply_updates(tree, gen, cap, lo, upd, alpha: float, eps: float) -> tuple[int, float]:

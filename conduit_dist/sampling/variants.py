@@ -113,13 +113,12 @@ class WindowedPrioritized(Prioritized, Streams):
         super().attach(storage, spec)
         self.episodes = Episodes(self.sequence, spec, storage, self._gen)
 
-    def _enter(self, gens: np.ndarray, top: torch.Tensor) -> None:
+    def _enter(self, gens: np.ndarray, top: float) -> None:
         """A new item becomes a start (drawable) once its window is in."""
         cap = self.storage.capacity
-        leaf = torch.from_numpy(gens % cap)
-        self.tree.set(leaf, torch.zeros(gens.shape[0], dtype=torch.float64))
+        self.tree.fill(torch.from_numpy(gens % cap), 0.0)
         starts = self.episodes.ingest(torch.from_numpy(gens))
-        self.tree.set(torch.from_numpy(starts.numpy() % cap), top.expand(starts.numel()))
+        self.tree.fill(torch.from_numpy(starts.numpy() % cap), top)
 
     def stream_keys(self, records: torch.Tensor) -> torch.Tensor:
         """Each staged record's stream within its rank (the ``stream`` field, or 0)."""
