@@ -21,7 +21,7 @@ def test_bench_rounds_runs_every_case_from_an_empty_store():
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["bench"] == "rounds" and line["world"] == 2
     cases = {r["case"]: r for r in line["results"]}
-    assert {"fused", "three_exchange"} <= set(cases), set(cases)
+    assert {"fused", "fused_grads", "three_exchange", "main_job"} <= set(cases), set(cases)
     for r in cases.values():
         assert r["calls"] >= 1 and r["bytes"] > 0 and r["round_ms"] > 0 and r["raw_ms"] > 0
         assert r["torch_allocs"] <= 0.1, r  # e.g. 0.05: one pool growth in 20 early rounds

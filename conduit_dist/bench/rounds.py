@@ -21,6 +21,10 @@ Cases (DQN-sized records: 56 bytes; every rank puts ``--put`` items and fetches 
 - ``fused_grads``: the same carrying a ``reduce`` payload of DQN's gradients (17,282 floats), as
   ``train.py``'s ``grad_sync=round`` does (it moves more than 64 KB);
 - ``three_exchange``: ``placement="round_robin"``: meta gather, ingestion, delivery.
+- ``main_job``: the README main job's round: 3-step windows over each env's stream with
+  prioritized draws (``Windows(n_step=3)``, ``Prioritized(alpha=0.6)``), the gradients' payload,
+  ``update_priorities`` for every batch (it only queues; the round carries them), and
+  ``--batch`` split over the learners as the job's ``algo.batch_size`` is (64 each of 2).
 
 Allocations per round, after the timed samples (``--alloc-rounds`` more rounds, the most over
 ranks): ``torch_allocs`` and ``torch_alloc_bytes``, the tensors a round's torch ops allocate
@@ -38,7 +42,7 @@ wall), ``round_cpu_ms``, ``raw_cpu_ms``, ``cpu_vs_raw``, with shared memory ``ra
 ``raw_shm_cpu_ms``, ``vs_raw_shm`` and ``cpu_vs_raw_shm`` (``None`` without), ``shared_memory``
 (whether the plane used it), ``calls`` and ``bytes`` (per rank, sent), the allocation counts
 above, and ``fused_vs_three_exchange`` (the fused round's wall over the three-exchange
-round's).
+round's, when both run). ``--cases`` picks cases (``bench sim`` runs the three it models).
 """
 
 from __future__ import annotations
@@ -60,14 +64,35 @@ from conduit_dist.collectives.exchange import Exchange
 GRAD_NUMEL = 17_282  # DQN's Q-network [4 -> 128 -> 128 -> 2]
 
 
-def _batch(n: int) -> dict[str, torch.Tensor]:
-    return {
+def _batch(n: int, streams: bool = False) -> dict[str, torch.Tensor]:
+    """``n`` CartPole-sized transitions; ``streams``: with the main job's ``truncated`` and
+    ``env`` fields (one env stream per item, an episode ending now and then)."""
+    batch = {
         "obs": torch.randn(n, 4),
         "action": torch.randint(0, 2, (n,)),
         "reward": torch.randn(n),
         "next_obs": torch.randn(n, 4),
         "done": torch.zeros(n, dtype=torch.bool),
     }
+    if streams:
+        batch["done"] = torch.rand(n) < 0.05
+        batch["truncated"] = torch.zeros(n, dtype=torch.bool)
+        batch["env"] = torch.arange(n)
+    return batch
+
+
+def _main_job_sampler() -> cd.Prioritized:
+    """The main job's sampler (``conf/experiment/cartpole_per.yaml``)."""
+    seq = cd.Windows(n_step=3, gamma=0.99, done="done", truncated="truncated", stream="env")
+    return cd.Prioritized(alpha=0.6, beta=0.4, eps=1e-6, sequence=seq)
+
+
+CASES = {  # name: placement, payload floats, sampler (the module docstring says what each is)
+    "fused": ("local", 0, "uniform"),
+    "fused_grads": ("local", GRAD_NUMEL, "uniform"),
+    "three_exchange": ("round_robin", 0, "uniform"),
+    "main_job": ("local", GRAD_NUMEL, _main_job_sampler),
+}
 
 
 class _Raw:
@@ -161,7 +186,7 @@ def _allocations(step, rounds: int) -> dict[str, float]:
     return dict(zip(keys, t.tolist(), strict=True))
 
 
-def _exposed(plane: cd.DataPlane, a, payload: torch.Tensor | None, batch) -> float:
+def _exposed(plane: cd.DataPlane, a, payload: torch.Tensor | None, batch, size: int) -> float:
     """Median exposed ms of a fused round started at a backward of ``a.backward_ms``: the time
     in ``fetch_start`` plus the wait in ``fetch`` after the backward (slowest rank). The backward
     is a sleep: a GPU's backward leaves the host free, as here."""
@@ -170,29 +195,34 @@ def _exposed(plane: cd.DataPlane, a, payload: torch.Tensor | None, batch) -> flo
         plane.put(batch)
         dist.barrier()
         t = time.perf_counter()
-        plane.fetch_start(a.batch, reduce=payload)
+        plane.fetch_start(size, reduce=payload)
         started = time.perf_counter() - t
         time.sleep(a.backward_ms * 1e-3)
         t = time.perf_counter()
-        plane.fetch(a.batch)
+        plane.fetch(size)
         samples.append(started + time.perf_counter() - t)
     t = torch.tensor(samples, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist()) * 1e3
 
 
-def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group, raw_shm) -> dict:
+def _case(
+    name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group, raw_shm,
+    prioritized: bool = False,
+) -> dict:  # fmt: skip
     """Interleave ``a.samples`` rounds and raw replays of that round's calls (through gloo,
-    and through ``raw_shm``, a shared-memory exchange, where the plane uses shared memory)."""
-    batch = _batch(a.put)
+    and through ``raw_shm``, a shared-memory exchange, where the plane uses shared memory);
+    ``prioritized``: the main job's items and priority updates."""
+    batch = _batch(a.put, streams=prioritized)
     ex = plane._p.exchange  # the plane's own exchange records what its round launches
     shm = raw_shm if ex.shm is not None else None
+    size = a.batch // dist.get_world_size() if prioritized else a.batch
+    priorities = torch.rand(size, dtype=torch.float32)
 
     def round_() -> None:
-        if payload is not None:
-            plane.fetch(a.batch, reduce=payload)
-        else:
-            plane.fetch(a.batch)
+        b = plane.fetch(size, reduce=payload)  # None: no payload
+        if prioritized:  # queued here, carried by the next round (as the main job does)
+            plane.update_priorities(b["_index"], priorities)
 
     # fill first: a fetch larger than the store is refused (EmptyStoreError) since fetches no
     # longer oversample silently; the first round ingests these before it draws
@@ -225,7 +255,7 @@ def _case(name: str, plane: cd.DataPlane, a, payload: torch.Tensor | None, group
     allocs = _allocations(step, a.alloc_rounds)
     # fetch_start leaves one-exchange (fused) rounds in flight; the others have no exposed time
     fused = plane.schedule == "fused"
-    exposed = _exposed(plane, a, payload, batch) if a.backward_ms and fused else None
+    exposed = _exposed(plane, a, payload, batch, size) if a.backward_ms and fused else None
     t = torch.tensor([walls, raw_walls, shm_walls], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank ends
     c = torch.tensor([cpus, raw_cpus, shm_cpus], dtype=torch.float64)
@@ -274,37 +304,38 @@ def main(argv: list[str]) -> None:
                    help="the planes' transport.shared_memory (auto: the default, on for ranks of "
                         "one host); with it the calls are replayed through gloo and through "
                         "shared memory")  # fmt: skip
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                   help="cases to run (default: every one)")  # fmt: skip
     a = p.parse_args(argv)
     cd.init_distributed()
     torch.set_num_threads(1)
-    spec = cd.ExperienceSpec.from_batch(_batch(1))
-    cases = [
-        ("fused", "local", 0),
-        ("fused_grads", "local", GRAD_NUMEL),
-        ("three_exchange", "round_robin", 0),
-    ]
+    cases = [(name, *CASES[name]) for name in CASES if name in a.cases]
     group = dist.new_group()  # the baseline's own group, like the plane's
     shared = {"auto": "auto", "true": True, "false": False}[a.shared_memory]
     # the shared-memory baseline's own exchange (its files, its barrier), like the plane's
     raw_ex = Exchange(60.0, name="bench-raw", shared_memory=shared)
     results = []
-    for name, placement, numel in cases:
+    for name, placement, numel, sampler in cases:
         transport = cd.TransportConfig(
             bandwidth=a.bandwidth, bandwidth_cache=a.bandwidth_cache, shared_memory=shared
         )
+        streams = sampler != "uniform"
+        spec = cd.ExperienceSpec.from_batch(_batch(1, streams))
         plane = cd.DataPlane(
             spec, 50_000, placement=placement, schedule="sync", reduce_numel=numel,
-            transport=transport,
+            transport=transport, sampler=sampler() if streams else sampler,
         )  # fmt: skip
         try:
             payload = torch.randn(numel) if numel else None
-            results.append(_case(name, plane, a, payload, group, raw_ex.shm))
+            results.append(_case(name, plane, a, payload, group, raw_ex.shm, streams))
         finally:
             plane.close()
     raw_ex.close(drain=True)
     by = {r["case"]: r for r in results}
     summary = {name: {k: v for k, v in r.items() if k != "case"} for name, r in by.items()}
-    summary["fused_vs_three_exchange"] = by["fused"]["round_ms"] / by["three_exchange"]["round_ms"]
+    if "fused" in by and "three_exchange" in by:
+        fused, three = by["fused"]["round_ms"], by["three_exchange"]["round_ms"]
+        summary["fused_vs_three_exchange"] = fused / three
     if dist.get_rank() == 0:
         for r in results:
             own = (

@@ -58,6 +58,7 @@ BACKWARD_MS = 1.0  # the backward the exposed-latency runs start their rounds at
 
 def _rounds_args(samples: int, cache_dir: str) -> list[str]:
     args = f"-m conduit_dist.bench rounds --samples {samples} --warmup 50 --alloc-rounds 2"
+    args += " --cases " + " ".join(ROUND_CASES)  # the cases the simulator models
     args += f" --backward-ms {BACKWARD_MS}"
     # the simulator prices gloo's collectives (shared memory is not modelled): rounds over gloo
     return [*args.split(), "--bandwidth", "calibrate", "--bandwidth-cache", cache_dir,
