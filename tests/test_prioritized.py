@@ -260,7 +260,11 @@ def test_update_queue_keeps_order_across_partial_sends_growth_and_states():
     owners = torch.tensor([1, 0, 2, 1] * 50)  # 200 updates: past the buffers' first 64 rows
     index = (owners << RANK_SHIFT) | torch.arange(200)
     prio = torch.arange(200, dtype=torch.float32) / 8  # float32: converted by the queue
-    q.queue(index, prio)
+    q.queue(index[:40], prio[:40])  # then grown while holding these
+    q.queue(index[40:], prio[40:])
+    assert q.pending() == 200
+    with pytest.raises(ConfigError, match="got -1.0 at position 1"):
+        q.queue(index[:2], torch.tensor([1.0, -1.0]))  # nothing queued
     assert q.pending() == 200
 
     def gens(rows):
@@ -282,3 +286,5 @@ def test_update_queue_keeps_order_across_partial_sends_growth_and_states():
     restored.load_state_dict(state)
     assert gens(restored.take_own()) == gens(own)
     assert gens(restored.outgoing({2: 100})[2]) == [i for i in range(200) if owners[i] == 2]
+    with pytest.raises(ConfigError, match="expected owner ranks 0..1"):
+        UpdateQueue(rank=0, world=2).load_state_dict(state)  # a state of three ranks

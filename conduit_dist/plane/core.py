@@ -25,11 +25,16 @@ from conduit_dist.tiers import Tiers
 
 def _delegate(part: str, method):
     """A ``DataPlane`` method that checks the plane is open, then calls ``method`` on its part
-    ``part`` (the part documents it: docstring and signature are ``method``'s)."""
+    ``part`` (the part documents it: docstring and signature are ``method``'s), outside
+    ``torch.inference_mode`` (a batch fetched in it would otherwise leave inference tensors in
+    the pools that later batches are views of, which autograd refuses to save)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         self._check_open()
+        if torch.is_inference_mode_enabled():  # the plane's pooled buffers and their views
+            with torch.inference_mode(False):  # outlive the call: made as normal tensors
+                return method(getattr(self, part), *args, **kwargs)
         return method(getattr(self, part), *args, **kwargs)
 
     return call

@@ -9,6 +9,18 @@ import numpy as np
 import torch
 
 
+def lasting_empty(*size: int, **kwargs) -> torch.Tensor:
+    """``torch.empty`` that makes a normal tensor even inside ``torch.inference_mode()``.
+
+    Pooled buffers outlive the call that allocates them: one first made while an actor or an
+    evaluation ran under inference mode would be an inference tensor, and so would every batch
+    later handed out of it, which autograd then refuses to save for backward."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return torch.empty(*size, **kwargs)
+    return torch.empty(*size, **kwargs)
+
+
 class RecordBuffer:
     """A reusable ``uint8 [rows, record_bytes]`` buffer that grows by doubling and never shrinks.
 
@@ -31,7 +43,7 @@ class RecordBuffer:
         self.packed: list[object] = []  # donated batches packed by the current round
 
     def _alloc(self, rows: int) -> torch.Tensor:
-        return torch.empty(
+        return lasting_empty(
             (rows, self.record_bytes),
             dtype=torch.uint8,
             device=self.device,
@@ -116,7 +128,7 @@ class Prefixes:
         self._alloc(size)
 
     def _alloc(self, size: int) -> None:
-        self.data = torch.empty(size, dtype=self.dtype, device=self.device)
+        self.data = lasting_empty(size, dtype=self.dtype, device=self.device)
         self.host = self.data.numpy() if self.data.is_cpu else None  # None off the host
         self._views: dict[int, torch.Tensor] = {}
 
@@ -245,7 +257,7 @@ class OutputPool:
         """A ``[rows, record_bytes]`` buffer nobody else references."""
         if rows == 0:  # rounds without a fetch: one shared empty tensor
             if self._empty is None:
-                self._empty = torch.empty(
+                self._empty = lasting_empty(
                     (0, self.record_bytes), dtype=torch.uint8, device=self.device
                 )
             return self._empty
@@ -257,7 +269,7 @@ class OutputPool:
                     e.read.synchronize()
                     e.read = None
                 return e.buf if e.buf.shape[0] == rows else e.buf[:rows]
-        buf = torch.empty(
+        buf = lasting_empty(
             (rows, self.record_bytes), dtype=torch.uint8, device=self.device,
             pin_memory=self.pin_memory,
         )  # fmt: skip
@@ -322,7 +334,7 @@ class FieldPool:
         """One uint8 ``[n, row]`` buffer whose bytes hold every field (``_carve`` lays them out
         field by field, each ``[n, ...]`` block aligned to ``ALIGN``)."""
         total = sum(-(-n * b // self.ALIGN) * self.ALIGN for b in self._nbytes)
-        return torch.empty((n, -(-total // max(n, 1))), dtype=torch.uint8)
+        return lasting_empty((n, -(-total // max(n, 1))), dtype=torch.uint8)
 
     def _carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         n, flat, at, out = buf.shape[0], buf.view(-1), 0, {}

@@ -36,7 +36,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.buffers import Pooled, RecordBuffer, keep
+from conduit_dist.records.buffers import Pooled, RecordBuffer, keep, lasting_empty
 from conduit_dist.records.native import _native
 from conduit_dist.rounds.meta import PAYLOAD
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
@@ -308,7 +308,7 @@ class _RecvPool:
         for e in self._pool:
             if e.buf.shape[0] >= rows and e.free():
                 return e.buf, e.array
-        buf = torch.empty((rows + rows // 8 + 16, self.rb), dtype=torch.uint8, device=self.device)
+        buf = lasting_empty((rows + rows // 8 + 16, self.rb), dtype=torch.uint8, device=self.device)
         entry = Pooled(buf, buf.numpy())
         if entry.idle is not None:
             keep(self._pool, entry, self.size)

@@ -293,7 +293,8 @@ class RoutesFeedback(ABC):
 
     @abstractmethod
     def incoming(self, rows: torch.Tensor) -> None:
-        """Updates a peer sent this shard."""
+        """Updates a peer sent this shard (``[k, 2]`` int64 views of the round's receive rows,
+        valid only during the call: copy what is kept)."""
 
 
 class Takes(ABC):

@@ -106,11 +106,12 @@ class UpdateQueue:
                         self._pending[owner].extend(rows[at : at + k])
                         at += k
                 return
-        pos = bad // 2
+            pos = bad // 2
+            got = float(priority[pos])  # read under the lock: priority may be the shared buffer
         if bad % 2 == 0:
             raise ConfigError(
                 "update_priorities priority: expected finite values >= 0, got "
-                f"{float(priority[pos])} at position {pos}"
+                f"{got} at position {pos}"
             )
         rank = int(index[pos]) >> RANK_SHIFT if int(index[pos]) >= 0 else -1
         raise ConfigError(
@@ -175,10 +176,15 @@ class UpdateQueue:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict`."""
         queued = state["queued"]
+        owners = torch.unique(queued[:, 0]).tolist()
+        if any(not 0 <= o < self.world for o in owners):
+            raise ConfigError(
+                f"update queue state: expected owner ranks 0..{self.world - 1}, got {owners}"
+            )
         with self._lock:
             for q in (*self._pending, self._received):
                 q.n = 0
-            for owner in torch.unique(queued[:, 0]).tolist():
+            for owner in owners:
                 self._pending[owner].extend(queued[queued[:, 0] == owner, 1:])
             self._received.extend(state["received"])
 
