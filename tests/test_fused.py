@@ -5,6 +5,7 @@ and learners' averaged payloads are bitwise identical."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -364,3 +365,31 @@ def test_a_remote_learners_batch_is_the_received_rows_and_stays_intact_while_hel
     fused, buffers, batches = run_ranks(_remote_learner_holds, 2, timeout_s=120)[0]
     assert fused >= 10  # every fetch came from the header exchange's candidates
     assert buffers == batches  # each held batch on its own receive buffer: none was reused
+
+
+def _hidden(rank, world, shared_memory):
+    import conduit_dist as cd
+
+    plane = _plane(transport=cd.TransportConfig(shared_memory=shared_memory))
+    plane.put(make_batch(torch.arange(1000 * rank, 1000 * rank + 20)))
+    plane.fetch(8)
+    hidden = []
+    for _ in range(3):
+        torch.distributed.barrier()  # both ranks launch together: the exchange ends at once
+        plane.fetch_start(8)
+        time.sleep(0.05)  # the caller's work: no put, so nothing polls the exchange
+        plane.fetch(8)
+        hidden.append(plane.last_fetch.hidden_ms)
+    plane.close()
+    return hidden
+
+
+def test_an_early_round_over_shared_memory_counts_its_exchange_as_hidden_when_it_ended_unseen():
+    """Over shared memory the barrier stamps each rank's arrival, so an exchange that completed
+    while the caller worked counts as hidden even though no put saw it in flight; over gloo
+    the count stays the lower bound of the last sighting (none here: 0)."""
+    for hidden in run_ranks(_hidden, 2, True).values():
+        assert all(0 <= h < 50 for h in hidden), hidden  # ended long before the fetch
+        assert max(hidden) > 0, hidden  # from the launch to the last rank's arrival
+    for hidden in run_ranks(_hidden, 2, False).values():
+        assert hidden == [0.0, 0.0, 0.0], hidden

@@ -3,7 +3,9 @@
  *
  * Slot r: uint32 seq (offset 0: the last exchange rank r arrived at), uint32 waiters (offset 4:
  * peers sleeping on seq), int64 gen[2] (offsets 8, 16: rank r's file generation for exchanges of
- * each parity). Rank r arriving at exchange k writes gen[k % 2], then seq = k (release), and
+ * each parity), int64 at[2] (offsets 24, 32: when rank r arrived at them, CLOCK_MONOTONIC ns, the
+ * clock of Python's time.perf_counter: the exchange completed at the latest rank's). Rank r
+ * arriving at exchange k writes gen[k % 2] and at[k % 2], then seq = k (release), and
  * wakes the peers sleeping on its seq. A rank waiting for exchange k needs every peer's seq to
  * have reached k (compared modulo 2^32): it spins briefly, then sleeps on the first missing
  * peer's futex, at most 2 ms at a time, checking between sleeps the deadline and whether the
@@ -42,6 +44,9 @@ static inline uint32_t* waiters_of(uintptr_t ctl, long long r) {
 }
 static inline int64_t* gen_of(uintptr_t ctl, long long r, int parity) {
     return (int64_t*)(ctl + r * SLOT + 8 + 8 * parity);
+}
+static inline int64_t* at_of(uintptr_t ctl, long long r, int parity) {
+    return (int64_t*)(ctl + r * SLOT + 24 + 8 * parity);
 }
 
 static long long now_ns(void) {
@@ -84,8 +89,8 @@ static PyObject* shm_lock(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-/* shm_arrive(ctl, rank, seq, gen): write gen into this rank's slot for seq's parity, publish seq
- * and wake the peers sleeping on it. */
+/* shm_arrive(ctl, rank, seq, gen): write gen and the time into this rank's slot for seq's
+ * parity, publish seq and wake the peers sleeping on it. */
 static PyObject* shm_arrive(PyObject* self, PyObject* args) {
     unsigned long long ctl;
     long long r, gen;
@@ -97,6 +102,7 @@ static PyObject* shm_arrive(PyObject* self, PyObject* args) {
     }
     uint32_t s = (uint32_t)seq;
     __atomic_store_n(gen_of((uintptr_t)ctl, r, (int)(s & 1)), (int64_t)gen, __ATOMIC_RELAXED);
+    __atomic_store_n(at_of((uintptr_t)ctl, r, (int)(s & 1)), (int64_t)now_ns(), __ATOMIC_RELAXED);
     __atomic_store_n(seq_of((uintptr_t)ctl, r), s, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(waiters_of((uintptr_t)ctl, r), __ATOMIC_SEQ_CST))
         syscall(SYS_futex, seq_of((uintptr_t)ctl, r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);

@@ -13,6 +13,7 @@ class PendingWork:
     def __init__(self, ex, work: dist.Work | None, op: str, round: int, cuda: bool = False):
         self._ex, self._work, self._op, self._round = ex, work, op, round
         self._cuda = cuda
+        self._done: object = None  # the work once waited on (its completion time, if it has one)
 
     def in_flight(self) -> bool:
         """Whether it is still running (never blocks: one query of the work; on the GPU, of
@@ -27,7 +28,14 @@ class PendingWork:
             RoundError: on a timeout or a failed peer, naming the round and the late ranks.
         """
         work, self._work = self._work, None
+        self._done = work
         self._ex._wait(work, self._op, self._round, self._cuda)
+
+    def completed_at(self) -> float | None:
+        """Once waited on: when the exchange completed, in ``time.perf_counter`` seconds, where
+        its transport says (shared memory: the last rank's arrival); ``None`` elsewhere (gloo
+        and NCCL report no completion time)."""
+        return getattr(self._done, "completed_at", None)
 
 
 class PendingGather(PendingWork):

@@ -84,6 +84,7 @@ class ShmWork:
     def __init__(self, shm: SharedMemory, seq: int, finish, keep: tuple = ()) -> None:
         self._shm, self.seq, self._finish, self.done = shm, seq, finish, False
         self._keep = keep  # the tensors finish() copies into by address: alive until it ran
+        self.completed_at: float | None = None  # once waited: when the last rank arrived
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait for every rank to have written, then read what the peers wrote for this rank.
@@ -111,6 +112,7 @@ class ShmWork:
                     f"shared-memory barrier: ranks {ranks} exited (or closed their plane) before "
                     f"arriving at this exchange (their lock on the plane's control block is gone)"
                 )
+            self.completed_at = shm.arrived_at(self.seq)  # read before a later exchange
             try:
                 self._finish()
             except BaseException as exc:  # the peers' files were not all mapped: no retry
@@ -142,7 +144,8 @@ class SharedMemory:
         self.timeout = timeout  # of every barrier wait (a ShmWork's unless it is given one)
         self._ctl_fd, self._ctl = control
         self._ctl_addr = self._ctl.data_ptr()
-        self._ctl_gens = self._ctl.numpy().view(np.int64)  # slot r's gen[k]: [r * 8 + 1 + k]
+        # slot r's gen[k]: [r * 8 + 1 + k]; its arrival time at[k]: [r * 8 + 3 + k]
+        self._ctl_gens = self._ctl.numpy().view(np.int64)
         self.head = -(-world * 8 // _ALIGN) * _ALIGN  # a half's header: byte offsets
         self.cap = 0  # bytes in each half of this rank's file
         self.gen = 0  # this rank's file generation (0: none yet)
@@ -348,6 +351,12 @@ class SharedMemory:
                 self._owned.remove(path)
 
         return ShmWork(self, seq, finish, (out, inp))
+
+    def arrived_at(self, seq: int) -> float:
+        """When the last rank arrived at exchange ``seq`` (every rank has: ``wait`` returned 0),
+        in ``time.perf_counter`` seconds (both read CLOCK_MONOTONIC, one clock on one host)."""
+        ns = self._ctl_gens[3 + (seq & 1) :: _SLOT // 8][: self.world]
+        return int(ns.max()) * 1e-9
 
     def wait(self, seq: int, timeout_s: float) -> tuple[int, list[int]]:
         """Wait until every rank arrived at exchange ``seq`` (``0``, ``[]``), or say which ranks
