@@ -28,14 +28,17 @@ class PendingWork:
             RoundError: on a timeout or a failed peer, naming the round and the late ranks.
         """
         work, self._work = self._work, None
-        self._done = work
+        if work is not None:  # a second wait keeps the first one's work (its completion time)
+            self._done = work
         self._ex._wait(work, self._op, self._round, self._cuda)
 
     def completed_at(self) -> float | None:
         """Once waited on: when the exchange completed, in ``time.perf_counter`` seconds, where
         its transport says (shared memory: the last rank's arrival); ``None`` elsewhere (gloo
         and NCCL report no completion time)."""
-        return getattr(self._done, "completed_at", None)
+        at = getattr(self._done, "completed_at", None)
+        # a float from our transport (a torch Work has none; 0.0: peers built without stamps)
+        return at if isinstance(at, float) and at > 0 else None
 
 
 class PendingGather(PendingWork):

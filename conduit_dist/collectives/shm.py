@@ -53,6 +53,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import time
 import weakref
 from datetime import timedelta
 
@@ -112,12 +113,14 @@ class ShmWork:
                     f"shared-memory barrier: ranks {ranks} exited (or closed their plane) before "
                     f"arriving at this exchange (their lock on the plane's control block is gone)"
                 )
-            self.completed_at = shm.arrived_at(self.seq)  # read before a later exchange
+            at = shm.arrived_at(self.seq)  # read before a later exchange can reuse the slot
             try:
                 self._finish()
             except BaseException as exc:  # the peers' files were not all mapped: no retry
                 shm.broken = f"an earlier exchange failed: exchange {self.seq} ({exc})"
                 raise
+            # a peer's clock ahead of ours (another time namespace on this /dev/shm): unknown
+            self.completed_at = at if at <= time.perf_counter() else None
             self.done, self._keep = True, ()
         return True
 

@@ -185,12 +185,11 @@ class RoundEngine:
         if f.early:
             stats.mark("ingest", t_wait, t1)  # the span the fetch waited; ms: set-up + wait
             stats.ingest_ms = (f.launched - f.t0 + t1 - t_wait) * 1e3
-            # hidden: from the launch to the last sighting in flight, or to the exchange's
-            # completion where its transport says when (shared memory), if before the fetch
-            end, done = f.seen_in_flight, f.work.completed_at()
-            if done is not None:
-                end = max(end, min(done, t_wait))
-            stats.flight_hidden_ms = max(0.0, end - f.launched) * 1e3
+            # ran behind the caller: to the last sighting in flight, or to the exchange's
+            # completion where its transport says when (fetch_timing clamps to the fetch)
+            done = f.work.completed_at()
+            end = f.seen_in_flight if done is None else max(f.seen_in_flight, done)
+            stats.flight = (f.launched, end)
         else:
             stats.mark("ingest", f.t0, t1)
         counts = self.allocate(meta[:, M.REQUEST], meta, t.round, stats)

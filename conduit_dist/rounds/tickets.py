@@ -32,10 +32,12 @@ class RoundStats:
     deliver_ms: float = 0.0
     weights_ms: float = 0.0
     """Each phase's milliseconds."""
-    flight_hidden_ms: float = 0.0
-    """An early-started round (``fetch_start``): how long its exchange was seen running while
-    the caller worked, from its launch to the latest check that found it running (``put`` and
-    the fetch check; a lower bound of the exchange time the caller's work hid)."""
+    flight: tuple[float, float] | None = None
+    """An early-started round (``fetch_start``): ``(launch, end)`` in ``perf_counter`` seconds,
+    its exchange running behind the caller from its launch at least until ``end``: the latest
+    check that found it running (``put`` and the fetch's check), or its completion where the
+    transport says when (shared memory: the last rank's arrival). ``fetch_timing`` counts the
+    span up to the fetch's own start as hidden (over gloo a lower bound)."""
     cpu_ms: float = 0.0
     """CPU time of the thread that ran the round (``time.thread_time``; gloo's own threads,
     which move the bytes, are not in it)."""

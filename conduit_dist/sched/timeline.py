@@ -25,7 +25,7 @@ class FetchTiming:
         exposed_ms: time the learner waited inside ``fetch``.
         hidden_ms: round time that ran before ``fetch`` was called (overlapped with compute);
             for a round started by ``fetch_start``, the time its exchange was seen running
-            while the caller worked (``RoundStats.flight_hidden_ms``, in the ingest phase).
+            while the caller worked before the fetch (``RoundStats.flight``, in the ingest phase).
         phases: per phase, ``(exposed_ms, hidden_ms)``.
     """
 
@@ -48,9 +48,10 @@ def fetch_timing(stats, prefetched: bool, lag: int, t_wait: float, t_end: float)
         t_end: when it returned.
     """
     phases = {p: split(stats.spans[p], (t_wait, t_end)) for p in PHASES if p in stats.spans}
-    if stats.flight_hidden_ms and "ingest" in phases:  # the exchange ran behind the caller
+    if stats.flight is not None and "ingest" in phases:  # the exchange ran behind the caller
+        launched, end = stats.flight  # until the fetch began: from then on it is exposed
         e, h = phases["ingest"]
-        phases["ingest"] = (e, h + stats.flight_hidden_ms * 1e-3)
+        phases["ingest"] = (e, h + max(0.0, min(end, t_wait) - launched))
     return FetchTiming(
         round=stats.round,
         prefetched=prefetched,
