@@ -288,3 +288,34 @@ def test_update_queue_keeps_order_across_partial_sends_growth_and_states():
     assert gens(restored.outgoing({2: 100})[2]) == [i for i in range(200) if owners[i] == 2]
     with pytest.raises(ConfigError, match="expected owner ranks 0..1"):
         UpdateQueue(rank=0, world=2).load_state_dict(state)  # a state of three ranks
+
+
+def test_sum_tree_fill_matches_set_natively_and_without_the_extension(monkeypatch):
+    """``fill`` (one native call, or ``set`` through a reused buffer) gives ``set``'s tree, and
+    a negative or infinite value is refused before any leaf changes."""
+    from conduit_dist.sampling import sumtree
+
+    def build(use_fill: bool) -> sumtree.SumTree:
+        tree = sumtree.SumTree(1000)
+        tree.set(torch.arange(1000), torch.rand(1000, generator=torch.Generator().manual_seed(0)))
+        idx = torch.tensor([3, 999, 3, 512, 0])
+        for value in (0.0, 2.5):
+            if use_fill:
+                tree.fill(idx, value)
+            else:
+                tree.set(idx, torch.full((5,), value, dtype=torch.float64))
+        return tree
+
+    want = build(False)
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(sumtree, "_native", None)
+        got = build(True)
+        assert torch.equal(got.sum, want.sum) and torch.equal(got.min, want.min), native
+    monkeypatch.undo()
+    if getattr(sumtree._native, "tree_fill", None) is not None:  # the extension's checks
+        before = want.sum.clone()
+        for bad in (-1.0, math.inf):
+            with pytest.raises(ValueError, match="finite value >= 0"):
+                want.fill(torch.tensor([1, 2]), bad)
+        assert torch.equal(want.sum, before)

@@ -674,22 +674,18 @@ static inline void tree_fix(double* s, double* m, const int64_t* offs, long long
 
 enum { FIX_GROUP = 16 };
 
-/* tree_set(sum, min, offs, H, idx, val, n): leaf idx[i] := val[i] (float64 >= 0), in order (the
- * last of duplicates wins), then its ancestors are recomputed. Leaves must be < offs[1]. */
-static PyObject* tree_set(PyObject* self, PyObject* args) {
-    unsigned long long sum_p, min_p, offs_p, idx_p, val_p;
-    long long H, n;
-    if (!PyArg_ParseTuple(args, "KKKLKKL", &sum_p, &min_p, &offs_p, &H, &idx_p, &val_p, &n))
-        return NULL;
+/* Leaf idx[i] := val[i], or := value for every i where val is NULL; then the ancestors. */
+static PyObject* tree_assign(const char* what, unsigned long long sum_p, unsigned long long min_p,
+                             unsigned long long offs_p, long long H, unsigned long long idx_p,
+                             const double* val, double value, long long n) {
     double* s = (double*)(uintptr_t)sum_p;
     double* m = (double*)(uintptr_t)min_p;
     const int64_t* offs = (const int64_t*)(uintptr_t)offs_p;
     const int64_t* idx = (const int64_t*)(uintptr_t)idx_p;
-    const double* val = (const double*)(uintptr_t)val_p;
     int64_t leaves = H > 0 ? offs[1] : 1;
     for (long long i = 0; i < n; i++) {
         if (idx[i] < 0 || idx[i] >= leaves) {
-            PyErr_Format(PyExc_IndexError, "tree_set: leaf %lld outside [0, %lld)",
+            PyErr_Format(PyExc_IndexError, "%s: leaf %lld outside [0, %lld)", what,
                          (long long)idx[i], (long long)leaves);
             return NULL;
         }
@@ -699,13 +695,40 @@ static PyObject* tree_set(PyObject* self, PyObject* args) {
         int g_n = n - at < FIX_GROUP ? (int)(n - at) : FIX_GROUP;
         for (int g = 0; g < g_n; g++) {
             int64_t k = idx[at + g];
-            s[k] = val[at + g];
-            m[k] = val[at + g] > 0 ? val[at + g] : INFINITY;
+            double v = val ? val[at + g] : value;
+            s[k] = v;
+            m[k] = v > 0 ? v : INFINITY;
             group[g] = k;
         }
         tree_fix(s, m, offs, H, group, g_n);
     }
     Py_RETURN_NONE;
+}
+
+/* tree_set(sum, min, offs, H, idx, val, n): leaf idx[i] := val[i] (float64 >= 0), in order (the
+ * last of duplicates wins), then its ancestors are recomputed. Leaves must be < offs[1]. */
+static PyObject* tree_set(PyObject* self, PyObject* args) {
+    unsigned long long sum_p, min_p, offs_p, idx_p, val_p;
+    long long H, n;
+    if (!PyArg_ParseTuple(args, "KKKLKKL", &sum_p, &min_p, &offs_p, &H, &idx_p, &val_p, &n))
+        return NULL;
+    return tree_assign("tree_set", sum_p, min_p, offs_p, H, idx_p,
+                       (const double*)(uintptr_t)val_p, 0.0, n);
+}
+
+/* tree_fill(sum, min, offs, H, idx, n, value): every leaf idx[i] := value (float64 >= 0): what
+ * tree_set does with one value, without a buffer of it. */
+static PyObject* tree_fill(PyObject* self, PyObject* args) {
+    unsigned long long sum_p, min_p, offs_p, idx_p;
+    long long H, n;
+    double value;
+    if (!PyArg_ParseTuple(args, "KKKLKLd", &sum_p, &min_p, &offs_p, &H, &idx_p, &n, &value))
+        return NULL;
+    if (!(value >= 0) || isinf(value)) {
+        PyErr_Format(PyExc_ValueError, "tree_fill: expected a finite value >= 0, got %g", value);
+        return NULL;
+    }
+    return tree_assign("tree_fill", sum_p, min_p, offs_p, H, idx_p, NULL, value, n);
 }
 
 /* tree_sample(sum, offs, H, n, seed, round, key, out, mass[, gen]): n leaves drawn i.i.d. with
@@ -941,6 +964,8 @@ static PyObject* py_pool_workers(PyObject* self, PyObject* args) {
 }
 
 static PyMethodDef methods[] = {
+    {"tree_fill", tree_fill, METH_VARARGS,
+     "tree_fill(sum, min, offs, H, idx, n, value): leaves idx := value, ancestors fixed."},
     {"tree_set", tree_set, METH_VARARGS,
      "tree_set(sum, min, offs, H, idx, val, n): set n leaves of float64 8-ary sum/min trees "
      "and recompute their ancestors."},
@@ -966,6 +991,9 @@ static PyMethodDef methods[] = {
      "of each learner's requests[l] draws over float64 cumulative masses cum."},
     {"seq_windows", seq_windows, METH_VARARGS,
      "seq_windows(next, cap, starts, k, L, out, m): each start's window of up to L items."},
+    {"seq_starts", seq_starts, METH_VARARGS,
+     "seq_starts(prev, gen, end, cap, gens, n, L, cut, out) -> k: the live starts whose window the "
+     "new items complete (Episodes._starts in one pass)."},
     {"seq_back", seq_back, METH_VARARGS,
      "seq_back(prev, gen, cap, g, n, steps, out, ok): the item steps live links back from each "
      "of g."},

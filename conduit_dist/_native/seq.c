@@ -92,6 +92,61 @@ PyObject* seq_back(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* The item steps live links back from g (see seq_back), or -1 where the walk breaks. */
+static inline int64_t back_from(const int64_t* prev, const int64_t* gen, long long cap, int64_t g,
+                                long long steps) {
+    for (long long s = 0; s < steps; s++) {
+        int64_t p = prev[g % cap];
+        if (p < 0 || gen[p % cap] != p) return -1;
+        g = p;
+    }
+    return g;
+}
+
+static inline int live(const int64_t* gen, long long cap, int64_t g) {
+    return g >= 0 && gen[g % cap] == g;
+}
+
+/* seq_starts(prev, gen, end, cap, gens, n, L, cut, out) -> k: the starts whose window the n new
+ * items gens complete, into out (room for n * L), in the order of Episodes._starts: first the
+ * item L - 1 live links back from each new item, then (cut: n-step windows an episode end cuts
+ * short) for back = 0 .. L - 2, the item back links before each new item that ends an episode
+ * (end[g % cap], uint8); only starts still live. One pass where the NumPy version made a dozen
+ * small arrays a round. */
+PyObject* seq_starts(PyObject* self, PyObject* args) {
+    unsigned long long prev_p, gen_p, end_p, g_p, out_p;
+    long long cap, n, L;
+    int cut;
+    if (!PyArg_ParseTuple(args, "KKKLKLLpK", &prev_p, &gen_p, &end_p, &cap, &g_p, &n, &L, &cut,
+                          &out_p))
+        return NULL;
+    if (cap < 1 || n < 0 || L < 1) {
+        PyErr_Format(PyExc_ValueError, "seq_starts: expected cap >= 1, n >= 0, L >= 1, got "
+                     "cap=%lld, n=%lld, L=%lld", cap, n, L);
+        return NULL;
+    }
+    const int64_t* prev = (const int64_t*)(uintptr_t)prev_p;
+    const int64_t* gen = (const int64_t*)(uintptr_t)gen_p;
+    const uint8_t* end = (const uint8_t*)(uintptr_t)end_p;
+    const int64_t* gs = (const int64_t*)(uintptr_t)g_p;
+    int64_t* out = (int64_t*)(uintptr_t)out_p;
+    long long k = 0;
+    for (long long i = 0; i < n; i++) {
+        if (gs[i] < 0) continue;  /* not an item (C's % of a negative number is negative) */
+        int64_t s = back_from(prev, gen, cap, gs[i], L - 1);
+        if (s >= 0 && live(gen, cap, s)) out[k++] = s;
+    }
+    if (cut)
+        for (long long back = 0; back < L - 1; back++)
+            for (long long i = 0; i < n; i++) {
+                int64_t g = gs[i];
+                if (g < 0 || !end[g % cap]) continue;
+                int64_t s = back_from(prev, gen, cap, g, back);
+                if (s >= 0 && live(gen, cap, s)) out[k++] = s;
+            }
+    return PyLong_FromLongLong(k);
+}
+
 /* An int field of a record: kind 1, 2, 4, 8 signed bytes; 17 uint8. */
 static inline int64_t read_int(const uint8_t* p, int kind) {
     switch (kind) {

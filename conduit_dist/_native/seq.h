@@ -7,6 +7,7 @@
 
 PyObject* seq_windows(PyObject* self, PyObject* args);
 PyObject* seq_back(PyObject* self, PyObject* args);
+PyObject* seq_starts(PyObject* self, PyObject* args);
 PyObject* seq_link(PyObject* self, PyObject* args);
 PyObject* seq_nstep(PyObject* self, PyObject* args);
 

@@ -162,7 +162,7 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         gone_lo, gone_hi = max(self._lo, written - cap), min(oldest, self._hi)
         if gone_hi > gone_lo:
             leaf = np.arange(gone_lo, gone_hi, dtype=np.int64) % cap
-            self.tree.set(torch.from_numpy(leaf), torch.zeros(leaf.shape[0], dtype=torch.float64))
+            self.tree.fill(torch.from_numpy(leaf), 0.0)
             self._gen_np[leaf] = -1
         new_lo = max(self._hi, oldest)
         if written > new_lo:

@@ -311,7 +311,8 @@ class Episodes:
         return self._starts(gens, end)
 
     def _ingest_native(self, gens: torch.Tensor) -> torch.Tensor:
-        """:meth:`ingest` in one native pass over the items (``seq_link``)."""
+        """:meth:`ingest` in one native pass over the items (``seq_link``), and the starts in
+        another (``seq_starts``: :meth:`_starts`; a reused buffer, read before the next round)."""
         n, cap = gens.numel(), self.storage.capacity
         rows = self._gather(gens)
         sources = self._sources(n).contiguous()
@@ -324,7 +325,14 @@ class Episodes:
             self._off_stream, self._kind, sources.data_ptr(), self._tab.data_ptr(),
             self._tab.shape[0],
         )  # fmt: skip
-        return self._starts(gens, self.end.numpy()[gens.numpy() % cap])
+        if not hasattr(_native, "seq_starts"):  # an extension built before it
+            return self._starts(gens, self.end.numpy()[gens.numpy() % cap])
+        out = self._work("starts", n * self.seq.window, torch.int64)
+        k = _native.seq_starts(
+            self.prev.data_ptr(), self.gen.data_ptr(), self.end.data_ptr(), cap, gens.data_ptr(),
+            n, self.seq.window, self.seq.n_step > 1, out.data_ptr(),
+        )  # fmt: skip
+        return out[:k]
 
     def _work(self, name: str, n: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """``n`` values of a reused buffer for index work read before the next call of the same

@@ -48,6 +48,8 @@ class SumTree:
         self._gen = torch.Generator()
         self._fan = torch.arange(FAN)
         self._vals = torch.empty(64, dtype=torch.float64)  # fill's values
+        # the arrays' addresses (never replaced: every update writes in place) and the height
+        self._ptrs = (self.sum.data_ptr(), self.min.data_ptr(), self.offs.data_ptr(), self.H)
 
     @property
     def total(self) -> float:
@@ -86,8 +88,15 @@ class SumTree:
             self.min[self._offs[d] + node] = self.min[kids].min(dim=1).values
 
     def fill(self, idx: torch.Tensor, value: float) -> None:
-        """Set leaves ``idx`` (int64) to one ``value`` (>= 0), through a reused buffer."""
+        """Set leaves ``idx`` (int64) to one ``value`` (finite, >= 0): one native call, or
+        :meth:`set` through a reused buffer without the extension."""
         n = idx.numel()
+        if n == 0:
+            return
+        if _native is not None and hasattr(_native, "tree_fill"):
+            idx = idx.contiguous()
+            _native.tree_fill(*self._ptrs, idx.data_ptr(), n, float(value))
+            return
         if self._vals.numel() < n:
             self._vals = torch.empty(max(n, 2 * self._vals.numel()), dtype=torch.float64)
         vals = self._vals[:n]
