@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -313,9 +315,12 @@ def test_sum_tree_fill_matches_set_natively_and_without_the_extension(monkeypatc
         got = build(True)
         assert torch.equal(got.sum, want.sum) and torch.equal(got.min, want.min), native
     monkeypatch.undo()
-    if getattr(sumtree._native, "tree_fill", None) is not None:  # the extension's checks
-        before = want.sum.clone()
-        for bad in (-1.0, math.inf):
-            with pytest.raises(ValueError, match="finite value >= 0"):
-                want.fill(torch.tensor([1, 2]), bad)
-        assert torch.equal(want.sum, before)
+    before = want.sum.clone()
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="expected a finite value >= 0"):
+            want.fill(torch.tensor([1, 2]), bad)
+    assert torch.equal(want.sum, before)
+    for copied in (copy.deepcopy(want), pickle.loads(pickle.dumps(want))):  # its own arrays
+        copied.fill(torch.tensor([1]), 5.0)
+        assert copied.leaves()[1] == 5.0 and copied.total == float(copied.leaves().sum())
+    assert torch.equal(want.sum, before)  # the original untouched

@@ -213,12 +213,14 @@ def test_windows_stay_whole_when_a_small_ring_evicts_mid_stream(mode):
     assert not bad, bad[:5]
 
 
-def _draws(seq: cd.Windows, stream_dtype: torch.dtype, steps: int) -> list[dict]:
+def _draws(
+    seq: cd.Windows, stream_dtype: torch.dtype, steps: int, capacity: int = 48, batch: int = 8
+) -> list[dict]:
     """One process: puts of 3 streams with episode ends, the ring wrapping, a fetch per step;
     a state_dict round trip halfway (the stream table restored)."""
     fields = {**FIELDS, "env": ((), stream_dtype)}
     plane = cd.DataPlane(
-        cd.ExperienceSpec(fields), 48, seed=3, schedule="sync",
+        cd.ExperienceSpec(fields), capacity, seed=3, schedule="sync",
         sampler=cd.Prioritized(alpha=0.0, beta=0.0, eps=0.0, sequence=seq),
     )  # fmt: skip
     out = []
@@ -230,7 +232,7 @@ def _draws(seq: cd.Windows, stream_dtype: torch.dtype, steps: int) -> list[dict]
             sampler = plane._p.sampler
             sampler.load_state_dict(sampler.state_dict())
         if t >= 8:
-            out.append({k: v.clone() for k, v in plane.fetch(8).items()})
+            out.append({k: v.clone() for k, v in plane.fetch(batch, oversample=True).items()})
     plane.close()
     return out
 
@@ -264,6 +266,25 @@ def test_native_links_and_nstep_rows_match_the_torch_path(monkeypatch, seq, dtyp
                 torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("capacity", [5, 7])
+def test_native_starts_match_the_torch_path_in_rings_that_reuse_slots_every_step(
+    monkeypatch, capacity
+):
+    """A ring of a few slots: every step's items overwrite the windows the walks back cross, so
+    ``seq_starts`` must check each link's liveness as the torch path does."""
+    from conduit_dist.records.spec import _native as native
+    from conduit_dist.sampling import sequences
+
+    if native is None:
+        pytest.skip("the native extension is not built")
+    seq = cd.Windows(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
+    fast = _draws(seq, torch.int64, 60, capacity=capacity, batch=4)
+    monkeypatch.setattr(sequences, "_native", None)
+    slow = _draws(seq, torch.int64, 60, capacity=capacity, batch=4)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a["id"], b["id"]) and torch.equal(a["_last_id"], b["_last_id"])
 
 
 def test_nstep_rows_of_a_spec_past_the_native_table_unpack_through_torch():
@@ -332,3 +353,49 @@ def test_nstep_batches_reuse_their_buffers_only_once_dropped():
     (w * b["_weight"] * b["_return"]).sum().backward()  # autograd saves them
     plane.close()
     assert allocs.count == 0, allocs.count
+
+
+def test_seq_starts_matches_a_reference_walk_on_random_links():
+    """``seq_starts`` against the walk ``Episodes._starts`` describes, on random links with
+    broken ones, slots reused by newer items and episode ends: each new item's start ``L - 1``
+    live links back, then (n-step) the items ``0 .. L - 2`` links before each new item that
+    ends an episode; only live starts, in that order."""
+    from conduit_dist.records.spec import _native as native
+
+    if native is None or not hasattr(native, "seq_starts"):
+        pytest.skip("the native extension is not built")
+    g = torch.Generator().manual_seed(0)
+
+    def back(prev, gen, cap, x, steps):
+        for _ in range(steps):
+            p = int(prev[x % cap])
+            if p < 0 or int(gen[p % cap]) != p:
+                return -1
+            x = p
+        return x
+
+    for trial in range(300):
+        cap, L = (
+            int(torch.randint(1, 12, (1,), generator=g)),
+            int(torch.randint(1, 6, (1,), generator=g)),
+        )
+        gen = torch.randint(-1, 3 * cap, (cap,), generator=g)
+        prev = torch.randint(-2, 3 * cap, (cap,), generator=g)
+        end = torch.rand(cap, generator=g) < 0.3
+        gens = torch.randint(
+            0, 3 * cap, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g
+        )
+        for cut in (False, True):
+            n = gens.numel()
+            out = torch.full((n * L + 1,), -7, dtype=torch.int64)  # one canary past the room
+            k = native.seq_starts(
+                prev.data_ptr(), gen.data_ptr(), end.data_ptr(), cap, gens.data_ptr(), n, L,
+                cut, out.data_ptr(),
+            )  # fmt: skip
+            want = [back(prev, gen, cap, int(x), L - 1) for x in gens]
+            if cut:
+                ends = [int(x) for x in gens if bool(end[int(x) % cap])]
+                want += [back(prev, gen, cap, x, b) for b in range(L - 1) for x in ends]
+            want = [s for s in want if s >= 0 and int(gen[s % cap]) == s]
+            assert out[:k].tolist() == want, (trial, cut)
+            assert int(out[-1]) == -7

@@ -724,8 +724,10 @@ static PyObject* tree_fill(PyObject* self, PyObject* args) {
     double value;
     if (!PyArg_ParseTuple(args, "KKKLKLd", &sum_p, &min_p, &offs_p, &H, &idx_p, &n, &value))
         return NULL;
-    if (!(value >= 0) || isinf(value)) {
-        PyErr_Format(PyExc_ValueError, "tree_fill: expected a finite value >= 0, got %g", value);
+    if (!(value >= 0) || isinf(value)) { /* PyErr_Format has no %g */
+        char got[64];
+        snprintf(got, sizeof got, "%g", value);
+        PyErr_Format(PyExc_ValueError, "tree_fill: expected a finite value >= 0, got %s", got);
         return NULL;
     }
     return tree_assign("tree_fill", sum_p, min_p, offs_p, H, idx_p, NULL, value, n);

@@ -270,7 +270,8 @@ class Episodes:
 
     def ingest(self, gens: torch.Tensor) -> torch.Tensor:
         """Link new items (generations ``gens``, in order, already in ``gen``; their sources
-        were given by :meth:`arrived`); returns the generations that became starts."""
+        were given by :meth:`arrived`); returns the generations that became starts (with the
+        extension, in a reused buffer: read them before the next call)."""
         if _native is not None:
             return self._ingest_native(gens.contiguous())
         cap, seq = self.storage.capacity, self.seq
@@ -327,16 +328,17 @@ class Episodes:
         )  # fmt: skip
         if not hasattr(_native, "seq_starts"):  # an extension built before it
             return self._starts(gens, self.end.numpy()[gens.numpy() % cap])
-        out = self._work("starts", n * self.seq.window, torch.int64)
+        cut = self.seq.n_step > 1  # windows an episode end cuts short: up to L - 1 more each
+        out = self._work("starts", n * self.seq.window if cut else n, torch.int64)
         k = _native.seq_starts(
             self.prev.data_ptr(), self.gen.data_ptr(), self.end.data_ptr(), cap, gens.data_ptr(),
-            n, self.seq.window, self.seq.n_step > 1, out.data_ptr(),
+            n, self.seq.window, cut, out.data_ptr(),
         )  # fmt: skip
         return out[:k]
 
     def _work(self, name: str, n: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """``n`` values of a reused buffer for index work read before the next call of the same
-        name (grown by doubling; never handed to the caller of the round)."""
+        name (grown by doubling; never handed to a caller outside the sampler)."""
         buf = self._scratch.get(name)
         if buf is None or buf.numel() < n:
             buf = self._scratch[name] = torch.empty(

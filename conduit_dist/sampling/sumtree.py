@@ -22,6 +22,9 @@ from conduit_dist.sampling.base import seeded
 FAN = 8
 
 
+_CACHED = ("_ptrs", "_sum_np", "_min_np")  # derived from the arrays: rebuilt by a copy
+
+
 class SumTree:
     """Masses of ``capacity`` leaves with their sums and minima.
 
@@ -87,15 +90,32 @@ class SumTree:
             self.sum[self._offs[d] + node] = self.sum[kids].sum(dim=1)
             self.min[self._offs[d] + node] = self.min[kids].min(dim=1).values
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickle) takes its own arrays' addresses and NumPy views:
+        the cached ones are this tree's."""
+        return {k: v for k, v in self.__dict__.items() if k not in _CACHED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._sum_np, self._min_np = self.sum.numpy(), self.min.numpy()
+        self._ptrs = (self.sum.data_ptr(), self.min.data_ptr(), self.offs.data_ptr(), self.H)
+
     def fill(self, idx: torch.Tensor, value: float) -> None:
         """Set leaves ``idx`` (int64) to one ``value`` (finite, >= 0): one native call, or
-        :meth:`set` through a reused buffer without the extension."""
+        :meth:`set` through a reused buffer without the extension.
+
+        Raises:
+            ValueError: on a value that is negative, infinite or NaN (no leaf changes).
+        """
+        value = float(value)
+        if not 0.0 <= value < math.inf:
+            raise ValueError(f"SumTree.fill: expected a finite value >= 0, got {value}")
         n = idx.numel()
         if n == 0:
             return
         if _native is not None and hasattr(_native, "tree_fill"):
             idx = idx.contiguous()
-            _native.tree_fill(*self._ptrs, idx.data_ptr(), n, float(value))
+            _native.tree_fill(*self._ptrs, idx.data_ptr(), n, value)
             return
         if self._vals.numel() < n:
             self._vals = torch.empty(max(n, 2 * self._vals.numel()), dtype=torch.float64)
