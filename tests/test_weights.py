@@ -211,3 +211,37 @@ def test_exchange_carries_the_layout_in_the_broadcast_bytes():
 def test_publish_rejects_a_module_without_state():
     with pytest.raises(SpecError, match="got none"):
         WeightsState().publish(nn.ReLU())
+
+
+def test_publishing_reuses_buffers_nobody_holds_and_never_writes_a_held_one():
+    """A steady publisher allocates nothing; a round's snapshot (or a pull in progress) keeps
+    its buffer: later versions go elsewhere, and every buffer is byte for byte what a fresh
+    one of its version would be (padding zeroed too)."""
+    from conduit_dist.bench.rounds import TensorAllocations
+    from conduit_dist.records.buffers import use_count
+
+    if use_count(torch.zeros(1)) is None:
+        pytest.skip("this torch exposes no storage use counts: every version gets a new buffer")
+    net, other = fill(Net(), 0), fill(Net(), 1)
+    ws = WeightsState()
+    ws.publish(net)
+    held = ws.snapshot()  # a round in flight holds version 1
+    kept = held.buf.clone()
+    for v in range(2, 6):
+        with torch.no_grad():
+            net.lin.weight.add_(1.0)
+        ws.publish(net)
+        assert ws.buf.data_ptr() != held.buf.data_ptr()
+        fresh = WeightsState()
+        fresh.publish(net)
+        assert torch.equal(ws.buf, fresh.buf), v  # a reused buffer is a fresh one's bytes
+    assert torch.equal(held.buf, kept)  # never written while held
+    del held
+    seen = set()
+    with TensorAllocations() as allocs:
+        for _ in range(6):
+            ws.publish(net)
+            seen.add(ws.buf.data_ptr())
+            assert ws.pull(other) == ws.version
+    assert allocs.count == 0 and len(seen) <= 3, (allocs.count, len(seen))
+    assert_same_state(net, other)

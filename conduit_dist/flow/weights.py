@@ -22,6 +22,7 @@ from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
+from conduit_dist.records.buffers import Pooled, keep, lasting_empty, use_count
 from conduit_dist.records.spec import ALIGN, SUPPORTED, align
 
 _MAGIC = b"CDWT"
@@ -98,9 +99,8 @@ def _entries(state: dict[str, torch.Tensor]) -> dict[str, _Entry]:
     return out
 
 
-def _encode(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Pack ``state`` into one buffer: preamble, JSON header, padding, payload."""
-    entries = _entries(state)
+def _head(entries: dict[str, _Entry]) -> tuple[bytes, int]:
+    """The preamble and JSON header of a buffer of ``entries``, and the payload's start."""
     payload = max((align(e.offset + e.nbytes) for e in entries.values()), default=0)
     tensors = [
         {"name": n, "dtype": _dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset}
@@ -108,14 +108,45 @@ def _encode(state: dict[str, torch.Tensor]) -> torch.Tensor:
     ]
     header = json.dumps({"payload_bytes": payload, "tensors": tensors}).encode()
     head = _PREAMBLE.pack(_MAGIC, _FORMAT, len(header)) + header
+    return head, align(len(head)) + payload
+
+
+def _fill(buf: torch.Tensor, head: bytes, entries: dict[str, _Entry], state) -> None:
+    """Write the header ``head`` (padded with zeros) and ``state``'s values into ``buf``."""
     start = align(len(head))
-    buf = torch.zeros(start + payload, dtype=torch.uint8)
     buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    buf[len(head) : start].zero_()
     for name, t in state.items():
         e = entries[name]
         at = start + e.offset
-        buf[at : at + e.nbytes].view(e.dtype).copy_(t.detach().reshape(-1))
-    return buf
+        view = buf[at : at + e.nbytes].view(e.dtype)
+        view.copy_(t.detach().reshape(-1))
+        end = align(at + e.nbytes)
+        if end > at + e.nbytes:  # alignment padding: zeros, as a fresh buffer's
+            buf[at + e.nbytes : end].zero_()
+
+
+class _Buffers:
+    """Weight buffers of one size reused once nobody holds them: not the current one, not a
+    round's snapshot, not a ``pull`` in progress (storage use counts, as the output pool's), so
+    a buffer is never written while anyone may read it. Without use counts, always a new one."""
+
+    def __init__(self, size: int = 3) -> None:
+        self._pool: list[Pooled] = []
+        self.size = size
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8 [nbytes]`` buffer nobody else references (contents undefined): a distinct
+        tensor on a pooled storage, so that while it (the current buffer, a snapshot, a pull's
+        reference) lives, the storage's use count says so."""
+        for e in self._pool:
+            if e.buf.shape[0] == nbytes and e.free():
+                return e.buf.detach()
+        buf = lasting_empty(nbytes, dtype=torch.uint8)
+        if use_count(buf) is None:
+            return buf
+        keep(self._pool, Pooled(buf), self.size)
+        return buf.detach()
 
 
 def _corrupt(what: str) -> SpecError:
@@ -209,9 +240,10 @@ def _differences(mine: dict[str, _Entry], got: dict[str, _Entry]) -> list[str]:
 class WeightsState:
     """The publisher's packed weights, or the latest weights received, with their version.
 
-    Buffers are replaced, never written in place, so a round running on another thread always
-    reads or hands over a complete buffer. Each buffer describes its own layout (see the module
-    docstring), checked on :meth:`pull`.
+    A new version goes into another buffer, never the current one: a buffer is written only when
+    nobody holds it (:class:`_Buffers`), so a round running on another thread always reads or
+    hands over a complete buffer, and a steady publisher or receiver allocates nothing. Each
+    buffer describes its own layout (see the module docstring), checked on :meth:`pull`.
 
     Example:
         >>> ws = WeightsState()
@@ -224,7 +256,9 @@ class WeightsState:
         self.version = 0
         self.buf: torch.Tensor | None = None
         self.broadcast = 0  # last version broadcast (the same on every rank)
-        self._decoded: tuple[torch.Tensor, _Layout] | None = None  # the last buffer pulled
+        self._decoded: tuple[int, _Layout] | None = None  # (version, layout) last pulled
+        self._buffers = _Buffers()
+        self._head: tuple[tuple, bytes, dict, int] | None = None  # publish's last layout
 
     def snapshot(self) -> WeightsSnapshot:
         """The current version and buffer (taken when a round is prepared); without a buffer
@@ -240,7 +274,15 @@ class WeightsState:
         Raises:
             SpecError: if the module has no state or a tensor of an unsupported dtype.
         """
-        self.buf = _encode(_state(module))
+        state = _state(module)
+        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in state.items())
+        if self._head is None or self._head[0] != key:  # the header only when the layout changes
+            entries = _entries(state)
+            self._head = (key, *_head(entries), entries)
+        _, head, total, entries = self._head
+        buf = self._buffers.take(total)
+        _fill(buf, head, entries, state)
+        self.buf = buf  # complete before it is current
         self.version += 1
 
     def exchange(self, ex: Exchange, src: int, version: int, nbytes: int, r: int, snap) -> None:
@@ -257,7 +299,7 @@ class WeightsState:
         """
         if version <= self.broadcast:
             return
-        buf = snap.buf if ex.rank == src else torch.empty(nbytes, dtype=torch.uint8)
+        buf = snap.buf if ex.rank == src else self._buffers.take(nbytes)
         ex.broadcast(buf, src, r)
         self.broadcast = version
         if ex.rank != src:
@@ -286,9 +328,9 @@ class WeightsState:
         buf, version = self.buf, self.version
         if version == 0 or buf is None:
             return 0
-        decoded = self._decoded
-        if decoded is None or decoded[0] is not buf:
-            decoded = self._decoded = (buf, _decode(buf))
+        decoded = self._decoded  # by version: a reused buffer holds a new one
+        if decoded is None or decoded[0] != version:
+            decoded = self._decoded = (version, _decode(buf))
         layout = decoded[1]
         state = _state(module)
         mine = _entries(state)
