@@ -245,3 +245,36 @@ def test_publishing_reuses_buffers_nobody_holds_and_never_writes_a_held_one():
             assert ws.pull(other) == ws.version
     assert allocs.count == 0 and len(seen) <= 3, (allocs.count, len(seen))
     assert_same_state(net, other)
+
+
+def test_weights_buffers_follow_a_layout_change_and_a_receiver_reuses_its_own():
+    """After the layout shrinks, the pool's free buffers of the old size leave it and publishing
+    allocates nothing again; a receiver's buffers (written by a broadcast) are reused the same
+    way, and each pull decodes the buffer it copies from, also at the same address."""
+    from conduit_dist.bench.rounds import TensorAllocations
+    from conduit_dist.records.buffers import use_count
+
+    if use_count(torch.zeros(1)) is None:
+        pytest.skip("this torch exposes no storage use counts")
+    big, small = nn.Linear(40, 40), nn.Linear(3, 2)
+    ws = WeightsState()
+    for _ in range(3):
+        ws.publish(big)
+    for _ in range(3):
+        ws.publish(small)
+    with TensorAllocations() as allocs:
+        for _ in range(5):
+            ws.publish(small)
+    assert allocs.count == 0
+    receiver, target = WeightsState(), nn.Linear(3, 2)
+    for v in range(1, 8):  # what exchange does on a receiver: a taken buffer, then current
+        with torch.no_grad():
+            small.weight.fill_(float(v))
+        ws.publish(small)
+        buf = receiver._buffers.take(ws.buf.numel())
+        buf.copy_(ws.buf)  # the broadcast
+        receiver.buf, receiver.version = buf, v
+        del buf
+        assert receiver.pull(target) == v
+        assert torch.equal(target.weight, small.weight)
+    assert len(receiver._buffers._pool) <= 3

@@ -145,6 +145,8 @@ class _Buffers:
         buf = lasting_empty(nbytes, dtype=torch.uint8)
         if use_count(buf) is None:
             return buf
+        # free buffers of another size (the layout changed) leave first, held ones never
+        self._pool = [e for e in self._pool if not e.free()]
         keep(self._pool, Pooled(buf), self.size)
         return buf.detach()
 
@@ -256,9 +258,9 @@ class WeightsState:
         self.version = 0
         self.buf: torch.Tensor | None = None
         self.broadcast = 0  # last version broadcast (the same on every rank)
-        self._decoded: tuple[int, _Layout] | None = None  # (version, layout) last pulled
+        self._decoded: tuple[int, int, _Layout] | None = None  # (version, address, layout)
         self._buffers = _Buffers()
-        self._head: tuple[tuple, bytes, dict, int] | None = None  # publish's last layout
+        self._head: tuple[tuple, bytes, int, dict] | None = None  # publish's last layout
 
     def snapshot(self) -> WeightsSnapshot:
         """The current version and buffer (taken when a round is prepared); without a buffer
@@ -268,8 +270,8 @@ class WeightsState:
         return WeightsSnapshot(self.version, self.buf)
 
     def publish(self, module: nn.Module) -> None:
-        """Pack ``module``'s state (names, shapes, dtypes and values) into a new buffer and bump
-        the version.
+        """Pack ``module``'s state (names, shapes, dtypes and values) into a buffer nobody
+        holds (not the current one) and bump the version.
 
         Raises:
             SpecError: if the module has no state or a tensor of an unsupported dtype.
@@ -328,10 +330,13 @@ class WeightsState:
         buf, version = self.buf, self.version
         if version == 0 or buf is None:
             return 0
-        decoded = self._decoded  # by version: a reused buffer holds a new one
-        if decoded is None or decoded[0] != version:
-            decoded = self._decoded = (version, _decode(buf))
-        layout = decoded[1]
+        # by version and address: a reused buffer holds a new version, and the layout decoded
+        # is always that of the buffer copied from
+        key = (version, buf.data_ptr())
+        decoded = self._decoded
+        if decoded is None or decoded[:2] != key:
+            decoded = self._decoded = (*key, _decode(buf))
+        layout = decoded[2]
         state = _state(module)
         mine = _entries(state)
         diff = _differences(mine, layout.entries)
