@@ -58,6 +58,24 @@ PyObject* seq_windows(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* Walk *g up to steps live links back through prev (a link counts only while its item is live:
+ * gen[p % cap] == p); returns whether all steps were taken, *g the last item reached. */
+static inline int walk_back(const int64_t* prev, const int64_t* gen, long long cap, int64_t* g,
+                            long long steps) {
+    for (long long s = 0; s < steps; s++) {
+        int64_t p = prev[*g % cap];
+        if (p < 0 || gen[p % cap] != p) return 0;
+        *g = p;
+    }
+    return 1;
+}
+
+/* The item steps live links back from g, or -1 where the walk breaks. */
+static inline int64_t back_from(const int64_t* prev, const int64_t* gen, long long cap, int64_t g,
+                                long long steps) {
+    return walk_back(prev, gen, cap, &g, steps) ? g : -1;
+}
+
 /* seq_back(prev, gen, cap, g, n, steps, out, ok): for each of n generations, the item steps
  * links back through prev[g % cap] (int64, -1: none) into out, and ok[i] (uint8) = whether it
  * exists: every item on the way must still be live (gen[p % cap] == p; a slot reused by a newer
@@ -80,27 +98,10 @@ PyObject* seq_back(PyObject* self, PyObject* args) {
     uint8_t* ok = (uint8_t*)(uintptr_t)ok_p;
     for (long long i = 0; i < n; i++) {
         int64_t g = gs[i];
-        uint8_t good = 1;
-        for (long long s = 0; s < steps; s++) {
-            int64_t p = prev[g % cap];
-            if (p < 0 || gen[p % cap] != p) { good = 0; break; }
-            g = p;
-        }
+        ok[i] = (uint8_t)walk_back(prev, gen, cap, &g, steps);
         out[i] = g;
-        ok[i] = good;
     }
     Py_RETURN_NONE;
-}
-
-/* The item steps live links back from g (see seq_back), or -1 where the walk breaks. */
-static inline int64_t back_from(const int64_t* prev, const int64_t* gen, long long cap, int64_t g,
-                                long long steps) {
-    for (long long s = 0; s < steps; s++) {
-        int64_t p = prev[g % cap];
-        if (p < 0 || gen[p % cap] != p) return -1;
-        g = p;
-    }
-    return g;
 }
 
 static inline int live(const int64_t* gen, long long cap, int64_t g) {
