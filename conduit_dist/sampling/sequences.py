@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.buffers import FieldPool
+from conduit_dist.records.buffers import FieldPool, Prefixes
 from conduit_dist.records.native import NATIVE_MAX_FIELDS
 from conduit_dist.records.spec import _native
 
@@ -166,7 +166,7 @@ class Episodes:
         if self._outputs is not None:  # the learner's n-step fields, pooled (no per-fetch tensors)
             names, dtypes, shapes = self._outputs[:3]
             self._fields = FieldPool(list(zip(names, dtypes, shapes, strict=True)))
-        self._scratch: dict[str, torch.Tensor] = {}  # per-round index work, reused
+        self._scratch: dict[str, Prefixes] = {}  # per-round index work, reused
         self._arrivals: list[np.ndarray] = []  # sources of items not linked yet, in order
         # the fields linking reads, as (byte offset, kind) in a record for the native loop
         off = spec.offsets
@@ -338,13 +338,11 @@ class Episodes:
 
     def _work(self, name: str, n: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """``n`` values of a reused buffer for index work read before the next call of the same
-        name (grown by doubling; never handed to a caller outside the sampler)."""
+        name (:class:`Prefixes`; never handed to a caller outside the sampler)."""
         buf = self._scratch.get(name)
-        if buf is None or buf.numel() < n:
-            buf = self._scratch[name] = torch.empty(
-                max(n, 64, 2 * (0 if buf is None else buf.numel())), dtype=dtype
-            )
-        return buf[:n]
+        if buf is None:
+            buf = self._scratch[name] = Prefixes(dtype, torch.device("cpu"), 64)
+        return buf.first(n)
 
     def _back(self, g: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(item, ok)``: the item ``steps`` links before each of ``g``; ``ok`` where it exists."""

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from conduit_dist.records.buffers import Prefixes
 from conduit_dist.records.spec import _native
 from conduit_dist.sampling.base import seeded
 
@@ -50,7 +51,7 @@ class SumTree:
         self._sum_np, self._min_np = self.sum.numpy(), self.min.numpy()  # cheap scalar reads
         self._gen = torch.Generator()
         self._fan = torch.arange(FAN)
-        self._vals = torch.empty(64, dtype=torch.float64)  # fill's values
+        self._vals = Prefixes(torch.float64, torch.device("cpu"), 64)  # fill's values
         # the arrays' addresses (never replaced: every update writes in place) and the height
         self._ptrs = (self.sum.data_ptr(), self.min.data_ptr(), self.offs.data_ptr(), self.H)
 
@@ -117,11 +118,7 @@ class SumTree:
             idx = idx.contiguous()
             _native.tree_fill(*self._ptrs, idx.data_ptr(), n, value)
             return
-        if self._vals.numel() < n:
-            self._vals = torch.empty(max(n, 2 * self._vals.numel()), dtype=torch.float64)
-        vals = self._vals[:n]
-        vals.fill_(value)
-        self.set(idx, vals)
+        self.set(idx, self._vals.first(n).fill_(value))
 
     def load(self, leaves: torch.Tensor) -> None:
         """Replace every leaf (``[capacity]`` float64) and rebuild the levels bottom-up."""

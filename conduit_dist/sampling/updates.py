@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.records.buffers import Prefixes
 from conduit_dist.records.spec import _native
 
 RANK_SHIFT = 48  # _index = rank << 48 | generation
@@ -68,9 +69,10 @@ class UpdateQueue:
         self._lock = threading.Lock()
         self._pending = [Pairs() for _ in range(world)]  # by owner
         self._received = Pairs()  # what peers sent this shard
-        self._rows = torch.empty((64, 2), dtype=torch.int64)  # queue's grouping, reused
+        cpu = torch.device("cpu")
+        self._rows = Prefixes(torch.int64, cpu, 128)  # queue's grouping, reused
         self._counts = np.zeros(world, dtype=np.int64)
-        self._prio = torch.empty(64, dtype=torch.float64)  # queue's float64 priorities, reused
+        self._prio = Prefixes(torch.float64, cpu, 64)  # queue's float64 priorities, reused
         self._out = [Pairs() for _ in range(world)]  # outgoing's pairs, by peer
         self._own = Pairs()  # take_own's pairs
 
@@ -84,14 +86,10 @@ class UpdateQueue:
         """
         world, n = self.world, index.numel()
         with self._lock:  # the grouping buffers are shared: one caller at a time
-            if self._rows.shape[0] < n:
-                self._rows = torch.empty((max(n, 2 * self._rows.shape[0]), 2), dtype=torch.int64)
-            rows, counts = self._rows[:n], self._counts
+            rows, counts = self._rows.first(2 * n).view(n, 2), self._counts
             counts.fill(0)
             if priority.dtype is not torch.float64:  # converted into a reused buffer
-                if self._prio.shape[0] < n:
-                    self._prio = torch.empty(max(n, 2 * self._prio.shape[0]), dtype=torch.float64)
-                priority = self._prio[:n].copy_(priority)
+                priority = self._prio.first(n).copy_(priority)
             if _native is not None:
                 bad = _native.queue_updates(
                     index.data_ptr(), priority.data_ptr(), n, world, RANK_SHIFT,
