@@ -145,9 +145,7 @@ class _Buffers:
         buf = lasting_empty(nbytes, dtype=torch.uint8)
         if use_count(buf) is None:
             return buf
-        # free buffers of another size (the layout changed) leave first, held ones never
-        self._pool = [e for e in self._pool if not e.free()]
-        keep(self._pool, Pooled(buf), self.size)
+        keep(self._pool, Pooled(buf), self.size)  # a free one of an old size leaves first
         return buf.detach()
 
 

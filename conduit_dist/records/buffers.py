@@ -209,11 +209,12 @@ class Pooled:
 
 
 def keep(pool: list[Pooled], entry: Pooled, size: int) -> None:
-    """Add ``entry`` to ``pool``; past ``size`` entries the smallest buffer leaves the pool
-    (whoever holds it keeps it alive)."""
+    """Add ``entry`` to ``pool``; past ``size`` entries the smallest buffer nobody holds leaves
+    the pool, else the smallest (whoever holds it keeps it alive): buffers of a size no longer
+    asked for give way to the new one."""
     if len(pool) >= size:
         pool.sort(key=lambda e: e.buf.shape[0])
-        pool.pop(0)
+        pool.remove(next((e for e in pool if e.free()), pool[0]))
     pool.append(entry)
 
 
@@ -303,7 +304,7 @@ class FieldPool:
 
     Args:
         fields: ``(name, dtype, shape)`` per field (shape without the row dimension).
-        size: buffers kept (the smallest leaves past it; whoever holds it keeps it alive).
+        size: buffers kept (past it, the smallest one nobody holds leaves: :func:`keep`).
     """
 
     ALIGN = 64  # each field starts on its own cache line
