@@ -157,7 +157,7 @@ def test_a_shard_has_one_resolved_cuda_device_or_none():
     idx = torch.arange(4)
     assert upload(idx, cpu) is idx  # host tiers: host indices as they are
     host = WorkerStream(None)  # no CUDA tier: the demoter's ordering does nothing
-    assert host.stream is None and host.bind_thread() == {}
+    assert host.stream is None and host.device is None
     with host.use():
         host.hand_over()
         host.finished()

@@ -27,6 +27,7 @@ import torch
 from conduit_dist.checkpoint import files
 from conduit_dist.checkpoint.snapshot import ShardSnapshot
 from conduit_dist.errors import CheckpointError
+from conduit_dist.threads import start_thread
 
 CHUNK_BYTES = 8 << 20  # bytes read and written at a time
 _ALIGN = 4096  # O_DIRECT: buffer address, length and file offset
@@ -89,7 +90,8 @@ class Checkpoint:
         keep: int,
         timeout_s: float,
     ) -> None:
-        """Write on a daemon thread (errors are kept for :meth:`wait`)."""
+        """Write on a daemon thread (errors are kept for :meth:`wait`), whose current CUDA
+        device is the snapshot's tiers' (``threads.start_thread``; none for host tiers)."""
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -109,8 +111,7 @@ class Checkpoint:
         except OSError:
             snap.close()
             raise
-        self._thread = threading.Thread(target=run, name="conduit-checkpoint", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(run, "conduit-checkpoint", snap.device)
 
     def _write_part(self, meta: dict, snap: ShardSnapshot, rates: tuple[float, float]) -> dict:
         j = self.rank

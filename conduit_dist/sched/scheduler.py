@@ -9,7 +9,7 @@ thread's current CUDA device is set to the plane's (the current device is per th
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from conduit_dist.errors import RoundError
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.rounds.engine import RoundEngine
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
+from conduit_dist.threads import executor
 
 MODES = ("overlap", "sync")
 
@@ -67,16 +68,7 @@ class Scheduler:
         self.timeout_s = timeout_s
         self.pending: Pending | None = None
         cuda = device.type == "cuda"  # resolved once by the build: cuda:<index>
-        self._pool = (
-            ThreadPoolExecutor(
-                max_workers=1,
-                thread_name_prefix="conduit-round",
-                initializer=torch.cuda.set_device if cuda else None,
-                initargs=(device,) if cuda else (),
-            )
-            if mode == "overlap"
-            else None
-        )
+        self._pool = executor("conduit-round", device) if mode == "overlap" else None
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._last: Future | None = None  # the latest launched round (maybe timed out in wait)
 

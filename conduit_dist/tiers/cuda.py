@@ -203,10 +203,3 @@ class WorkerStream:
         event = self.event
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-
-    def bind_thread(self) -> dict[str, object]:
-        """``ThreadPoolExecutor`` keyword arguments that set the worker thread's current device
-        to :attr:`device` when it starts (the current device is per thread)."""
-        if self.device is None:
-            return {}
-        return {"initializer": torch.cuda.set_device, "initargs": (self.device,)}

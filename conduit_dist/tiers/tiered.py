@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
+from conduit_dist.threads import executor
 from conduit_dist.tiers.base import Storage, Tier, tier_stats
 from conduit_dist.tiers.cuda import WorkerStream, cuda_device, upload
 
@@ -82,9 +83,7 @@ class TieredShard(Storage):
         self.device = cuda_device(t.data.device for t in tiers)
         self._order = WorkerStream(self.device if self.demotes_ahead else None)
         self._worker = (
-            ThreadPoolExecutor(1, "conduit-demote", **self._order.bind_thread())
-            if self.demotes_ahead
-            else None
+            executor("conduit-demote", self._order.device) if self.demotes_ahead else None
         )
         self._ahead: Future | None = None
         # held while the rings change (a round's writes, a background demotion): stats read under

@@ -1,0 +1,83 @@
+"""What a multi-GPU or NCCL job depends on, decided on CPU: every library thread sets its device,
+one device per rank, the default group's NCCL timeout, a rank that never arrives at a plane's
+group, the room shared memory needs, state dicts nobody changes, the gradients' collective, the
+polled waits' latency and the heartbeats of mixed groups.
+
+Each rule is a pure function (or a static property of the package) tested here; what needs a
+process group runs on real gloo ranks (``dist_utils.run_ranks``).
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conduit_dist.errors import ConfigError
+from conduit_dist.threads import bind_device, executor, start_thread
+
+PACKAGE = Path(__file__).resolve().parents[1] / "conduit_dist"
+
+# ------------------------------------------------------------------ 1. threads set their device
+
+_THREAD_CALLS = {"Thread", "Timer", "ThreadPoolExecutor"}
+
+
+def _thread_calls(path: Path) -> list[str]:
+    """``file:line name`` of every ``Thread(``/``Timer(``/``ThreadPoolExecutor(`` call in a file
+    (as ``threading.Thread(...)`` or a bare imported name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name in _THREAD_CALLS:
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}")
+    return found
+
+
+def test_every_library_thread_is_started_by_the_helper_that_sets_its_device():
+    helper = PACKAGE / "threads.py"
+    raw = [c for p in sorted(PACKAGE.rglob("*.py")) if p != helper for c in _thread_calls(p)]
+    assert raw == [], (
+        "threads started outside conduit_dist/threads.py (use start_thread / executor, which "
+        f"set the component's CUDA device first): {raw}"
+    )
+    assert _thread_calls(helper)  # the walk sees calls at all
+
+
+def test_thread_helpers_run_named_threads_and_touch_no_cuda_on_cpu():
+    seen = {}
+
+    def work() -> None:
+        seen["name"] = threading.current_thread().name
+
+    for device in (None, torch.device("cpu")):
+        t = start_thread(work, "conduit-test", device)
+        t.join(10)
+        assert not t.is_alive() and t.daemon and seen.pop("name") == "conduit-test"
+        pool = executor("conduit-pool", device)
+        try:
+            name = pool.submit(lambda: threading.current_thread().name).result(10)
+        finally:
+            pool.shutdown()
+        assert name.startswith("conduit-pool")
+        bind_device(device)  # on this thread: nothing
+    assert not torch.cuda.is_initialized()  # no CUDA call on a host device
+
+
+def test_thread_helpers_refuse_an_unresolved_cuda_device_before_starting():
+    before = threading.active_count()
+    bare = torch.device("cuda")
+    for call in (
+        lambda: start_thread(lambda: None, "conduit-test", bare),
+        lambda: executor("conduit-pool", bare),
+        lambda: bind_device(bare),
+    ):
+        with pytest.raises(ConfigError, match=r"expected a resolved cuda:<index> or cpu, got cuda"):
+            call()
+    assert threading.active_count() == before
