@@ -81,3 +81,24 @@ def test_thread_helpers_refuse_an_unresolved_cuda_device_before_starting():
         with pytest.raises(ConfigError, match=r"expected a resolved cuda:<index> or cpu, got cuda"):
             call()
     assert threading.active_count() == before
+
+
+# ------------------------------------------------------------------ 2. one device per rank
+
+
+def test_a_bare_cuda_without_local_rank_is_refused_in_a_job_of_several_ranks(monkeypatch):
+    from conduit_dist.collectives.dist import device_ordinal
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(ConfigError) as exc:
+        device_ordinal(None, 4, 8)  # every rank would take cuda:0
+    msg = str(exc.value)
+    assert msg.startswith("LOCAL_RANK: expected it set with WORLD_SIZE=8 and 4 visible CUDA"), msg
+    assert "CUDA_VISIBLE_DEVICES='0,1,2,3'" in msg and "torchrun" in msg, msg
+    assert "cuda:<index>" in msg, msg
+    assert device_ordinal(None, 4, 1) == 0  # plain python: one rank
+    assert device_ordinal(None, 4) == 0
+    assert device_ordinal(None, 1, 8) == 0  # one visible device each (--gpus-per-task=1)
+    assert device_ordinal(3, 4, 8) == 3  # torchrun
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK: expected 0 <= LOCAL_RANK < 4 .* got 4"):
+        device_ordinal(4, 4, 8)

@@ -45,15 +45,30 @@ def _env_int(name: str) -> int | None:
         ) from None
 
 
-def device_ordinal(local_rank: int | None, visible: int) -> int:
+def device_ordinal(local_rank: int | None, visible: int, world: int = 1) -> int:
     """The CUDA device index of this process among the ``visible`` devices.
 
     One visible device per process (SLURM's ``--gpus-per-task=1``, or several ranks sharing one
     GPU) is index 0 whatever ``LOCAL_RANK`` says; with several visible devices the local rank
-    picks one.
+    picks one. Without a local rank, a one-rank job (plain ``python``) takes index 0; a job of
+    several ranks is refused: each would take index 0, and NCCL then fails on a duplicate GPU.
+
+    Args:
+        local_rank: ``LOCAL_RANK`` (``None``: unset).
+        visible: ``torch.cuda.device_count()``.
+        world: the job's number of ranks (``WORLD_SIZE``; 1 under plain ``python``).
+
+    Returns:
+        The index of this process's device.
 
     Raises:
-        ConfigError: with no visible device, or a local rank past the visible devices.
+        ConfigError: with no visible device, a local rank past the visible devices, or no local
+            rank with several visible devices in a job of several ranks.
+
+    Example::
+
+        device_ordinal(3, 8, 16)  # 3
+        device_ordinal(None, 8, 1)  # 0: plain python
     """
     if visible < 1:
         raise ConfigError(
@@ -62,6 +77,13 @@ def device_ordinal(local_rank: int | None, visible: int) -> int:
         )
     if visible == 1:
         return 0
+    if local_rank is None and world > 1:
+        raise ConfigError(
+            f"LOCAL_RANK: expected it set with WORLD_SIZE={world} and {visible} visible CUDA "
+            f"devices (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}), got "
+            "none: every rank would take cuda:0; launch with torchrun (it sets LOCAL_RANK) or "
+            "pass device='cuda:<index>'"
+        )
     local = local_rank or 0
     if not 0 <= local < visible:
         raise ConfigError(
@@ -76,8 +98,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     resolved once, by :func:`device_ordinal`, never left to mean "the current device").
 
     Raises:
-        ConfigError: on another device type, CUDA on a machine without it, or an index past
-            the visible devices.
+        ConfigError: on another device type, CUDA on a machine without it, an index past the
+            visible devices, or a bare ``"cuda"`` in a job of several ranks without
+            ``LOCAL_RANK`` where several devices are visible.
     """
     try:
         dev = torch.device(device)
@@ -97,7 +120,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         )
     visible = torch.cuda.device_count()
     if dev.index is None:
-        return torch.device("cuda", device_ordinal(_env_int("LOCAL_RANK"), visible))
+        world = get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE") or 1
+        return torch.device("cuda", device_ordinal(_env_int("LOCAL_RANK"), visible, world))
     if not 0 <= dev.index < visible:
         raise ConfigError(f"device: expected cuda:0..cuda:{visible - 1}, got {dev}")
     return dev
