@@ -102,3 +102,23 @@ def test_a_bare_cuda_without_local_rank_is_refused_in_a_job_of_several_ranks(mon
     assert device_ordinal(3, 4, 8) == 3  # torchrun
     with pytest.raises(ConfigError, match=r"LOCAL_RANK: expected 0 <= LOCAL_RANK < 4 .* got 4"):
         device_ordinal(4, 4, 8)
+
+
+# ------------------------------------------------------------------ 3. the default group's timeout
+
+
+def test_a_default_group_with_nccl_outlasts_the_planes_timeout_and_gloo_keeps_it():
+    from datetime import timedelta
+
+    from conduit_dist.collectives.dist import default_group_timeout, watchdog_timeout
+
+    for s in (0.5, 120.0):
+        t = timedelta(seconds=s)
+        for backend in ("cpu:gloo,cuda:nccl", "nccl"):
+            assert (
+                default_group_timeout(backend, t)
+                == watchdog_timeout(t)
+                == 2 * t + timedelta(seconds=30)
+            )
+        for backend in ("gloo", "cpu:gloo,cuda:gloo", "cuda:gloo"):
+            assert default_group_timeout(backend, t) == t

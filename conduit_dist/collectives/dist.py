@@ -223,6 +223,28 @@ def watchdog_timeout(timeout: timedelta) -> timedelta:
     return 2 * timeout + _WATCHDOG_MARGIN
 
 
+def default_group_timeout(backend: str, timeout: timedelta) -> timedelta:
+    """The timeout :func:`init_distributed` gives the default group: :func:`watchdog_timeout`
+    of ``timeout`` where the group has NCCL (its watchdog would otherwise end the process at
+    the moment the plane raises its own named error), else ``timeout`` itself.
+
+    The package's own waits on the default group (``metrics.aggregate``, through an
+    ``Exchange``) still give up after ``timeout``.
+
+    Args:
+        backend: the group's backend string (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ``"nccl"``).
+        timeout: the timeout asked for (``init_distributed(timeout_s=...)``).
+
+    Returns:
+        The group's timeout.
+
+    Example::
+
+        default_group_timeout("cpu:gloo,cuda:nccl", timedelta(seconds=60))  # 150 s
+    """
+    return watchdog_timeout(timeout) if "nccl" in backends_of(backend) else timeout
+
+
 def plane_group(
     timeout: timedelta, cuda: torch.device | None, cuda_backend: str = "nccl"
 ) -> dist.ProcessGroup:
@@ -284,11 +306,16 @@ def init_distributed(
     (no ``RANK``/``WORLD_SIZE``) a one-rank gloo group is created so the same code runs at world
     size 1. The backend follows the device, by :func:`plane_backend` (the rule of the planes'
     own groups too): ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (NCCL for tensors on the
-    GPU, gloo for CPU-side metadata).
+    GPU, gloo for CPU-side metadata). With NCCL the group's timeout is
+    :func:`default_group_timeout` (twice ``timeout_s`` plus 30 s: NCCL's watchdog ends the
+    process only well after the plane's own errors) and ``device_id`` binds it to the device
+    (NCCL's communicator is created at once, as a plane's group's is); the package's own waits
+    on it (``metrics.aggregate``) still give up after ``timeout_s``.
 
     Args:
         device: the device experience is delivered to (``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``).
-        timeout_s: default timeout of the group's collectives, in seconds.
+        timeout_s: how long a collective may take, in seconds (with NCCL the group's own
+            timeout is longer, see above).
         backend: override the backend string passed to ``init_process_group``.
         cuda_backend: the backend for CUDA tensors, here and in every plane's group: ``"nccl"``
             or ``"gloo"`` (several ranks sharing one GPU); ``None``: ``CONDUIT_CUDA_BACKEND``,
@@ -318,9 +345,12 @@ def init_distributed(
     if backend is None:
         backend = plane_backend(device.type == "cuda", chosen)
     timeout = timedelta(seconds=timeout_s)
+    group_timeout = default_group_timeout(backend, timeout)
+    nccl = device.type == "cuda" and "nccl" in backends_of(backend)
+    bind = {"device_id": device} if nccl else {}  # an eager communicator, as plane_group's
     if rank is None and world is None:
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=group_timeout, **bind
         )
         return
     if rank is None or world is None:
@@ -336,9 +366,11 @@ def init_distributed(
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT")
     if attempt:  # a group torchrun restarted: keys of the dead attempt are still in its store
         store = _attempt_store(rank, world, attempt, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=group_timeout, **bind
+        )
         return
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=group_timeout, **bind)
 
 
 def _attempt_store(rank: int, world: int, attempt: int, timeout: timedelta) -> dist.Store:
