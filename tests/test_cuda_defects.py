@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_ranks
 
 from conduit_dist.errors import ConfigError
 from conduit_dist.threads import bind_device, executor, start_thread
@@ -122,3 +123,44 @@ def test_a_default_group_with_nccl_outlasts_the_planes_timeout_and_gloo_keeps_it
             )
         for backend in ("gloo", "cpu:gloo,cuda:gloo", "cuda:gloo"):
             assert default_group_timeout(backend, t) == t
+
+
+# ------------------------------------------------------------------ 4. a rank that never arrives
+
+ARRIVAL_S = 3.0
+
+
+def _never_arrives(rank: int, world: int):
+    """Rank 1 never builds the plane: it waits until rank 0 has its error, then exits cleanly."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import conduit_dist as cd
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["test/rank0-done"], timedelta(seconds=120))
+        return None
+    spec = cd.ExperienceSpec.from_batch({"x": torch.zeros(1, 3)})
+    t0 = time.monotonic()
+    try:
+        cd.DataPlane(spec, 64, transport=cd.TransportConfig(timeout_s=ARRIVAL_S))
+        out = "no error"
+    except Exception as exc:
+        phase, ranks = getattr(exc, "phase", None), list(getattr(exc, "ranks", ()))
+        out = (type(exc).__name__, phase, ranks, str(exc), time.monotonic() - t0)
+    store.set("test/rank0-done", "1")
+    return out
+
+
+def test_a_rank_that_never_builds_its_plane_fails_start_up_by_name_in_time():
+    # the default group's timeout (what the group's rendezvous waited for) is much longer
+    got = run_ranks(_never_arrives, 2, timeout_s=120, collective_timeout_s=40)[0]
+    assert got != "no error"
+    kind, phase, ranks, msg, waited = got
+    assert kind == "PhaseError" and phase == "start-up: plane group", msg
+    assert ranks == [1] and "ranks [1] never entered this phase" in msg, msg
+    assert "failed on rank 0" in msg and f"timeout {ARRIVAL_S:g}s" in msg, msg
+    assert ARRIVAL_S <= waited < ARRIVAL_S + 3.0, (waited, msg)

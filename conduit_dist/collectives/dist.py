@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
@@ -17,7 +18,8 @@ import torch.distributed as dist
 # process ("terminate called without an active exception"; seen in CI as an example's exit -6).
 import torch.distributed.nn.functional
 
-from conduit_dist.errors import ConfigError
+from conduit_dist.collectives.heartbeats import _STORE_DOWN, _brief, _default_store
+from conduit_dist.errors import ConfigError, PhaseError
 
 _ENV_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -31,6 +33,11 @@ CUDA_BACKEND_ENV = "CONDUIT_CUDA_BACKEND"
 _chosen_cuda_backend: str | None = None  # what init_distributed(cuda_backend=...) was given
 # NCCL's watchdog ends the process this long after the plane's own timeout at the earliest
 _WATCHDOG_MARGIN = timedelta(seconds=30)
+# plane groups this process has asked for: the same sequence on every rank (creating a group is
+# collective, in one order), so the n-th one's arrival keys are the same on every rank
+_groups_asked = 0
+_ARRIVAL_PREFIX = "conduit_dist/group-arrival/"
+_ARRIVAL_PHASE = "start-up: plane group"
 
 
 def _env_int(name: str) -> int | None:
@@ -263,11 +270,18 @@ def plane_group(
     Returns:
         The group.
 
+    Every rank first says it arrived, in the default group's store (:func:`await_arrival`):
+    a rank that never comes fails this phase by name within ``timeout``, where ``new_group``'s
+    own rendezvous would wait for the new group's timeout (with NCCL, twice it plus 30 s) and
+    fail naming nobody.
+
     Raises:
         ConfigError: on a ``cuda_backend`` outside :data:`CUDA_BACKENDS`, or a default group bound
             to another CUDA device than ``cuda``.
+        PhaseError: ``start-up: plane group``, naming the ranks that did not arrive in time.
     """
     backend = plane_backend(cuda is not None, cuda_backend)
+    await_arrival(timeout)
     if cuda is None or cuda_backend != "nccl":
         return dist.new_group(timeout=timeout, backend=backend)
     bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
@@ -277,6 +291,62 @@ def plane_group(
             f"device_id=...)), but this rank's plane uses {cuda}: expected the same device"
         )
     return dist.new_group(timeout=watchdog_timeout(timeout), backend=backend, device_id=cuda)
+
+
+def await_arrival(timeout: timedelta) -> None:
+    """Wait, at most ``timeout``, until every rank has reached the same plane group creation.
+
+    Each rank sets its key in the default group's store, under the sequence number of this
+    creation (every rank's n-th), and polls until every rank's is there. Nothing is waited for
+    at world size 1 or without a store (a private torch API: ``heartbeats._default_store``).
+
+    Args:
+        timeout: the plane's timeout of one collective.
+
+    Raises:
+        PhaseError: ``start-up: plane group`` when ranks have not arrived by ``timeout`` (named)
+            or the store stops answering.
+    """
+    global _groups_asked
+    _groups_asked += 1
+    world = dist.get_world_size()
+    store, _ = _default_store()
+    if store is None or world == 1:
+        return
+    rank, limit = dist.get_rank(), timeout.total_seconds()
+    keys = [f"{_ARRIVAL_PREFIX}{_groups_asked}/{r}" for r in range(world)]
+    start = time.monotonic()
+    pause = 1e-3
+    try:
+        store.set(keys[rank], "1")
+        while not store.check(keys):
+            if time.monotonic() - start >= limit:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                if missing:
+                    _arrival_failed(rank, start, limit, missing, None)
+                return
+            time.sleep(min(pause, max(0.0, start + limit - time.monotonic())))
+            pause = min(2 * pause, 0.05)
+    except _STORE_DOWN as exc:
+        _arrival_failed(rank, start, limit, [], exc)
+
+
+def _arrival_failed(
+    rank: int, start: float, limit: float, missing: list[int], exc: BaseException | None
+) -> None:
+    """Raise :func:`await_arrival`'s ``PhaseError`` (worded as ``Exchange``'s phase errors)."""
+    how = f"failed on rank {rank} after {time.monotonic() - start:.1f}s (timeout {limit:g}s)"
+    if missing:
+        who = (
+            f"ranks {missing} never entered this phase (a rank that crashed shows its own "
+            "error; one that is alive has not built its plane: every rank builds the same "
+            "planes in the same order)"
+        )
+    else:
+        who = f"the rendezvous store did not answer ({_brief(exc)})"
+    raise PhaseError(
+        f"{_ARRIVAL_PHASE}: arrival {how}; {who}", phase=_ARRIVAL_PHASE, ranks=tuple(missing)
+    ) from exc
 
 
 def backends_of(group_backend: str) -> set[str]:
