@@ -86,15 +86,18 @@ def test_train_py_on_cuda_fails_at_once_without_cuda(tmp_path, overrides):
 # ----------------------------------------------------------------- device and gradients
 
 
-def test_device_is_resolved_once_and_round_gradients_are_refused_on_a_gpu():
+def test_device_is_resolved_once_and_round_gradients_ride_the_round_on_a_gpu_too():
     cfg = TrainConfig()
     cfg.plane.placement, cfg.algo.grad_sync = "local", "auto"
     assert setup.device(cfg) == torch.device("cpu")
     gpu = torch.device("cuda", 0)  # a device object needs no GPU
     assert setup.grad_sync(cfg, [0, 1], torch.device("cpu")) == "round"
-    assert setup.grad_sync(cfg, [0, 1], gpu) == "all_to_all"  # auto: DDP on the device
-    cfg.algo.grad_sync = "round"
-    with pytest.raises(ConfigError, match=r"algo.grad_sync: 'round' .* device='cuda:0'"):
+    assert setup.grad_sync(cfg, [0, 1], gpu) == "round"  # all-reduced on the plane's NCCL group
+    cfg.plane.placement = "round_robin"  # DDP: gloo's all_to_all trick on the CPU only
+    assert setup.grad_sync(cfg, [0, 1], torch.device("cpu")) == "all_to_all"
+    assert setup.grad_sync(cfg, [0, 1], gpu) == "allreduce"
+    cfg.algo.grad_sync, cfg.plane.schedule = "round", "overlap"
+    with pytest.raises(ConfigError, match=r"algo.grad_sync: 'round' .* schedule='overlap'"):
         setup.grad_sync(cfg, [0, 1], gpu)
     cfg.device = "cuda"
     if not torch.cuda.is_available():

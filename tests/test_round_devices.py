@@ -1,71 +1,136 @@
-"""Where a round composes its rows, which schedule runs, and how rows land on the learner's
-device: every sampler delivers to CUDA, composed on the GPU where everything the round touches is
-there, else on the host and landed (``rounds.engine.round_devices``, ``rounds.delivery.Landing``).
+"""Where a plane's tiers, rows and collectives go (``rounds.devices.plan_devices``), and how rows
+land on the learner's device: rows stay where they are stored, whatever the sampler (composed on
+the GPU from host metadata, ``sampling/device_rows.py``), bulk rows go by NCCL, metadata stays on
+the host, and only a plane told to keep its first tier in host memory lands rows with one pinned
+copy (``rounds.delivery.Landing``).
 
-These are the decisions; no GPU is needed to check them (``torch.device("cuda", 0)`` is a plain
-value). The copies themselves run in ``scripts/gpu_check.sh``.
+These are decisions; no GPU is needed to check them (``torch.device("cuda", 0)`` is a plain
+value). The device path's logic runs on the CPU in ``tests/test_device_rows.py``; the copies
+themselves in ``scripts/gpu_check.sh``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import ROOT
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import conduit_dist as cd
 from conduit_dist.records.buffers import OutputPool
 from conduit_dist.rounds.delivery import Landing
-from conduit_dist.rounds.devices import round_devices, rows_on_host
+from conduit_dist.rounds.devices import plan_devices
 from conduit_dist.rounds.wire import _RecvPool
+from conduit_dist.train import setup
+from conduit_dist.train.config import register, validate
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 
-HOST_ROWS = {  # sampler -> composes or reports on the host
-    "uniform": (lambda: cd.Uniform(), False),
-    "stratified": (lambda: cd.Stratified(), False),
-    "queue": (lambda: cd.Fifo(), False),
-    "lifo": (lambda: cd.Lifo(), False),
-    "without_replacement": (lambda: cd.WithoutReplacement(), False),
-    "prioritized": (lambda: cd.Prioritized(), True),
-    "n_step": (lambda: cd.Prioritized(sequence=cd.Windows(n_step=3, stream="env")), True),
+SAMPLERS = {
+    "uniform": lambda: cd.Uniform(),
+    "stratified": lambda: cd.Stratified(),
+    "queue": lambda: cd.Fifo(),
+    "lifo": lambda: cd.Lifo(),
+    "without_replacement": lambda: cd.WithoutReplacement(),
+    "prioritized": lambda: cd.Prioritized(),
+    "n_step": lambda: cd.Prioritized(sequence=cd.Windows(n_step=3, stream="env")),
+    "slices": lambda: cd.Prioritized(sequence=cd.Windows(length=4, stream="env")),
 }
 
 
-@pytest.mark.parametrize("kind", sorted(HOST_ROWS))
-def test_rows_on_host_follows_the_samplers_capabilities(kind):
-    make, host = HOST_ROWS[kind]
-    assert rows_on_host(make(), 0) is host
-    assert rows_on_host(make(), 4) is True  # a reduce payload rides host headers
+def _plan(sampler="prioritized", **kw):
+    args = dict(device=GPU, world=2, sampler=SAMPLERS[sampler](), keeps_local=True)
+    return plan_devices(**{**args, **kw, "rehearse": False})
 
 
-def test_cpu_planes_keep_the_schedules_they_had():
-    for sync in (True, False):
-        assert round_devices(1, True, CPU, CPU, False, sync) == ("local", CPU)
-        assert round_devices(2, True, CPU, CPU, True, sync) == ("fused", CPU)
-        assert round_devices(2, False, CPU, CPU, False, sync) == ("general", CPU)
-
-
-def test_gpu_rows_only_where_everything_the_round_touches_is_on_the_gpu():
-    # storage on the learner's GPU, a sampler with no host work, rounds on fetch's thread
-    assert round_devices(2, False, GPU, GPU, False, True) == ("general", GPU)
-    assert round_devices(2, True, GPU, GPU, False, True) == ("general", GPU)
-    assert round_devices(1, True, GPU, GPU, False, False) == ("local", GPU)  # no collective
-    # host work (prioritized trees, windows, headers): composed on the host, landed
-    assert round_devices(2, True, GPU, GPU, True, True) == ("fused", CPU)
-    assert round_devices(2, False, GPU, GPU, True, True) == ("general", CPU)
-    assert round_devices(1, True, GPU, GPU, True, True) == ("local", CPU)
-    # storage on the host (or on another GPU)
-    assert round_devices(2, False, GPU, CPU, False, True) == ("general", CPU)
-    assert round_devices(2, False, GPU, torch.device("cuda", 1), False, True)[1] == CPU
-
-
-def test_overlapped_rounds_never_enqueue_nccl_from_the_worker_thread():
-    """Above one rank, a round on the overlap worker moves host rows over gloo: the plane's
-    NCCL kernels are only ever enqueued by the thread that calls fetch, in program order with
-    the caller's own (DDP's), so two communicators never meet in different orders."""
+@pytest.mark.parametrize("kind", sorted(SAMPLERS))
+def test_every_sampler_composes_its_rows_where_the_gpu_storage_is(kind):
+    """Prioritized trees, windows and n-step values are host metadata: no sampler pulls a GPU
+    plane's rows to the host any more."""
     for keeps_local in (True, False):
-        schedule, rows = round_devices(4, keeps_local, GPU, GPU, False, False)
-        assert rows == CPU
-        assert schedule == ("fused" if keeps_local else "general")
+        for world in (1, 2, 8):
+            plan = _plan(kind, keeps_local=keeps_local, world=world)
+            assert plan.rows == GPU and plan.tier == GPU and plan.compose == "torch"
+            assert plan.candidates is False  # the headers are host memory: no rows in them
+            assert plan.bulk == ("none" if world == 1 else "nccl")
+            assert plan.nccl is (world > 1) and plan.round_thread is (world > 1)
+            want = "local" if world == 1 else ("fused" if keeps_local else "general")
+            assert plan.schedule == want
+
+
+def test_cpu_planes_keep_the_native_host_path_and_their_schedules():
+    for kind in SAMPLERS:
+        plan = _plan(kind, device=CPU)
+        assert plan.rows == CPU and plan.compose == "native" and not plan.nccl
+        assert plan.bulk == "host" and not plan.round_thread
+        assert plan.candidates is (
+            kind not in ("stratified", "queue", "lifo", "without_replacement")
+        )
+    assert _plan(device=CPU, world=1).schedule == "local"
+    assert _plan(device=CPU, keeps_local=False).schedule == "general"
+    # the rehearsal runs the device path on host tensors: no candidates, torch composition
+    rehearsed = plan_devices(
+        device=CPU, world=2, sampler=cd.Prioritized(), keeps_local=True, rehearse=True
+    )
+    assert rehearsed.compose == "torch" and not rehearsed.candidates and rehearsed.bulk == "host"
+
+
+def test_host_first_tier_lands_rows_with_one_copy_and_builds_no_nccl_communicator():
+    for first in (CPU, torch.device("cuda", 1)):
+        plan = _plan(first_tier=first)
+        assert plan.rows == CPU and plan.compose == "native" and plan.bulk == "host"
+        assert not plan.nccl and not plan.cuda_group  # no CUDA tensor passes the group
+        assert str(first) in plan.why
+    # a device first tier on the plane's GPU is the default's choice
+    assert _plan(first_tier=GPU).rows == GPU
+
+
+def test_payloads_are_all_reduced_on_the_device_and_need_the_group():
+    gpu = _plan(reduce_numel=100, first_tier=CPU)  # host rows, a GPU payload
+    assert gpu.payload == "allreduce" and gpu.nccl and gpu.cuda_group and gpu.bulk == "host"
+    assert _plan(reduce_numel=100, device=CPU).payload == "header"
+    assert _plan(reduce_numel=100, world=1).payload == "none"
+    # ranks sharing one GPU: CUDA tensors over gloo, no NCCL communicator
+    shared = _plan(cuda_backend="gloo")
+    assert shared.bulk == "gloo" and not shared.nccl and shared.cuda_group
+
+
+def _cfg(*overrides: str):
+    register()  # the structured schema Hydra composes first (train.py registers it too)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose("config", overrides=["logger=none", *overrides])
+    cfg = OmegaConf.to_object(dcfg)
+    validate(cfg)
+    return cfg
+
+
+def test_the_default_experiment_on_cuda_keeps_its_first_tier_where_rows_are_composed():
+    """``train.py device=cuda`` (prioritized 3-step windows, colocated, local placement): the
+    one tier on the learner's GPU, rows composed there, bulk rows on NCCL, the gradients
+    all-reduced in the round on the same communicator (the job's only NCCL one)."""
+    cfg = _cfg("device=cuda")
+    for world in (2, 4):
+        plan = setup.device_plan(cfg, world)
+        assert plan.tier == GPU and plan.rows == GPU and plan.compose == "torch"
+        assert plan.bulk == "nccl" and plan.nccl and plan.round_thread
+        assert plan.schedule == "fused" and plan.payload == "allreduce"
+        assert setup.grad_sync(cfg, list(range(world)), GPU) == "round"
+    one = setup.device_plan(cfg, 1)
+    assert one.rows == GPU and one.schedule == "local" and not one.nccl
+    # the same job on the CPU: the native host path, gradients in the header exchange
+    cpu = setup.device_plan(_cfg(), 2)
+    assert cpu.rows == CPU and cpu.compose == "native" and cpu.payload == "header"
+    # told to keep the store on the host: rows composed there, landed, no NCCL for rows
+    host = setup.device_plan(_cfg("device=cuda", "plane.tiers=[[host,50000]]"), 2)
+    assert host.rows == CPU and host.bulk == "host" and host.payload == "allreduce"
+    # disaggregated DQN (round_robin): general rounds, DDP all-reduce on the GPU
+    dis = _cfg("device=cuda", "mode=disaggregated", "learner_ranks=[0,1]")
+    plan = setup.device_plan(dis, 3)
+    assert plan.schedule == "general" and plan.bulk == "nccl" and plan.payload == "none"
+    assert setup.grad_sync(dis, [0, 1], GPU) == "allreduce"
+    ppo = setup.device_plan(_cfg("device=cuda", "experiment=cartpole_ppo"), 2)
+    assert ppo.rows == GPU and ppo.bulk == "nccl" and ppo.schedule == "fused"
 
 
 def test_landing_on_the_same_device_is_the_rows_themselves():

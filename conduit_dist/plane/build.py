@@ -37,7 +37,7 @@ from conduit_dist.registry import (
     default_placement,
     resolve,
 )
-from conduit_dist.rounds.devices import round_devices, rows_on_host
+from conduit_dist.rounds.devices import plan_devices
 from conduit_dist.rounds.engine import RoundEngine
 from conduit_dist.sampling import (
     Sampler,
@@ -242,18 +242,28 @@ def assemble(
         check_cuda_strategy(transport.strategy, chosen_cuda_backend())  # before any collective
     if storage is not None and not isinstance(storage, Tiers):
         raise ConfigError(f"storage: expected a conduit_dist.Tiers, got {type(storage).__name__}")
+    world = dist.get_world_size() if dist.is_initialized() else 1  # (torchrun without a
+    # group: the Exchange below says to call init_distributed)
+    learners = rank_set("learner_ranks", learner_ranks, world)
+    if placement is None:
+        placement = PLACEMENTS[default_placement(sampler, learners, world)]()
+    _check_reduce(reduce_numel, world, schedule)
+    # where tiers, rows and collectives go, decided before the group exists: a group through
+    # which no CUDA tensor will pass is gloo alone, with no NCCL communicator
+    plan = plan_devices(
+        device=device, world=world, sampler=sampler, keeps_local=placement.keeps_local,
+        first_tier=None if storage is None else storage.first_device(device),
+        reduce_numel=reduce_numel,
+        cuda_backend=chosen_cuda_backend() if device.type == "cuda" else "nccl",
+    )  # fmt: skip
     with contextlib.ExitStack() as undo:
         ex = Exchange(
             transport.timeout_s,
             name=str(next(_plane_ids)),
-            device=device,
+            device=device if plan.cuda_group else "cpu",
             shared_memory=transport.shared_memory,
         )
         undo.callback(ex.close)
-        learners = rank_set("learner_ranks", learner_ranks, ex.world)
-        if placement is None:
-            placement = PLACEMENTS[default_placement(sampler, learners, ex.world)]()
-        _check_reduce(reduce_numel, ex.world, schedule)
         # one CPU rank has no collective to wait for: a background round would only add a
         # thread handoff, so rounds run inline there (the lag rules are those of sync: none)
         can_overlap = ex.world > 1 or device.type == "cuda"
@@ -268,15 +278,9 @@ def assemble(
         stored, wire_bytes = (
             sampler.layout(spec) if isinstance(sampler, WritesRows) else (spec, spec.record_bytes)
         )
-        if storage is None:  # one memory tier where the rounds compose rows (round_devices)
-            _, rows = round_devices(
-                ex.world, False, device, device, rows_on_host(sampler, reduce_numel),
-                mode == "sync",
-            )  # fmt: skip
-            storage, where = Tiers(), rows
-        else:
-            where = device
-        shard = storage.build(capacity, stored.record_bytes, where)
+        # the default one tier goes where the rounds compose rows (plan_devices)
+        where = plan.tier if storage is None else device
+        shard = (storage or Tiers()).build(capacity, stored.record_bytes, where)
         undo.callback(shard.close)
         topo = discover(ex)
         model, calibration_s = bandwidth_model(
@@ -285,7 +289,8 @@ def assemble(
         links = topo.link_matrix()
         is_learner = np.zeros(ex.world, dtype=bool)
         is_learner[list(learners)] = True
-        sampler.bind(SamplerContext(int(seed), ex.rank, ex.world, links))
+        device_rows = plan.compose == "torch"
+        sampler.bind(SamplerContext(int(seed), ex.rank, ex.world, links, device_rows))
         undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
         sampler.attach(shard, stored)
         placement.bind(
@@ -296,7 +301,7 @@ def assemble(
         ages = AgeBound(stored, max_policy_age, shard.tiers[0].data.device)
         engine = RoundEngine(
             stored, shard, ex, sampler, placement, moves, (ages, rate_limiter), learners,
-            device, wire_bytes, reduce_numel, sync=mode == "sync",
+            plan, wire_bytes, reduce_numel,
         )  # fmt: skip
         weights = WeightsState()
         versions = PolicyVersions(weights, ex.rank, learners)
@@ -307,7 +312,7 @@ def assemble(
         direct = engine.schedule != "general"
         stager = Stager(
             stored, shard, ex.world, capacity * ex.world, sched, max_lag, timeline, device,
-            versions, local=direct,
+            versions, local=direct, reads=engine.ingest.reads,
         )  # fmt: skip
         clock = RoundClock(stager, weights, versions, sched, timeline, device)
         control = OverlapController(

@@ -10,6 +10,7 @@ from conduit_dist.flow.versions import check_ages, check_max_age
 from conduit_dist.plane.waiting import fetch_records
 from conduit_dist.records.spec import VERSION
 from conduit_dist.sampling.base import RoutesFeedback, WritesRows
+from conduit_dist.syncs import wait_event
 
 
 class Consumer:
@@ -28,6 +29,11 @@ class Consumer:
         # the sampler's capabilities, checked once (isinstance on a protocol costs ~1 us)
         self._reads = isinstance(parts.sampler, WritesRows)
         self._routes = isinstance(parts.sampler, RoutesFeedback)
+        # priority updates given on a GPU (or rehearsing that path on a CPU plane), queued at
+        # the next fetch or flush: no device value is read between a forward and its backward
+        self._later: list[_Later] = []
+        plan = parts.engine.devices
+        self._rehearse = plan.compose == "torch" and plan.device.type == "cpu"
 
     def fetch(
         self,
@@ -74,6 +80,7 @@ class Consumer:
             RateLimitError: held by the rate limiter longer than its ``timeout_s``.
         """
         p = self.p
+        self.queue_later()
         bound = check_max_age("fetch max_policy_age", max_policy_age)
         if not isinstance(wait_s, int | float) or not wait_s >= 0 or wait_s == float("inf"):
             raise ConfigError(f"fetch wait_s: expected a finite number >= 0, got {wait_s!r}")
@@ -127,13 +134,62 @@ class Consumer:
                 "(its draws do not depend on them); build the plane with "
                 "sampler=cd.Prioritized(alpha > 0)"
             )
-        p.sampler.queue_updates(*_check_updates(index, priority))
+        index, priority = _check_updates(index, priority)
+        if index.is_cuda or self._rehearse:
+            self._later.append(_Later(index, priority))
+            return
+        p.sampler.queue_updates(index, priority)
+
+    def queue_later(self) -> None:
+        """Queue the updates given on a GPU since the last call (call at the next fetch, flush
+        or collective call, never between a forward and its backward): their values were copied
+        to pinned memory without blocking, so by now that copy has usually passed (a counted
+        host sync when not); the sampler checks them as it queues them.
+
+        Raises:
+            ConfigError: on NaN, infinite or negative priorities, or foreign addresses, naming
+                them (that update is dropped; the ones given after it stay for the next call).
+        """
+        while self._later:
+            later = self._later.pop(0)
+            index, priority = later.land()
+            try:
+                self.p.sampler.queue_updates(index, priority)
+            except ConfigError as exc:
+                exc.add_note(
+                    "(given to update_priorities on a GPU: checked when queued, at the next "
+                    "fetch or flush; that update was dropped)"
+                )
+                raise
+
+
+class _Later:
+    """Priority updates given on a GPU: addresses and float64 priority bits copied to pinned
+    memory on the caller's stream without blocking, read once the copy's event has passed (a
+    CPU plane rehearsing the device path keeps them as they are, ``rounds.devices``)."""
+
+    def __init__(self, index: torch.Tensor, priority: torch.Tensor) -> None:
+        self.event = None
+        if not index.is_cuda:  # the rehearsal: host tensors, read later the same way
+            self.both = torch.stack([index, priority.to(torch.float64).view(torch.int64)])
+            return
+        bits = priority.to(torch.float64).view(torch.int64)  # CUDA only from here
+        self.both = torch.empty((2, index.numel()), dtype=torch.int64, pin_memory=True)
+        self.both.copy_(torch.stack([index, bits]), non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def land(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index int64, priority float64)`` host tensors, once the copy has landed."""
+        wait_event(self.event, "priority updates")
+        return self.both[0], self.both[1].view(torch.float64)
 
 
 def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
-    """``update_priorities``' arguments as contiguous CPU int64 and floating ``[k]`` tensors
-    (their values are checked by the sampler; the queue converts to float64 in a reused buffer);
-    from one GPU, as float64 in one device-to-host copy.
+    """``update_priorities``' arguments as contiguous int64 and floating ``[k]`` tensors on one
+    device: host tensors (their values are checked by the sampler; the queue converts to float64
+    in a reused buffer), or both on one GPU, left there (copied to the host without blocking by
+    :class:`_Later`); on two devices, moved to the host.
 
     Raises:
         ConfigError: naming the argument, the expected and the received type or shape.
@@ -152,10 +208,6 @@ def _check_updates(index, priority) -> tuple[torch.Tensor, torch.Tensor]:
             f"got {list(priority.shape)}"
         )
     index, priority = index.detach(), priority.detach()
-    if index.device == priority.device and index.device.type != "cpu":
-        # one device-to-host copy (one sync) for both: the float64 priorities ride as raw
-        # int64 bits beside the indices
-        bits = priority.to(torch.float64).view(torch.int64)
-        both = torch.stack([index, bits]).cpu()
-        return both[0].contiguous(), both[1].view(torch.float64).contiguous()
+    if index.device == priority.device and index.is_cuda:
+        return index, priority  # read later, without a sync now (_Later)
     return index.to("cpu").contiguous(), priority.to("cpu").contiguous()

@@ -23,15 +23,18 @@ from conduit_dist.sched import FetchTiming, fetch_timing
 from conduit_dist.tiers import Tiers
 
 
-def _delegate(part: str, method):
+def _delegate(part: str, method, queue_later: bool = False):
     """A ``DataPlane`` method that checks the plane is open, then calls ``method`` on its part
     ``part`` (the part documents it: docstring and signature are ``method``'s), outside
     ``torch.inference_mode`` (a batch fetched in it would otherwise leave inference tensors in
-    the pools that later batches are views of, which autograd refuses to save)."""
+    the pools that later batches are views of, which autograd refuses to save). ``queue_later``:
+    priority updates given on a GPU are queued first (``Consumer.queue_later``)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         self._check_open()
+        if queue_later:
+            self._consumer.queue_later()
         if torch.is_inference_mode_enabled():  # the plane's pooled buffers and their views
             with torch.inference_mode(False):  # outlive the call: made as normal tensors
                 return method(getattr(self, part), *args, **kwargs)
@@ -126,6 +129,10 @@ class DataPlane:
     closed = property(lambda self: self._closed, doc="Whether :meth:`close` has run.")
     stats = property(lambda self: self._p.clock.stats, doc="The latest finished round's stats.")
     schedule = property(lambda s: s._p.engine.schedule, doc="``local``, ``fused`` or ``general``.")
+    device_plan = property(
+        lambda s: s._p.engine.devices,
+        doc="Where tiers, rows and collectives go (``rounds.devices.DevicePlan``).",
+    )
 
     def put(
         self, batch: Mapping[str, torch.Tensor], *, donate: bool = False, version: int | None = None
@@ -165,12 +172,14 @@ class DataPlane:
         (fused schedule, ``sync``; later puts go to the round after). ``ConfigError`` otherwise,
         on an actor, or when a round is in flight already."""
         self._check_open()
+        self._consumer.queue_later()
         self._p.control.fetch_start(batch_size, reduce)
 
     def flush(self) -> None:
         """Take part in a round without fetching (actors, once per iteration after ``put``); in
         ``overlap`` mode it runs in the background. ``RoundError`` if a round failed."""
         self._check_open()
+        self._consumer.queue_later()
         self._p.control.flush()
 
     def wait(self) -> None:
@@ -238,9 +247,9 @@ class DataPlane:
             exc.add_note(f"closing the DataPlane also failed: {failed!r}")
         return False
 
-    state_dict = _delegate("_ckpt", Checkpoints.state_dict)
+    state_dict = _delegate("_ckpt", Checkpoints.state_dict, queue_later=True)
     load_state_dict = _delegate("_ckpt", Checkpoints.load_state_dict)
-    checkpoint = _delegate("_ckpt", Checkpoints.checkpoint)
+    checkpoint = _delegate("_ckpt", Checkpoints.checkpoint, queue_later=True)
     restore = _delegate("_ckpt", Checkpoints.restore)
 
     def _wait_to_insert(self, n: int) -> None:

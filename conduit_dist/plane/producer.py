@@ -43,6 +43,9 @@ class Stager:
         versions: the rank's policy versions (what items are tagged with by default).
         local: items stay on this rank's shard (world size 1, the fused schedule): ``put``
             writes into the rows the shard reserves.
+        reads: ``reads(first, rows)``: told the records ``put`` writes into the shard, with
+            the generation of the first (a device-rows sampler's host copy of a few columns,
+            ``rounds.ingest.Ingest``); ``None``: nobody reads them.
     """
 
     def __init__(
@@ -57,8 +60,10 @@ class Stager:
         device: torch.device,
         versions,
         local: bool = False,
+        reads=None,
     ) -> None:
         self.spec, self.shard, self.sched, self.timeline = spec, shard, sched, timeline
+        self.reads = reads
         # what a producer puts: the stored fields but the "_version" the stager writes itself
         self.user_spec = ExperienceSpec([f for f in spec.fields.values() if not f.reserved])
         self.versions = versions
@@ -154,10 +159,13 @@ class Stager:
         # the storage as it was, the live items it would overwrite and the free rows alike
         self.spec.check_finite(batch)
         at = skip
+        first = self.shard.written + self.direct  # the generation of the batch's first item
         for view in views:
             rows = view.shape[0]
             part = batch if rows == n else {k: v[at : at + rows] for k, v in batch.items()}
             self.spec.pack(part, view, check=False)
+            if self.reads is not None:
+                self.reads(first + at, view)
             at += rows
         self.direct += n
         return True

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from conduit_dist.syncs import wait_event
+
 
 def lasting_empty(*size: int, **kwargs) -> torch.Tensor:
     """``torch.empty`` that makes a normal tensor even inside ``torch.inference_mode()``.
@@ -41,6 +43,9 @@ class RecordBuffer:
         self.count = 0
         self.deferred: list[tuple[int, object]] = []  # (first row, donated batch) to pack later
         self.packed: list[object] = []  # donated batches packed by the current round
+        # CUDA: the event of the round that last read the buffer (its copies out of it, the
+        # packing of donated batches); the buffer is written again only once it has passed
+        self.read_event = None
 
     def _alloc(self, rows: int) -> torch.Tensor:
         return lasting_empty(
@@ -96,7 +101,10 @@ class RecordBuffer:
         self.count = keep
 
     def reset(self) -> None:
-        """Empty the buffer (keeping its memory)."""
+        """Empty the buffer (keeping its memory), once the round that last read it has passed
+        its copies (``read_event``: no host sync when it has, a counted one when not)."""
+        wait_event(self.read_event, "staging reuse")
+        self.read_event = None
         self.count = 0
         self.deferred.clear()
         self.packed.clear()

@@ -3,10 +3,12 @@
 Steps: ``prepare`` -> ``meta`` -> ``plan`` -> ``ingest`` -> ``headers`` (when needed) ->
 ``allocate`` (with the rate limiter's admission) -> ``deliver`` -> ``take`` -> ``weights`` ->
 ``after``, then ``land`` (rows composed on the host move to a CUDA learner). Schedules and the rows
-device, chosen once (``round_devices``): ``local`` (world size 1: no collective), ``fused`` (items
-stay where they were put, host rows: one header exchange carries every rank's meta, payloads,
-candidates and update rows) and ``general`` (meta exchange, plan, ingestion exchange, the header
-exchange when the sampler reports shard values, routes feedback or a payload rides, delivery).
+device, chosen once (``devices.plan_devices``): ``local`` (world size 1: no collective), ``fused``
+(items stay where they were put: one header exchange carries every rank's meta, payloads, update
+rows and, on host rows, candidates) and ``general`` (meta exchange, plan, ingestion exchange, the
+header exchange when the sampler reports shard values, routes feedback or a payload rides,
+delivery). On device rows the headers stay on the host and carry no rows; the rows move in the
+ingestion and exact delivery exchanges, on the rows' device, and a payload is all-reduced there.
 docs/round.md and docs/architecture.md draw and describe each step. Every rank keeps the
 replicated state and runs rounds one at a time, in the same order; a ``RoundTicket`` prepared on
 the thread that owns ``put`` can run on any thread.
@@ -22,7 +24,7 @@ import torch
 
 from conduit_dist.rounds import meta as M
 from conduit_dist.rounds.delivery import Delivery
-from conduit_dist.rounds.devices import round_devices, rows_on_host
+from conduit_dist.rounds.devices import DevicePlan
 from conduit_dist.rounds.headers import HeaderExchange
 from conduit_dist.rounds.ingest import Ingest
 from conduit_dist.rounds.meta import MetaLayout
@@ -30,6 +32,7 @@ from conduit_dist.rounds.state import Replicated
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 from conduit_dist.rounds.wire import Flight, check_payload
 from conduit_dist.sampling.base import (
+    ReadsColumns,
     ReportsMeta,
     RoutesFeedback,
     Speculative,
@@ -53,28 +56,27 @@ class RoundEngine:
         flow: ``(ages, limiter)``: the ``max_policy_age`` guard (``versions.AgeBound``) and the
             rate limiter (or ``None``).
         learners: the learner ranks (the first publishes weights).
-        device: where delivered batches live.
+        plan: where tiers, rows and collectives go (``devices.plan_devices``).
         wire_bytes: bytes of a delivered row.
         reduce_numel: float32 elements of a fetch's ``reduce`` payload (0: none).
-        sync: rounds run on the thread that calls ``fetch`` (``round_devices``).
     """
 
     def __init__(
         self, spec, storage, exchange, sampler, placement, transport, flow,
-        learners: tuple[int, ...], device: torch.device, wire_bytes: int, reduce_numel: int = 0,
-        sync: bool = True,
+        learners: tuple[int, ...], plan: DevicePlan, wire_bytes: int, reduce_numel: int = 0,
     ) -> None:  # fmt: skip
         self.spec, self.storage, self.ex = spec, storage, exchange
         self.sampler, self.placement = sampler, placement
         self.ages, self.limiter = flow
         self.rank, self.world = exchange.rank, exchange.world
+        self.devices, device = plan, plan.device
         self.device, self.wire_bytes, self.reduce_numel = device, wire_bytes, int(reduce_numel)
         self.weights_src = learners[0]
-        self.schedule, self.rows_device = round_devices(
-            self.world, placement.keeps_local, device, storage.tiers[0].data.device,
-            rows_on_host(sampler, self.reduce_numel), sync,
-        )  # fmt: skip
+        self.schedule, self.rows_device = plan.schedule, plan.rows
         rows = self.rows_device
+        # a payload all-reduced by the group on its device (device planes), not in the headers
+        self.allreduce = plan.payload == "allreduce"
+        head_numel = 0 if self.allreduce else self.reduce_numel
         # the sampler's capabilities, checked once (isinstance on a protocol costs ~1 us)
         self._streams, self._takes = isinstance(sampler, Streams), isinstance(sampler, Takes)
         self._tracks = isinstance(sampler, TracksInflow)
@@ -85,7 +87,12 @@ class RoundEngine:
         self.state = Replicated(self.world)  # every shard's size etc., the same on every rank
         self.from_candidates = 0  # rounds whose batches came from the header exchange
         write = sampler.write_rows if isinstance(sampler, WritesRows) else storage.gather
-        self.ingest = Ingest(storage, exchange, transport, spec.record_bytes, rows)
+        # device rows: the sampler keeps a host copy of the few columns its bookkeeping reads
+        reads = sampler.ingested_rows if isinstance(sampler, ReadsColumns) else None
+        self.ingest = Ingest(
+            storage, exchange, transport, spec.record_bytes, rows,
+            reads if sampler.ctx.device_rows else None,
+        )  # fmt: skip
         self.delivery = Delivery(
             sampler, write, exchange, transport, wire_bytes, (rows, device), spec.unpack
         )
@@ -94,21 +101,23 @@ class RoundEngine:
         is_learner = np.zeros(self.world, dtype=bool)
         is_learner[list(learners)] = True
         self.headers = HeaderExchange(
-            exchange, sampler, write, is_learner, self.layout.width, wire_bytes,
-            self.reduce_numel, rows,
+            exchange, sampler, write, is_learner, self.layout.width, wire_bytes, head_numel,
+            torch.device("cpu"), plan.candidates,
         )  # fmt: skip
         # the general schedule's header exchange: after ingestion, for what the sampler reports
-        # of its shard, feedback it routes, or a payload
+        # of its shard, feedback it routes, or a payload riding the headers
         self.late_headers = self.schedule == "general" and (
-            width > 0 or isinstance(sampler, RoutesFeedback) or self.reduce_numel > 0
+            width > 0 or isinstance(sampler, RoutesFeedback) or head_numel > 0
         )
         self._row = np.zeros((1, self.layout.width), dtype=np.int64)  # meta row (reused)
         self._routes: np.ndarray | None = None  # this round's items per destination (routed)
         self._meta_t = torch.from_numpy(self._row[0])
+        self._zeros: torch.Tensor | None = None  # an all-reduced payload of a rank without one
 
     def check_payload(self, t: torch.Tensor) -> None:
-        """Check a fetch's ``reduce`` payload (see ``wire.check_payload``)."""
-        check_payload(t, self.reduce_numel)
+        """Check a fetch's ``reduce`` payload (see ``wire.check_payload``): on the plane's
+        device where it is all-reduced there, else in host memory."""
+        check_payload(t, self.reduce_numel, self.device if self.allreduce else None)
 
     # ------------------------------------------------------------------ running rounds
 
@@ -192,6 +201,7 @@ class RoundEngine:
             stats.flight = (f.launched, end)
         else:
             stats.mark("ingest", f.t0, t1)
+        self.average_payload(t, meta)
         counts = self.allocate(meta[:, M.REQUEST], meta, t.round, stats)
         out = self.deliver(f, counts, t.round, stats, t1)
         self.take(counts)
@@ -203,6 +213,7 @@ class RoundEngine:
         t0 = time.perf_counter()
         meta = self.exchange_meta(t)
         requests = meta[:, M.REQUEST].copy()
+        self.average_payload(t, meta)  # on the device, while the host plans
         self.state.remove(meta[:, M.STALE])
         plan = self.plan(meta, requests)
         n_in = self.ingest.exchange(t, plan, stats)
@@ -266,8 +277,9 @@ class RoundEngine:
             self._routes = self.ingest.route(t, self.sampler.stream_keys, self.placement.route)
         w, routes = t.weights, self._routes if self.routed else None
         staged = t.count + t.direct
+        payload = self.allreduce and t.reduce is not None  # all-reduced: said here, not later
         self.layout.fill(
-            self._row[0], staged, t.request, w.version, w.nbytes, stale, 0, False, (), routes
+            self._row[0], staged, t.request, w.version, w.nbytes, stale, 0, payload, (), routes
         )
         pending = self.ex.all_gather_start(self._meta_t, t.round)
         try:
@@ -277,6 +289,27 @@ class RoundEngine:
         finally:  # a started collective is always completed, even if local set-up failed
             meta = pending.wait()
         return meta.numpy().copy()  # the gather's buffer is reused next round
+
+    def average_payload(self, t: RoundTicket, meta: np.ndarray) -> None:
+        """Device planes: the learners' payloads averaged by one all-reduce on the group, on the
+        payload's device (ranks without a payload add zeros), in place; the same values on
+        every learner. Every rank runs it when any rank has a payload (the meta says)."""
+        if not self.allreduce:
+            return
+        have = int(np.count_nonzero(meta[:, M.PAYLOAD]))
+        if have == 0:
+            return
+        buf = t.reduce
+        if buf is None:  # this rank adds nothing: zeros of the payload's size, reused
+            buf = self._zeros
+            if buf is None:
+                buf = self._zeros = torch.zeros(self.reduce_numel, device=self.device)
+            buf.zero_()
+        else:
+            self.check_payload(buf)
+        self.ex.all_reduce(buf, t.round, "all_reduce(payload)")
+        if t.reduce is not None and have > 1:
+            t.reduce.mul_(1.0 / have)
 
     def plan(self, meta: np.ndarray, requests: np.ndarray) -> np.ndarray:
         """``send[src, dst]`` this round (the same on every rank): the routed counts from the

@@ -34,8 +34,10 @@ class HeaderExchange:
         learners: ``bool [world]`` which ranks fetch.
         head_len: int64 values in a header (``MetaLayout.width``).
         wire_bytes: bytes of a delivered row.
-        reduce_numel: float32 elements of a payload (0: none).
-        device: where the rows live (the host: headers are parsed there).
+        reduce_numel: float32 elements of a payload riding the headers (0: none).
+        device: where the headers live (the host: they are parsed there).
+        candidates: send speculative candidates (host rows only: a device-rows plane's
+            headers carry no rows; its learners get theirs in the exact delivery exchange).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class HeaderExchange:
         wire_bytes: int,
         reduce_numel: int,
         device: torch.device,
+        candidates: bool = True,
     ) -> None:
         self.ex, self.sampler, self.write, self.learners = exchange, sampler, write, learners
         self.rank, world = exchange.rank, exchange.world
@@ -60,7 +63,7 @@ class HeaderExchange:
             device,
             exchange.send_rows,
         )
-        self.speculative = isinstance(sampler, Speculative)
+        self.speculative = candidates and isinstance(sampler, Speculative)
         self.routes = isinstance(sampler, RoutesFeedback)
         # candidate rows [shard, learner] of the next round (sized from this one's)
         self.cand = np.zeros((world, world), dtype=np.int64)

@@ -16,6 +16,7 @@ import torch
 
 from conduit_dist.records.buffers import RecordBuffer
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
+from conduit_dist.syncs import SYNCS
 
 
 class Ingest:
@@ -28,10 +29,16 @@ class Ingest:
         record_bytes: bytes of a stored record.
         device: the round's rows device (staged records are copied there first; the exchange
             runs there, received straight into the shard's slots only when they are on it).
+        reads: ``reads(first, rows)``: told every block of records the shard takes in, with
+            the generation of its first (a device-rows plane's sampler keeps a host copy of the
+            columns its bookkeeping reads: ``ReadsColumns``); host staging is given as it is,
+            so those rows never come back from the device. ``None``: nobody reads them.
     """
 
-    def __init__(self, storage, exchange, transport, record_bytes: int, device) -> None:
-        self.storage, self.transport = storage, transport
+    def __init__(
+        self, storage, exchange, transport, record_bytes: int, device, reads=None
+    ) -> None:
+        self.storage, self.transport, self.reads = storage, transport, reads
         self.rank, self.world = exchange.rank, exchange.world
         self.rb, self.device = record_bytes, device
         self._recv = RecordBuffer(record_bytes, device)
@@ -67,8 +74,22 @@ class Ingest:
         if t.direct:
             self.storage.commit(t.direct)
         if t.count:
+            first = self.storage.written
             self.storage.append(self.staged_rows(t))
+            if self.reads is not None:
+                self._read_staged(t, first)
         return t.count + t.direct
+
+    def _read_staged(self, t: RoundTicket, first: int) -> None:
+        """Tell ``reads`` the staged records just appended from ``first`` (device staging
+        first, then host staging, as :meth:`staged_rows` orders them), from where they were
+        staged."""
+        dev = t.device_staged
+        n_dev = dev.count if dev is not None else 0
+        if n_dev:
+            self.reads(first, dev.view())
+        if t.staged.count:
+            self.reads(first + n_dev, t.staged.view())
 
     def route(self, t: RoundTicket, keys_of, route) -> np.ndarray:
         """Order this round's staged rows by destination (stable: a stream's items keep their
@@ -81,8 +102,15 @@ class Ingest:
         if not t.count:
             self._order = None
             return np.zeros(self.world, dtype=np.int64)
-        rows = self.staged_rows(t)
-        dest = np.asarray(route(self.rank, keys_of(rows).cpu().numpy()), dtype=np.int64)
+        # keys read where the records were staged (host staging: no copy back from the device)
+        dev, parts = t.device_staged, []
+        if dev is not None and dev.count:  # items put from CUDA tensors: their keys come up
+            parts.append(keys_of(dev.view()).cpu())
+            SYNCS.add("stream keys of device puts")
+        if t.staged.count:
+            parts.append(keys_of(t.staged.view()))
+        keys = torch.cat(parts) if len(parts) > 1 else parts[0]
+        dest = np.asarray(route(self.rank, keys.numpy()), dtype=np.int64)
         self._order = torch.from_numpy(np.argsort(dest, kind="stable"))
         return np.bincount(dest, minlength=self.world).astype(np.int64)
 
@@ -101,8 +129,11 @@ class Ingest:
             inp, self._order = out, None
         between = plan.copy()
         np.fill_diagonal(between, 0)
+        first = self.storage.written
         if not between.any():
             self.storage.append(inp)  # every item stays put (known on every rank): no exchange
+            if self.reads is not None:
+                self.reads(first, inp)
             return n_in
         # received straight into the shard's slots only where they are on the rows device
         direct = self.storage.receive(n_in) if self._into_storage else None
@@ -112,4 +143,6 @@ class Ingest:
             self.storage.commit(n_in)
         else:
             self.storage.append(out)
+        if self.reads is not None:
+            self.reads(first, out)
         return n_in

@@ -382,23 +382,31 @@ def candidates(requests: np.ndarray, shares: np.ndarray, learners: np.ndarray) -
     return cand
 
 
-def check_payload(t: torch.Tensor, numel: int) -> None:
+def check_payload(t: torch.Tensor, numel: int, device: torch.device | None = None) -> None:
     """Check a fetch's ``reduce`` payload.
 
+    Args:
+        t: the payload.
+        numel: float32 elements the plane was built for.
+        device: where it must be (``None``: host memory, the headers' payload; a device
+            plane's payload is all-reduced on the plane's device).
+
     Raises:
-        ConfigError: unless it is a contiguous, 4-byte aligned CPU float32 ``[numel]`` tensor
-            that does not require grad and is no inference tensor (or when the plane has no
-            payloads: ``numel == 0``).
+        ConfigError: unless it is a contiguous, 4-byte aligned float32 ``[numel]`` tensor on
+            ``device`` that does not require grad and is no inference tensor (or when the
+            plane has no payloads: ``numel == 0``).
     """
     if numel == 0:
         raise ConfigError("reduce: this plane was built with reduce_numel=0; pass reduce_numel")
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"reduce: expected a torch.Tensor, got {type(t).__name__}")
     # is_cpu and shape[0]: no device or size object built (every round checks its payload)
-    ok = t.is_cpu and t.dtype == torch.float32 and t.dim() == 1 and t.shape[0] == numel
+    where = t.is_cpu if device is None else t.device == device
+    ok = where and t.dtype == torch.float32 and t.dim() == 1 and t.shape[0] == numel
     if not ok or not t.is_contiguous():
+        want = "cpu" if device is None else str(device)
         raise ConfigError(
-            f"reduce: expected a contiguous cpu float32 tensor of shape ({numel},), got "
+            f"reduce: expected a contiguous {want} float32 tensor of shape ({numel},), got "
             f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
         )
     if t.requires_grad:  # averaged in place: autograd forbids it on a tensor that needs grad

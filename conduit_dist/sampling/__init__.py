@@ -3,6 +3,7 @@
 
 from conduit_dist.sampling.base import (
     KeepsItemState,
+    ReadsColumns,
     ReportsMeta,
     RoutesFeedback,
     Sampler,
@@ -25,6 +26,7 @@ __all__ = [
     "KeepsItemState",
     "Lifo",
     "Prioritized",
+    "ReadsColumns",
     "ReportsMeta",
     "RoutesFeedback",
     "Sampler",

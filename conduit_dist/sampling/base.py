@@ -104,12 +104,16 @@ class SamplerContext:
         rank: this shard's rank.
         world: number of shards.
         links: ``[world, world]`` link class index (0 self, 1 host, 2 net).
+        device_rows: the plane's rows live where its storage is, on the GPU (or a CPU plane
+            rehearses that path): a sampler composes rows there from host metadata
+            (``sampling/device_rows.py``) and never reads the rows themselves on the host.
     """
 
     seed: int
     rank: int
     world: int
     links: np.ndarray
+    device_rows: bool = False
 
 
 class Sampler(ABC):
@@ -314,6 +318,19 @@ class TracksInflow(ABC):
     @abstractmethod
     def ingested(self, inflow: np.ndarray) -> None:
         """``[world]`` items each shard took in this round."""
+
+
+class ReadsColumns(ABC):
+    """Reads a few bytes of every new record on the host (a window's ``done``, ``truncated``,
+    ``stream`` and n-step ``reward``). On a device-rows plane the round hands it every block of
+    records it ingests, as it lands in the shard (``sampling/device_rows.ColumnShadow``: host
+    rows copied at once, device rows' columns copied to pinned memory without blocking), so the
+    rows themselves never cross to the host."""
+
+    @abstractmethod
+    def ingested_rows(self, first: int, rows: torch.Tensor) -> None:
+        """The records of generations ``first, first + 1, ...``, as this shard took them in
+        (``uint8 [n, record_bytes]`` on any device; valid only during the call)."""
 
 
 class Streams(ABC):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.records.buffers import FieldPool
+from conduit_dist.records.buffers import FieldPool, Prefixes
 from conduit_dist.records.spec import _native
 from conduit_dist.sampling.base import (
     OWN_KEY,
@@ -51,6 +51,7 @@ from conduit_dist.sampling.base import (
     proportional,
     splitmix_uniform,
 )
+from conduit_dist.sampling.device_rows import put_words
 from conduit_dist.sampling.sequences import Windows
 from conduit_dist.sampling.sumtree import SumTree
 from conduit_dist.sampling.updates import RANK_SHIFT
@@ -142,6 +143,7 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         # a learner's _index and _weight, pooled (read out of the trailers of each batch)
         self._entries = FieldPool([("_index", torch.int64, ()), ("_weight", torch.float32, ())])
         self._draws = torch.empty(256, dtype=torch.int64)
+        self._words = Prefixes(torch.int64, torch.device("cpu"))  # trailer words (device rows)
 
     def _trailer_at(self, spec) -> int:
         """Byte offset of the trailer in a delivered row."""
@@ -211,24 +213,42 @@ class Prioritized(Speculative, ReportsMeta, WritesRows, KeepsItemState, Sampler)
         return gens
 
     def write_rows(self, generations: torch.Tensor, out: torch.Tensor) -> None:
-        """Gather the items and write each row's address and mass into its trailer."""
+        """Gather the items (on the rows' device) and write each row's address and mass into
+        its trailer."""
         self.storage.gather(generations, out)
         self._tag(generations, out)
 
-    def _tag(self, gens: torch.Tensor, out: torch.Tensor) -> None:
-        if gens.numel() == 0:
+    def _tag(self, gens: torch.Tensor, out: torch.Tensor, extra: np.ndarray | None = None) -> None:
+        """Write each row's address and mass (and ``extra`` int64 words after them) into its
+        trailer: natively into host rows of the host path, else as words computed on the host
+        and written where the rows are (``device_rows.put_words``: one upload to a GPU)."""
+        n = gens.numel()
+        if n == 0:
             return
         cap, bits = self.storage.capacity, self.ctx.rank << RANK_SHIFT
-        if _native is not None and out.stride(0) == out.shape[1] and out.stride(1) == 1:
+        if (
+            extra is None
+            and _native is not None
+            and out.is_cpu  # the native loop writes through raw host addresses
+            and not self.ctx.device_rows
+            and out.stride(0) == out.shape[1]
+            and out.stride(1) == 1
+        ):
             gens = gens.contiguous()
             _native.tag_rows(
                 out.data_ptr(), out.shape[1], out.shape[0], self._col * 8, gens.data_ptr(), cap,
                 self.tree.sum.data_ptr(), bits,
             )  # fmt: skip
             return
-        cols, at = out.view(torch.int64), self._col  # rows are 8-byte multiples
-        cols[:, at] = gens | bits
-        cols[:, at + 1] = self.tree.sum[gens % cap].view(torch.int64)
+        g = gens.numpy() if gens.is_cpu else gens.cpu().numpy()
+        width = 2 if extra is None else 2 + extra.shape[1]
+        words = self._words.first(n * width).view(n, width)
+        w = words.numpy()
+        w[:, 0] = g | bits
+        w[:, 1] = self.tree.sum.numpy()[g % cap].view(np.int64)
+        if extra is not None:
+            w[:, 2:] = extra
+        put_words(out, self._col, words)
 
     # ------------------------------------------------------------------ the allocation
 

@@ -34,6 +34,7 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.records.buffers import FieldPool, Prefixes
 from conduit_dist.records.native import NATIVE_MAX_FIELDS
 from conduit_dist.records.spec import _native
+from conduit_dist.sampling.device_rows import ColumnShadow, nstep_values
 
 _EMPTY = -(2**63)  # an empty row of the native stream table (INT64_MIN in seq.c)
 
@@ -144,11 +145,23 @@ class Episodes:
         spec: the stored records' layout.
         storage: the shard (a ``Storage``: ``gather`` by generation).
         gen: the sampler's ``[capacity]`` generation of each leaf (shared, read only here).
+        device_rows: the rows stay where they are stored (a GPU): links are made from a host
+            copy of the few columns they read (``device_rows.ColumnShadow``, filled as items
+            are ingested), and windows are composed by gathers on the rows' device with their
+            n-step values computed on the host (:meth:`compose` returns them).
     """
 
-    def __init__(self, seq: Windows, spec, storage, gen: torch.Tensor) -> None:
+    def __init__(
+        self, seq: Windows, spec, storage, gen: torch.Tensor, device_rows: bool = False
+    ) -> None:
         seq.check(spec)
         self.seq, self.spec, self.storage, self.gen = seq, spec, storage, gen
+        names = [seq.done, *(n for n in (seq.truncated, seq.stream) if n is not None)]
+        if seq.n_step > 1:
+            names.append(seq.reward)
+        self.shadow = ColumnShadow(spec, names, storage.capacity) if device_rows else None
+        # the records linking reads: stored rows, or the shadow's compact ones
+        self._link = self.shadow.link if device_rows else spec
         self._gen_np = gen.numpy()  # the same memory (the sampler never replaces it)
         cap = storage.capacity
         self.prev = torch.full((cap,), -1, dtype=torch.int64)
@@ -168,8 +181,8 @@ class Episodes:
             self._fields = FieldPool(list(zip(names, dtypes, shapes, strict=True)))
         self._scratch: dict[str, Prefixes] = {}  # per-round index work, reused
         self._arrivals: list[np.ndarray] = []  # sources of items not linked yet, in order
-        # the fields linking reads, as (byte offset, kind) in a record for the native loop
-        off = spec.offsets
+        # the fields linking reads, as (byte offset, kind) in a link record for the native loop
+        off = self._link.offsets
         self._off_done = off[seq.done]
         self._off_trunc = off[seq.truncated] if seq.truncated else -1
         self._off_stream, self._kind = -1, 8
@@ -177,7 +190,7 @@ class Episodes:
             dt = spec.fields[seq.stream].dtype
             self._off_stream = off[seq.stream]
             self._kind = 17 if dt == torch.uint8 else dt.itemsize
-        self._off_reward = off[seq.reward] if seq.n_step > 1 else -1
+        self._off_reward = spec.offsets[seq.reward] if seq.n_step > 1 else -1  # stored rows
         # each stream's newest generation: a dict on the torch path; natively an open-address
         # table (source, key, newest) rows, INT64_MIN: empty
         self.last: dict[tuple[int, int], int] = {}
@@ -192,6 +205,8 @@ class Episodes:
         self.term.fill_(False)
         self._arrivals = []
         self.forget_streams()
+        if self.shadow is not None:
+            self.shadow.forget()
 
     def forget_streams(self) -> None:
         """Forget every stream's newest item: the next item of each starts a new stream."""
@@ -259,6 +274,13 @@ class Episodes:
         """Which int64 generations are still stored (their slot holds them)."""
         return (g >= 0) & (self._gen_np[np.maximum(g, 0) % self.storage.capacity] == g)
 
+    def _link_rows(self, gens: torch.Tensor) -> torch.Tensor:
+        """The records linking reads of live generations, in order: stored rows, or on a
+        device-rows plane the shadow's compact host rows (``[n, link record bytes]``)."""
+        if self.shadow is None:
+            return self._gather(gens)
+        return torch.from_numpy(self.shadow.read(gens, self.storage))
+
     def _gather(self, gens: torch.Tensor) -> torch.Tensor:
         """The stored records of live generations, in order (``[n, record_bytes]``)."""
         n = gens.numel()
@@ -276,8 +298,8 @@ class Episodes:
             return self._ingest_native(gens.contiguous())
         cap, seq = self.storage.capacity, self.seq
         leaf = gens % cap
-        rows = self._gather(gens)
-        cols = self.spec.unpack(rows)
+        rows = self._link_rows(gens)
+        cols = self._link.unpack(rows)
         done = cols[seq.done].clone()
         end = done | cols[seq.truncated] if seq.truncated else done
         self.end[leaf], self.term[leaf] = end, done
@@ -315,14 +337,14 @@ class Episodes:
         """:meth:`ingest` in one native pass over the items (``seq_link``), and the starts in
         another (``seq_starts``: :meth:`_starts`; a reused buffer, read before the next round)."""
         n, cap = gens.numel(), self.storage.capacity
-        rows = self._gather(gens)
+        rows = self._link_rows(gens)
         sources = self._sources(n).contiguous()
         if 2 * (self._tab_used + n) > self._tab.shape[0]:
             self._set_streams(self.streams(), n)
         self._tab_used += _native.seq_link(
             self.prev.data_ptr(), self.next.data_ptr(), self.gen.data_ptr(),
             self.end.data_ptr(), self.term.data_ptr(), self.src.data_ptr(), cap,
-            gens.data_ptr(), n, rows.data_ptr(), self.rb, self._off_done, self._off_trunc,
+            gens.data_ptr(), n, rows.data_ptr(), rows.shape[1], self._off_done, self._off_trunc,
             self._off_stream, self._kind, sources.data_ptr(), self._tab.data_ptr(),
             self._tab.shape[0],
         )  # fmt: skip
@@ -404,13 +426,17 @@ class Episodes:
             m += alive
         return out, m
 
-    def compose(self, starts: torch.Tensor, out: torch.Tensor) -> None:
+    def compose(self, starts: torch.Tensor, out: torch.Tensor) -> np.ndarray | None:
         """Write the delivered rows of ``starts`` into ``out`` (``[k, wire_bytes]``) but the
-        address and mass (the sampler's tag)."""
+        address and mass (the sampler's tag). On a device-rows plane the records are gathered
+        where they are stored and the n-step values are returned (``float32 [k, 2]``: return
+        and discount, for the sampler's trailer upload) instead of written; else ``None``."""
         k, L, rb, seq = starts.numel(), self.seq.window, self.rb, self.seq
         if k == 0:
-            return
+            return None if self.shadow is None or seq.n_step == 1 else np.zeros((0, 2), np.float32)
         gens, m = self.windows(starts)
+        if self.shadow is not None:
+            return self._compose_device(starts, gens, m, out)
         rows = self._gather(gens.reshape(-1)).view(k, L, rb)
         if seq.n_step == 1:
             out[:, : L * rb].copy_(rows.reshape(k, L * rb))
@@ -436,6 +462,35 @@ class Episodes:
         vals = out[:, at : at + 8].view(torch.float32)
         vals[:, 0] = ret.float()
         vals[:, 1] = disc.float()
+
+    def _compose_device(
+        self, starts: torch.Tensor, gens: torch.Tensor, m: torch.Tensor, out: torch.Tensor
+    ) -> np.ndarray | None:
+        """:meth:`compose` on a device-rows plane: gathers on the rows' device (the storage's
+        ``gather`` into ``out``'s columns), n-step values from the host shadow and links."""
+        k, L, rb, seq, st = starts.numel(), self.seq.window, self.rb, self.seq, self.storage
+        if seq.n_step == 1:  # slices: the window's records back to back
+            flat = gens.reshape(-1)
+            buf = self._device_rows(out.device, k * L)
+            st.gather(flat, buf)
+            out[:, : L * rb].copy_(buf.view(k, L * rb))
+            return None
+        g, mm = gens.numpy(), m.numpy()
+        last = g[np.arange(k), mm - 1]
+        st.gather(starts, out[:, :rb])  # the start records
+        st.gather(torch.from_numpy(last), out[:, rb : 2 * rb])  # the windows' last records
+        link = self.shadow.read(g.reshape(-1), st)  # [k * L, link bytes], host
+        at = self._link.offsets[seq.reward]
+        rewards = np.ascontiguousarray(link[:, at : at + 4]).view(np.float32).reshape(k, L)
+        terminal = self.term.numpy()[last % st.capacity]
+        return nstep_values(rewards, mm, terminal, float(seq.gamma))
+
+    def _device_rows(self, device: torch.device, n: int) -> torch.Tensor:
+        """``n`` reused scratch records on ``device`` (a slice's gather lands there first)."""
+        buf = self._scratch.get(f"rows:{device}")
+        if buf is None:
+            buf = self._scratch[f"rows:{device}"] = Prefixes(torch.uint8, device, 64 * self.rb)
+        return buf.first(n * self.rb).view(n, self.rb)
 
     def _n_step_outputs(self) -> tuple:
         """``(names, dtypes, shapes, sizes, offsets)`` of what :meth:`unpack` returns of an

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.sampling.base import RoutesFeedback, Streams
+from conduit_dist.sampling.base import ReadsColumns, RoutesFeedback, Streams
 from conduit_dist.sampling.prioritized import Prioritized
 from conduit_dist.sampling.sequences import Episodes
 from conduit_dist.sampling.updates import UpdateQueue, apply_updates
@@ -98,7 +98,7 @@ class RoutedPrioritized(Prioritized, RoutesFeedback):
             self.dropped += sum(int(s["queued"].shape[0] + s["received"].shape[0]) for s in states)
 
 
-class WindowedPrioritized(Prioritized, Streams):
+class WindowedPrioritized(Prioritized, Streams, ReadsColumns):
     """Prioritized (or, with ``alpha = 0``, uniform) draws of windows: slices or n-step."""
 
     def layout(self, spec) -> tuple[object, int]:
@@ -111,7 +111,12 @@ class WindowedPrioritized(Prioritized, Streams):
     def attach(self, storage, spec) -> None:
         """Track ``storage``'s items and their streams."""
         super().attach(storage, spec)
-        self.episodes = Episodes(self.sequence, spec, storage, self._gen)
+        self.episodes = Episodes(self.sequence, spec, storage, self._gen, self.ctx.device_rows)
+
+    def ingested_rows(self, first: int, rows: torch.Tensor) -> None:
+        """On a device-rows plane: keep the host copy of the columns links read."""
+        if self.episodes.shadow is not None:
+            self.episodes.shadow.fill(first, rows)
 
     def _enter(self, gens: np.ndarray, top: float) -> None:
         """A new item becomes a start (drawable) once its window is in."""
@@ -129,9 +134,10 @@ class WindowedPrioritized(Prioritized, Streams):
         self.episodes.arrived(sources)
 
     def write_rows(self, generations: torch.Tensor, out: torch.Tensor) -> None:
-        """Delivered rows of drawn starts: their windows, n-step values, address and mass."""
-        self.episodes.compose(generations, out)
-        self._tag(generations, out)
+        """Delivered rows of drawn starts: their windows, n-step values, address and mass
+        (on a device-rows plane the n-step values travel up with the address and mass)."""
+        vals = self.episodes.compose(generations, out)
+        self._tag(generations, out, None if vals is None else vals.view(np.int64))
 
     def read_rows(self, rows: torch.Tensor, unpack) -> dict[str, torch.Tensor]:
         """Windows' fields (``[B, T, ...]`` or n-step entries) and ``_index``/``_weight``."""

@@ -3,8 +3,8 @@
 Nothing here has a cost formula of its own. A simulated round builds the byte matrices the
 plane's round would move, with the plane's own parts run on simulated shard sizes:
 
-- which schedule: :func:`~conduit_dist.rounds.devices.round_devices` (``fused`` where items stay
-  where they were put, else ``general``);
+- which schedule: :func:`~conduit_dist.rounds.devices.plan_devices` of a CPU plane (``fused``
+  where items stay where they were put, else ``general``);
 - ingestion: the placement's ``plan`` (``round_robin``, ``bandwidth_aware`` with the model bound,
   ``local``);
 - delivery: the sampler's ``allocate`` on the shard sizes after ingestion; on the fused schedule,
@@ -35,7 +35,7 @@ from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement.base import PlacementContext
 from conduit_dist.registry import PLACEMENTS, SAMPLERS, check_choice, check_count
-from conduit_dist.rounds.devices import round_devices
+from conduit_dist.rounds.devices import plan_devices
 from conduit_dist.rounds.meta import MetaLayout
 from conduit_dist.rounds.wire import candidates
 from conduit_dist.sampling.base import SamplerContext, Speculative
@@ -202,7 +202,10 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
     # the full store of the steady state: local keeps items on their producers, others spread
     full = producers if placement.keeps_local else np.ones(world, dtype=bool)
     sizes = np.where(full, cap, 0).astype(np.int64)
-    schedule, _ = round_devices(world, placement.keeps_local, _CPU, _CPU, host_rows=True, sync=True)
+    schedule = plan_devices(
+        device=_CPU, world=world, sampler=sampler, keeps_local=placement.keeps_local,
+        rehearse=False,
+    ).schedule  # fmt: skip
     r = SimRound(world, schedule, backward_s=w.backward_ms * 1e-3, overlap=w.overlap)
     head = MetaLayout().width * 8  # bytes of one rank's meta row / header
     rb = w.row_bytes

@@ -187,6 +187,18 @@ class Tiers:
     gbps: Mapping[str, Sequence[float]] | None = None
     background: bool = True
 
+    def first_device(self, device: torch.device) -> torch.device | None:
+        """Where the first tier's slots would live on a plane on ``device`` (no GPU needed):
+        ``None`` for the default single tier (placed with the rows, ``plan_devices``), ``device``
+        for a ``device`` tier on a CUDA plane, else the host (pinned, host and disk tiers; a
+        ``device`` tier on a CPU plane goes to this rank's GPU, not where rows are composed)."""
+        if not self.tiers:
+            return None
+        kind = str(self.tiers[0][0])
+        if kind == "device":
+            return device if device.type == "cuda" else torch.device("cuda")
+        return torch.device("cpu")
+
     def build(self, capacity: int, record_bytes: int, device: torch.device):
         """This rank's shard (see :func:`make_shard`)."""
         return make_shard(

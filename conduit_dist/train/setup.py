@@ -14,6 +14,8 @@ from conduit_dist.collectives.model import BandwidthModel
 from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane, TransportConfig
 from conduit_dist.records.spec import ExperienceSpec
+from conduit_dist.registry import PLACEMENTS
+from conduit_dist.rounds.devices import DevicePlan, plan_devices
 from conduit_dist.rl.buffers import SimpleBuffer
 from conduit_dist.sampling import Prioritized, Sampler, Windows, WithoutReplacement
 from conduit_dist.tiers import Tiers
@@ -167,14 +169,11 @@ def check_ppo(cfg: TrainConfig) -> None:
 
 
 def grad_sync(cfg: TrainConfig, learners: list[int], dev: torch.device | None = None) -> str:
-    """``algo.grad_sync`` resolved (``none`` with a single learner). ``auto`` is ``round``
-    where the round is one exchange anyway (``local`` placement, on the CPU), else
-    ``all_to_all`` (DDP, on the network's device: NCCL on the GPU).
-
-    On the GPU the flat gradients live on the device, and a payload that rides a round is
-    averaged on the host (the round's header exchange): a device-to-host and a host-to-device
-    copy of the gradients every update, behind a host sync. So ``round`` is refused there, not
-    silently replaced: the device path is DDP (``all_to_all``, ``allreduce`` or ``auto``).
+    """``algo.grad_sync`` resolved (``none`` with a single learner). ``auto`` is ``round`` where
+    the round is one exchange anyway (``local`` placement): the gradients ride the round, on the
+    plane's group (on the host in the header exchange on a CPU plane; all-reduced on the GPU by
+    NCCL on a CUDA plane, so the job uses one communicator). Elsewhere DDP: ``all_to_all`` on
+    the CPU (gloo's latency trick for small buckets), ``allreduce`` on the GPU.
 
     Args:
         cfg: the run config.
@@ -185,26 +184,25 @@ def grad_sync(cfg: TrainConfig, learners: list[int], dev: torch.device | None = 
         ``none``, ``round``, ``all_to_all`` or ``allreduce``.
 
     Raises:
-        ConfigError: on ``round`` where the rounds cannot carry the gradients: they ride the
-            header exchange, parsed on the host, in rounds run inside ``fetch``; naming the
-            settings received and those it needs.
+        ConfigError: on ``round`` where the rounds cannot carry the gradients (a payload is
+            averaged in rounds run inside ``fetch``, of the sharded plane), naming the settings
+            received and those it needs.
     """
     pc = cfg.plane
     if len(learners) < 2:
         return "none"
     where = dev if dev is not None else torch.device(cfg.device)
-    on_cpu = where.type == "cpu"
-    can = pc.kind == "conduit" and on_cpu and pc.schedule in ("sync", "auto")
+    can = pc.kind == "conduit" and pc.schedule in ("sync", "auto")
     if cfg.algo.grad_sync == "auto":
-        return "round" if can and placement(cfg) == "local" else "all_to_all"
+        if can and placement(cfg) == "local":
+            return "round"
+        return "all_to_all" if where.type == "cpu" else "allreduce"
     if cfg.algo.grad_sync == "round" and not can:
         raise ConfigError(
-            "algo.grad_sync: 'round' averages the gradients in the round's header exchange "
-            "(parsed on the host, in rounds run inside fetch; on a GPU the flat gradients "
-            "would cross to the host and back every update): expected plane.kind=conduit, "
-            f"device=cpu and plane.schedule sync (or auto); got kind={pc.kind!r}, "
-            f"device={str(where)!r}, schedule={pc.schedule!r}. On a GPU use "
-            "algo.grad_sync=auto, all_to_all or allreduce (DDP on the device)"
+            "algo.grad_sync: 'round' averages the gradients in the plane's rounds, which run "
+            "inside fetch: expected plane.kind=conduit and plane.schedule sync (or auto); got "
+            f"kind={pc.kind!r}, schedule={pc.schedule!r}. Use algo.grad_sync=auto, all_to_all "
+            "or allreduce (DDP) otherwise"
         )
     return cfg.algo.grad_sync
 
@@ -244,6 +242,40 @@ def early_start(cfg: TrainConfig, grad_sync: str) -> bool:
             "plane.early_start: needs a one-exchange round to start early; got " + ", ".join(bad)
         )
     return not bad
+
+
+def device_plan(cfg: TrainConfig, world: int, dev: torch.device | None = None) -> DevicePlan:
+    """Where the job's ``DataPlane`` puts its tiers, rows and collectives, from the config alone
+    (``rounds.devices.plan_devices``: the function the plane itself calls), with no GPU and no
+    process group: ``device=cuda`` reads as ``cuda:0`` here unless ``dev`` is given.
+
+    Args:
+        cfg: the run config (DQN or PPO; GRPO's token plane has its own transport).
+        world: ranks in the job.
+        dev: the resolved device (default: ``cfg.device``, a bare ``cuda`` as ``cuda:0``).
+
+    Returns:
+        The plan (``DevicePlan``).
+
+    Raises:
+        ConfigError: for ``algo.name=grpo`` (``cd.TokenPlane``), or settings the plane refuses.
+    """
+    if cfg.algo.name == "grpo":
+        raise ConfigError(
+            "device_plan: algo.name=grpo runs a cd.TokenPlane, which has its own transport; "
+            "expected dqn or ppo"
+        )
+    where = dev if dev is not None else torch.device(cfg.device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", 0)
+    learners = learner_ranks(cfg, world)
+    sync = grad_sync(cfg, learners, where) if cfg.algo.name == "dqn" else "none"
+    placed = PLACEMENTS[placement(cfg)]()
+    return plan_devices(
+        device=where, world=world, sampler=sampler(cfg), keeps_local=placed.keeps_local,
+        first_tier=storage(cfg).first_device(where), reduce_numel=1 if sync == "round" else 0,
+        rehearse=False,
+    )  # fmt: skip
 
 
 def bandwidth(cfg: TrainConfig) -> str | BandwidthModel:
