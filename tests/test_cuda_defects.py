@@ -164,3 +164,98 @@ def test_a_rank_that_never_builds_its_plane_fails_start_up_by_name_in_time():
     assert ranks == [1] and "ranks [1] never entered this phase" in msg, msg
     assert "failed on rank 0" in msg and f"timeout {ARRIVAL_S:g}s" in msg, msg
     assert ARRIVAL_S <= waited < ARRIVAL_S + 3.0, (waited, msg)
+
+
+# ------------------------------------------------------------------ 5. room in /dev/shm
+
+
+def test_shared_memory_is_admitted_on_what_every_rank_of_the_host_maps_at_start_up():
+    from conduit_dist.collectives.model.calibration import PROBE_SIZES
+    from conduit_dist.collectives.shm import header_bytes
+    from conduit_dist.collectives.shm_open import MARGIN, room_for, startup_bytes
+
+    largest = max(PROBE_SIZES)
+    for world in (2, 4, 8):
+        # two halves of the largest probe (world - 1 peers' bytes), and the generation before
+        assert startup_bytes(world) > 2 * (header_bytes(world) + (world - 1) * largest)
+    per_rank = startup_bytes(8)
+    assert per_rank == 140 * 2**20 + 256  # 2 x (56 MiB + 14 MiB) and the headers
+    gib = 1 << 30
+    short = room_for(gib, 8, per_rank)  # 8 ranks' probes in a 1 GiB container: refused
+    assert short == (
+        "/dev/shm has 1024.0 MiB free, less than the 1184.0 MiB its 8 ranks need at start-up "
+        "(8 x 140.0 MiB, calibration's largest probe in two generations of a rank's file, + "
+        "64 MiB margin)"
+    ), short
+    assert room_for(8 * per_rank + MARGIN, 8, per_rank) == ""  # exactly enough
+    assert room_for(8 * per_rank + MARGIN - 1, 8, per_rank) != ""
+    assert room_for(gib, 2, startup_bytes(2)) == ""  # two ranks: 40 MiB + the margin
+
+
+def _shm_room(rank: int, world: int, free: int, probe: int, wanted) -> dict[str, object]:
+    """A plane's shared-memory decision where /dev/shm has ``free`` bytes and calibration's
+    largest probe is ``probe`` bytes (neither is this machine's, so it decides alike anywhere)."""
+    import logging
+
+    from conduit_dist.collectives import shm_open
+    from conduit_dist.collectives.exchange import Exchange
+    from conduit_dist.collectives.model import calibration
+
+    shm_open._free_bytes = lambda: free
+    calibration.PROBE_SIZES = (1024, probe)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("conduit_dist").addHandler(handler)
+    logging.getLogger("conduit_dist").setLevel(logging.INFO)
+    try:
+        ex = Exchange(10.0, shared_memory=wanted)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    on = ex.shm is not None
+    ex.close()
+    return {"on": on, "said": said}
+
+
+def test_auto_refuses_a_dev_shm_that_the_ranks_probes_would_overfill():
+    mib = 1 << 20
+    # 600 MiB free passed the old 512 MiB-per-rank check; 2 ranks each holding two halves of
+    # a 256 MiB probe (and the generation before) need far more
+    got = run_ranks(_shm_room, 2, 600 * mib, 256 * mib, "auto")
+    assert not got[0]["on"] and not got[1]["on"], got
+    assert any("/dev/shm has 600.0 MiB free, less than the" in m for m in got[0]["said"]), got
+    roomy = run_ranks(_shm_room, 2, 600 * mib, 1024, "auto")
+    assert roomy[0]["on"] and roomy[1]["on"], roomy
+    required = run_ranks(_shm_room, 2, 600 * mib, 256 * mib, True)
+    for r in required.values():
+        assert r["error"].startswith("transport.shared_memory: /dev/shm has 600.0 MiB free, "), r
+        assert "--shm-size" in r["error"] and "shared_memory=False" in r["error"], r
+
+
+def _probe_growth(rank: int, world: int) -> tuple[int, int]:
+    """The most a rank's files held at once while calibration ran over shared memory (the file
+    it grew to and the one before it), and what :func:`startup_bytes` says."""
+    from conduit_dist.collectives.exchange import Exchange
+    from conduit_dist.collectives.model.calibration import calibrate
+    from conduit_dist.collectives.shm import SharedMemory
+    from conduit_dist.collectives.shm_open import startup_bytes
+    from conduit_dist.collectives.topology import Topology
+
+    grown: list[tuple[int, int]] = []
+    grow = SharedMemory._grow
+
+    def watched(self, need: int) -> None:
+        old = self.cap
+        grow(self, need)
+        grown.append((old, self.cap))
+
+    SharedMemory._grow = watched
+    ex = Exchange(30.0, shared_memory=True)
+    calibrate(ex, Topology.single_host(world), repeats=1)
+    ex.close()
+    return max(2 * (old + new) for old, new in grown), startup_bytes(world)
+
+
+def test_start_up_need_is_what_calibration_grows_a_ranks_file_to():
+    for held, need in run_ranks(_probe_growth, 2, timeout_s=180).values():
+        assert held == need, (held, need)

@@ -278,7 +278,8 @@ def _auto(
         os.environ["GROUP_RANK"] = str(rank)
 
     # more than any /dev/shm has free, or nothing: the decision on every machine, CI's too
-    shm_open.AUTO_MIN_FREE = 0 if room else 1 << 62
+    shm_open.startup_bytes = lambda world: 0
+    shm_open.MARGIN = 0 if room else 1 << 62
     if not native:
         shm_open._native = None
     said = []

@@ -72,6 +72,18 @@ def _offsets(splits: list[int]) -> list[int]:
     return [0, *itertools.accumulate(splits)]
 
 
+def header_bytes(world: int) -> int:
+    """Bytes of a half's header in a group of ``world`` ranks (an int64 offset per destination,
+    rounded up to a cache line)."""
+    return -(-world * 8 // _ALIGN) * _ALIGN
+
+
+def half_bytes(need: int, cap: int) -> int:
+    """The halves of the file a rank makes when an exchange needs ``need`` bytes of a half and
+    its halves hold ``cap`` (twice the old at least, 64 KiB at least, cache-line aligned)."""
+    return -(-max(need, 2 * cap, 1 << 16) // _ALIGN) * _ALIGN
+
+
 def _row_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size() // t.shape[0] if t.dim() and t.shape[0] else 0
 
@@ -149,7 +161,7 @@ class SharedMemory:
         self._ctl_addr = self._ctl.data_ptr()
         # slot r's gen[k]: [r * 8 + 1 + k]; its arrival time at[k]: [r * 8 + 3 + k]
         self._ctl_gens = self._ctl.numpy().view(np.int64)
-        self.head = -(-world * 8 // _ALIGN) * _ALIGN  # a half's header: byte offsets
+        self.head = header_bytes(world)  # a half's header: byte offsets
         self.cap = 0  # bytes in each half of this rank's file
         self.gen = 0  # this rank's file generation (0: none yet)
         self._mine: torch.Tensor | None = None
@@ -178,7 +190,7 @@ class SharedMemory:
         Raises:
             ConfigError: if ``/dev/shm`` cannot hold it (nothing is left of the new file).
         """
-        cap = -(-max(need, 2 * self.cap, 1 << 16) // _ALIGN) * _ALIGN
+        cap = half_bytes(need, self.cap)
         path = self.path(self.rank, self.gen + 1)
         try:
             fd = create(path, 2 * cap)  # a full /dev/shm fails here, not in a write

@@ -15,17 +15,24 @@ import socket
 import torch
 import torch.distributed as dist
 
-from conduit_dist.collectives.shm import _SLOT, SHM_DIR, SharedMemory, _map, create
+from conduit_dist.collectives.shm import (
+    _ALIGN,
+    _SLOT,
+    SHM_DIR,
+    SharedMemory,
+    _map,
+    create,
+    half_bytes,
+    header_bytes,
+)
 from conduit_dist.errors import ConfigError
 from conduit_dist.records.native import _native
 
 log = logging.getLogger("conduit_dist")
 
-AUTO_MIN_FREE = 512 << 20
-"""``"auto"`` turns shared memory on only where ``/dev/shm`` has this much free, as every rank
-sees it (ranks of one host share one ``/dev/shm``). A plane's files then hold, per rank, two
-halves of its largest exchange so far: an exchange that does not fit later fails naming the
-rank (``shared_memory=False`` avoids it)."""
+MARGIN = 64 << 20
+"""Bytes of ``/dev/shm`` left to others beyond what the ranks need at start-up (NCCL's
+intra-node buffers, data loader workers' tensors)."""
 
 _CODES = {False: 1, True: 2, "auto": 3}  # a rank's setting in the agreement (0: not heard)
 
@@ -45,13 +52,14 @@ def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
     ``True`` checks that every rank sees rank 0's ``/dev/shm``; ``"auto"`` turns it on only
     where every rank does, all are on one host by the topology's host keys
     (``topology.host_key``: emulated hosts sharing one ``/dev/shm`` stay apart), every rank's
-    native extension has the barrier and ``/dev/shm`` has :data:`AUTO_MIN_FREE` bytes free for
-    every rank, and otherwise says why once (rank 0, ``INFO``).
+    native extension has the barrier and ``/dev/shm`` has room for what all its ranks map at
+    start-up (:func:`room_for`), and otherwise says why once (rank 0, ``INFO``).
 
     Raises:
         ConfigError: naming the ranks whose setting differs from the others'; with ``True``, the
             ranks that do not see rank 0's ``/dev/shm`` (another host, another container or
-            user), or whose native extension lacks the barrier.
+            user), or whose native extension lacks the barrier, or a ``/dev/shm`` without room
+            (naming the bytes needed and free).
     """
     # [rank]: the setting's code; [world + rank]: 1 where the native barrier is there
     asked = torch.zeros(2 * ex.world, dtype=torch.int64)
@@ -135,6 +143,8 @@ def _judge(w: int, auto: bool, flags: list[int], bad_key: str, unseen: str) -> s
     """
     missing = [r for r in range(w) if not flags[r]]
     keys = flags[2 * w :]
+    # every rank sees rank 0's /dev/shm where it is used: all w ranks share it
+    short = room_for(min(flags[w : 2 * w]), w, startup_bytes(w))
     malformed = [r for r in range(w) if keys[r] < 0]
     if malformed:  # the same error on every rank, not one raising and the rest timing out
         raise ConfigError(
@@ -148,28 +158,80 @@ def _judge(w: int, auto: bool, flags: list[int], bad_key: str, unseen: str) -> s
             "shared_memory=False for planes across hosts"
         )
     if not auto:
+        if short:
+            raise ConfigError(
+                f"transport.shared_memory: {short}; make {SHM_DIR} larger (docker: "
+                "--shm-size) or set shared_memory=False"
+            )
         return ""
-    low = [r for r in range(w) if flags[w + r] < AUTO_MIN_FREE >> 20]
     apart = [r for r in range(w) if keys[r] != keys[0]]
     if missing:
         return f"ranks {missing} do not see rank 0's {SHM_DIR} (several hosts or containers)"
     if apart:
         return f"ranks {apart} are on other hosts than rank 0 (topology host keys)"
-    if low:
-        most = max(flags[w + r] for r in low)
-        return f"{SHM_DIR} has {most} MiB free, less than {AUTO_MIN_FREE >> 20} MiB"
-    return ""
+    return short
+
+
+def startup_bytes(world: int) -> int:
+    """Bytes of ``/dev/shm`` one rank of ``world`` holds at most during start-up: calibration's
+    largest probe (``model.calibration``: each rank sends ``max(PROBE_SIZES)`` bytes to each
+    of its ``world - 1`` peers through shared memory in the uniform pattern) in the two halves
+    of its file, while the generation before it is still mapped by the peers (a new file is
+    made, at the exchange that needs it, before they map it and let go of the old one).
+
+    Args:
+        world: the ranks of the plane.
+
+    Returns:
+        The bytes of the largest two generations of one rank's file, as :meth:`SharedMemory.start`
+        grows them through the probe sizes.
+    """
+    from conduit_dist.collectives.model.calibration import PROBE_SIZES  # (imports exchange)
+
+    cap = peak = 0
+    for size in sorted(PROBE_SIZES):
+        need = header_bytes(world) + (world - 1) * (-(-size // _ALIGN) * _ALIGN)
+        if need > cap:
+            old, cap = cap, half_bytes(need, cap)
+            peak = max(peak, 2 * (cap + old))
+    return peak
+
+
+def room_for(free: int, ranks: int, per_rank: int) -> str:
+    """Whether ``/dev/shm`` can hold what its ranks map at start-up: ``ranks`` times
+    ``per_rank`` plus :data:`MARGIN`.
+
+    Args:
+        free: bytes free in ``/dev/shm`` (the least any rank saw).
+        ranks: the ranks sharing it (the plane's: every rank sees rank 0's where it is used).
+        per_rank: what one rank maps at most (:func:`startup_bytes`).
+
+    Returns:
+        ``""`` where it fits, else why not, naming the bytes needed and free.
+
+    Example::
+
+        room_for(1 << 30, 8, startup_bytes(8))  # "/dev/shm has 1024.0 MiB free, ..."
+    """
+    need = ranks * per_rank + MARGIN
+    if free >= need:
+        return ""
+    return (
+        f"{SHM_DIR} has {free / 2**20:.1f} MiB free, less than the {need / 2**20:.1f} MiB its "
+        f"{ranks} ranks need at start-up ({ranks} x {per_rank / 2**20:.1f} MiB, calibration's "
+        f"largest probe in two generations of a rank's file, + {MARGIN >> 20} MiB margin)"
+    )
 
 
 def _probe(ex, seen: bool) -> tuple[list[int], str]:
     """Every rank's view, all-reduced: ``[rank]`` 1 where it sees the control file, ``[world +
-    rank]`` MiB free in its ``/dev/shm``, ``[2 world + rank]`` its host key, hashed (-1: its node
-    index variable is malformed; this rank's error is returned beside)."""
+    rank]`` bytes free in its ``/dev/shm``, ``[2 world + rank]`` its host key, hashed (-1: its
+    node index variable is malformed; this rank's error is returned beside)."""
     from conduit_dist.collectives.topology import host_key  # (topology imports the exchange)
 
     flags = torch.zeros(3 * ex.world, dtype=torch.int64)
     flags[ex.rank] = int(seen)
-    flags[ex.world + ex.rank] = _free_bytes() >> 20
+    flags[ex.world + ex.rank] = _free_bytes()
     bad = ""
     try:
         key = host_key(os.environ, socket.gethostname()).encode()
