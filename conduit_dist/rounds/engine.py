@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from conduit_dist.rounds import meta as M
 from conduit_dist.rounds.delivery import Delivery
@@ -307,7 +308,11 @@ class RoundEngine:
             buf.zero_()
         else:
             self.check_payload(buf)
-        self.ex.all_reduce(buf, t.round, "all_reduce(payload)")
+        group = self.ex.group
+        self.ex.run(
+            lambda: dist.all_reduce(buf, group=group, async_op=True), "all_reduce(payload)",
+            t.round, cuda=buf.is_cuda,
+        )  # fmt: skip
         if t.reduce is not None and have > 1:
             t.reduce.mul_(1.0 / have)
 
