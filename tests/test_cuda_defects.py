@@ -259,3 +259,55 @@ def _probe_growth(rank: int, world: int) -> tuple[int, int]:
 def test_start_up_need_is_what_calibration_grows_a_ranks_file_to():
     for held, need in run_ranks(_probe_growth, 2, timeout_s=180).values():
         assert held == need, (held, need)
+
+
+# ------------------------------------------------------------------ 6. state dicts nobody changes
+
+
+def _leaves(x, key: str = "") -> dict[str, object]:
+    """A state dict's leaves by path (tensors as they are: not copied)."""
+    if isinstance(x, dict):
+        return {k: v for n, y in x.items() for k, v in _leaves(y, f"{key}/{n}").items()}
+    if isinstance(x, list | tuple):
+        return {k: v for n, y in enumerate(x) for k, v in _leaves(y, f"{key}/{n}").items()}
+    return {key: x}
+
+
+def _state_kept(rank: int, world: int, tiered: bool, disk_dir: str) -> list[str]:
+    """Take a plane's state, then run rounds that overwrite every slot and every priority:
+    the paths of the state's tensors that changed meanwhile."""
+    import copy
+
+    import conduit_dist as cd
+
+    spec = cd.ExperienceSpec.from_batch({"id": torch.zeros(1, dtype=torch.int64)})
+    storage = (
+        cd.Tiers([("host", 8), ("disk", 24)], disk_dir=f"{disk_dir}/{rank}") if tiered else None
+    )
+    plane = cd.DataPlane(
+        spec, 32, seed=1, schedule="sync", sampler=cd.Prioritized(0.6, 0.4, 0.0), storage=storage
+    )
+
+    def rounds(first: int, n: int) -> None:
+        for it in range(first, first + n):
+            ids = torch.arange(8) + 1000 * it + 100_000 * rank
+            plane.put({"id": ids})
+            batch = plane.fetch(8)
+            plane.update_priorities(batch["_index"], torch.rand(8) + it)
+
+    rounds(0, 6)  # the shard is full
+    state = plane.state_dict()
+    kept = copy.deepcopy(state)  # a clone taken at the same time
+    rounds(6, 8)  # every slot is overwritten, every priority changes
+    plane.close()
+    got, want = _leaves(state), _leaves(kept)
+    assert got.keys() == want.keys()
+    tensors = [k for k, v in want.items() if isinstance(v, torch.Tensor)]
+    assert any(k.endswith("/data") for k in tensors), tensors  # the items are in it
+    return [k for k in tensors if not torch.equal(got[k], want[k])]
+
+
+def test_a_planes_state_dict_is_not_changed_by_later_rounds(tmp_path):
+    for tiered in (False, True):
+        for rank, changed in run_ranks(_state_kept, 2, tiered, str(tmp_path)).items():
+            assert changed == [], (tiered, rank, changed)

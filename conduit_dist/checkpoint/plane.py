@@ -60,6 +60,10 @@ class Checkpoints:
         dicts: ``torch.load(..., weights_only=True)`` loads it). Not collective: it waits for a
         running round, whose batch stays for its fetch; call it at the same point on every rank.
 
+        Every tensor in it is a copy, the store's items included (a CUDA tier's on its device, a
+        disk tier's in host memory): later rounds do not change it. For a store too large to
+        copy, :meth:`checkpoint` writes the items from a copy-on-write snapshot instead.
+
         Raises:
             RuntimeError: if items were put since the last round.
         """

@@ -226,8 +226,11 @@ class Tier:
         dst.copy_(records, non_blocking=dst.is_cuda)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The tier's contents."""
-        return {"data": self.data}
+        """A copy of the tier's contents (on the tier's device, ordered on the current stream
+        for a CUDA tier): later rounds, which overwrite the slots, do not change it. A disk
+        tier's is copied into host memory (checkpoints write items from the slots instead,
+        ``checkpoint/snapshot.py``, without calling this)."""
+        return {"data": self.data.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore contents saved by :meth:`state_dict` (same slots and record size).
@@ -384,7 +387,8 @@ class Storage(ABC):
 
     @abstractmethod
     def state_dict(self) -> dict[str, object]:
-        """Positions, counters and every tier's contents."""
+        """Positions, counters and a copy of every tier's contents (later rounds change none
+        of it)."""
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, object]) -> None:

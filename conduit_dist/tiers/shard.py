@@ -137,7 +137,7 @@ class Shard(Storage):
         self.written, self.size, self.taken, self.retracted, self.base = base, 0, 0, 0, base
 
     def state_dict(self) -> dict[str, object]:
-        """Size, counters and the tier's contents."""
+        """Size, counters and a copy of the tier's contents (:meth:`Tier.state_dict`)."""
         return {
             "size": self.size,
             "written": self.written,

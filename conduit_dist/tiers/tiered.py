@@ -334,7 +334,8 @@ class TieredShard(Storage):
         }
 
     def state_dict(self) -> dict[str, object]:
-        """Ring positions, counters and every tier's contents."""
+        """Ring positions, counters and a copy of every tier's contents
+        (:meth:`Tier.state_dict`)."""
         self.settle()
         return {
             "rings": [
