@@ -311,3 +311,46 @@ def test_a_planes_state_dict_is_not_changed_by_later_rounds(tmp_path):
     for tiered in (False, True):
         for rank, changed in run_ranks(_state_kept, 2, tiered, str(tmp_path)).items():
             assert changed == [], (tiered, rank, changed)
+
+
+# ------------------------------------------------------------------ 7. the gradients' collective
+
+
+def test_auto_grad_sync_keeps_the_all_to_all_trick_for_gloo_and_all_reduces_on_nccl():
+    from conduit_dist.collectives.dist import backend_for
+    from conduit_dist.rl.grad_sync import SMALL_BUCKET_BYTES, bucket_collective
+
+    mixed = "cpu:gloo,cuda:nccl"
+    assert backend_for(mixed, cuda=True) == "nccl" and backend_for(mixed, cuda=False) == "gloo"
+    assert backend_for("gloo", cuda=True) == backend_for("gloo", cuda=False) == "gloo"
+    assert backend_for("cpu:gloo,cuda:gloo", cuda=True) == "gloo"
+    small, large = 69_000, SMALL_BUCKET_BYTES + 1
+    assert bucket_collective("auto", small, "gloo") == "all_to_all"  # the latency trick
+    assert bucket_collective("auto", SMALL_BUCKET_BYTES, "gloo") == "all_to_all"
+    assert bucket_collective("auto", large, "gloo") == "all_reduce"
+    for n in (small, large):
+        assert bucket_collective("auto", n, backend_for(mixed, cuda=True)) == "all_reduce"
+        assert bucket_collective("allreduce", n, "gloo") == "all_reduce"
+        assert bucket_collective("all_to_all", n, "nccl") == "all_to_all"  # asked for
+
+
+def _grad_means(rank: int, world: int) -> dict[str, bool]:
+    """Each mode and bucket size on a real gloo group averages to the mean of the ranks'."""
+    import torch.distributed as dist
+
+    from conduit_dist.rl.grad_sync import SMALL_BUCKET_BYTES, GradSync
+
+    out = {}
+    for mode in ("auto", "allreduce", "all_to_all"):
+        sync = GradSync(dist.group.WORLD, mode)
+        for n in (17_000, SMALL_BUCKET_BYTES // 4 + 1):  # float32: within and past the limit
+            buf = torch.arange(n, dtype=torch.float32) + rank
+            got = sync.reduce(buf).wait()
+            want = torch.arange(n, dtype=torch.float32) + (world - 1) / 2
+            out[f"{mode}/{n}"] = bool(torch.allclose(got, want))
+    return out
+
+
+def test_grad_sync_averages_every_bucket_on_gloo():
+    for rank, got in run_ranks(_grad_means, 2).items():
+        assert all(got.values()), (rank, got)

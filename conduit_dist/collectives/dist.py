@@ -357,9 +357,25 @@ def backends_of(group_backend: str) -> set[str]:
 def cuda_backend_of(group_backend: str) -> str:
     """The backend that carries a group's CUDA tensors: the one named for ``cuda``
     (``"cpu:gloo,cuda:nccl"``: nccl), else the group's only one (``"gloo"``: gloo)."""
+    return backend_for(group_backend, cuda=True)
+
+
+def backend_for(group_backend: str, cuda: bool) -> str:
+    """The backend that carries a group's CUDA tensors (``cuda``) or host tensors: the one named
+    for that device type (``"cpu:gloo,cuda:nccl"``: nccl for CUDA, gloo for the host), else the
+    group's last one (``"gloo"``: gloo).
+
+    Args:
+        group_backend: the group's backend string (``str(dist.get_backend(group))``).
+        cuda: whether the tensors are on the GPU.
+
+    Returns:
+        A backend name, e.g. ``"gloo"`` or ``"nccl"``.
+    """
+    kind = "cuda" if cuda else "cpu"
     parts = [part.split(":") for part in group_backend.split(",") if part]
     for part in parts:
-        if len(part) == 2 and part[0] == "cuda":
+        if len(part) == 2 and part[0] == kind:
             return part[1]
     return parts[-1][-1]
 
