@@ -154,6 +154,9 @@ def test_a_pooled_host_buffer_waits_for_the_copy_that_read_it():
     waited = []
 
     class Event:
+        def query(self):
+            return False  # the copy has not run yet: the pool waits for it
+
         def synchronize(self):
             waited.append(True)
 
@@ -171,7 +174,6 @@ def test_a_started_round_runs_both_halves_on_the_side_stream(monkeypatch):
     tier, the header launch) is enqueued on the round's side stream, after the ticket's event,
     like its finish: on the consumer's stream the finish's gathers and its end event would not
     be ordered after those copies. Fake stream and events stand for CUDA's here."""
-    from types import SimpleNamespace
 
     from conduit_dist.rounds.tickets import RoundStats, RoundTicket
     from conduit_dist.sched.scheduler import Scheduler
@@ -183,6 +185,9 @@ def test_a_started_round_runs_both_halves_on_the_side_stream(monkeypatch):
 
         def wait_event(self, event):
             seen.append(("wait", event))
+
+        def record_event(self):
+            return "done"
 
     side = Stream()
 
@@ -204,7 +209,6 @@ def test_a_started_round_runs_both_halves_on_the_side_stream(monkeypatch):
             pass
 
     class Engine:
-        delivery = SimpleNamespace(outputs=SimpleNamespace(consumer=None))
 
         def start(self, ticket, weights):
             seen.append(("start", side.current))

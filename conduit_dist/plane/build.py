@@ -305,7 +305,7 @@ def assemble(
         )  # fmt: skip
         weights = WeightsState()
         versions = PolicyVersions(weights, ex.rank, learners)
-        sched = Scheduler(mode, engine, weights, device, transport.timeout_s)
+        sched = Scheduler(mode, engine, weights, device, transport.timeout_s, plan.round_thread)
         undo.callback(sched.close, True)
         timeline = Timeline(ex.rank, enabled=trace)
         # items that stay where they were put are written into the shard's slots by put

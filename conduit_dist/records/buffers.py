@@ -188,13 +188,17 @@ class Pooled:
     """One pooled buffer, the field views built once for it (or its numpy view: host
     buffers read by numpy), and its idle storage use count."""
 
-    __slots__ = ("array", "buf", "idle", "read", "views")
+    __slots__ = ("array", "buf", "fresh", "idle", "read", "released", "views")
 
     def __init__(self, buf: torch.Tensor, array: np.ndarray | None = None) -> None:
         self.buf, self.views, self.array = buf, None, array
         # just allocated: nothing else holds it yet (``array``, a reference of its own, counted)
         self.idle = use_count(buf)
         self.read = None  # pinned host buffers: the CUDA event of the last copy reading them
+        # CUDA buffers handed out: the event on the consumer's stream after which no kernel
+        # reads it (OutputPool.release_point); None: not released since it was handed out
+        self.released = None
+        self.fresh = True  # never handed out: no kernel of the consumer ever read it
 
     def free(self) -> bool:
         """Nobody outside the pool holds a tensor on the buffer's storage (every tensor handed
@@ -235,10 +239,14 @@ class OutputPool:
     own tensor on it). Where torch does not expose use counts, every batch gets a fresh buffer
     (correct, slower). The buffer itself never leaves the plane.
 
-    On CUDA a reused buffer is written by the round's side stream: before that, the side stream
-    waits for everything the consumer's stream had enqueued (``wait_stream``), so a kernel still
-    reading the previous batch finishes first. ``record_stream`` would not help here: it guards
-    memory the caching allocator frees, and the pool never frees.
+    On CUDA a reused buffer is written by the round's side stream, so every kernel that read its
+    previous batch must come first. The consumer's thread calls :meth:`release_point` whenever a
+    round is prepared: each buffer nobody holds at that moment gets an event recorded on the
+    consumer's current stream (every kernel the caller enqueued while it held the buffer is
+    before it), and only a buffer with such an event is handed to a round again, whose side
+    stream waits for that event, not for the whole consumer stream (a backward running on it
+    would otherwise hold the round's copies back). ``record_stream`` would not help here: it
+    guards memory the caching allocator frees, and the pool never frees.
 
     A pinned host pool (rows composed on the host for a CUDA learner, see
     ``rounds.delivery.Landing``) is written by the host: a buffer is handed out again only after
@@ -260,7 +268,9 @@ class OutputPool:
         self.pin_memory = pin_memory
         self._pool: list[Pooled] = []
         self._empty: torch.Tensor | None = None
-        self.consumer = None  # the consumer's CUDA stream, set by the round that acquires
+        self._cuda = torch.device(device).type == "cuda"
+        if self._cuda:  # the batch held, the one being handed out, one released, one spare
+            self.size = max(size, 4)
 
     def acquire(self, rows: int) -> torch.Tensor:
         """A ``[rows, record_bytes]`` buffer nobody else references."""
@@ -272,10 +282,14 @@ class OutputPool:
             return self._empty
         for e in self._pool:
             if e.buf.shape[0] >= rows and e.free():
-                if self.consumer is not None:  # the consumer's kernels on it come first
-                    torch.cuda.current_stream(self.device).wait_stream(self.consumer)
+                if self._cuda:  # CUDA only: after the consumer's last kernels on it
+                    if e.released is None and not e.fresh:
+                        continue  # not released at a release point yet: someone may read it
+                    if e.released is not None:
+                        torch.cuda.current_stream(self.device).wait_event(e.released)
+                    e.released, e.fresh = None, False
                 if e.read is not None:  # the host writes it next: the last copy out is done
-                    e.read.synchronize()
+                    wait_event(e.read, "pinned delivery reuse")
                     e.read = None
                 return e.buf if e.buf.shape[0] == rows else e.buf[:rows]
         buf = lasting_empty(
@@ -283,8 +297,23 @@ class OutputPool:
             pin_memory=self.pin_memory,
         )  # fmt: skip
         if use_count(buf) is not None:
-            keep(self._pool, Pooled(buf), self.size)
+            entry = Pooled(buf)
+            entry.fresh = False  # handed out now
+            keep(self._pool, entry, self.size)
         return buf
+
+    def release_point(self) -> None:
+        """CUDA, on the consumer's thread: every pooled buffer nobody holds now gets an event on
+        the consumer's current stream (one event for all), after which it may be written again
+        (see the class docstring); nothing on the host."""
+        if not self._cuda:
+            return
+        event = None
+        for e in self._pool:
+            if e.released is None and not e.fresh and e.free():
+                if event is None:
+                    event = torch.cuda.current_stream(self.device).record_event()
+                e.released = event
 
     def read_by(self, records: torch.Tensor, event) -> None:
         """A device copy (finished when ``event`` is) reads the pooled buffer ``records`` is

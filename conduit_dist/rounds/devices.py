@@ -61,7 +61,7 @@ class DevicePlan:
         nccl: an NCCL communicator is built (and warmed) for the plane: only where rows or a
             payload go through it.
         round_thread: every round runs on the plane's round thread, in both schedules, so one
-            thread enqueues the plane's NCCL work.
+            thread enqueues the plane's NCCL work (and the device-rows rehearsal's rounds).
         why: one line saying why rows are where they are.
     """
 
@@ -157,6 +157,6 @@ def plan_devices(
         candidates=isinstance(sampler, Speculative) and not device_path,
         payload=payload,
         nccl=nccl,
-        round_thread=nccl,
+        round_thread=nccl or (rehearse and world > 1),  # the rehearsal runs that path too
         why=why,
     )

@@ -16,6 +16,7 @@ the thread that owns ``put`` can run on any thread.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -126,6 +127,7 @@ class RoundEngine:
         """Run the round; returns this rank's delivered rows (``[n, wire_bytes]``) and stats."""
         cpu0 = time.thread_time()
         stats = RoundStats(round=t.round, newest=t.newest, newest_before=t.newest_before)
+        stats.thread = threading.current_thread().name
         if self.schedule == "local":
             out = self._local(t, stats)
         elif self.schedule == "fused":
@@ -205,6 +207,8 @@ class RoundEngine:
         self.average_payload(t, meta)
         counts = self.allocate(meta[:, M.REQUEST], meta, t.round, stats)
         out = self.deliver(f, counts, t.round, stats, t1)
+        if t.enqueued is not None:  # its NCCL work is enqueued: a waiting backward goes on
+            t.enqueued.set()
         self.take(counts)
         self.broadcast_weights(meta, t, weights, stats)
         return out
@@ -229,6 +233,8 @@ class RoundEngine:
         stats.mark("ingest", t0, t1)
         counts = self.allocate(requests, meta, t.round, stats)
         out = self.deliver(f, counts, t.round, stats, t1)
+        if t.enqueued is not None:  # its NCCL work is enqueued: a waiting backward goes on
+            t.enqueued.set()
         self.take(counts)
         self.broadcast_weights(meta, t, weights, stats)
         return out

@@ -3,6 +3,7 @@ prepared) and :class:`RoundStats` (filled in as it runs)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -41,6 +42,12 @@ class RoundStats:
     cpu_ms: float = 0.0
     """CPU time of the thread that ran the round (``time.thread_time``; gloo's own threads,
     which move the bytes, are not in it)."""
+    thread: str = ""
+    """The thread that ran the round (``conduit-round...``: the plane's round thread)."""
+    gate_ms: float = 0.0
+    """A round launched at backward on a plane whose rows go by NCCL: how long the backward
+    hook waited until the round's NCCL work was enqueued (so it precedes the backward's own
+    collectives, e.g. DDP's, in the same order on every rank)."""
     items_in: int = 0
     items_out: int = 0
     """Items this shard received, and this rank was delivered."""
@@ -78,6 +85,7 @@ class RoundStats:
         d.pop("spans")
         d.pop("moves")
         d.pop("sent")
+        d.pop("thread")
         return {**d, "total_ms": self.total_ms}
 
 
@@ -91,11 +99,32 @@ class RoundTicket:
     direct: int
     weights: WeightsSnapshot
     device_staged: RecordBuffer | None = None  # CUDA: items put from GPU tensors
-    ready: object = None  # CUDA: event on the consumer's stream when the round was prepared
-    consumer: object = None  # CUDA: the consumer's stream
+    # CUDA: an event on the consumer's stream when the round was prepared, recorded only where
+    # the round reads what that stream wrote (device staging, donated CUDA tensors, rows put
+    # into device slots, a device payload); the round's side stream waits for it
+    ready: object = None
     reduce: torch.Tensor | None = None  # float32 [reduce_numel]: averaged over learners in place
     newest: int = 0  # the newest policy version this rank knew (max_policy_age's reference)
     newest_before: int = 0  # ``newest`` of this rank's previous ticket
+    # set once the round's NCCL work is enqueued (or it ended): a backward hook that launched
+    # it waits for that, so the plane's NCCL calls precede the backward's own on every rank
+    enqueued: threading.Event | None = None
+    gate_ms: float = 0.0  # how long that wait took
+
+    def buffers(self) -> tuple[RecordBuffer, ...]:
+        """The staging buffers the round reads."""
+        return tuple(b for b in (self.staged, self.device_staged) if b is not None)
+
+    def writes_on_device(self) -> bool:
+        """Whether the round reads what the consumer's CUDA stream wrote: device staging, a
+        donated batch of CUDA tensors, a CUDA payload (rows put into device slots are checked
+        by the caller, which knows the slots' device)."""
+        dev = self.device_staged
+        if dev is not None and dev.count:
+            return True
+        if self.reduce is not None and self.reduce.is_cuda:
+            return True
+        return any(t.is_cuda for _, b in self.staged.deferred for t in b.values())
 
     @property
     def count(self) -> int:

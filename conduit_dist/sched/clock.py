@@ -53,12 +53,21 @@ class RoundClock:
         ticket.reduce = reduce
         ticket.newest = self.versions.newest
         ticket.newest_before, self._newest = self._newest, ticket.newest
-        if self.cuda is not None:  # the round's stream starts after what the consumer enqueued
-            ticket.consumer = torch.cuda.current_stream(self.cuda)
-            ticket.ready = torch.cuda.Event()
-            ticket.ready.record(ticket.consumer)
+        if self.cuda is not None:
+            self._cuda_ticket(ticket)
         self.round += 1
         return ticket
+
+    def _cuda_ticket(self, ticket: RoundTicket) -> None:
+        """CUDA: the events a round is ordered by, recorded on the consumer's current stream,
+        with no host sync. Pooled delivery buffers nobody holds now get a release event (every
+        kernel that read them is before it: ``OutputPool.release_point``), and the round's side
+        stream waits for this stream only where it reads what this stream wrote."""
+        engine = self.sched.engine
+        engine.delivery.outputs.release_point()
+        on_gpu = engine.storage.tiers[0].data.is_cuda
+        if ticket.writes_on_device() or (ticket.direct and on_gpu):
+            ticket.ready = torch.cuda.current_stream(self.cuda).record_event()
 
     def guard(self, fn: Callable[[], T]) -> T:
         """Call ``fn`` (a round); any failure is kept, so every later call raises it.

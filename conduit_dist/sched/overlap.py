@@ -10,6 +10,7 @@ learners at every fetch and on actors at every flush, and keeps the faster.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 from torch import nn
@@ -312,7 +313,11 @@ class OverlapController:
             return
         self._fetched = False
         ticket = self.clock.prepare(self._last_batch)
+        if self.sched.round_thread:  # NCCL rows: enqueued before this backward's collectives
+            ticket.enqueued = threading.Event()
         self.sched.launch(ticket, "prefetch", self.clock.stager.put_seq)
+        if ticket.enqueued is not None:
+            self.sched.gate(ticket)
 
     def _tick(self, t: float) -> None:
         """Feed the auto trial the iteration that ended at ``t``; follow its mode."""

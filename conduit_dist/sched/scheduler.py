@@ -2,8 +2,10 @@
 
 Rounds run one at a time, in the same order on every rank. In ``overlap`` mode a single worker
 thread executes them: gloo moves the bytes on its own threads, and on CUDA the round runs on a side
-stream whose completion is published as an event the consumer's stream waits on. The worker
-thread's current CUDA device is set to the plane's (the current device is per thread).
+stream whose completion is published as an event the consumer's stream waits on, with no host
+sync. The worker thread's current CUDA device is set to the plane's (the current device is per
+thread). Where a plane's rows or payload go by NCCL, every round runs on that one thread, ``sync``
+rounds too (the caller waits for it): one thread enqueues the plane's NCCL work.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Pending:
 
 
 class Scheduler:
-    """Executes rounds inline or on a worker thread.
+    """Executes rounds inline or on the plane's round thread.
 
     Args:
         mode: ``overlap`` or ``sync``.
@@ -53,6 +55,14 @@ class Scheduler:
         device: the plane's device (CUDA gets a side stream and events).
         timeout_s: the collectives' timeout; a launched round that has not finished in
             ``4 * timeout_s`` fails.
+        round_thread: every round runs on the round thread, in both modes (a plane whose rows
+            or payload go by NCCL: one thread enqueues its NCCL work, ``DevicePlan``).
+
+    On CUDA a round runs on a side stream, after the consumer's stream only where it reads what
+    that stream wrote (``RoundTicket.ready``); it ends with an event the consumer's stream waits
+    on (:meth:`_adopt`), and nothing waits for it on the host: a staging buffer the round read
+    is written again once that event has passed (``RecordBuffer.read_event``), a delivery
+    buffer once the consumer released it (``OutputPool.release_point``).
     """
 
     def __init__(
@@ -62,13 +72,16 @@ class Scheduler:
         weights: WeightsState,
         device: torch.device,
         timeout_s: float,
+        round_thread: bool = False,
     ) -> None:
         self.mode = mode
         self.engine, self.weights = engine, weights
         self.timeout_s = timeout_s
+        self.round_thread = round_thread
         self.pending: Pending | None = None
         cuda = device.type == "cuda"  # resolved once by the build: cuda:<index>
-        self._pool = executor("conduit-round", device) if mode == "overlap" else None
+        threaded = mode == "overlap" or round_thread
+        self._pool = executor("conduit-round", device) if threaded else None
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._last: Future | None = None  # the latest launched round (maybe timed out in wait)
 
@@ -76,28 +89,27 @@ class Scheduler:
         return self._on_stream(ticket, lambda: self.engine.run(ticket, self.weights))
 
     def _on_stream(self, ticket: RoundTicket, run):
-        """``run()`` (a round, or a started round's finish) on the side stream, after what the
-        consumer enqueued before the round was prepared; returns ``(out, stats, event)``."""
-        if self._stream is None:
-            out, stats = run()
-            return out, stats, None
-        with torch.cuda.stream(self._stream):
-            # explicit ordering, not record_stream: donated tensors and device staging were
-            # written by the consumer's kernels before the round was prepared, and a pooled
-            # output is reused only after the consumer's kernels on it (OutputPool.acquire)
-            if ticket.ready is not None:
-                self._stream.wait_event(ticket.ready)
-            self.engine.delivery.outputs.consumer = ticket.consumer
-            out, stats = run()
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        # the round's time includes its device work; and the staging buffers the round copied
-        # from (pinned, non-blocking) are written by put again only after this point
-        event.synchronize()
-        return out, stats, event
+        """``run()`` (a round, or a started round's finish) on the side stream, after the
+        ticket's event; returns ``(out, stats, event)`` without waiting for the device."""
+        try:
+            if self._stream is None:
+                out, stats = run()
+                return out, stats, None
+            with torch.cuda.stream(self._stream):
+                if ticket.ready is not None:  # it reads what the consumer's stream wrote
+                    self._stream.wait_event(ticket.ready)
+                out, stats = run()
+                event = self._stream.record_event()
+            for buf in ticket.buffers():  # written again by put once the round's copies ran
+                buf.read_event = event
+            return out, stats, event
+        finally:
+            if ticket.enqueued is not None:  # also when it failed: the hook must not wait on
+                ticket.enqueued.set()
 
     def _adopt(self, out: torch.Tensor, event) -> torch.Tensor:
-        """Make ``out`` (produced on the side stream) safe to use on the current stream."""
+        """Make ``out`` (produced on the side stream) safe to use on the current stream: that
+        stream waits for the round's event (on the device; the host goes on)."""
         if event is not None:
             current = torch.cuda.current_stream(out.device)
             current.wait_event(event)
@@ -105,15 +117,38 @@ class Scheduler:
         return out
 
     def run(self, ticket: RoundTicket) -> tuple[torch.Tensor, RoundStats]:
-        """Run a round inline."""
-        out, stats, event = self._execute(ticket)
+        """Run a round now: inline, or on the round thread (waiting for it)."""
+        if self.round_thread:
+            future = self._pool.submit(self._execute, ticket)
+            out, stats, event = self._result(future, ticket)
+        else:
+            out, stats, event = self._execute(ticket)
         return self._adopt(out, event), stats
+
+    def _result(self, future: Future, ticket: RoundTicket):
+        """A round's ``(out, stats, event)`` from the round thread, within ``4 * timeout_s``.
+
+        Raises:
+            RoundError: if it did not finish in time (its own failure propagates as raised).
+        """
+        try:
+            out, stats, event = future.result(timeout=4 * self.timeout_s)
+        except FutureTimeout:
+            raise RoundError(
+                f"round {ticket.round}: not finished after {4 * self.timeout_s:.0f}s",
+                round=ticket.round,
+            ) from None
+        stats.gate_ms = ticket.gate_ms
+        return out, stats, event
 
     def start(self, ticket: RoundTicket, kind: str, put_seq: int) -> None:
         """Run a one-exchange round up to its exchange on this thread and leave it in flight
         (``RoundEngine.start``); the call that owns it finishes it, on its own thread."""
         if self.pending is not None:
             raise RuntimeError("start: one launched round at a time")
+        if self.round_thread:  # the whole round on the round thread, in flight until its call
+            self.launch(ticket, kind, put_seq)
+            return
         if self._stream is None:
             finish = self.engine.start(ticket, self.weights)  # host work: headers, gloo
         else:  # CUDA: on the side stream too, where the finish reads what this half wrote
@@ -142,6 +177,14 @@ class Scheduler:
         self._last = self._pool.submit(self._execute, ticket)
         self.pending = Pending(kind, ticket, self._last, put_seq)
 
+    def gate(self, ticket: RoundTicket) -> None:
+        """Wait until a launched round's NCCL work is enqueued (or the round ended): called by a
+        backward hook that launched it, so that on every rank the plane's NCCL calls come
+        before the backward's own (DDP's), the order NCCL needs between two communicators."""
+        t0 = time.perf_counter()
+        ticket.enqueued.wait(4 * self.timeout_s)
+        ticket.gate_ms = (time.perf_counter() - t0) * 1e3
+
     def wait(self) -> tuple[Pending, torch.Tensor, RoundStats]:
         """Wait for the launched round and clear it.
 
@@ -150,13 +193,7 @@ class Scheduler:
         """
         p, self.pending = self.pending, None
         assert p is not None
-        try:
-            out, stats, event = p.future.result(timeout=4 * self.timeout_s)
-        except FutureTimeout:
-            raise RoundError(
-                f"round {p.ticket.round}: not finished after {4 * self.timeout_s:.0f}s",
-                round=p.ticket.round,
-            ) from None
+        out, stats, event = self._result(p.future, p.ticket)
         return p, self._adopt(out, event), stats
 
     def drain(self) -> None:
