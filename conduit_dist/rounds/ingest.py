@@ -35,9 +35,7 @@ class Ingest:
             so those rows never come back from the device. ``None``: nobody reads them.
     """
 
-    def __init__(
-        self, storage, exchange, transport, record_bytes: int, device, reads=None
-    ) -> None:
+    def __init__(self, storage, exchange, transport, record_bytes: int, device, reads=None) -> None:
         self.storage, self.transport, self.reads = storage, transport, reads
         self.rank, self.world = exchange.rank, exchange.world
         self.rb, self.device = record_bytes, device

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from conduit_dist.records.spec import ExperienceSpec
-from conduit_dist.tiers.cuda import upload
 from conduit_dist.syncs import SYNCS, wait_event
+from conduit_dist.tiers.cuda import upload
 
 
 def put_words(out: torch.Tensor, word: int, values: torch.Tensor) -> None:

@@ -15,8 +15,8 @@ from conduit_dist.errors import ConfigError
 from conduit_dist.plane import DataPlane, TransportConfig
 from conduit_dist.records.spec import ExperienceSpec
 from conduit_dist.registry import PLACEMENTS
-from conduit_dist.rounds.devices import DevicePlan, plan_devices
 from conduit_dist.rl.buffers import SimpleBuffer
+from conduit_dist.rounds.devices import DevicePlan, plan_devices
 from conduit_dist.sampling import Prioritized, Sampler, Windows, WithoutReplacement
 from conduit_dist.tiers import Tiers
 from conduit_dist.train.config import TrainConfig
