@@ -49,6 +49,7 @@ from conduit_dist.sched.auto import AutoTrial
 from conduit_dist.sched.clock import RoundClock
 from conduit_dist.sched.overlap import OverlapController
 from conduit_dist.sched.scheduler import Scheduler
+from conduit_dist.syncs import SYNCS
 from conduit_dist.tiers import Storage, Tiers
 
 log = logging.getLogger("conduit_dist")
@@ -87,6 +88,7 @@ class Parts:
         stats, dropped = self.storage.stats(), self.stager.dropped
         out = {**stats, "evictions": stats["evictions"] + dropped, "dropped_at_staging": dropped}
         out.update(self.sampler.stats(), stale_evicted=self.ages.evicted, **extra)
+        out["host_syncs"] = SYNCS.snapshot()  # the library's deliberate ones, by reason
         if self.limiter is not None:
             lim = self.limiter
             out.update(

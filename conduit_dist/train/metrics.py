@@ -17,7 +17,7 @@ Metric namespace (every sink uses the same names):
   ``path/bytes_{self,host,net}`` (bytes the rounds sent, by link class, over all ranks, in the
   log interval; ``RoundStats.sent``)
 - ``store/items``, ``store/occupancy``, ``store/tier<i>_<kind>_bytes``, ``store/demotions``,
-  ``store/evictions``
+  ``store/evictions``, ``store/host_syncs``
 - ``train/loss``, ``train/epsilon``, ``train/policy_version``
 - the per-iteration breakdown of ``rl/breakdown.py`` (ms per iteration, mean over ranks):
   ``path/iter_{put,exposed,round_cpu}_ms`` and ``train/iter_{act,env,forward,backward,optimizer,
@@ -232,13 +232,15 @@ def store_values(store: dict[str, Any] | None) -> dict[str, float]:
         store: ``DataPlane.store_stats()`` (``None``: a plane without tiers; no values).
 
     Returns:
-        ``tier<i>_<kind>_bytes``, ``demotions``, ``evictions`` and ``demotion_wait_ms``.
+        ``tier<i>_<kind>_bytes``, ``demotions``, ``evictions``, ``demotion_wait_ms`` and
+        ``host_syncs`` (the library's deliberate host syncs so far, ``conduit_dist.syncs``).
     """
     if store is None:
         return {}
     out = {f"tier{i}_{t['kind']}_bytes": float(t["bytes"]) for i, t in enumerate(store["tiers"])}
     out["demotions"], out["evictions"] = store["demotions"], store["evictions"]
     out["demotion_wait_ms"] = store.get("demotion_wait_ms", 0.0)
+    out["host_syncs"] = float(sum(store.get("host_syncs", {}).values()))
     return out
 
 
@@ -263,6 +265,7 @@ def store_metrics(agg: dict[str, float], store: dict[str, Any] | None, world: in
     out["store/demotions"] = agg["demotions_mean"] * world
     out["store/evictions"] = agg["evictions_mean"] * world
     out["store/demotion_wait_ms"] = agg["demotion_wait_ms_max"]
+    out["store/host_syncs"] = agg["host_syncs_mean"] * world  # the library's, all ranks so far
     return out
 
 
