@@ -194,3 +194,24 @@ def test_words_go_into_the_trailer_columns_of_host_rows():
     put_words(out, 3, vals)
     assert torch.equal(out.view(torch.int64)[:, 3:5], vals)
     assert not out.view(torch.int64)[:, :3].any()
+
+
+def _probe_rows_device(rank: int, world: int) -> dict[str, object]:
+    from conduit_dist.collectives.exchange import Exchange
+    from conduit_dist.collectives.model import calibrate
+    from conduit_dist.collectives.topology import discover
+
+    ex = Exchange(30.0)
+    model = calibrate(
+        ex, discover(ex), sizes=(1024, 64 * 1024), repeats=1, device=torch.device("cpu")
+    )
+    ex.close()
+    return {n: [float(v) for v in c] for n, c in model.coef.items()}
+
+
+def test_the_rows_model_is_probed_on_the_rows_device():
+    """A plane whose bulk rows live on a device calibrates them there (here the host stands for
+    the GPU: the same probes, on tensors of the given device, every strategy fitted)."""
+    res = run_ranks(_probe_rows_device, 2, timeout_s=120)
+    assert res[0] == res[1]  # agreed: the slowest rank's times, fitted alike
+    assert all(np.isfinite(c).all() for c in res[0].values())

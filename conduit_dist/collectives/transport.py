@@ -49,6 +49,8 @@ class Transport:
         topo: the job's topology.
         model: the bandwidth model every rank agrees on.
         strategy: ``auto`` or one of the strategy names (forces it).
+        device_model: the model of rows on the GPU (calibrated on device tensors); ``None``:
+            ``model`` prices them too.
 
     Raises:
         ConfigError: on an unknown strategy, or one that cannot move the plane's CUDA rows
@@ -60,7 +62,14 @@ class Transport:
     rows turn out to be on.
     """
 
-    def __init__(self, ex: Exchange, topo: Topology, model: BandwidthModel, strategy: str = "auto"):
+    def __init__(
+        self,
+        ex: Exchange,
+        topo: Topology,
+        model: BandwidthModel,
+        strategy: str = "auto",
+        device_model: BandwidthModel | None = None,
+    ):
         if strategy != "auto" and strategy not in NAMES:
             raise ConfigError(
                 f"strategy: expected 'auto' or one of {list(NAMES)}, got {strategy!r}"
@@ -68,6 +77,9 @@ class Transport:
         if ex.cuda is not None:
             check_cuda_strategy(strategy, ex.cuda_backend)
         self.ex, self.topo, self.model, self.forced = ex, topo, model, strategy
+        # rows on the GPU are priced by the model calibrated on device tensors, where there is
+        # one (a plane whose bulk rows go by NCCL); else by the host rows' model
+        self.device_model = device_model if device_model is not None else model
         self.links = topo.link_matrix()
         self.strategies = make_strategies()
         self._choices: dict[bytes, tuple[str, float]] = {}
@@ -78,11 +90,12 @@ class Transport:
         key = matrix_bytes.tobytes() + bytes([on_cuda])
         hit = self._choices.get(key)
         if hit is None:
+            model = self.device_model if on_cuda else self.model
             if self.forced != "auto":
-                hit = (self.forced, self.model.predict(self.forced, matrix_bytes, self.links))
+                hit = (self.forced, model.predict(self.forced, matrix_bytes, self.links))
             else:
                 allowed = usable(True, self.ex.cuda_backend) if on_cuda else None  # host: any
-                hit = self.model.choose(matrix_bytes, self.links, allowed)
+                hit = model.choose(matrix_bytes, self.links, allowed)
             if len(self._choices) > 1024:
                 self._choices.clear()
             self._choices[key] = hit

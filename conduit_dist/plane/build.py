@@ -160,13 +160,16 @@ def rank_set(field: str, ranks: Sequence[int] | None, world: int) -> tuple[int, 
     return out
 
 
-def bandwidth_model(bandwidth, ex: Exchange, topo: Topology, cache) -> tuple[BandwidthModel, float]:
+def bandwidth_model(
+    bandwidth, ex: Exchange, topo: Topology, cache, device: torch.device | None = None
+) -> tuple[BandwidthModel, float]:
     """The plane's bandwidth model: the one given, the declared numbers, or calibrated (cached
-    under ``cache``); returns it and the seconds calibration took. Collective."""
+    under ``cache``; ``device``: of rows on that device, probed there); returns it and the
+    seconds calibration took. Collective."""
     if isinstance(bandwidth, BandwidthModel):
         return bandwidth, 0.0
     declared = BandwidthModel.declared(*DECLARED)
-    return build(ex, topo, bandwidth == "calibrate", cache, declared)
+    return build(ex, topo, bandwidth == "calibrate", cache, declared, device)
 
 
 def _unbound(obj, field: str):
@@ -288,6 +291,12 @@ def assemble(
         model, calibration_s = bandwidth_model(
             transport.bandwidth, ex, topo, transport.bandwidth_cache
         )
+        rows_model = None  # bulk rows on the GPU: NCCL calibrated on device tensors
+        if plan.bulk in ("nccl", "gloo"):
+            rows_model, more_s = bandwidth_model(
+                transport.bandwidth, ex, topo, transport.bandwidth_cache, plan.rows
+            )
+            calibration_s += more_s
         links = topo.link_matrix()
         is_learner = np.zeros(ex.world, dtype=bool)
         is_learner[list(learners)] = True
@@ -295,11 +304,12 @@ def assemble(
         sampler.bind(SamplerContext(int(seed), ex.rank, ex.world, links, device_rows))
         undo.callback(setattr, sampler, "ctx", None)  # reusable if the build fails
         sampler.attach(shard, stored)
+        priced = rows_model or model  # placements price where the rows move
         placement.bind(
-            PlacementContext(ex.world, links, is_learner, stored.record_bytes, model, sampler)
+            PlacementContext(ex.world, links, is_learner, stored.record_bytes, priced, sampler)
         )
         undo.callback(setattr, placement, "ctx", None)
-        moves = Transport(ex, topo, model, transport.strategy)
+        moves = Transport(ex, topo, model, transport.strategy, rows_model)
         ages = AgeBound(stored, max_policy_age, shard.tiers[0].data.device)
         engine = RoundEngine(
             stored, shard, ex, sampler, placement, moves, (ages, rate_limiter), learners,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model.cache import cache_path, load_cache, save_cache
 from conduit_dist.collectives.model.costs import FEATURES, BandwidthModel, features, fit
-from conduit_dist.collectives.strategies import NAMES, Strategy, make_strategies
+from conduit_dist.collectives.strategies import NAMES, Strategy, make_strategies, usable
 from conduit_dist.collectives.topology import Topology
 
 log = logging.getLogger("conduit_dist")
@@ -39,18 +39,26 @@ def probe_matrices(world: int, per_peer: int) -> dict[str, np.ndarray]:
 
 
 def time_strategies(
-    ex: Exchange, strategies: dict[str, Strategy], matrix: np.ndarray, repeats: int
+    ex: Exchange,
+    strategies: dict[str, Strategy],
+    matrix: np.ndarray,
+    repeats: int,
+    device: torch.device | None = None,
 ) -> dict[str, float]:
     """Median seconds of every strategy moving ``matrix`` bytes (the slowest rank's).
 
     The strategies take turns within each repeat, as exchanges alternate with other collectives
     in a round (back-to-back calls of one strategy run warmer than it ever does in a round), and a
-    noisy moment hits all of them alike. The first repeat is a warm-up.
+    noisy moment hits all of them alike. The first repeat is a warm-up. ``device``: the rows'
+    device (``None``: the host); on a GPU each call is timed to its completion on the device
+    (a start-up probe: synchronising there is what it measures).
     """
     me = ex.rank
     rows_out, rows_in = matrix[me].tolist(), matrix[:, me].tolist()
-    inp = torch.randint(0, 255, (int(sum(rows_out)), 1), dtype=torch.uint8)
-    out = torch.empty((int(sum(rows_in)), 1), dtype=torch.uint8)
+    where = device if device is not None else torch.device("cpu")
+    inp = torch.randint(0, 255, (int(sum(rows_out)), 1), dtype=torch.uint8, device=where)
+    out = torch.empty((int(sum(rows_in)), 1), dtype=torch.uint8, device=where)
+    cuda = where.type == "cuda"
     names = list(strategies)
     samples = torch.zeros(repeats + 1, len(names), dtype=torch.float64)
     for rep in range(repeats + 1):
@@ -58,6 +66,8 @@ def time_strategies(
             ex.barrier("probe")
             t0 = time.perf_counter()
             strategies[name].run(ex, out, inp, rows_in, rows_out, -1, "probe", matrix)
+            if cuda:  # CUDA only: the collective's own time, not its enqueue
+                torch.cuda.synchronize(where)
             samples[rep, j] = time.perf_counter() - t0
     if ex.world > 1:
         ex.run(
@@ -69,25 +79,45 @@ def time_strategies(
 
 
 def calibrate(
-    ex: Exchange, topo: Topology, sizes=PROBE_SIZES, repeats=PROBE_REPEATS
+    ex: Exchange,
+    topo: Topology,
+    sizes=PROBE_SIZES,
+    repeats=PROBE_REPEATS,
+    device: torch.device | None = None,
 ) -> BandwidthModel:
     """Time every strategy at a few sizes and patterns, fit each (a collective: every rank).
 
-    Runs as the phase ``start-up: calibrate``: every collective waits with the exchange's timeout.
+    Runs as the phase ``start-up: calibrate`` (``start-up: calibrate device rows`` with a
+    ``device``): every collective waits with the exchange's timeout.
+
+    Args:
+        ex: the plane's exchange.
+        topo: the job's topology.
+        sizes: bytes per peer of the probes.
+        repeats: timed repeats of each (after one warm-up).
+        device: probe rows on this device (a plane whose rows live on the GPU: NCCL on device
+            tensors); ``None``: host rows. Strategies the group cannot run for those rows
+            (``strategies.usable``) are priced at infinity, so they are never chosen.
 
     Raises:
         PhaseError: if a rank does not take part within the timeout (naming the ranks that never
             entered the phase, where the rendezvous store can tell).
     """
-    strategies = make_strategies()
+    allowed = NAMES
+    if device is not None:
+        allowed = usable(device.type == "cuda", ex.cuda_backend)
+    strategies = {n: s for n, s in make_strategies().items() if n in allowed}
     links = topo.link_matrix()
     samples: dict[str, list[tuple[np.ndarray, float]]] = {n: [] for n in strategies}
-    with ex.phase("start-up: calibrate"):
+    phase = "start-up: calibrate" + (" device rows" if device is not None else "")
+    with ex.phase(phase):
         for size in sizes:
             for matrix in probe_matrices(ex.world, size).values():
-                for name, t in time_strategies(ex, strategies, matrix, repeats).items():
+                timed = time_strategies(ex, strategies, matrix, repeats, device)
+                for name, t in timed.items():
                     samples[name].append((features(name, matrix, links), t))
-    return BandwidthModel({n: fit(s) for n, s in samples.items()}, "calibrated")
+    coef = {n: fit(samples[n]) if n in samples else np.full(len(FEATURES), np.inf) for n in NAMES}
+    return BandwidthModel(coef, "calibrated")
 
 
 def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
@@ -120,12 +150,14 @@ def build(
     calibrate_now: bool,
     cache_dir: str | None,
     declared: BandwidthModel,
+    device: torch.device | None = None,
 ) -> tuple[BandwidthModel, float]:
     """The model every rank uses, and the seconds it took (cache, probe, or declared numbers).
 
     Every collective waits with the exchange's timeout (phases ``start-up: agree on the bandwidth
     model``, ``start-up: calibrate``, ``start-up: calibration cache``). Rank 0 logs the model's
-    :meth:`~BandwidthModel.describe` line.
+    :meth:`~BandwidthModel.describe` line. ``device``: the model of rows on that device (a GPU
+    plane's bulk rows: probed there, cached apart); ``None``: host rows.
 
     Raises:
         PhaseError: if a rank does not take part in a phase within the timeout.
@@ -134,20 +166,24 @@ def build(
     if not calibrate_now or ex.world == 1:
         model, seconds = declared, 0.0
     else:
-        model = _agreed_model(ex, topo, cache_dir)
+        model = _agreed_model(ex, topo, cache_dir, device)
         seconds = time.perf_counter() - start
     if ex.rank == 0:
-        log.info("%s (%.2fs)", model.describe(), seconds)
+        rows = f" (rows on {device})" if device is not None else ""
+        log.info("%s%s (%.2fs)", model.describe(), rows, seconds)
     return model, seconds
 
 
-def _agreed_model(ex: Exchange, topo: Topology, cache_dir: str | None) -> BandwidthModel:
+def _agreed_model(
+    ex: Exchange, topo: Topology, cache_dir: str | None, device: torch.device | None = None
+) -> BandwidthModel:
     """The cached model if every rank has it, else a fresh calibration (cached per host)."""
-    backend = str(dist.get_backend(ex.group)) + ("+shm" if ex.shm else "")
+    backend = str(dist.get_backend(ex.group))
+    backend += f"+{device.type}-rows" if device is not None else ("+shm" if ex.shm else "")
     path = cache_path(cache_dir, backend, topo) if cache_dir else None
     model = agree(ex, load_cache(path, backend, topo) if path else None)
     if model is None:
-        model = agree(ex, calibrate(ex, topo))
+        model = agree(ex, calibrate(ex, topo, device=device))
         first_on_host = topo.host_of.index(topo.host_of[ex.rank]) == ex.rank
         if path and first_on_host:  # one writer per host
             save_cache(path, model, backend, topo)
