@@ -354,3 +354,46 @@ def _grad_means(rank: int, world: int) -> dict[str, bool]:
 def test_grad_sync_averages_every_bucket_on_gloo():
     for rank, got in run_ranks(_grad_means, 2).items():
         assert all(got.values()), (rank, got)
+
+
+# ------------------------------------------------------------------ 8. polled waits' latency
+
+
+class _Clock:
+    """A clock that only moves when slept on or when the work is checked (``cost`` a check):
+    a polled wait's schedule without any wall-clock time. The work completes at ``done_at``."""
+
+    def __init__(self, done_at: float, cost: float = 1e-6) -> None:
+        self.now, self.done_at, self.cost = 0.0, done_at, cost
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def done(self) -> bool:
+        self.now += self.cost
+        return self.now >= self.done_at
+
+
+def test_a_polled_wait_sees_completion_within_a_tenth_of_the_time_waited(monkeypatch):
+    from conduit_dist.collectives import heartbeats
+    from conduit_dist.collectives.heartbeats import poll_pause, poll_until
+
+    for waited in (0.0, 10e-6, 49e-6, 50e-6, 1.3e-3, 5e-3, 10e-3, 3.0):
+        pause = poll_pause(waited)
+        assert pause <= 0.1 * waited and pause <= 1e-3, (waited, pause)
+    assert poll_pause(49e-6) == 0.0 and poll_pause(2e-3) == pytest.approx(2e-4)
+    assert poll_pause(3.0) == 1e-3
+
+    # poll_until itself, on that clock (a doubling 20 us .. 1 ms schedule saw 1.3 ms at 2.26)
+    for done_at in (5e-6, 60e-6, 300e-6, 1.3e-3, 4e-3, 25e-3, 0.4):
+        clock = _Clock(done_at)
+        monkeypatch.setattr(heartbeats, "time", clock)
+        assert poll_until(clock.done, 10.0)
+        late = clock.now - done_at  # seen this long after it completed
+        assert late <= min(0.1 * done_at, 1e-3) + 2 * clock.cost, (done_at, late)
+    clock = _Clock(float("inf"))
+    monkeypatch.setattr(heartbeats, "time", clock)
+    assert not poll_until(clock.done, 0.5) and 0.5 <= clock.now <= 0.5 + 1e-3
