@@ -397,3 +397,50 @@ def test_a_polled_wait_sees_completion_within_a_tenth_of_the_time_waited(monkeyp
     clock = _Clock(float("inf"))
     monkeypatch.setattr(heartbeats, "time", clock)
     assert not poll_until(clock.done, 0.5) and 0.5 <= clock.now <= 0.5 + 1e-3
+
+
+# ------------------------------------------------------------------ 9. heartbeats of mixed groups
+
+
+def test_host_waits_mark_lazily_on_a_mixed_group_and_nccl_waits_do_not():
+    from conduit_dist.collectives.exchange import lazy_marks
+
+    mixed = "cpu:gloo,cuda:nccl"
+    assert lazy_marks(mixed, cuda=False)  # the meta/header exchange: gloo or shared memory
+    assert not lazy_marks(mixed, cuda=True)  # NCCL: marked before it polls
+    assert lazy_marks("gloo", cuda=False) and lazy_marks("gloo", cuda=True)
+    assert lazy_marks("cpu:gloo,cuda:gloo", cuda=True)  # ranks sharing a GPU over gloo
+    assert not lazy_marks("nccl", cuda=False)  # a group without gloo marks on arrival
+    assert lazy_marks("", cuda=False)  # world size 1: nothing to mark
+
+
+def _mixed_marks(rank: int, world: int) -> dict[int, list[int]]:
+    """An exchange whose waits behave as on ``cpu:gloo,cuda:nccl`` (real gloo works; the
+    ``cuda`` ones waited as NCCL's are, polled): the ranks without a mark for each round."""
+    import torch.distributed as dist
+
+    from conduit_dist.collectives.exchange import Exchange, lazy_marks
+
+    ex = Exchange(10.0, name="mixed")
+    ex._poll = True
+    ex._lazy = {cuda: lazy_marks("cpu:gloo,cuda:nccl", cuda) for cuda in (False, True)}
+    out = {}
+    for r in range(1, 6):
+        dist.barrier()  # the ranks start the round together: its host wait is quick
+        ex.arrive(r)
+        meta = ex.all_gather_start(torch.tensor([rank, r]), r).wait()
+        assert meta[:, 1].tolist() == [r] * world
+        if r == 5:  # a round with an NCCL-style wait
+            x = torch.ones(1)
+            ex.run(lambda x=x: dist.all_reduce(x, group=ex.group, async_op=True), "x", r, True)
+        dist.barrier()
+        out[r] = list(ex.laggards(r))
+    ex.close()
+    return out
+
+
+def test_a_mixed_groups_quick_host_rounds_write_no_mark_and_an_nccl_wait_does():
+    for rank, got in run_ranks(_mixed_marks, 2).items():
+        # a host wait past the 50 ms grace (a loaded machine) may mark: most rounds do not
+        assert any(got[r] == [0, 1] for r in range(1, 5)), (rank, got)
+        assert got[5] == [], (rank, got)  # marked before the polled wait

@@ -231,7 +231,7 @@ def _polled_wait(rank: int, world: int):
     ex = Exchange(TIMEOUT_S, name="poll")
     ex._poll = True  # the NCCL branch's wait (gloo works complete on the host the same way;
     # cuda=True below marks each work as the group's NCCL one)
-    ex._lazy = False  # as on a group with NCCL: rounds mark their heartbeat on arrival
+    ex._lazy[True] = False  # as on cpu:gloo,cuda:nccl: an NCCL wait marks before it polls
     ok = torch.ones(1)
     ex.arrive(4)
     ex.run(lambda: dist.all_reduce(ok, group=ex.group, async_op=True), "all_reduce(ok)", 4, True)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from conduit_dist.collectives.dist import (
+    backend_for,
     backends_of,
     chosen_cuda_backend,
     cuda_backend_of,
@@ -44,6 +45,32 @@ from conduit_dist.errors import PhaseError, RoundError
 T = TypeVar("T")
 
 _HB_PREFIX = "conduit_dist/hb/"
+
+
+def lazy_marks(group_backend: str, cuda: bool) -> bool:
+    """Whether a round's wait on a work of this group marks the heartbeat lazily: only once it
+    outlasts a 50 ms grace, or fails (``heartbeats.wait_gloo``). Where gloo carries the tensors
+    (host tensors of a ``cpu:gloo,cuda:nccl`` group too; shared memory's waits behave the
+    same), a timed ``wait`` can give up and be waited on again. An NCCL work is polled
+    (``heartbeats.wait_polling``), and its wait marks before it polls.
+
+    Every round's first collective is the meta or header exchange of host tensors, so on the
+    package's groups a round writes the store only where a wait outlasts the grace or fails,
+    or at its first NCCL wait.
+
+    Args:
+        group_backend: the group's backend string (``""``: no group, world size 1).
+        cuda: whether the work's tensors are on the GPU.
+
+    Returns:
+        ``True`` for a lazy mark.
+
+    Example::
+
+        lazy_marks("cpu:gloo,cuda:nccl", cuda=False)  # True: the meta exchange
+        lazy_marks("cpu:gloo,cuda:nccl", cuda=True)  # False: NCCL
+    """
+    return not group_backend or backend_for(group_backend, cuda) == "gloo"
 
 
 # the likely cause when a rank is named as late for a round
@@ -122,8 +149,10 @@ class Exchange:
         # the backend CUDA tensors go through ("": none between ranks); gloo has all-to-all,
         # broadcast and all-reduce for them but no send/recv or gather (strategies.usable)
         self.cuda_backend = cuda_backend_of(backend) if backend else ""
-        # gloo's work.wait(t) raises when t expires and can be waited on again: marks can wait
-        self._lazy = kinds == {"gloo"}
+        # {cuda: whether waits on such tensors mark lazily}: gloo's work.wait(t) raises when t
+        # expires and can be waited on again, so its marks can wait (lazy_marks)
+        self._lazy = {cuda: lazy_marks(backend, cuda) for cuda in (False, True)}
+        self._marked = -1  # the latest round this rank marked
         # NCCL's work.wait() bounds nothing on the host: every wait of the group polls instead
         self._poll = "nccl" in kinds
         store, missing = _default_store() if self.world > 1 else (None, "")
@@ -167,14 +196,19 @@ class Exchange:
             )
 
     def heartbeat(self, round: int) -> None:
-        """Record in the rendezvous store that this rank has reached ``round``."""
-        self._beats.mark("round", round)
+        """Record in the rendezvous store that this rank has reached ``round`` (once a round)."""
+        if round != self._marked:
+            self._marked = round
+            self._beats.mark("round", round)
 
     def arrive(self, round: int) -> None:
-        """A round starts on this rank: mark it now, or, on gloo, once one of its waits outlasts
-        a 50 ms grace (a rank blocked in ``round`` has marked it long before any timeout; a rank
-        that never arrived has not, so failures still name it)."""
-        if not self._lazy:
+        """A round starts on this rank. Its first wait is on host tensors (the meta or header
+        exchange): where gloo or shared memory carries them, the mark is written only once a
+        wait outlasts a 50 ms grace or fails, and an NCCL wait marks before it polls
+        (:func:`lazy_marks`); a rank blocked in ``round`` has marked it long before any
+        timeout, a rank that never arrived has not, so failures still name it. Elsewhere the
+        mark is written now."""
+        if not self._lazy[False]:
             self.heartbeat(round)
 
     def laggards(self, round: int) -> tuple[int, ...]:
@@ -223,13 +257,17 @@ class Exchange:
 
     def _wait(self, work: dist.Work | None, op: str, round: int, cuda: bool = False) -> None:
         """Wait for ``work`` until the timeout: an NCCL work (``cuda`` on a group with NCCL)
-        is polled (``wait_polling``: NCCL's own ``wait()`` bounds nothing on the host), a gloo
-        work waited with gloo's ``wait(timeout)``, marking a round's heartbeat only if the wait
-        outlasts a grace (``wait_gloo``)."""
+        is polled (``wait_polling``: NCCL's own ``wait()`` bounds nothing on the host), after
+        marking the round's heartbeat; a gloo work (or shared memory's) is waited with gloo's
+        ``wait(timeout)``, marking the heartbeat only if the wait outlasts a grace
+        (``wait_gloo``)."""
         if work is None:
             return
         start = time.monotonic()
-        mark = (lambda: self.heartbeat(round)) if self._lazy and round >= 0 else None
+        lazy = self._lazy[cuda]
+        if round >= 0 and not lazy:
+            self.heartbeat(round)  # e.g. before polling an NCCL work (once a round)
+        mark = (lambda: self.heartbeat(round)) if lazy and round >= 0 else None
         try:
             if self._poll and cuda:
                 done = wait_polling(work, start + self.timeout.total_seconds())
@@ -251,8 +289,9 @@ class Exchange:
             f"(timeout {self.timeout.total_seconds():g}s)"
         )
         if round >= 0:
-            if self._lazy:  # this rank got here (a peer's crash can fail a wait at once)
-                self.heartbeat(round)
+            # this rank got here (a lazy mark may be unwritten: a peer's crash fails a wait at
+            # once); a no-op where it was marked already
+            self.heartbeat(round)
             late = self.laggards(round)
             who = (
                 f"ranks {list(late)} never reached round {round} ({SKIPPED})"
