@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import ast
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import run_ranks
 
-from conduit_dist.errors import ConfigError
+from conduit_dist.errors import ConfigError, RoundError
 from conduit_dist.threads import bind_device, executor, start_thread
 
 PACKAGE = Path(__file__).resolve().parents[1] / "conduit_dist"
@@ -430,17 +431,45 @@ def _mixed_marks(rank: int, world: int) -> dict[int, list[int]]:
         ex.arrive(r)
         meta = ex.all_gather_start(torch.tensor([rank, r]), r).wait()
         assert meta[:, 1].tolist() == [r] * world
-        if r == 5:  # a round with an NCCL-style wait
+        if r == 5:  # a round with an NCCL-style wait: ordered on the device, checked later
             x = torch.ones(1)
             ex.run(lambda x=x: dist.all_reduce(x, group=ex.group, async_op=True), "x", r, True)
+            out["kept"] = len(ex._device_works)
         dist.barrier()
         out[r] = list(ex.laggards(r))
+    ex.arrive(6)  # the next round forgets the works that completed
+    out["left"] = len(ex._device_works)
     ex.close()
     return out
 
 
-def test_a_mixed_groups_quick_host_rounds_write_no_mark_and_an_nccl_wait_does():
+def test_a_mixed_groups_quick_host_rounds_write_no_mark_and_a_rounds_nccl_work_is_kept():
     for rank, got in run_ranks(_mixed_marks, 2).items():
         # a host wait past the 50 ms grace (a loaded machine) may mark: most rounds do not
         assert any(got[r] == [0, 1] for r in range(1, 5)), (rank, got)
-        assert got[5] == [], (rank, got)  # marked before the polled wait
+        # a round's NCCL work is not waited on the host (no poll, no mark): it is kept until a
+        # later round sees it completed
+        assert got["kept"] == 1 and got["left"] == 0, (rank, got)
+
+
+class _Hung:
+    """A collective's work that never completes (what a lost peer leaves an NCCL work as)."""
+
+    def wait(self):  # NCCL: orders the current stream after it, returns at once
+        return True
+
+    def is_completed(self):
+        return False
+
+
+def test_a_rounds_nccl_work_still_running_after_the_timeout_fails_a_later_round_by_name():
+    from conduit_dist.collectives.exchange import Exchange
+
+    ex = Exchange(0.2)  # world size 1 (plain python): the bookkeeping alone
+    ex._poll = True
+    ex.run(lambda: _Hung(), "all_to_all(deliver)", 3, cuda=True)  # returns at once
+    ex.arrive(4)  # not late yet
+    time.sleep(0.3)
+    with pytest.raises(RoundError, match=r"round 3: all_to_all\(deliver\) \(on the device\)"):
+        ex.arrive(5)
+    ex.close()

@@ -10,8 +10,10 @@ same way, with a :class:`~conduit_dist.errors.PhaseError` naming the phase.
 
 The group's backend is chosen, not copied (``dist.plane_backend``): ``gloo`` on a CPU plane,
 ``cpu:gloo,cuda:nccl`` (or ``cuda:gloo``) where CUDA tensors pass through it. On a group with
-NCCL, waits poll on the host against the plane's deadline (``heartbeats.wait_polling``) and the
-NCCL communicator is created during construction, by one warm-up collective.
+NCCL, a round's NCCL works are ordered on the device (``work.wait()`` on the round's side stream)
+and checked without blocking at later rounds against the plane's deadline; start-up's poll on the
+host (``heartbeats.wait_polling``); the NCCL communicator is created during construction, by one
+warm-up collective.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ class Exchange:
         # expires and can be waited on again, so its marks can wait (lazy_marks)
         self._lazy = {cuda: lazy_marks(backend, cuda) for cuda in (False, True)}
         self._marked = -1  # the latest round this rank marked
+        # rounds' NCCL works ordered on the device, not yet seen completed (_on_device)
+        self._device_works: list[tuple[dist.Work, str, int, float]] = []
         # NCCL's work.wait() bounds nothing on the host: every wait of the group polls instead
         self._poll = "nccl" in kinds
         store, missing = _default_store() if self.world > 1 else (None, "")
@@ -208,6 +212,8 @@ class Exchange:
         (:func:`lazy_marks`); a rank blocked in ``round`` has marked it long before any
         timeout, a rank that never arrived has not, so failures still name it. Elsewhere the
         mark is written now."""
+        if self._device_works:  # the earlier rounds' NCCL works: done, or late by now?
+            self.check_device_works()
         if not self._lazy[False]:
             self.heartbeat(round)
 
@@ -256,14 +262,18 @@ class Exchange:
         self.run(lambda: dist.barrier(group=self.group, async_op=True), f"barrier({op})", round)
 
     def _wait(self, work: dist.Work | None, op: str, round: int, cuda: bool = False) -> None:
-        """Wait for ``work`` until the timeout: an NCCL work (``cuda`` on a group with NCCL)
-        is polled (``wait_polling``: NCCL's own ``wait()`` bounds nothing on the host), after
-        marking the round's heartbeat; a gloo work (or shared memory's) is waited with gloo's
+        """Wait for ``work`` until the timeout: a round's NCCL work (``cuda`` on a group with
+        NCCL) is ordered on the device and checked later (:meth:`_on_device`); an NCCL work
+        outside the rounds (start-up) is polled (``wait_polling``: NCCL's own ``wait()`` bounds
+        nothing on the host); a gloo work (or shared memory's) is waited with gloo's
         ``wait(timeout)``, marking the heartbeat only if the wait outlasts a grace
         (``wait_gloo``)."""
         if work is None:
             return
         start = time.monotonic()
+        if self._poll and cuda and round >= 0:  # a round's NCCL work: ordered on the device
+            self._on_device(work, op, round, start)
+            return
         lazy = self._lazy[cuda]
         if round >= 0 and not lazy:
             self.heartbeat(round)  # e.g. before polling an NCCL work (once a round)
@@ -277,6 +287,36 @@ class Exchange:
             self._fail(op, round, start, exc)
         if not done:
             self._fail(op, round, start, None)
+
+    def _on_device(self, work: dist.Work, op: str, round: int, start: float) -> None:
+        """A round's NCCL work is not waited on the host: ``work.wait()`` makes the current
+        stream (the round's side stream) wait for it on the device and returns at once, so a
+        microsecond collective costs no host poll and queued kernels ahead of it (a backward)
+        are not waited for. Its completion is checked without blocking at each later round's
+        start (:meth:`check_device_works`): one still running after the timeout fails that
+        round by name, before NCCL's watchdog (``dist.watchdog_timeout``) ends the process."""
+        try:
+            work.wait()
+        except Exception as exc:
+            self._fail(op, round, start, exc)
+        self._device_works.append((work, op, round, start))
+
+    def check_device_works(self) -> None:
+        """Forget the rounds' NCCL works that completed (one query each, never blocking).
+
+        Raises:
+            RoundError: naming the round and operation of one that is still running after the
+                timeout, and the ranks whose heartbeat is older.
+        """
+        keep, deadline = [], time.monotonic() - self.timeout.total_seconds()
+        for work, op, round, start in self._device_works:
+            if work.is_completed():
+                continue
+            if start < deadline:
+                self._device_works = []
+                self._fail(f"{op} (on the device)", round, start, None)
+            keep.append((work, op, round, start))
+        self._device_works = keep
 
     def _fail(self, op: str, round: int, start: float, exc: BaseException | None) -> None:
         if self.shm is not None and self.shm.broken is None:  # no later exchange may run on it
