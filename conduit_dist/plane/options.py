@@ -25,8 +25,10 @@ class TransportConfig:
         shared_memory: move host rows between the plane's ranks through ``/dev/shm`` instead
             of gloo's sockets (``collectives/shm.py``; rows on the GPU still go through the
             group). ``"auto"`` (the default): on where every rank of the plane is on one host
-            and ``/dev/shm`` has 512 MiB free, else off (logged once, with the reason); ``True``:
-            on, and a plane whose ranks do not share ``/dev/shm`` is refused; ``False``: off.
+            and ``/dev/shm`` has room for what all of them map at start-up
+            (``shm_open.room_for``), else off (logged once, with the reason); ``True``: on, and
+            a plane whose ranks do not share ``/dev/shm``, or that lacks that room, is refused;
+            ``False``: off.
 
     Raises:
         ConfigError: on a value outside the allowed ones, naming the field.
