@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# The one-GPU check of the CUDA paths: every step prints one line `ok ...` or stops the script
-# with a non-zero exit; one JSON summary line comes last. Sized to run in under 8 minutes on one
-# GPU. Run it whenever a GPU is available:
+# The GPU check of the CUDA paths, one prepared run for one H100 (docs/gpu.md): every step prints
+# `ok ...` lines as its checks pass, or stops the script with a non-zero exit; one JSON summary
+# line comes last (device, NVIDIA driver, torch, CUDA, commit, each step's numbers).
 #   bash scripts/gpu_check.sh
-# install  the README's line (torch==2.13.0, then the project with the [train] extra that
-#          train.py needs: hydra-core, omegaconf, gymnasium, wandb, tqdm), failing loudly
-# torch    refuses a CPU build of torch or a machine with no visible GPU, saying what to install
-# (a) scripts/gpu_check/world1.py      world size 1: device tier, pinned staging, H2D, GPU puts
-# (b) scripts/gpu_check/two_ranks.py   2 ranks on one GPU, gloo for CUDA tensors: overlap = sync,
-#     tiers past overflow, donated and second-thread puts, samplers on CUDA, checkpoint SHA-256
-# (c) scripts/gpu_check/nccl_world1.py NCCL at world size 1 under torchrun
-# (d) scripts/gpu_check/train_run.py   train.py device=cuda: DQN (default experiment) and PPO,
-#     colocated and disaggregated
+#   GPU_CHECK_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh  # a copied tree without .git
+# Steps and their time limits (s); the sum, 595, stays under the 10 minutes it is sized to:
+#   install           45  install_plan.py --apply: torch kept if a CUDA build in pyproject's range
+#                         sees a GPU, else `pip install torch==2.13.0`; the [train] extra kept if
+#                         its imports work, else `pip install --no-build-isolation -e ".[train]"`
+#   torch              -  refuses a CPU build (exit 2) or no visible GPU (exit 3), saying why
+#   a.world1          30  world size 1: device tier, pinned staging, GPU puts, host reads,
+#                         side-stream rounds, pooled buffers, allocator requests, memory 50 vs 300
+#   r.rows            40  7 samplers: cuda plane == cpu plane, rows and first tier on the GPU,
+#                         host syncs per iteration within the budget
+#   s.1.sanitizer     50  TORCH_CUDA_SANITIZER=1, 1 rank: overlap, landing, tiers past overflow
+#   s.2.sanitizer     60    with donated and second-thread puts, checkpoint while overwritten;
+#                         2 ranks sharing the GPU (gloo); no "CSAN detected a possible data race"
+#   b.two_ranks       45  2 ranks sharing the GPU (gloo): overlap vs sync, tiers, samplers, queues,
+#                         a checkpoint restored equal
+#   o.overlap         50  2 ranks, GPU-bound backward: overlap's exposed wait <= 25% of sync's,
+#                         the round >= 70% hidden; the overlapped plane's memory 50 vs 300
+#   d.train.*        170  train.py device=cuda: DQN 1 and 2 ranks (host syncs per iteration, rows
+#                         on the GPU), PPO 1 rank, GRPO 1 and 2 ranks
+#   k.kill_resume     70  scripts/kill_resume.py with device=cuda: a rank killed, resumed, finished
+#   c.nccl_world1     35  NCCL at world size 1 (groups, a plane with DDP), the Exchange's wait on
+#                         the device and its close with work queued (last: see docs/gpu.md)
+#   g.two_gpus       120  only where torch.cuda.device_count() >= 2 (not in the sum): NCCL between
+#                         ranks, device mapping, exactness against the rehearsal, train.py on NCCL
+# The one-GPU steps run on the first visible GPU (CUDA_VISIBLE_DEVICES pinned to it).
 # CONDUIT_GPU_CHECK_SKIP_INSTALL=1 skips the install (tests/test_gpu_check.py: the refusal on CPU).
 # GPU_CHECK_KEEP_GOING=1 runs every step after a failed one too (one run finds every failure; the
 # summary names the failed steps and the script exits non-zero); by default the first failure stops.
-# A step is a script (a.world1, b.two_ranks, ...); its checks print `ok` lines as they pass, so a
-# failed step may list some passed checks, and the checks after its failure did not run.
+# A step is a script; its checks print `ok` lines as they pass, so a failed step may list some
+# passed checks, and the checks after its failure did not run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -25,34 +41,7 @@ if [[ -n "${GPU_CHECK_DRY_RUN:-}" ]]; then
   echo "gpu_check: GPU_CHECK_DRY_RUN is set (a CPU rehearsal for tests): unset it" >&2
   exit 2
 fi
-
-if [[ "${CONDUIT_GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]]; then
-  # no build isolation: an isolated build would download setuptools (a GPU box is often offline)
-  python -m pip install -q --disable-pip-version-check torch==2.13.0
-  python -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[train]"
-  echo "ok install: torch==2.13.0 and conduit_dist[train] (editable)"
-fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-info=$(python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())")
-read -r version cuda gpus <<<"$info"
-if [[ "$cuda" == None ]]; then
-  cat >&2 <<EOF
-gpu_check: torch $version is a CPU build (torch.version.cuda is None): no CUDA path can run here.
-Install a CUDA build of torch from its CUDA wheel index, e.g. for CUDA 12.8:
-  pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
-(another CUDA version: https://download.pytorch.org/whl/cu<version>, see https://pytorch.org),
-then run this script again.
-EOF
-  exit 2
-fi
-if (( gpus < 1 )); then
-  echo "gpu_check: torch $version (CUDA $cuda) sees no GPU: torch.cuda.device_count() == 0" \
-    "(CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}); check the driver with nvidia-smi" >&2
-  exit 3
-fi
-echo "ok torch: $version, CUDA $cuda, $gpus GPU(s) visible"
-
 GPU_CHECK_OUT=$(mktemp -d)
 export GPU_CHECK_OUT
 failed=()
@@ -66,22 +55,79 @@ step() {
   failed+=("$name")
   [[ "${GPU_CHECK_KEEP_GOING:-0}" == 1 ]] || exit "$rc"
 }
+# skipped NAME REASON: a step that cannot run here, named in the summary's "skipped"
+skipped() {
+  echo "skip $1: $2"
+  python -c 'import json, sys; print(json.dumps({"step": sys.argv[1], "skipped": sys.argv[2]}))' \
+    "$1" "$2" >>"$GPU_CHECK_OUT/results.jsonl"
+}
 
-step a.world1 150 python scripts/gpu_check/world1.py
-CONDUIT_CUDA_BACKEND=gloo step b.two_ranks 240 \
+if [[ "${CONDUIT_GPU_CHECK_SKIP_INSTALL:-0}" == 1 ]]; then
+  echo "skip install: CONDUIT_GPU_CHECK_SKIP_INSTALL=1"
+else
+  step install 45 python scripts/gpu_check/install_plan.py --apply
+fi
+
+info=$(python -c "import torch; c = torch.cuda
+print(torch.__version__, torch.version.cuda, c.is_available(), c.device_count())")
+read -r version cuda available gpus <<<"$info"
+if [[ "$cuda" == None ]]; then
+  cat >&2 <<EOF
+gpu_check: torch $version is a CPU build (torch.version.cuda is None): no CUDA path can run here.
+Install a CUDA build of torch from its CUDA wheel index, e.g. for CUDA 12.8:
+  pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+(another CUDA version: https://download.pytorch.org/whl/cu<version>, see https://pytorch.org),
+then run this script again.
+EOF
+  rm -rf "$GPU_CHECK_OUT"
+  exit 2
+fi
+if [[ "$available" != True ]]; then
+  echo "gpu_check: torch $version (CUDA $cuda) sees no GPU: torch.cuda.is_available() is False" \
+    "(CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}); check the driver with nvidia-smi" >&2
+  rm -rf "$GPU_CHECK_OUT"
+  exit 3
+fi
+echo "ok torch: $version, CUDA $cuda, $gpus GPU(s) visible"
+echo "gpu_check: logs and results in $GPU_CHECK_OUT"
+
+had_visible=${CUDA_VISIBLE_DEVICES+1}
+all_visible=${CUDA_VISIBLE_DEVICES-}
+first=${all_visible:-0}
+export CUDA_VISIBLE_DEVICES=${first%%,*}  # one GPU for every step but g.two_gpus
+
+step a.world1 30 python scripts/gpu_check/world1.py
+step r.rows 40 python scripts/gpu_check/rows.py
+step s.1.sanitizer 50 python scripts/gpu_check/sanitize.py 1
+step s.2.sanitizer 60 python scripts/gpu_check/sanitize.py 2
+CONDUIT_CUDA_BACKEND=gloo step b.two_ranks 45 \
   torchrun --standalone --nproc_per_node=2 scripts/gpu_check/two_ranks.py
-step c.nccl_world1 120 torchrun --standalone --nproc_per_node=1 scripts/gpu_check/nccl_world1.py
+CONDUIT_CUDA_BACKEND=gloo step o.overlap 50 \
+  torchrun --standalone --nproc_per_node=2 scripts/gpu_check/overlap.py
 
 dqn=(total_env_steps=3000 algo.learning_starts=500)  # the default experiment: PER, 3-step
 ppo=(experiment=cartpole_ppo total_env_steps=4096)
-one=(mode=disaggregated "learner_ranks=[0]")
-train() { step "d.train.$1" 320 python scripts/gpu_check/train_run.py "$@"; }
-train dqn-1 1 "${dqn[@]}"
-train dqn-2 2 "${dqn[@]}"
-train dqn-2-disaggregated 2 "${dqn[@]}" "${one[@]}"
-train ppo-1 1 "${ppo[@]}"
-train ppo-2 2 "${ppo[@]}"
-train ppo-2-disaggregated 2 "${ppo[@]}" "${one[@]}"
+grpo=(experiment=grpo total_env_steps=1024)  # responses: 8 optimiser steps of 128
+# train NAME LIMIT_S NPROC OVERRIDE...: one train.py run, checked from its summary
+train() { step "d.train.$1" "$2" python scripts/gpu_check/train_run.py "$1" "${@:3}"; }
+train dqn-1 35 1 "${dqn[@]}"
+train dqn-2 40 2 "${dqn[@]}"
+train ppo-1 30 1 "${ppo[@]}"
+train grpo-1 30 1 "${grpo[@]}"
+train grpo-2 35 2 "${grpo[@]}"
+step k.kill_resume 70 python scripts/gpu_check/resume.py
+# last of the one-GPU steps: its device-side wait needs the library's NCCL waits on the device
+step c.nccl_world1 35 torchrun --standalone --nproc_per_node=1 scripts/gpu_check/nccl_world1.py
+
+if (( gpus >= 2 )); then  # every visible GPU again: one per rank, NCCL between them
+  if [[ -n "$had_visible" ]]; then export CUDA_VISIBLE_DEVICES=$all_visible
+  else unset CUDA_VISIBLE_DEVICES; fi
+  step g.two_gpus 120 torchrun --standalone --nproc_per_node=2 scripts/gpu_check/two_gpus.py
+  GPU_CHECK_CUDA_BACKEND=nccl train dqn-2-nccl 60 2 "${dqn[@]}"
+else
+  skipped g.two_gpus "torch.cuda.device_count() == $gpus: NCCL between ranks and device mapping \
+need 2 GPUs (docs/gpu.md, the 2-GPU run)"
+fi
 
 GPU_CHECK_FAILED="${failed[*]-}" python scripts/gpu_check/summary.py "$start"
 (( ${#failed[@]} == 0 ))

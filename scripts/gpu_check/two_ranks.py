@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import threading
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from common import (
     items,
     live_rows,
     ok,
+    put_in_thread,
     stream_ids,
     tier,
     verify,
@@ -89,25 +89,9 @@ def sync_vs_overlap(spec: cd.ExperienceSpec, rank: int) -> None:
     ok("b.overlap", f"2 ranks, 12 fetches each: {'; '.join(notes)}")
 
 
-def _put_in_thread(plane: cd.DataPlane, batch: dict[str, torch.Tensor]) -> None:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            plane.put(batch)
-        except BaseException as e:  # surfaced below, on the main thread
-            errors.append(e)
-
-    t = threading.Thread(target=run, name="gpu-check-put")
-    t.start()
-    t.join(60)
-    check(not t.is_alive(), "a put from a second thread did not return in 60 s")
-    if errors:
-        raise errors[0]
-
-
-def tiers_donated_thread(spec: cd.ExperienceSpec, rank: int) -> None:
-    """Device, pinned and host tiers past overflow; host, GPU, donated and threaded puts."""
+def tiers_donated_thread(spec: cd.ExperienceSpec, rank: int, step: str = "b.tiers") -> None:
+    """Device, pinned and host tiers past overflow; host, GPU, donated and threaded puts (also
+    run under the CUDA sanitizer, ``sanitizer.py``, as ``step``)."""
     storage = cd.Tiers([(tier("device"), 256), (tier("pinned"), 256), ("host", 512)])
     plane = cd.DataPlane(
         spec, 1024, seed=3, device=DEVICE, schedule="overlap", placement="round_robin",
@@ -123,7 +107,7 @@ def tiers_donated_thread(spec: cd.ExperienceSpec, rank: int) -> None:
         plane.put(items(torch.arange(base + 200, base + 328), dev))
         donated.append(items(torch.arange(base + 400, base + 528), dev))
         plane.put(donated[-1], donate=True)
-        _put_in_thread(plane, items(torch.arange(base + 600, base + 728), dev))
+        put_in_thread(plane, items(torch.arange(base + 600, base + 728), dev))
         b = plane.fetch(256)
         rows += verify(b, dev)
         seen.update((b["id"] % 1000 // 200).unique().tolist())
@@ -137,7 +121,7 @@ def tiers_donated_thread(spec: cd.ExperienceSpec, rank: int) -> None:
     check(seen >= {0, 1, 2, 3}, f"rank {rank}: delivered kinds of put {sorted(seen)}")
     plane.close()
     ok(
-        "b.tiers",
+        step,
         f"device/pinned/host tiers past overflow; host, GPU, donated and second-thread puts "
         f"all delivered; {rows} rows checked on rank 0",
     )
@@ -260,9 +244,12 @@ def queues(spec: cd.ExperienceSpec, rank: int) -> None:
     ok("b.queues", f"drained once each / delivered on the GPU: {', '.join(notes)}")
 
 
-def checkpoint_while_overwritten(spec: cd.ExperienceSpec, rank: int, root: str) -> None:
+def checkpoint_while_overwritten(
+    spec: cd.ExperienceSpec, rank: int, root: str, step: str = "b.checkpoint"
+) -> None:
     """A device-tier plane checkpointed at a round, its ring overwritten twice while the
-    writer (rate-limited, small chunks) is still reading; the restore holds the same items."""
+    writer (rate-limited, small chunks) is still reading; the restore holds the same items
+    (also run under the CUDA sanitizer, ``sanitizer.py``, as ``step``)."""
 
     def build() -> cd.DataPlane:
         return cd.DataPlane(
@@ -294,14 +281,14 @@ def checkpoint_while_overwritten(spec: cd.ExperienceSpec, rank: int, root: str) 
     check(saved == back, f"restored items differ: sha256 {back[:16]} != saved {saved[:16]}")
     check(all(p[2] > 0 for p in parts), f"no copy-on-write copies: {[p[2] for p in parts]}")
     ok(
-        "b.checkpoint",
+        step,
         f"device-tier checkpoint written while rounds overwrote it: sha256 {saved[:16]} "
         f"restored equal ({sum(p[2] for p in parts)} bytes copied ahead of the writer)",
         checkpoint_sha256=saved,
     )
 
 
-def _shared_dir() -> str:
+def shared_dir() -> str:
     """One directory both ranks see (under ``$GPU_CHECK_OUT`` when set)."""
     path = [tempfile.mkdtemp(prefix="ckpt-", dir=os.environ.get("GPU_CHECK_OUT"))]
     dist.broadcast_object_list(path, src=0)
@@ -321,7 +308,7 @@ def main() -> None:
         prioritized(spec, rank)
         windows(spec, rank)
         queues(spec, rank)
-        checkpoint_while_overwritten(spec, rank, _shared_dir())
+        checkpoint_while_overwritten(spec, rank, shared_dir())
     finally:
         cd.destroy_distributed()
 

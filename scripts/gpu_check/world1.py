@@ -4,7 +4,8 @@ Device tier over a host tier past overflow (demotion, eviction), pinned host sta
 host-to-device copy, puts from GPU tensors (staged and donated), fetches delivered on the device
 and checked row by row against what was put; one host read per GPU put (NaN check) and per fetch
 (age check); side-stream rounds (``overlap``) giving sync's batches; pooled batch buffers not
-reused while a consumer kernel still reads them.
+reused while a consumer kernel still reads them; the CUDA allocator's counts of an overlapped
+plane the same after round 50 and after round 300.
 
     python scripts/gpu_check/world1.py
 """
@@ -12,7 +13,20 @@ reused while a consumer kernel still reads them.
 from __future__ import annotations
 
 import torch
-from common import DEVICE, DRY, Reads, check, items, median_ms, ok, sync, tier, verify
+from common import (
+    DEVICE,
+    DRY,
+    Reads,
+    check,
+    items,
+    median_ms,
+    memory,
+    memory_flat,
+    ok,
+    sync,
+    tier,
+    verify,
+)
 
 import conduit_dist as cd
 from conduit_dist.flow.versions import check_ages
@@ -170,6 +184,38 @@ def allocations(spec: cd.ExperienceSpec) -> None:
     )
 
 
+MEMORY_ROUNDS = (50, 300)  # the allocator's counts compared after these rounds
+
+
+def memory_over_rounds(spec: cd.ExperienceSpec) -> None:
+    """An overlapped plane (rounds on the round thread's side stream) with puts and fetches of
+    one size, a Linear attached: allocated and reserved bytes after round 50 and 300 agree
+    within ``common.ALLOCATED_SLACK`` / ``RESERVED_SLACK``."""
+    plane = cd.DataPlane(spec, 4096, seed=4, device=DEVICE, schedule="overlap")
+    model = torch.nn.Linear(spec.fields["obs"].numel, 1).to(plane.device)
+    plane.attach(model)
+    marks = {}
+    for it in range(1, MEMORY_ROUNDS[1] + 1):
+        plane.put(items(torch.arange(256) + 256 * it))
+        b = plane.fetch(256)
+        model(b["obs"].flatten(1).float()).sum().backward()
+        if it in MEMORY_ROUNDS:
+            plane.wait()  # the round launched at this backward has finished
+            marks[it] = memory(plane.device)
+    plane.close()
+    if DRY:
+        ok("a.memory", f"overlapped plane ran {MEMORY_ROUNDS[1]} rounds (no CUDA memory)")
+        return
+    got = memory_flat(marks[MEMORY_ROUNDS[0]], marks[MEMORY_ROUNDS[1]], "world size 1")
+    ok(
+        "a.memory",
+        f"world size 1, overlapped: allocated {got['allocated_early']} -> "
+        f"{got['allocated_late']} B, reserved {got['reserved_early']} -> {got['reserved_late']} B "
+        f"between rounds {MEMORY_ROUNDS[0]} and {MEMORY_ROUNDS[1]}",
+        **got,
+    )
+
+
 def main() -> None:
     """Run step (a)."""
     check(DRY or torch.cuda.is_available(), "no CUDA device visible")
@@ -178,6 +224,7 @@ def main() -> None:
         spec = cd.ExperienceSpec.from_batch(items(torch.arange(1)))
         tiers_and_staging(spec)
         overlap_matches_sync(spec)
+        memory_over_rounds(spec)
         if not DRY:  # a race between CUDA streams: nothing to race on the CPU
             reuse_waits_for_the_consumer(spec)
             allocations(spec)
