@@ -118,7 +118,7 @@ def device_wait(dev: torch.device) -> None:
         print("c.wait FAILED: " + "; ".join(problems), file=sys.stderr, flush=True)
         os._exit(3)
     stream.synchronize()
-    check(not problems, "; ".join(problems))
+    check(not problems, "; ".join(problems) + f" (close() returned in {closed:.2f} s)")
     ok(
         "c.wait",
         f"NCCL all-to-all waited on the device: the host went on after {waited * 1e3:.1f} ms "
