@@ -146,7 +146,8 @@ class Exchange:
             if uses_cuda(device):  # resolved before any group exists: errors leave none
                 self.cuda = resolve_device(device)
             self.group = plane_group(self.timeout, self.cuda, chosen_cuda_backend())
-        backend = str(dist.get_backend(self.group)) if self.world > 1 else ""
+        # a group given at world size 1 (e.g. a one-rank NCCL group) is read too
+        backend = str(dist.get_backend(self.group)) if self.group is not None else ""
         kinds = backends_of(backend)
         # the backend CUDA tensors go through ("": none between ranks); gloo has all-to-all,
         # broadcast and all-reduce for them but no send/recv or gather (strategies.usable)
