@@ -2,6 +2,7 @@
 
 python scripts/kill_resume.py                      # 2 ranks, DQN smoke job, kill rank 1
 python scripts/kill_resume.py --steps 40000 --kill-after-s 5
+python scripts/kill_resume.py device=cuda plane.calibrate=false   # train.py overrides last
 
 Starts ``torchrun --max-restarts 1 train.py`` with checkpoints every ``--every-iters``
 iterations, waits for the first complete checkpoint and then ``--kill-after-s`` more seconds,
@@ -60,6 +61,9 @@ def main() -> int:
     ap.add_argument("--kill-after-s", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    ap.add_argument(
+        "overrides", nargs="*", help="more train.py overrides (key=value), e.g. device=cuda"
+    )
     args = ap.parse_args()
     work = args.dir or tempfile.mkdtemp(prefix="conduit-kill-")
     os.makedirs(work, exist_ok=True)
@@ -71,6 +75,7 @@ def main() -> int:
         f"checkpoint.every_iters={args.every_iters}", "checkpoint.every_s=0",
         "logger.kind=console", "logger.log_every=10", f"logger.summary_path={summary}",
         "plane.timeout_s=20", "plane.capacity_per_rank=20000", f"hydra.run.dir={work}/hydra",
+        *args.overrides,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     log_path = os.path.join(work, "job.log")

@@ -7,9 +7,7 @@ checkpoint; torchrun restarts the group, which resumes from the newest checkpoin
 (``CONDUIT_CUDA_BACKEND=gloo``). Checked from its JSON line: a worker was killed, the restarted
 job resumed from a checkpoint and finished every env step.
 
-``scripts/kill_resume.py`` takes no ``train.py`` overrides, so its launch is wrapped here:
-:class:`_WithOverrides` stands in for its ``subprocess`` and appends the overrides to the one
-command it starts (a pass-through argument there would make this unnecessary).
+The overrides go to ``kill_resume.py``'s ``train.py`` command after its own arguments.
 
     python scripts/gpu_check/resume.py [KILL_RESUME ARGS ...]
 """
@@ -20,7 +18,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,31 +28,18 @@ SCRIPTS = Path(__file__).resolve().parents[1]
 ARGS = ["--steps", "6000", "--every-iters", "40", "--kill-after-s", "0.5", "--timeout-s", "60"]
 
 
-class _WithOverrides:
-    """``subprocess`` for ``scripts/kill_resume.py``: its ``Popen`` appends ``overrides`` to
-    the command it starts (``train.py``'s key=value list ends there)."""
-
-    STDOUT, TimeoutExpired = subprocess.STDOUT, subprocess.TimeoutExpired
-
-    def __init__(self, overrides: list[str]) -> None:
-        self.overrides = overrides
-
-    def Popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:  # (its name)
-        return subprocess.Popen([*cmd, *self.overrides], **kwargs)
-
-
 def main() -> None:
     """Run ``kill_resume.py`` on the GPU and check its result line."""
     sys.path.insert(0, str(SCRIPTS))
     import kill_resume
 
-    kill_resume.subprocess = _WithOverrides([f"device={DEVICE}", "plane.calibrate=false"])
     if not DRY:  # 2 ranks sharing one GPU: NCCL refuses that, gloo carries CUDA tensors
         os.environ["CONDUIT_CUDA_BACKEND"] = "gloo"
     work = os.environ.get("GPU_CHECK_OUT")
     args = [*ARGS, *sys.argv[1:]]
     if work and "--dir" not in args:
         args += ["--dir", os.path.join(work, "kill-resume")]
+    args += [f"device={DEVICE}", "plane.calibrate=false"]  # train.py overrides: last
     sys.argv = ["kill_resume.py", *args]
     t0 = time.perf_counter()
     printed = io.StringIO()
