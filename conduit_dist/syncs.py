@@ -12,7 +12,10 @@ nothing. torch's own syncs are counted separately by ``torch.cuda.set_sync_debug
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+
+from conduit_dist.errors import RoundError
 
 
 class SyncCounter:
@@ -43,10 +46,41 @@ SYNCS = SyncCounter()
 """The process's counter (a rank is a process)."""
 
 
-def wait_event(event, reason: str) -> None:
+_limit_s: float | None = None  # the longest a library host sync waits (allow)
+DEFAULT_LIMIT_S = 300.0  # before any plane said
+
+
+def allow(seconds: float) -> None:
+    """Let the library's host syncs wait up to ``seconds`` (a plane calls it with twice its
+    collectives' timeout; the longest any plane of the process asked for applies)."""
+    global _limit_s
+    _limit_s = seconds if _limit_s is None else max(_limit_s, seconds)
+
+
+def wait_event(event, reason: str, limit_s: float | None = None) -> None:
     """Block the host until ``event`` (a ``torch.cuda.Event``, or ``None``) has passed; counted
-    under ``reason`` only when it had not passed yet."""
+    under ``reason`` only when it had not passed yet. The wait polls the event (a yield for the
+    first 50 us, then a tenth of the time waited, at most 1 ms) and gives up after the limit
+    (``limit_s``, else :func:`allow`'s): the device work before it is stuck (a collective whose
+    peer is gone), and waiting on would only end when NCCL's watchdog ends the process.
+
+    Raises:
+        RoundError: naming ``reason`` and the limit, when the event has not passed by then.
+    """
     if event is None or event.query():
         return
     SYNCS.add(reason)
-    event.synchronize()
+    if limit_s is None:
+        limit_s = _limit_s if _limit_s is not None else DEFAULT_LIMIT_S
+    limit = limit_s
+    start = time.monotonic()
+    while not event.query():
+        waited = time.monotonic() - start
+        if waited > limit:
+            raise RoundError(
+                f"{reason}: a CUDA event has not passed after {limit:g}s (the device work "
+                "before it is stuck: a collective whose peer is gone, or a kernel that does not "
+                "end); the plane cannot go on",
+                round=-1,
+            )
+        time.sleep(0.0 if waited < 50e-6 else min(0.1 * waited, 1e-3))

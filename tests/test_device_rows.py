@@ -9,6 +9,8 @@ run in ``scripts/gpu_check.sh``.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import test_matrix as tm
@@ -215,3 +217,25 @@ def test_the_rows_model_is_probed_on_the_rows_device():
     res = run_ranks(_probe_rows_device, 2, timeout_s=120)
     assert res[0] == res[1]  # agreed: the slowest rank's times, fitted alike
     assert all(np.isfinite(c).all() for c in res[0].values())
+
+
+class _Stuck:
+    """A CUDA event whose work never ends (what a collective with a lost peer leaves)."""
+
+    def query(self):
+        return False
+
+    def synchronize(self):  # never called: waiting on it would hang
+        raise AssertionError("wait_event must poll, not block")
+
+
+def test_a_host_sync_on_stuck_device_work_fails_by_name_instead_of_hanging():
+    from conduit_dist.errors import RoundError
+    from conduit_dist.syncs import SYNCS, wait_event
+
+    before = SYNCS.snapshot().get("staging reuse", 0)
+    t0 = time.monotonic()
+    with pytest.raises(RoundError, match=r"staging reuse: a CUDA event has not passed after 0.2s"):
+        wait_event(_Stuck(), "staging reuse", limit_s=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert SYNCS.snapshot()["staging reuse"] == before + 1  # counted, with its reason

@@ -67,7 +67,7 @@ class Checkpoints:
         Raises:
             RuntimeError: if items were put since the last round.
         """
-        self.p.control.quiesce()
+        self.p.control.quiet()
         return state.save(self.p, self.spec)
 
     def load_state_dict(self, saved: dict[str, object]) -> None:
@@ -122,7 +122,7 @@ class Checkpoints:
             if not (isinstance(mbps, int | float) and mbps >= 0):
                 raise ConfigError(f"checkpoint {name}: expected a number >= 0, got {mbps!r}")
         self.wait(timeout_s)
-        self.p.control.quiesce()
+        self.p.control.quiet()
         self.current = save_mod.begin(
             self.p, self.spec, str(root), extra, rates=(write_mbps, checksum_mbps), keep=keep,
             timeout_s=timeout_s,

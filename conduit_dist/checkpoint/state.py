@@ -95,7 +95,8 @@ def _check_parts(parts, state: dict[str, object]) -> None:
 
 def quiet_for_restore(parts, what: str) -> None:
     """Before a restore overwrites this rank's state: nothing staged, no round in flight (a
-    round launched before the restore is finished; its batch would be stale).
+    round launched before the restore is finished; its batch would be stale), and on CUDA the
+    caller's stream ordered after the rounds' device work.
 
     Raises:
         ConfigError: naming ``what``, if items were put since the last round.
@@ -107,3 +108,7 @@ def quiet_for_restore(parts, what: str) -> None:
         )
     if parts.sched.pending is not None:
         parts.clock.wait()
+    # CUDA: the restore's copies into the tiers come after every round's (and the next
+    # round's side stream after the restore's): Scheduler.join
+    if parts.clock.cuda is not None:
+        parts.sched.join()

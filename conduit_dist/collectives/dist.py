@@ -394,9 +394,11 @@ def init_distributed(
     own groups too): ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (NCCL for tensors on the
     GPU, gloo for CPU-side metadata). With NCCL the group's timeout is
     :func:`default_group_timeout` (twice ``timeout_s`` plus 30 s: NCCL's watchdog ends the
-    process only well after the plane's own errors) and ``device_id`` binds it to the device
-    (NCCL's communicator is created at once, as a plane's group's is); the package's own waits
-    on it (``metrics.aggregate``) still give up after ``timeout_s``.
+    process only well after the plane's own errors); the package's own waits on it
+    (``metrics.aggregate``) still give up after ``timeout_s``. It is not bound to the device:
+    its NCCL communicator is created at its first CUDA collective (DDP's), and never in a job
+    that puts no CUDA tensor through it (``train.py``'s DQN averaging its gradients in the
+    plane's rounds uses the plane's communicator alone).
 
     Args:
         device: the device experience is delivered to (``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``).
@@ -432,11 +434,9 @@ def init_distributed(
         backend = plane_backend(device.type == "cuda", chosen)
     timeout = timedelta(seconds=timeout_s)
     group_timeout = default_group_timeout(backend, timeout)
-    nccl = device.type == "cuda" and "nccl" in backends_of(backend)
-    bind = {"device_id": device} if nccl else {}  # an eager communicator, as plane_group's
     if rank is None and world is None:
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=group_timeout, **bind
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=group_timeout
         )
         return
     if rank is None or world is None:
@@ -453,10 +453,10 @@ def init_distributed(
     if attempt:  # a group torchrun restarted: keys of the dead attempt are still in its store
         store = _attempt_store(rank, world, attempt, timeout)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, timeout=group_timeout, **bind
+            backend, store=store, rank=rank, world_size=world, timeout=group_timeout
         )
         return
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=group_timeout, **bind)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=group_timeout)
 
 
 def _attempt_store(rank: int, world: int, attempt: int, timeout: timedelta) -> dist.Store:

@@ -158,6 +158,7 @@ class Exchange:
         self._marked = -1  # the latest round this rank marked
         # rounds' NCCL works ordered on the device, not yet seen completed (_on_device)
         self._device_works: list[tuple[dist.Work, str, int, float]] = []
+        self._barrier_token = torch.zeros(1, dtype=torch.int32)  # a host value: gloo's
         # NCCL's work.wait() bounds nothing on the host: every wait of the group polls instead
         self._poll = "nccl" in kinds
         store, missing = _default_store() if self.world > 1 else (None, "")
@@ -257,10 +258,19 @@ class Exchange:
         self.wait_all(lambda: [launch()], op, round, cuda)
 
     def barrier(self, op: str, round: int = -1) -> None:
-        """A barrier over :attr:`group`, with the timeout (nothing to wait for at world size 1)."""
+        """A barrier over :attr:`group`, with the timeout (nothing to wait for at world size 1).
+
+        It is an all-reduce of one host value, so gloo runs it on every group: torch's
+        ``dist.barrier`` goes to NCCL on a group bound to a device (a CUDA plane's), where it
+        would synchronise the caller's stream with no timeout, from whatever thread calls it.
+        """
         if self.world == 1:
             return
-        self.run(lambda: dist.barrier(group=self.group, async_op=True), f"barrier({op})", round)
+        token = self._barrier_token
+        self.run(
+            lambda: dist.all_reduce(token, group=self.group, async_op=True), f"barrier({op})",
+            round,
+        )  # fmt: skip
 
     def _wait(self, work: dist.Work | None, op: str, round: int, cuda: bool = False) -> None:
         """Wait for ``work`` until the timeout: a round's NCCL work (``cuda`` on a group with
@@ -309,13 +319,24 @@ class Exchange:
             RoundError: naming the round and operation of one that is still running after the
                 timeout, and the ranks whose heartbeat is older.
         """
-        keep, deadline = [], time.monotonic() - self.timeout.total_seconds()
+        now = time.monotonic()
+        keep, deadline = [], now - self.timeout.total_seconds()
         for work, op, round, start in self._device_works:
             if work.is_completed():
                 continue
             if start < deadline:
                 self._device_works = []
-                self._fail(f"{op} (on the device)", round, start, None)
+                if self.shm is not None and self.shm.broken is None:
+                    self.shm.broken = f"an earlier collective of the plane failed ({op})"
+                # the heartbeats cannot tell who is late here: they are written lazily, by
+                # waits on the host, and every rank went on past this round on the host
+                raise RoundError(
+                    f"round {round}: {op} has not completed on the device after "
+                    f"{now - start:.1f}s on rank {self.rank} (timeout "
+                    f"{self.timeout.total_seconds():g}s); failing rank unknown (a peer that "
+                    f"died or left its round shows its own error)",
+                    round=round,
+                )
             keep.append((work, op, round, start))
         self._device_works = keep
 

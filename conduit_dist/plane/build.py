@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from conduit_dist import syncs
 from conduit_dist.collectives.dist import chosen_cuda_backend, resolve_device
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model import BandwidthModel, build
@@ -261,6 +262,7 @@ def assemble(
         reduce_numel=reduce_numel,
         cuda_backend=chosen_cuda_backend() if device.type == "cuda" else "nccl",
     )  # fmt: skip
+    syncs.allow(2 * transport.timeout_s)  # a stuck device makes host syncs fail, not hang
     with contextlib.ExitStack() as undo:
         ex = Exchange(
             transport.timeout_s,
@@ -278,6 +280,14 @@ def assemble(
             )
         trial = AutoTrial(auto_trial) if schedule == "auto" and can_overlap else None
         overlap = schedule == "overlap" and can_overlap
+        if trial is not None and plan.round_thread:
+            # the trial lets each rank keep what it measured, but with NCCL rows every rank
+            # must launch its rounds at the same point of its iteration (a round at backward
+            # on one rank, at fetch on another, orders the plane's NCCL work and DDP's
+            # differently): auto is overlap on every rank
+            trial, overlap = None, True
+            if ex.rank == 0:
+                log.info("schedule=auto: overlap on every rank (%s)", plan.describe())
         mode = "overlap" if (overlap or trial) else "sync"
         # rows carry the sampler's trailer (e.g. a prioritized item's address and mass)
         stored, wire_bytes = (

@@ -32,6 +32,7 @@ class Consumer:
         # priority updates given on a GPU (or rehearsing that path on a CPU plane), queued at
         # the next fetch or flush: no device value is read between a forward and its backward
         self._later: list[_Later] = []
+        self._refused: ConfigError | None = None  # refused in a collective call, raised next
         plan = parts.engine.devices
         self._rehearse = plan.compose == "torch" and plan.device.type == "cpu"
 
@@ -140,16 +141,24 @@ class Consumer:
             return
         p.sampler.queue_updates(index, priority)
 
-    def queue_later(self) -> None:
+    def queue_later(self, collective: bool = False) -> None:
         """Queue the updates given on a GPU since the last call (call at the next fetch, flush
         or collective call, never between a forward and its backward): their values were copied
         to pinned memory without blocking, so by now that copy has usually passed (a counted
         host sync when not); the sampler checks them as it queues them.
 
+        Args:
+            collective: called from a collective call (a state dict, a checkpoint): a refused
+                update does not raise there (the other ranks would wait for this one); its
+                error is raised by the next fetch or flush.
+
         Raises:
             ConfigError: on NaN, infinite or negative priorities, or foreign addresses, naming
                 them (that update is dropped; the ones given after it stay for the next call).
         """
+        if not collective and self._refused is not None:
+            refused, self._refused = self._refused, None
+            raise refused
         while self._later:
             later = self._later.pop(0)
             index, priority = later.land()
@@ -160,7 +169,9 @@ class Consumer:
                     "(given to update_priorities on a GPU: checked when queued, at the next "
                     "fetch or flush; that update was dropped)"
                 )
-                raise
+                if not collective:
+                    raise
+                self._refused = self._refused or exc
 
 
 class _Later:
@@ -173,11 +184,13 @@ class _Later:
         if not index.is_cuda:  # the rehearsal: host tensors, read later the same way
             self.both = torch.stack([index, priority.to(torch.float64).view(torch.int64)])
             return
-        bits = priority.to(torch.float64).view(torch.int64)  # CUDA only from here
-        self.both = torch.empty((2, index.numel()), dtype=torch.int64, pin_memory=True)
-        self.both.copy_(torch.stack([index, bits]), non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
+        # CUDA only from here, under the tensors' device (the caller's thread may have another
+        # current device: the pinned block and the event belong to this one's context)
+        with torch.cuda.device(index.device):
+            bits = priority.to(torch.float64).view(torch.int64)
+            self.both = torch.empty((2, index.numel()), dtype=torch.int64, pin_memory=True)
+            self.both.copy_(torch.stack([index, bits]), non_blocking=True)
+            self.event = torch.cuda.current_stream(index.device).record_event()
 
     def land(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index int64, priority float64)`` host tensors, once the copy has landed."""

@@ -33,8 +33,8 @@ def _delegate(part: str, method, queue_later: bool = False):
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         self._check_open()
-        if queue_later:
-            self._consumer.queue_later()
+        if queue_later:  # collective calls: a refused update raises at the next fetch
+            self._consumer.queue_later(collective=True)
         if torch.is_inference_mode_enabled():  # the plane's pooled buffers and their views
             with torch.inference_mode(False):  # outlive the call: made as normal tensors
                 return method(getattr(self, part), *args, **kwargs)

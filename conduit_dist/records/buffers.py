@@ -102,9 +102,15 @@ class RecordBuffer:
 
     def reset(self) -> None:
         """Empty the buffer (keeping its memory), once the round that last read it has passed
-        its copies (``read_event``: no host sync when it has, a counted one when not)."""
-        wait_event(self.read_event, "staging reuse")
-        self.read_event = None
+        its copies (``read_event``): host memory waits on the host (no sync when it has passed,
+        a counted one when not); device memory is written by the caller's stream, which waits
+        for the event on the device."""
+        if self.read_event is not None:
+            if self.data.is_cuda:  # CUDA only
+                torch.cuda.current_stream(self.data.device).wait_event(self.read_event)
+            else:
+                wait_event(self.read_event, "staging reuse")
+            self.read_event = None
         self.count = 0
         self.deferred.clear()
         self.packed.clear()
@@ -188,7 +194,7 @@ class Pooled:
     """One pooled buffer, the field views built once for it (or its numpy view: host
     buffers read by numpy), and its idle storage use count."""
 
-    __slots__ = ("array", "buf", "fresh", "idle", "read", "released", "views")
+    __slots__ = ("array", "buf", "idle", "read", "released", "views")
 
     def __init__(self, buf: torch.Tensor, array: np.ndarray | None = None) -> None:
         self.buf, self.views, self.array = buf, None, array
@@ -198,7 +204,6 @@ class Pooled:
         # CUDA buffers handed out: the event on the consumer's stream after which no kernel
         # reads it (OutputPool.release_point); None: not released since it was handed out
         self.released = None
-        self.fresh = True  # never handed out: no kernel of the consumer ever read it
 
     def free(self) -> bool:
         """Nobody outside the pool holds a tensor on the buffer's storage (every tensor handed
@@ -283,11 +288,10 @@ class OutputPool:
         for e in self._pool:
             if e.buf.shape[0] >= rows and e.free():
                 if self._cuda:  # CUDA only: after the consumer's last kernels on it
-                    if e.released is None and not e.fresh:
+                    if e.released is None:
                         continue  # not released at a release point yet: someone may read it
-                    if e.released is not None:
-                        torch.cuda.current_stream(self.device).wait_event(e.released)
-                    e.released, e.fresh = None, False
+                    torch.cuda.current_stream(self.device).wait_event(e.released)
+                    e.released = None
                 if e.read is not None:  # the host writes it next: the last copy out is done
                     wait_event(e.read, "pinned delivery reuse")
                     e.read = None
@@ -297,9 +301,7 @@ class OutputPool:
             pin_memory=self.pin_memory,
         )  # fmt: skip
         if use_count(buf) is not None:
-            entry = Pooled(buf)
-            entry.fresh = False  # handed out now
-            keep(self._pool, entry, self.size)
+            keep(self._pool, Pooled(buf), self.size)
         return buf
 
     def release_point(self) -> None:
@@ -310,7 +312,7 @@ class OutputPool:
             return
         event = None
         for e in self._pool:
-            if e.released is None and not e.fresh and e.free():
+            if e.released is None and e.free():
                 if event is None:
                     event = torch.cuda.current_stream(self.device).record_event()
                 e.released = event

@@ -136,7 +136,6 @@ class Landing:
         out = self.outputs.acquire(rows.shape[0])  # waits for the consumer's last reads
         if rows.shape[0]:
             out.copy_(rows, non_blocking=True)  # pinned -> device, on the round's stream
-            event = torch.cuda.Event()
-            event.record()
+            event = torch.cuda.current_stream(out.device).record_event()
             self.rows.read_by(rows, event)
         return out

@@ -17,6 +17,7 @@ import torch
 from conduit_dist.records.buffers import RecordBuffer
 from conduit_dist.rounds.tickets import RoundStats, RoundTicket
 from conduit_dist.syncs import SYNCS
+from conduit_dist.tiers.cuda import upload
 
 
 class Ingest:
@@ -123,15 +124,15 @@ class Ingest:
         inp = self.staged_rows(t)
         if self._order is not None:
             out = self._routed.rows(inp.shape[0])
-            torch.index_select(inp, 0, self._order.to(inp.device), out=out)
+            torch.index_select(inp, 0, upload(self._order, inp.device), out=out)
             inp, self._order = out, None
         between = plan.copy()
         np.fill_diagonal(between, 0)
         first = self.storage.written
         if not between.any():
             self.storage.append(inp)  # every item stays put (known on every rank): no exchange
-            if self.reads is not None:
-                self.reads(first, inp)
+            if self.reads is not None:  # in put order (all routed here): read where staged
+                self._read_staged(t, first)
             return n_in
         # received straight into the shard's slots only where they are on the rows device
         direct = self.storage.receive(n_in) if self._into_storage else None
@@ -141,6 +142,6 @@ class Ingest:
             self.storage.commit(n_in)
         else:
             self.storage.append(out)
-        if self.reads is not None:
-            self.reads(first, out)
+        if self.reads is not None:  # rows from peers exist only here: their columns come up
+            self.reads(first, out)  # (on device rows, read in this round: one host sync)
         return n_in

@@ -125,14 +125,16 @@ class ColumnShadow:
         if rows.is_cpu:
             self._put(gens, rows.numpy()[:, self._src])
             return
-        src = self._src_dev.get(rows.device)  # CUDA only from here
-        if src is None:
-            src = self._src_dev[rows.device] = torch.from_numpy(self._src).to(rows.device)
-        cols = rows.index_select(1, src)
-        host = torch.empty(cols.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(cols, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        # CUDA only from here, under the rows' device (put's direct writes call this on the
+        # caller's thread, whose current device may be another)
+        with torch.cuda.device(rows.device):
+            src = self._src_dev.get(rows.device)
+            if src is None:
+                src = self._src_dev[rows.device] = upload(torch.from_numpy(self._src), rows.device)
+            cols = rows.index_select(1, src)
+            host = torch.empty(cols.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(cols, non_blocking=True)
+            event = torch.cuda.current_stream(rows.device).record_event()
         self.gen[gens % self.cap] = -1  # not readable before it lands
         self._pending.append((gens, host, event))
 

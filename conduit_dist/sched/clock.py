@@ -63,11 +63,13 @@ class RoundClock:
         with no host sync. Pooled delivery buffers nobody holds now get a release event (every
         kernel that read them is before it: ``OutputPool.release_point``), and the round's side
         stream waits for this stream only where it reads what this stream wrote."""
-        engine = self.sched.engine
+        sched = self.sched
+        engine = sched.engine
         engine.delivery.outputs.release_point()
         on_gpu = engine.storage.tiers[0].data.is_cuda
-        if ticket.writes_on_device() or (ticket.direct and on_gpu):
+        if ticket.writes_on_device() or (ticket.direct and on_gpu) or sched.touched:
             ticket.ready = torch.cuda.current_stream(self.cuda).record_event()
+            sched.touched = False
 
     def guard(self, fn: Callable[[], T]) -> T:
         """Call ``fn`` (a round); any failure is kept, so every later call raises it.

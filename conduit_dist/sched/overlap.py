@@ -180,7 +180,7 @@ class OverlapController:
         if self.sched.engine.schedule != "fused":
             raise ConfigError(
                 "fetch_start: needs one-exchange rounds to leave in flight (a placement that keeps "
-                "items where they were put, rows composed on the host, world size > 1), got the "
+                "items where they were put, world size > 1), got the "
                 f"{self.sched.engine.schedule!r} schedule: its exchanges depend on each other"
             )
         if self.overlap or (self.trial is not None and self.trial.choice is None):
@@ -193,8 +193,18 @@ class OverlapController:
         if reduce is not None:
             self.sched.engine.check_payload(reduce)
         ticket = self.clock.prepare(batch_size, reduce)
-        self.clock.guard(lambda: self.sched.start(ticket, "prefetch", self.clock.stager.put_seq))
+        self._launch_gated(ticket, "prefetch", self.sched.start)
         self._fetched, self._last_batch, self._started = False, batch_size, True
+
+    def _launch_gated(self, ticket, kind: str, how) -> None:
+        """Launch (or start) a round; where its NCCL work goes through the round thread, return
+        only once that work is enqueued (``Scheduler.gate``): NCCL work the caller issues next
+        on another communicator then follows it on every rank."""
+        if self.sched.round_thread:
+            ticket.enqueued = threading.Event()
+        self.clock.guard(lambda: how(ticket, kind, self.clock.stager.put_seq))
+        if ticket.enqueued is not None:
+            self.clock.guard(lambda: self.sched.gate(ticket))
 
     def poll(self) -> None:
         """Note whether a round started by :meth:`fetch_start` is still in flight (``put``
@@ -210,7 +220,7 @@ class OverlapController:
             if pending.kind == "prefetch":  # launched at backward: it is this call's round
                 return
         if self.overlap:
-            self.sched.launch(self.clock.prepare(0), "flush", self.clock.stager.put_seq)
+            self._launch_gated(self.clock.prepare(0), "flush", self.sched.launch)
         else:
             self.clock.run(0)
 
@@ -250,6 +260,14 @@ class OverlapController:
                 "backward), or run every rank on the same schedule"
             )
         self.wait()
+
+    def quiet(self) -> None:
+        """:meth:`quiesce`, then order the caller's stream after every round's device work and
+        the next round after the caller's (``Scheduler.join``): the storage may be read or
+        written outside a round now (a state dict, a checkpoint's snapshot, a restore)."""
+        self.quiesce()
+        if self.clock.cuda is not None:
+            self.sched.join()
 
     def closing_round(self) -> None:
         """Every rank's last round: a round launched at backward serves as it, else one runs."""
@@ -312,12 +330,8 @@ class OverlapController:
         if self.max_lag == 0 and not self._more:
             return
         self._fetched = False
-        ticket = self.clock.prepare(self._last_batch)
-        if self.sched.round_thread:  # NCCL rows: enqueued before this backward's collectives
-            ticket.enqueued = threading.Event()
-        self.sched.launch(ticket, "prefetch", self.clock.stager.put_seq)
-        if ticket.enqueued is not None:
-            self.sched.gate(ticket)
+        # NCCL rows: enqueued before this backward's own collectives, on every rank
+        self._launch_gated(self.clock.prepare(self._last_batch), "prefetch", self.sched.launch)
 
     def _tick(self, t: float) -> None:
         """Feed the auto trial the iteration that ended at ``t``; follow its mode."""

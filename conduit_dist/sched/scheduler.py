@@ -83,7 +83,13 @@ class Scheduler:
         threaded = mode == "overlap" or round_thread
         self._pool = executor("conduit-round", device) if threaded else None
         self._stream = torch.cuda.Stream(device) if cuda else None
+        self._device = device
         self._last: Future | None = None  # the latest launched round (maybe timed out in wait)
+        # CUDA: the event that ends the latest round's device work (set on the round's thread)
+        self.last_event = None
+        # the consumer's stream touched the storage outside a round (a state dict, a
+        # checkpoint's snapshot, a restore): the next round's side stream waits for it
+        self.touched = False
 
     def _execute(self, ticket: RoundTicket):
         return self._on_stream(ticket, lambda: self.engine.run(ticket, self.weights))
@@ -100,6 +106,7 @@ class Scheduler:
                     self._stream.wait_event(ticket.ready)
                 out, stats = run()
                 event = self._stream.record_event()
+            self.last_event = event
             for buf in ticket.buffers():  # written again by put once the round's copies ran
                 buf.read_event = event
             return out, stats, event
@@ -116,10 +123,20 @@ class Scheduler:
             out.record_stream(current)
         return out
 
+    def join(self) -> None:
+        """CUDA: the current stream waits (on the device) for the latest round's device work,
+        before the caller touches the storage outside a round (its copies into the tiers ran on
+        the side stream, and no round waits for them on the host); then :attr:`touched` makes
+        the next round's side stream wait for what the caller did. Call once no round runs."""
+        self.touched = True
+        event = self.last_event
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+
     def run(self, ticket: RoundTicket) -> tuple[torch.Tensor, RoundStats]:
         """Run a round now: inline, or on the round thread (waiting for it)."""
         if self.round_thread:
-            future = self._pool.submit(self._execute, ticket)
+            future = self._last = self._pool.submit(self._execute, ticket)
             out, stats, event = self._result(future, ticket)
         else:
             out, stats, event = self._execute(ticket)
@@ -178,11 +195,25 @@ class Scheduler:
         self.pending = Pending(kind, ticket, self._last, put_seq)
 
     def gate(self, ticket: RoundTicket) -> None:
-        """Wait until a launched round's NCCL work is enqueued (or the round ended): called by a
-        backward hook that launched it, so that on every rank the plane's NCCL calls come
-        before the backward's own (DDP's), the order NCCL needs between two communicators."""
+        """Wait until a launched round's NCCL work is enqueued (or the round ended): called by
+        the call that launched it (a backward hook, ``fetch_start``, an overlapped ``flush``),
+        so that on every rank the plane's NCCL calls come before whatever NCCL work the caller
+        issues next (DDP's in the backward), the order NCCL needs between two communicators.
+
+        Raises:
+            RoundError: if the round is neither enqueued nor ended after ``4 * timeout_s``.
+        """
         t0 = time.perf_counter()
-        ticket.enqueued.wait(4 * self.timeout_s)
+        future = self.pending.future if self.pending is not None else None
+        while not ticket.enqueued.wait(0.05):
+            if future is not None and future.done():  # ended before enqueueing (it failed)
+                break
+            if time.perf_counter() - t0 > 4 * self.timeout_s:
+                raise RoundError(
+                    f"round {ticket.round}: its NCCL work was not enqueued after "
+                    f"{4 * self.timeout_s:.0f}s",
+                    round=ticket.round,
+                )
         ticket.gate_ms = (time.perf_counter() - t0) * 1e3
 
     def wait(self) -> tuple[Pending, torch.Tensor, RoundStats]:
