@@ -239,3 +239,34 @@ def test_a_host_sync_on_stuck_device_work_fails_by_name_instead_of_hanging():
         wait_event(_Stuck(), "staging reuse", limit_s=0.2)
     assert 0.2 <= time.monotonic() - t0 < 2.0
     assert SYNCS.snapshot()["staging reuse"] == before + 1  # counted, with its reason
+
+
+def _auto_and_early(rank: int, world: int) -> dict[str, object]:
+    """A plane whose rows would go by NCCL (rehearsed): auto is overlap on every rank, and an
+    early-started round's caller waits until its delivery is enqueued."""
+    auto = cd.DataPlane(cd.ExperienceSpec(FIELDS), 32, sampler="uniform", schedule="auto")
+    chosen = auto.chosen_schedule
+    auto.close()
+    plane = cd.DataPlane(cd.ExperienceSpec(FIELDS), 32, sampler="uniform", schedule="sync")
+    gates, threads = [], set()
+    for t in range(8):
+        plane.put(step(rank, t))
+        if t < 2:
+            plane.flush()
+            continue
+        plane.fetch_start(4)  # the whole round on the round thread, this call gated
+        plane.put(step(rank, 100 + t))  # the next round's items, while it flies
+        b = plane.fetch(4)
+        gates.append(plane.stats.gate_ms)
+        threads.add(plane.stats.thread)
+        assert intact(b)
+    plane.close()
+    return {"chosen": chosen, "gates": gates, "threads": threads}
+
+
+def test_auto_is_overlap_everywhere_and_early_starts_are_gated_on_the_device_path(monkeypatch):
+    monkeypatch.setenv(REHEARSAL_ENV, "1")
+    for got in run_ranks(_auto_and_early, 2, timeout_s=180).values():
+        assert got["chosen"] == "overlap"  # no per-rank trial: every rank launches alike
+        assert got["threads"] == {"conduit-round_0"}
+        assert all(g > 0 for g in got["gates"]), got["gates"]  # fetch_start waited
