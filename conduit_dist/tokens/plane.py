@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
 
 import torch
 from torch import nn
@@ -27,6 +28,8 @@ from conduit_dist.flow.versions import check_max_age
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.plane.build import bandwidth_model, rank_set
 from conduit_dist.plane.options import TransportConfig
+from conduit_dist.sched.hooks import BackwardTrigger
+from conduit_dist.tokens.ahead import Ahead, TakeTiming
 from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.checkpoint import load_shares, save_shard
 from conduit_dist.tokens.pacing import Pacer
@@ -135,6 +138,11 @@ class TokenPlane:
         self.last: TokenRoundStats | None = None
         self.totals = {"delivered_groups": 0, "wire_bytes": 0, "token_bytes": 0, "rounds": 0}
         self._sends_weights = any(r not in self.learners for r in range(self.world))
+        # the next take's first round, launched at a backward or by fetch_start (ahead.py)
+        self.ahead = Ahead(self.device, transport.timeout_s)
+        self.last_take: TakeTiming | None = None
+        self._priorities: list[tuple[list[int], list[int], list[float]]] = []  # for the round
+        self.at_close = {"groups": 0, "sequences": 0, "launched_groups": 0}
 
     # ------------------------------------------------------------------ producers
 
@@ -161,6 +169,7 @@ class TokenPlane:
             ConfigError: after ``close``.
         """
         self._open("put")
+        self._settle()  # the store is a launched round's until it ended
         v = self.version if version is None else int(version)
         try:
             packed = check_batch(self.spec, batch, lengths, v, token_versions)
@@ -187,6 +196,7 @@ class TokenPlane:
             ConfigError: on a rank not in ``producer_ranks``; SpecError: on a reused group id.
         """
         self._open("reserve")
+        self._settle()
         ids = [int(g) for g in group_ids]
         if self.closed_by >= 0:
             return None
@@ -242,6 +252,11 @@ class TokenPlane:
         """
         if self.closed_by >= 0:
             return False
+        if self.ahead.pending is not None:
+            raise ConfigError(
+                "flush: a round was launched for the next fetch/stream (at a backward or by "
+                "fetch_start) and holds its micro-batches; call fetch/stream to take them"
+            )
         self._round(Request())
         return self.closed_by < 0
 
@@ -288,6 +303,134 @@ class TokenPlane:
 
     def _take(self, n: int, budget: int, produce, wait_s: float, streaming: bool):
         self._open("stream")
+        self._check_take(n, budget)
+        key = (n, budget, streaming)
+        pending = self.ahead.pending
+        if pending is not None and pending.key != key:
+            raise ConfigError(
+                f"stream/fetch: a round was launched ahead for (num_groups, token_budget, "
+                f"stream) = {pending.key}, got {key}; keep them fixed between steps"
+            )
+        self.ahead.armed = None
+        timing = self.last_take = TakeTiming()
+        start, left = time.monotonic(), n
+        launched = self.ahead.take(key, time.perf_counter(), timing)
+        if launched is not None:
+            out, stats = self._account(*launched)
+            left -= stats.groups
+            if not left:  # the batch is complete: the next backward launches the next one
+                self.ahead.armed = key
+            yield from out
+        while left:
+            if time.monotonic() - start > wait_s:
+                raise EmptyStoreError(
+                    f"stream: {n - left} of {n} groups delivered after "
+                    f"{wait_s:.0f} s (wait_s); are the producers putting "
+                    "whole groups and calling flush()?"
+                )
+            if self.closed_by >= 0:
+                raise RoundError(
+                    f"stream: rank {self.closed_by} closed the plane with "
+                    f"{left} of {n} groups undelivered"
+                )
+            if produce is not None:
+                produce()
+            piece = len(self.learners) if streaming else left
+            t0 = time.perf_counter()
+            out, stats = self._round(Request(left, budget, piece))
+            timing.rounds += 1
+            timing.exposed_ms += (time.perf_counter() - t0) * 1e3
+            left -= stats.groups
+            if not left:  # the batch is complete: the next backward launches the next one
+                self.ahead.armed = key
+            yield from out
+            if left and self.closed_by >= 0:
+                raise RoundError(
+                    f"stream: rank {self.closed_by} closed the plane with "
+                    f"{left} of {n} groups undelivered"
+                )
+
+    def fetch_start(
+        self, num_groups: int, token_budget: int, *, stream: bool = False,
+        next_version: bool = True,
+    ) -> None:  # fmt: skip
+        """Launch the next ``fetch`` (``stream=True``: ``stream``) call's first round now, on
+        the plane's round thread, and return (every learner calls it at the same point, e.g.
+        when its backward starts; collective with the producers' rounds). That call then takes
+        its micro-batches, waiting only for what is left of the round, and runs any further
+        round inline (docs/tokens.md, "Behind the backward"; ``last_take`` says what was
+        hidden). Puts and ``reserve`` wait for a round in flight (it holds the store).
+
+        Args:
+            num_groups: the next call's ``num_groups``.
+            token_budget: the next call's ``token_budget``.
+            stream: the next call is ``stream`` (a piece as soon as each learner can get a
+                group) rather than ``fetch`` (the whole batch at once).
+            next_version: the learners publish one more version before that call takes it (one
+                per global batch, as pacing assumes): the round selects for that version, so
+                nothing it delivers is older than ``max_policy_age`` when used. ``False``:
+                for the version they have now.
+
+        Raises:
+            ConfigError: on a non-learner rank, a bad argument, or a round launched already.
+        """
+        self._open("fetch_start")
+        self._check_take(num_groups, token_budget)
+        if self.ahead.pending is not None:
+            raise ConfigError("fetch_start: a round was launched already; take it first")
+        self._launch((num_groups, token_budget, bool(stream)), next_version)
+
+    def attach(self, module: nn.Module) -> None:
+        """Launch each global batch's first round when ``module``'s backward starts: the first
+        backward after a ``fetch``/``stream`` completed launches the next one with the same
+        arguments (every learner runs the same number of micro-batches, so every learner
+        launches at the same point), for the next version (:meth:`fetch_start`).
+
+        Raises:
+            ConfigError: on a non-learner rank, or a module attached already.
+        """
+        self._open("attach")
+        if self.rank not in self.learners:
+            raise ConfigError(f"attach: rank {self.rank} is not a learner; producers flush")
+        if self.ahead.trigger is not None:
+            raise ConfigError("attach: a module is attached already; call detach() first")
+        self.ahead.trigger = BackwardTrigger(module, self._on_backward, lambda a, b: None)
+
+    def detach(self) -> None:
+        """Remove the backward hooks (a round launched already is still taken next)."""
+        if self.ahead.trigger is not None:
+            self.ahead.trigger.remove()
+            self.ahead.trigger = None
+
+    def _on_backward(self) -> None:
+        """At a backward start: launch the armed next take's first round, once."""
+        key = self.ahead.armed
+        if key is None or self.closed or self.closed_by >= 0 or self.ahead.pending is not None:
+            return
+        self._launch(key, next_version=True)
+
+    def _launch(self, key, next_version: bool) -> None:
+        n, budget, streaming = key
+        req = Request(n, budget, len(self.learners) if streaming else n)
+        self._hand_priorities()
+        snap, version, weights = self.weights.snapshot(), self.version, self.weights
+        self.ahead.launch(
+            key, lambda: self.engine.run(req, weights, version, snap, ahead=next_version)
+        )
+
+    def _settle(self) -> None:
+        """Wait until a round launched ahead has ended (its result stays for its take)."""
+        p = self.ahead.pending
+        if p is not None:
+            futures.wait([p.future], timeout=4 * self.ahead.timeout_s)
+
+    def _check_take(self, n: int, budget: int) -> None:
+        """A learner's take arguments.
+
+        Raises:
+            ConfigError: on a non-learner rank, a bad count or budget, or a count pacing does
+                not expect.
+        """
         if self.rank not in self.learners:
             raise ConfigError(
                 f"stream/fetch: rank {self.rank} is not a learner (learner_ranks="
@@ -302,25 +445,6 @@ class TokenPlane:
                 f"groups_per_batch = {self.pacer.per_batch} groups per version, "
                 f"got {n}"
             )
-        start, left = time.monotonic(), n
-        while left:
-            if time.monotonic() - start > wait_s:
-                raise EmptyStoreError(
-                    f"stream: {n - left} of {n} groups delivered after "
-                    f"{wait_s:.0f} s (wait_s); are the producers putting "
-                    "whole groups and calling flush()?"
-                )
-            if produce is not None:
-                produce()
-            piece = len(self.learners) if streaming else left
-            out, stats = self._round(Request(left, budget, piece))
-            left -= stats.groups
-            yield from out
-            if left and self.closed_by >= 0:
-                raise RoundError(
-                    f"stream: rank {self.closed_by} closed the plane with "
-                    f"{left} of {n} groups undelivered"
-                )
 
     def update_priorities(self, batch: MicroBatch, priority: torch.Tensor) -> None:
         """Set the replay priority of each group in ``batch`` (one value per sequence: a group
@@ -334,7 +458,7 @@ class TokenPlane:
                 f"(one per sequence), got {pr.shape[0]} with min "
                 f"{float(pr.min()) if pr.numel() else 'n/a'}"
             )
-        self.engine.queue_priorities(holder, gid, pr.tolist())
+        self._priorities.append((holder, gid, pr.tolist()))  # given to the next round
 
     # ------------------------------------------------------------------ versions and weights
 
@@ -370,7 +494,18 @@ class TokenPlane:
     def _round(self, req: Request) -> tuple[list[MicroBatch], TokenRoundStats]:
         if self.closed_by >= 0:
             raise RoundError(f"token plane: rank {self.closed_by} closed it; no further round")
-        out, stats = self.engine.run(req, self.weights, self.version)
+        self._hand_priorities()
+        return self._account(*self.engine.run(req, self.weights, self.version))
+
+    def _hand_priorities(self) -> None:
+        """The priorities given since the last round, to the engine (on the caller's thread,
+        while no round runs: the round reads them on whichever thread runs it)."""
+        for holder, gid, pr in self._priorities:
+            self.engine.queue_priorities(holder, gid, pr)
+        self._priorities = []
+
+    def _account(self, out, stats: TokenRoundStats) -> tuple[list[MicroBatch], TokenRoundStats]:
+        """A finished round's effects on this rank's counters (on the caller's thread)."""
         self.newest, self.last = stats.newest, stats
         if stats.closing_rank >= 0:
             self.closed_by = stats.closing_rank
@@ -393,10 +528,21 @@ class TokenPlane:
             "evicted_sequences": s.evicted_sequences,
             "stale_evicted": self.engine.stale_evicted,
             **self.totals,
+            **{f"left_at_close_{k}": v for k, v in self.at_close.items() if k != "launched_groups"},
+            "launched_at_close_groups": self.at_close["launched_groups"],
         }
 
     def state_dict(self) -> dict[str, object]:
-        """This rank's groups and counters (plain tensors; ``weights_only`` loads them)."""
+        """This rank's groups and counters (plain tensors; ``weights_only`` loads them).
+
+        Raises:
+            ConfigError: while a round launched ahead holds groups no take used yet.
+        """
+        if self.ahead.pending is not None:
+            raise ConfigError(
+                "state_dict: a round was launched ahead and holds the next take's groups; "
+                "take it (fetch/stream) first"
+            )
         return {
             "store": self.store.state_dict(),
             "spec": repr(self.spec.state_dict()),
@@ -408,8 +554,17 @@ class TokenPlane:
         }
 
     def checkpoint(self, root: str) -> None:
-        """Write every rank's buffered, not yet consumed groups under ``root`` (collective)."""
+        """Write every rank's buffered, not yet consumed groups under ``root`` (collective).
+
+        Raises:
+            ConfigError: while a round launched ahead holds micro-batches no take used yet.
+        """
         self._open("checkpoint")
+        if self.ahead.pending is not None:
+            raise ConfigError(
+                "checkpoint: a round was launched ahead and holds the next take's groups; "
+                "checkpoint after that fetch/stream (or before the backward that launches it)"
+            )
         save_shard(
             root,
             self.rank,
@@ -431,14 +586,26 @@ class TokenPlane:
             raise ConfigError(f"{what}: the token plane is closed")
 
     def close(self) -> None:
-        """Run the closing round (unless a peer's already ran) and release the group."""
+        """Run the closing round (unless a peer's already ran) and release the group.
+
+        Groups not delivered by then are counted, not delivered (``stats()``'s
+        ``left_at_close_groups``/``_sequences``: those still in this rank's store, complete
+        or still generating; ``launched_at_close_groups``: a round launched ahead that no take
+        used, its groups taken out of their holders).
+        """
         if self.closed:
             return
         self.closed = True
         try:
+            if self.ahead.pending is not None:  # launched ahead, never taken
+                _, stats = self._account(*self.ahead.wait()[:2])
+                self.at_close["launched_groups"] += stats.groups
             if self.closed_by < 0:
                 self._round(Request(closing=True))
         finally:
+            self.at_close["groups"] += len(self.store.groups)
+            self.at_close["sequences"] += self.store.sequences
+            self.ahead.close()
             with contextlib.suppress(Exception):
                 self.ex.close()
 
@@ -449,6 +616,9 @@ class TokenPlane:
         """Release the plane's group without a closing round (after a failure: the peers'
         next round then fails naming this rank instead of waiting for it)."""
         self.closed = True
+        if self.ahead.trigger is not None:
+            self.ahead.trigger.remove()
+            self.ahead.trigger = None
         with contextlib.suppress(Exception):
             self.ex.close()
 

@@ -34,9 +34,9 @@ from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.store import GroupStore
 from conduit_dist.tokens.wire import Wire
 
-# meta row columns
-ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING = range(7)
-META_WIDTH = 7
+# meta row columns (AHEAD: the first learner's round was launched ahead of its next version)
+ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD = range(8)
+META_WIDTH = 8
 
 
 @dataclass
@@ -114,7 +114,7 @@ class TokenRound:
             t[i, S.PRIORITY] = np.float64(r[S.PRIORITY]).view(np.int64)
         return t  # a group not complete yet has ORDER -1 = select.PENDING
 
-    def _gather(self, req: Request, weights, version: int):
+    def _gather(self, req: Request, weights, version: int, snap, ahead: bool):
         """Every rank's meta row and group table: one all-gather carrying the meta and up to
         ``rows_hint`` table rows (the largest table of the last round, rounded up to a power of
         two), a second one only for the rows beyond it."""
@@ -124,9 +124,9 @@ class TokenRound:
         row[ROWS], row[WANT], row[BUDGET] = len(table), req.want, req.budget
         row[MIN_PIECE], row[CLOSING] = req.min_piece, int(req.closing)
         if self.ex.rank == self.learners[0]:
-            row[VERSION] = version
-            fresh = weights.buf is not None and weights.version > weights.broadcast
-            row[WBYTES] = weights.buf.numel() if fresh else 0
+            row[VERSION], row[AHEAD] = version, int(ahead)
+            fresh = snap.buf is not None and snap.version > weights.broadcast
+            row[WBYTES] = snap.nbytes if fresh else 0
         head = table[:k].reshape(-1)
         row[META_WIDTH : META_WIDTH + head.size] = torch.from_numpy(head)
         got = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
@@ -162,13 +162,21 @@ class TokenRound:
 
     # ------------------------------------------------------------------ the round
 
-    def run(self, req: Request, weights, version: int) -> tuple[list[MicroBatch], TokenRoundStats]:
+    def run(
+        self, req: Request, weights, version: int, snap=None, ahead: bool = False
+    ) -> tuple[list[MicroBatch], TokenRoundStats]:
         """Run one round (collective). Returns this rank's micro-batches (learners) and stats.
 
         Args:
             req: this rank's request.
             weights: the plane's ``WeightsState`` (the first learner's newer buffer is sent).
             version: this rank's policy version (the first learner's is the newest).
+            snap: the weights as published when the round was launched (``weights.snapshot()``;
+                ``None``: now): what it sends, whatever the caller publishes meanwhile.
+            ahead: the round was launched ahead of the learner's next version (it will be
+                taken after the learners published one more, as pacing has them do once per
+                global batch): on the first learner it makes every rank select and evict for
+                that version, so nothing delivered is older than the bound when it is used.
 
         Raises:
             ConfigError: when the learners' requests differ or fewer groups than learners are
@@ -178,26 +186,24 @@ class TokenRound:
             RoundError: on a timeout or a failed peer.
         """
         t0 = time.perf_counter()
-        meta, groups, updates = self._gather(req, weights, version)
+        snap = weights.snapshot() if snap is None else snap
+        meta, groups, updates = self._gather(req, weights, version, snap, ahead)
         req = self._check(meta)
         stats = TokenRoundStats(self.round, newest=int(meta[self.learners[0], VERSION]))
         closing = np.flatnonzero(meta[:, CLOSING])
         stats.closing_rank = int(closing[0]) if len(closing) else -1
         src = self.learners[0]
         if meta[src, WBYTES]:  # producer-only ranks exist and the first learner published
-            weights.exchange(
-                self.ex, src, stats.newest, int(meta[src, WBYTES]), self.round, weights.snapshot()
-            )
+            weights.exchange(self.ex, src, stats.newest, int(meta[src, WBYTES]), self.round, snap)
+        # the version the delivered sequences will be used at (one more for a round ahead)
+        using = stats.newest + int(meta[src, AHEAD])
         self._apply_updates(updates)
-        old = S.stale(groups, stats.newest, self.max_age)
+        old = S.stale(groups, using, self.max_age)
         self._evict(groups, old, stats)
-        chosen = self._select(groups, req, old, stats.newest)
+        chosen = self._select(groups, req, old, using)
         out: list[MicroBatch] = []
         if len(chosen):
-            if (
-                self.max_age is not None
-                and groups.version[chosen].min() < stats.newest - self.max_age
-            ):
+            if self.max_age is not None and groups.version[chosen].min() < using - self.max_age:
                 raise StaleDataError(
                     f"token round {self.round}: a selected group is older "
                     f"than max_policy_age={self.max_age}"

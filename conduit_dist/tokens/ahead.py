@@ -1,0 +1,137 @@
+"""The token plane's round launched ahead: started at a backward (or by ``fetch_start``) on the
+plane's round thread, taken by the next ``fetch``/``stream`` (docs/tokens.md, "Behind the
+backward").
+
+A learner's next global batch cannot start before the current one is complete, and its rounds
+cannot run until the caller asks: so whatever one takes is exposed. Launched ahead, the next
+batch's first round (its table all-gather, selection, plan and the exchange of its sequences)
+runs on one worker thread while the caller's backward and optimiser step run; the next ``fetch``
+or ``stream`` takes its micro-batches, and waits only for what is left of it (then runs any
+further round inline, as before). Every learner launches at the same point of its loop: the
+first backward after a ``fetch``/``stream`` has completed (every learner has the same number of
+micro-batches), or an explicit ``fetch_start``.
+
+The account of one take (:class:`TakeTiming`): *exposed* is the time the caller waited inside
+``fetch``/``stream`` for rounds (a launched round's remainder and the inline rounds, not the
+``produce`` callbacks); *hidden* is the part of a launched round that ran before the caller
+asked (``sched.timeline.split``), both measured with ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from conduit_dist.errors import RoundError
+from conduit_dist.sched.timeline import split
+from conduit_dist.threads import executor
+
+Key = tuple[int, int, bool]  # (num_groups, token_budget, streaming) of the fetch it serves
+
+
+@dataclass
+class TakeTiming:
+    """One ``fetch``/``stream`` of a token plane: where the time of its rounds went.
+
+    Attributes:
+        rounds: rounds the take used (a launched one included).
+        launched: whether its first round was launched ahead.
+        exposed_ms: the caller's wait for rounds inside the call (not ``produce``).
+        hidden_ms: the launched round's time before the caller asked (behind its backward).
+    """
+
+    rounds: int = 0
+    launched: bool = False
+    exposed_ms: float = 0.0
+    hidden_ms: float = 0.0
+
+
+@dataclass
+class _Launched:
+    key: Key
+    future: Future
+    start: float  # perf_counter at launch
+
+
+class Ahead:
+    """At most one round launched ahead of the learner's next take.
+
+    Args:
+        device: the plane's device (the worker thread's current CUDA device).
+        timeout_s: the collectives' timeout; a launched round not finished after
+            ``4 * timeout_s`` fails the take.
+    """
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self._pool = None  # made at the first launch: a plane that never launches has none
+        self.pending: _Launched | None = None
+        self.armed: Key | None = None  # launch this at the next backward (attach)
+        self.trigger = None  # the BackwardTrigger of attach()
+
+    def launch(self, key: Key, run) -> None:
+        """Start ``run()`` (one round: ``(micro-batches, stats)``) on the round thread."""
+        if self.pending is not None:
+            raise RuntimeError("token plane: one launched round at a time")
+        if self._pool is None:
+            self._pool = executor("conduit-tokens", self.device)
+
+        def timed():
+            out, stats = run()
+            return out, stats, time.perf_counter()
+
+        self.pending = _Launched(key, self._pool.submit(timed), time.perf_counter())
+        self.armed = None
+
+    def take(self, key: Key, asked: float, timing: TakeTiming):
+        """The launched round's ``(micro-batches, stats)`` when it was launched for ``key``
+        (accounted in ``timing``: hidden up to ``asked``, the rest exposed); ``None`` when none
+        is pending.
+
+        Raises:
+            RuntimeError: if the pending round was launched for another request (callers
+                compare keys first).
+            RoundError: if it has not finished after ``4 * timeout_s`` (its own failure
+                propagates as raised).
+        """
+        p = self.pending
+        if p is None:
+            return None
+        if p.key != key:
+            raise RuntimeError(f"token plane: the round in flight was launched for {p.key}")
+        out, stats, end = self.wait()
+        now = time.perf_counter()
+        _, hidden = split((p.start, end), (asked, now))
+        timing.launched, timing.rounds = True, timing.rounds + 1
+        timing.hidden_ms += hidden * 1e3
+        timing.exposed_ms += (now - asked) * 1e3  # the wait itself, the hand-over included
+        return out, stats
+
+    def wait(self):
+        """Wait for the launched round and clear it: ``(micro-batches, stats, end)``.
+
+        Raises:
+            RoundError: if it has not finished after ``4 * timeout_s``; its own failure.
+        """
+        p, self.pending = self.pending, None
+        try:
+            return p.future.result(timeout=4 * self.timeout_s)
+        except FutureTimeout:
+            raise RoundError(
+                f"token plane: the round launched ahead has not finished after "
+                f"{4 * self.timeout_s:.0f}s",
+                round=-1,
+            ) from None
+
+    def close(self) -> None:
+        """Stop the round thread (a launched round is waited for by the caller first)."""
+        if self.trigger is not None:
+            self.trigger.remove()
+            self.trigger = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,121 @@
+"""The token plane's next round launched behind the backward (``fetch_start``, ``attach``): the
+same sequences and whole groups as rounds run inside ``fetch``, on 2 gloo ranks; the time it ran
+before the learner asked counted as hidden; and what a close leaves undelivered, counted."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from test_tokens import check_whole, group_batch, make_spec
+
+import conduit_dist as cd
+from conduit_dist.errors import ConfigError
+
+STEPS, PER_STEP, BUDGET = 6, 6, 300
+
+
+def _groups(step: int, rank: int, world: int) -> list[int]:
+    """This rank's groups of a step's global batch."""
+    return [g for g in range(step * PER_STEP, (step + 1) * PER_STEP) if g % world == rank]
+
+
+def _run(rank: int, world: int, how: str) -> dict[str, object]:
+    """``STEPS`` global batches: ``sync`` (puts, then a fetch running its rounds), ``start``
+    (the next batch put and its round launched by fetch_start after each take), ``attach`` (the
+    same, launched by the first backward of a module after the take)."""
+    net = torch.nn.Linear(4, 1)
+    out: dict[str, object] = {"digests": [], "timing": []}
+    with cd.TokenPlane(make_spec(), 64, 16_384) as tp:
+        if how == "attach":
+            tp.attach(net)
+        tp.put(*group_batch(_groups(0, rank, world)))
+        for step in range(STEPS):
+            if how == "stream":
+                mbs = list(tp.stream(PER_STEP, BUDGET))
+            else:
+                mbs = tp.fetch(PER_STEP, BUDGET)
+            seen = check_whole(mbs)
+            out["digests"].append(sorted((g, sorted(d)) for g, d in seen.items()))
+            out["timing"].append(tp.last_take)
+            if step + 1 < STEPS:
+                tp.put(*group_batch(_groups(step + 1, rank, world)))
+            if how == "start" and step + 1 < STEPS:
+                tp.fetch_start(PER_STEP, BUDGET, next_version=False)
+            for _ in range(len(mbs)):  # one backward per micro-batch, as a learner runs
+                net(torch.randn(8, 4)).sum().backward()
+                time.sleep(0.03)  # the backward's off-CPU time: the launched round runs
+        out["stats"] = tp.stats()
+    return out
+
+
+@pytest.mark.parametrize("how", ["start", "attach"])
+def test_rounds_launched_ahead_deliver_what_rounds_in_fetch_deliver(how):
+    sync = run_ranks(_run, 2, "sync", timeout_s=180)
+    ahead = run_ranks(_run, 2, how, timeout_s=180)
+    for rank in (0, 1):
+        assert ahead[rank]["digests"] == sync[rank]["digests"], rank  # byte for byte, whole
+        timing = ahead[rank]["timing"]
+        assert not timing[0].launched and all(t.launched for t in timing[1:]), timing
+        # the launched rounds ran behind the 30 ms "backward": most of each is hidden
+        hidden = sum(t.hidden_ms for t in timing[1:])
+        exposed = sum(t.exposed_ms for t in timing[1:])
+        assert hidden > exposed, (hidden, exposed)
+        assert not any(t.launched for t in sync[rank]["timing"])
+
+
+def _misuse(rank: int, world: int) -> dict[str, str]:
+    errors = {}
+    with cd.TokenPlane(make_spec(), 64, 16_384) as tp:
+        tp.put(*group_batch(_groups(0, rank, world)))
+        tp.fetch_start(PER_STEP, BUDGET)
+        for what, call in (
+            ("twice", lambda: tp.fetch_start(PER_STEP, BUDGET)),
+            ("other", lambda: tp.fetch(PER_STEP + 2, BUDGET)),
+            ("flush", tp.flush),
+            ("checkpoint", lambda: tp.state_dict()),
+        ):
+            try:
+                call()
+            except ConfigError as exc:
+                errors[what] = str(exc)
+        mbs = tp.fetch(PER_STEP, BUDGET)  # the launched round still serves its take
+        errors["taken"] = str(len(check_whole(mbs)))
+        tp.put(*group_batch(_groups(1, rank, world)))
+        tp.fetch_start(PER_STEP, BUDGET)  # never taken: counted at close
+        tp.close()
+        s = tp.stats()
+        errors["close"] = f"{s['launched_at_close_groups']} {s['left_at_close_groups']}"
+    return errors
+
+
+def test_a_launched_round_is_taken_only_by_its_fetch_and_counted_if_never_taken():
+    res = run_ranks(_misuse, 2, timeout_s=120)
+    assert sum(int(e["taken"]) for e in res.values()) == PER_STEP  # the whole batch, once
+    for e in res.values():
+        assert "launched already" in e["twice"]
+        assert (
+            "launched ahead for (num_groups, token_budget, stream) = (6, 300, False)"
+            in (e["other"])
+        )
+        assert "call fetch/stream to take them" in e["flush"]
+        assert "take it (fetch/stream) first" in e["checkpoint"]
+        # the never-taken round delivered the second batch (3 of its groups per learner)
+        launched, left = (int(x) for x in e["close"].split())
+        assert launched == PER_STEP and left == 0, e["close"]
+
+
+def _left(rank: int, world: int) -> dict[str, int]:
+    with cd.TokenPlane(make_spec(), 64, 16_384) as tp:
+        tp.put(*group_batch(_groups(0, rank, world)))
+        tp.put(*group_batch(_groups(1, rank, world)))  # a batch more than is taken
+        tp.fetch(PER_STEP, BUDGET)
+    return tp.stats()
+
+
+def test_groups_left_at_close_are_counted():
+    for rank, s in run_ranks(_left, 2, timeout_s=120).items():
+        assert s["left_at_close_groups"] == len(_groups(1, rank, 2)), s
+        assert s["left_at_close_sequences"] == 4 * len(_groups(1, rank, 2)), s
