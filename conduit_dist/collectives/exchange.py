@@ -53,8 +53,10 @@ def lazy_marks(group_backend: str, cuda: bool) -> bool:
     """Whether a round's wait on a work of this group marks the heartbeat lazily: only once it
     outlasts a 50 ms grace, or fails (``heartbeats.wait_gloo``). Where gloo carries the tensors
     (host tensors of a ``cpu:gloo,cuda:nccl`` group too; shared memory's waits behave the
-    same), a timed ``wait`` can give up and be waited on again. An NCCL work is polled
-    (``heartbeats.wait_polling``), and its wait marks before it polls.
+    same), a collective's timed ``wait`` can give up and be waited on again. An NCCL work is
+    polled (``heartbeats.wait_polling``), and its wait marks before it polls. Gloo's send/recv
+    works are the exception on any group: an expired timed wait closes the group's pairs, so
+    they are marked first and waited once (:meth:`Exchange.send_recv`).
 
     Every round's first collective is the meta or header exchange of host tensors, so on the
     package's groups a round writes the store only where a wait outlasts the grace or fails,
@@ -152,8 +154,9 @@ class Exchange:
         # the backend CUDA tensors go through ("": none between ranks); gloo has all-to-all,
         # broadcast and all-reduce for them but no send/recv or gather (strategies.usable)
         self.cuda_backend = cuda_backend_of(backend) if backend else ""
-        # {cuda: whether waits on such tensors mark lazily}: gloo's work.wait(t) raises when t
-        # expires and can be waited on again, so its marks can wait (lazy_marks)
+        # {cuda: whether waits on such tensors mark lazily}: a gloo collective's work.wait(t)
+        # raises when t expires and can be waited on again, so its marks can wait (lazy_marks;
+        # not send/recv works: send_recv)
         self._lazy = {cuda: lazy_marks(backend, cuda) for cuda in (False, True)}
         self._marked = -1  # the latest round this rank marked
         # rounds' NCCL works ordered on the device, not yet seen completed (_on_device)
@@ -272,20 +275,29 @@ class Exchange:
             round,
         )  # fmt: skip
 
-    def _wait(self, work: dist.Work | None, op: str, round: int, cuda: bool = False) -> None:
+    def _wait(
+        self,
+        work: dist.Work | None,
+        op: str,
+        round: int,
+        cuda: bool = False,
+        rewaitable: bool = True,
+    ) -> None:
         """Wait for ``work`` until the timeout: a round's NCCL work (``cuda`` on a group with
         NCCL) is ordered on the device and checked later (:meth:`_on_device`); an NCCL work
         outside the rounds (start-up) is polled (``wait_polling``: NCCL's own ``wait()`` bounds
         nothing on the host); a gloo work (or shared memory's) is waited with gloo's
         ``wait(timeout)``, marking the heartbeat only if the wait outlasts a grace
-        (``wait_gloo``)."""
+        (``wait_gloo``). ``rewaitable=False`` (gloo's send/recv works, :meth:`send_recv`): a
+        timed wait that expires closes the group's pairs, so there is no grace: the heartbeat
+        is marked first and the work waited once, with the full timeout."""
         if work is None:
             return
         start = time.monotonic()
         if self._poll and cuda and round >= 0:  # a round's NCCL work: ordered on the device
             self._on_device(work, op, round, start)
             return
-        lazy = self._lazy[cuda]
+        lazy = self._lazy[cuda] and rewaitable
         if round >= 0 and not lazy:
             self.heartbeat(round)  # e.g. before polling an NCCL work (once a round)
         mark = (lambda: self.heartbeat(round)) if lazy and round >= 0 else None
@@ -457,10 +469,34 @@ class Exchange:
         return PendingWork(self, work, op, round, out.is_cuda or inp.is_cuda)
 
     def wait_all(self, launch, op: str, round: int, cuda: bool = False) -> None:
-        """Launch several works (e.g. ``batch_isend_irecv``) and wait on each with the timeout
-        (``cuda``: on GPU tensors, see :meth:`_wait`)."""
+        """Launch several collectives and wait on each with the timeout (``cuda``: on GPU
+        tensors, see :meth:`_wait`). Their timed waits must be re-waitable (gloo's collectives,
+        shared memory's); send/recv works go through :meth:`send_recv`."""
         for work in self._launch(launch, op, round):
             self._wait(work, op, round, cuda)
+
+    def send_recv(self, ops: list[dist.P2POp], op: str, round: int, cuda: bool = False) -> None:
+        """``batch_isend_irecv(ops)``, then wait on each work with the timeout.
+
+        A gloo send/recv work gets no lazy mark's 50 ms grace: its timed ``wait`` that expires
+        is not a retryable timeout (as a collective's is) but closes every pair of the group
+        ("Application timeout caused pair closure"), so a merely slow peer would fail the
+        round and leave the group unusable. Each work is waited once, with the full timeout,
+        the heartbeat marked first (once a round). An NCCL group's works are waited as any
+        NCCL work is (:meth:`_wait`).
+
+        Args:
+            ops: the sends and receives, on :attr:`group`.
+            op: the operation's name in errors, e.g. ``"rows[p2p]"``.
+            round: the round it belongs to; ``-1`` outside the rounds.
+            cuda: the tensors are on the GPU.
+
+        Raises:
+            RoundError: when a send or receive fails or times out (:class:`PhaseError`
+                outside a round).
+        """
+        for work in self._launch(lambda: dist.batch_isend_irecv(ops), op, round):
+            self._wait(work, op, round, cuda, rewaitable=False)
 
     def _launch(self, launch: Callable[[], T], op: str, round: int) -> T:
         """``launch()``; a failure to launch raises as :meth:`_fail` does."""

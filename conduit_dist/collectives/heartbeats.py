@@ -23,7 +23,8 @@ _QUERY_TIMEOUT = timedelta(seconds=2)
 # FileStore whose file was removed. Anything else (a malformed mark) is a bug and propagates.
 _STORE_DOWN = (dist.DistNetworkError, dist.DistStoreError)
 # gloo rounds mark their heartbeat lazily: a wait first gives its collective this long, and only a
-# wait that outlasts it writes the mark (a store round trip, ~0.05 ms, is then off the fast path)
+# wait that outlasts it writes the mark (a store round trip, ~0.05 ms, is then off the fast path);
+# collectives only: a send/recv work's timed wait that expires closes the pairs (wait_gloo)
 _GRACE = timedelta(milliseconds=50)
 # a polled wait only yields for its first 50 us, then sleeps a tenth of the time waited so far,
 # at most 1 ms: a collective is seen done within ~10% (and 1 ms) of its time, and the waiting
@@ -127,9 +128,18 @@ def _brief(exc: BaseException) -> str:
 
 
 def wait_gloo(work: dist.Work, timeout: timedelta, mark: Callable[[], None] | None) -> bool:
-    """Wait for a gloo work with gloo's ``wait(timeout)`` (which raises when it expires, and can
-    be waited on again). With ``mark``, first give it a 50 ms grace and call ``mark()`` only if
-    it outlasts that (a rank blocked in a round has marked it long before any timeout).
+    """Wait for a gloo work with gloo's ``wait(timeout)``. With ``mark``, first give it a 50 ms
+    grace and call ``mark()`` only if it outlasts that (a rank blocked in a round has marked it
+    long before any timeout).
+
+    The grace is for works whose timed wait can be repeated: a gloo collective's (all-to-all,
+    all-reduce, broadcast, gather: c10d's ``Work::wait(timeout)`` waits on the work's condition
+    variable and raises "Operation timed out!", the collective running on) and shared memory's
+    (``ShmWork.wait``). Never a send/recv work's: ``ProcessGroupGloo::SendWork::wait(timeout)``
+    (and ``RecvWork``'s) is gloo's ``UnboundBuffer::waitSend(timeout)``, which on expiry calls
+    ``context_->signalException("Application timeout caused pair closure")``, closing every
+    pair of the group, and the work finishes with that error. Those are waited with ``mark``
+    ``None``: once, with the full timeout (``Exchange.send_recv``).
 
     Args:
         work: the collective's work.

@@ -86,10 +86,9 @@ class PointToPoint(Strategy):
                 ops.append(dist.P2POp(dist.isend, inp[a:b], peer, group))
             for a, b in self._ranges(o_off[peer], out_splits[peer]):
                 ops.append(dist.P2POp(dist.irecv, out[a:b], peer, group))
-        if ops:
-            ex.wait_all(
-                lambda: dist.batch_isend_irecv(ops), f"{op}[{self.name}]", round, inp.is_cuda
-            )
+        if ops:  # waited once each, with the full timeout: a gloo send/recv's timed wait that
+            # expires closes the group's pairs (Exchange.send_recv)
+            ex.send_recv(ops, f"{op}[{self.name}]", round, inp.is_cuda)
 
 
 class GatherToOwner(Strategy):
