@@ -198,7 +198,7 @@ def test_bad_input_names_the_field_and_stores_nothing():
         batch, lengths = group_batch([0])
         bad = dict(batch, logprobs=batch["logprobs"].clone())
         bad["logprobs"][3] = float("nan")
-        with pytest.raises(cd.SpecError, match="'logprobs': NaN"):
+        with pytest.raises(cd.SpecError, match="'logprobs': expected finite values, got 1 NaN"):
             tp.put(bad, lengths)
         with pytest.raises(cd.SpecError, match=r"lengths: expected every length in \[1, 96\]"):
             tp.put(batch, torch.cat([lengths[:-1], torch.tensor([MAX_LEN + 1])]))
@@ -209,6 +209,28 @@ def test_bad_input_names_the_field_and_stores_nothing():
         assert tp.stats()["sequences"] == 0
         tp.put(batch, lengths)
         assert tp.stats()["sequences"] == G
+
+
+def test_a_nan_error_says_how_many_values_and_where_the_first_are():
+    hidden = cd.Ragged(torch.float32, 8, (2,))  # two values per token
+    spec = cd.TokenSpec({"tokens": cd.Ragged(torch.int32, 8), "hidden": hidden,
+                         "reward": ((), torch.float32)})  # fmt: skip
+    lengths = torch.tensor([3, 5, 2, 4])  # sequence 1 starts at token 3, sequence 3 at 10
+    batch = {"tokens": torch.zeros(14, dtype=torch.int32), "hidden": torch.zeros(14, 2),
+             "reward": torch.zeros(4), "group": torch.arange(4)}  # fmt: skip
+    batch["hidden"][[4, 4, 10, 12, 13], [0, 1, 1, 0, 0]] = float("nan")  # two in token 4
+    with cd.TokenPlane(spec, 8, 64) as tp:
+        with pytest.raises(cd.SpecError) as err:
+            tp.put(batch, lengths)
+        assert str(err.value).startswith(
+            "field 'hidden': expected finite values, got 5 NaN/inf in 4 of 14 tokens, first at "
+            "sequence 1 token 1, sequence 3 token 0, sequence 3 token 2, ..."
+        ), err.value
+        reward = torch.tensor([0, 1, float("inf"), 0])
+        with pytest.raises(cd.SpecError, match="got 1 NaN/inf in 1 of 4 sequences") as err:
+            tp.put(dict(batch, hidden=torch.zeros(14, 2), reward=reward), lengths)
+        assert str(err.value).endswith("first at sequence 2"), err.value
+        assert tp.stats()["sequences"] == 0
 
 
 def test_capacity_in_tokens_evicts_oldest_groups_whole():

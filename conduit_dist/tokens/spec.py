@@ -21,6 +21,7 @@ from conduit_dist.errors import SpecError
 from conduit_dist.records.spec import SUPPORTED, FieldSpec
 
 TOKEN_VERSION = "_token_version"  # optional per-token policy versions (put(..., token_versions=))
+_SHOWN = 3  # positions a NaN/inf error lists
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,45 @@ def _unnest(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t.values(), t.offsets().diff().to(torch.int64)
 
 
-def _check_ragged(spec: TokenSpec, name: str, values: torch.Tensor, total: int) -> None:
+def _nonfinite(name: str, values: torch.Tensor, lengths: torch.Tensor | None) -> SpecError:
+    """The error for NaN/inf in a field: how many values, and where the first ones are.
+
+    Args:
+        name: the field.
+        values: a ragged field's packed ``[sum(L), *inner]`` (with ``lengths``) or a fixed
+            field's ``[B, *shape]`` (``lengths`` ``None``).
+        lengths: ``[B]`` int64 sequence lengths on the host, for a ragged field.
+
+    Returns:
+        A :class:`SpecError` naming the count and the first positions: (sequence, token offset)
+        for a ragged field, the sequence for a fixed one.
+    """
+    bad = ~torch.isfinite(values.detach())
+    in_row = bad.reshape(bad.shape[0], -1).any(dim=1)  # tokens (ragged) or sequences (fixed)
+    rows = in_row.nonzero().flatten()[:_SHOWN].cpu()
+    count, hit = int(bad.sum()), int(in_row.sum())
+    if lengths is None:
+        where = ", ".join(f"sequence {r}" for r in rows.tolist())
+        what = f"{count} NaN/inf in {hit} of {values.shape[0]} sequences"
+        accept = ""
+    else:
+        ends = lengths.cumsum(0)
+        seq = torch.searchsorted(ends, rows, right=True)
+        offset = rows - (ends - lengths)[seq]
+        where = ", ".join(
+            f"sequence {s} token {t}" for s, t in zip(seq.tolist(), offset.tolist(), strict=True)
+        )
+        what = f"{count} NaN/inf in {hit} of {values.shape[0]} tokens"
+        accept = " (Ragged(..., allow_nonfinite=True) accepts them)"
+    more = ", ..." if hit > len(rows) else ""
+    return SpecError(
+        f"field {name!r}: expected finite values, got {what}, first at {where}{more}{accept}"
+    )
+
+
+def _check_ragged(
+    spec: TokenSpec, name: str, values: torch.Tensor, lengths: torch.Tensor, total: int
+) -> None:
     f = spec.ragged[name]
     if values.dtype != f.dtype:
         raise SpecError(f"field {name!r}: expected dtype {f.dtype}, got {values.dtype}")
@@ -171,7 +210,7 @@ def _check_ragged(spec: TokenSpec, name: str, values: torch.Tensor, total: int) 
         )
     unchecked = not values.is_floating_point() or f.allow_nonfinite or not total
     if not unchecked and not bool(torch.isfinite(values).all()):
-        raise SpecError(f"field {name!r}: NaN or inf in a field that does not allow them")
+        raise _nonfinite(name, values, lengths)
 
 
 def check_batch(
@@ -237,7 +276,7 @@ def check_batch(
         )
     total = int(lengths.sum())
     for name, values in ragged.items():
-        _check_ragged(spec, name, values, total)
+        _check_ragged(spec, name, values, lengths, total)
     fixed = {}
     for name, f in spec.fixed.items():
         t = batch[name]
@@ -245,7 +284,7 @@ def check_batch(
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise SpecError(f"field {name!r}: expected {f.dtype} {[n, *f.shape]}, got {got}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise SpecError(f"field {name!r}: NaN or inf in a field that does not allow them")
+            raise _nonfinite(name, t, None)
         fixed[name] = t.detach().to("cpu").clone()
     versions = _versions(token_versions, lengths, total, version)
     return Packed(
