@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 import conduit_dist as cd
+from conduit_dist.bench import token_overlap
 from conduit_dist.bench.common import emit, number
 from conduit_dist.bench.token_baselines import (
     ALL_GATHER,
@@ -88,7 +89,21 @@ def main(argv: list[str]) -> None:
     p.add_argument("--samples", type=number(int, 3), default=7)
     p.add_argument("--warmup", type=number(int, 0), default=2)
     p.add_argument("--profile", action="store_true", help="cProfile ours' fetches on rank 0")
+    p.add_argument(
+        "--backward-ms", type=number(float, 0), default=0.0,
+        help="> 0: the overlap mode (bench/token_overlap.py): each micro-batch's backward "
+        "takes this long off the CPU, the next batch's round launched at its start vs run in fetch",
+    )  # fmt: skip
+    p.add_argument("--steps", type=number(int, 3), default=12, help="overlap mode: timed steps")
     a = p.parse_args(argv)
+    if a.backward_ms > 0:
+        cd.init_distributed()
+        torch.set_num_threads(1)
+        try:
+            token_overlap.run(a)
+        finally:
+            cd.destroy_distributed()
+        return
     cd.init_distributed()
     torch.set_num_threads(1)
     me, world = dist.get_rank(), dist.get_world_size()
