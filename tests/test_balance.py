@@ -1,5 +1,6 @@
 """Token-balanced delivery: Karmarkar-Karp partition of prompt groups over learners, micro-batches
-with equal counts and none empty, a group over the budget alone, determinism, balance quality."""
+with equal counts and none empty, a group over the budget alone, determinism, balance quality;
+balance by cost, and a token cap never exceeded (a randomized fuzz of lengths)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import math
 import numpy as np
 import pytest
 
+from conduit_dist.errors import ConfigError
+from conduit_dist.tokens import balance
 from conduit_dist.tokens.balance import _repair, imbalance, micro_batches, partition, plan
+from conduit_dist.tokens.cost import Flops
 
 
 def _lognormal_groups(seed: int, groups: int = 64, per_group: int = 8) -> np.ndarray:
@@ -159,3 +163,134 @@ def test_imbalance():
 def test_repair_fills_an_empty_part():
     fixed = _repair([(6, [0, 1, 2]), (0, []), (0, [])], [1, 2, 3])
     assert fixed == [(3, [2]), (1, [0]), (2, [1])]
+
+
+# ---------------------------------------------------------------------- costs and the token cap
+
+
+def _long_tailed(rng: np.random.Generator, groups: int, size: int) -> np.ndarray:
+    """``[groups, size]`` lengths: lognormal (median 256, sigma 1.2), 2% of them 4k-8k."""
+    lengths = np.clip(rng.lognormal(math.log(256), 1.2, (groups, size)), 1, 8192)
+    tail = rng.random((groups, size)) < 0.02
+    lengths[tail] = rng.integers(4096, 8193, int(tail.sum()))
+    return lengths.astype(np.int64)
+
+
+def _check_capped(tokens, learners: int, out, cap: int) -> None:
+    """Every group once, the same count on every learner, none empty, none over the cap."""
+    assert len(out) == learners
+    assert sorted(i for mbs in out for m in mbs for i in m) == list(range(len(tokens)))
+    assert len({len(mbs) for mbs in out}) == 1
+    assert all(m for mbs in out for m in mbs)
+    worst = max(int(tokens[m].sum()) for mbs in out for m in mbs)
+    assert worst <= cap, f"a micro-batch of {worst} tokens over the cap {cap}"
+
+
+def test_the_cap_is_never_exceeded_over_random_lengths(monkeypatch):
+    """2,000 random batches: group sizes 1-16, 1-8 learners, costs by tokens or by flops for
+    several widths, caps from the largest group to 3x it, budgets below the cap. A plan is found
+    whenever the group count is a multiple of the learners; otherwise it may only be refused by
+    name, and the fallback (tokens/deal.py) is exercised along the way."""
+    rng = np.random.default_rng(46)
+    refused, dealt = 0, []
+    real = balance.deal
+    monkeypatch.setattr(balance, "deal", lambda *a: dealt.append(1) or real(*a))
+    for trial in range(2000):
+        k = int(rng.integers(1, 9))
+        size = int(rng.choice([1, 2, 4, 8, 16]))
+        n = int(rng.integers(k, 40 if trial % 20 else 300))
+        lengths = _long_tailed(rng, n, size)
+        tokens = lengths.sum(1)
+        width = int(rng.choice([256, 1024, 4096]))
+        costs = Flops.for_model(width)(lengths).sum(1) if trial % 3 else None
+        cap = int(tokens.max() * rng.uniform(1.0, 3.0))
+        budget = max(1, int(cap * rng.uniform(0.2, 1.0)))
+        try:
+            out = plan(tokens, k, budget, costs, cap)
+        except ConfigError as exc:
+            assert n % k and "no plan within token_cap" in str(exc), (trial, str(exc))
+            refused += 1
+            continue
+        _check_capped(tokens, k, out, cap)
+    assert refused < 20  # only awkward counts with groups over half the cap
+    assert len(dealt) >= 5  # the fallback ran
+
+
+def test_the_cap_binds_where_the_budget_alone_is_exceeded():
+    tokens = np.array([600, 600, 600, 1500])  # one learner takes 1500 alone: M is 1
+    assert plan(tokens, 2, 500) == [[[0, 1, 2]], [[3]]]  # 1800 tokens in one micro-batch
+    assert plan(tokens, 2, 500, cap=1800) == [[[0, 1, 2]], [[3]]]  # within this cap
+    out = plan(tokens, 2, 500, cap=1500)  # 3 x 600 do not fit: re-dealt, 2 micro-batches each
+    _check_capped(tokens, 2, out, 1500)
+    assert out == [[[0], [1]], [[2], [3]]]  # 1500 with one 600: the best with 2 each
+
+
+def test_a_plan_over_the_cap_falls_back_to_dealing_packed_micro_batches():
+    """By cost one learner gets the costly group alone and the other 12 cheap ones: the common
+    count (1) cannot hold the cheap ones within the cap, so micro-batches are packed first."""
+    tokens = np.array([900] + [300] * 12)
+    costs = np.array([12_000] + [1000] * 12)
+    out = plan(tokens, 2, 1000, costs)
+    assert max(int(tokens[m].sum()) for mbs in out for m in mbs) > 1000  # no cap: over it
+    out = plan(tokens, 2, 1000, costs, cap=1000)
+    _check_capped(tokens, 2, out, 1000)
+
+
+def test_no_plan_within_the_cap_is_refused_by_name():
+    msg = r"no plan within token_cap = 100: 3 groups .* 2 learners"
+    with pytest.raises(ConfigError, match=msg):
+        plan([100, 100, 100], 2, 100, cap=100)
+    _check_capped(np.array([100] * 4), 2, plan([100] * 4, 2, 100, cap=100), 100)
+    _check_capped(np.array([50] * 3), 2, plan([50] * 3, 2, 100, cap=100), 100)  # a pair fits
+
+
+def test_the_cap_refuses_a_budget_above_it_and_a_group_over_it():
+    with pytest.raises(ConfigError, match="token_budget: expected at most token_cap = 100"):
+        plan([10, 20], 1, 200, cap=100)
+    with pytest.raises(ConfigError, match=r"tokens\[1\]: a group of 150 tokens exceeds"):
+        plan([10, 150], 1, 100, cap=100)
+    with pytest.raises(ValueError, match="costs: expected 2 costs"):
+        plan([10, 20], 1, 100, costs=[1])
+    with pytest.raises(ValueError, match=r"costs\[0\]"):
+        plan([10, 20], 1, 100, costs=[0, 1])
+
+
+def test_costs_equal_to_tokens_and_a_cap_that_never_binds_leave_plans_unchanged():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        k = int(rng.integers(1, 6))
+        tokens = _long_tailed(rng, int(rng.integers(k, 80)), 8).sum(1)
+        budget = int(rng.integers(int(tokens.max()), 4 * int(tokens.max())))
+        base = plan(tokens, k, budget)
+        assert plan(tokens, k, budget, costs=tokens.copy()) == base
+        assert plan(tokens, k, budget, cap=max(budget, int(tokens.sum()))) == base
+
+
+def _cost_spread(costs: np.ndarray, out) -> float:
+    sums = [int(costs[[i for m in mbs for i in m]].sum()) for mbs in out]
+    return max(sums) / (sum(sums) / len(sums))
+
+
+def test_flops_plans_equalise_compute_better_than_token_plans():
+    """Long-tailed lengths, groups of 8: the learners' sum of a*L + b*L^2 (one layer of width
+    1024) is more even when the plan balances it than when it balances tokens, and far more
+    even than equal group counts."""
+    flops = Flops.for_model(1024)
+    by_tokens, by_flops, by_count = [], [], []
+    for seed in range(30):
+        lengths = _long_tailed(np.random.default_rng(seed), 64, 8)
+        tokens, costs = lengths.sum(1), flops(lengths).sum(1)
+        by_tokens.append(_cost_spread(costs, plan(tokens, 4, 16_384)))
+        by_flops.append(_cost_spread(costs, plan(tokens, 4, 16_384, costs, 65_536)))
+        by_count.append(_cost_spread(costs, [[list(range(j, 64, 4))] for j in range(4)]))
+    med = [float(np.median(x)) for x in (by_tokens, by_flops, by_count)]
+    print(f"compute max/mean: tokens {med[0]:.4f} flops {med[1]:.4f} equal counts {med[2]:.4f}")
+    assert med[1] <= 1.002 and med[1] < med[0] < med[2]
+    assert sum(f <= t for f, t in zip(by_flops, by_tokens)) >= 27  # nearly every batch
+
+
+def test_micro_batches_balance_by_cost_within_a_learner():
+    tokens = [100] * 8
+    costs = [800, 100, 100, 100, 100, 100, 100, 100]  # one costly group: alone
+    mbs = micro_batches(tokens, list(range(8)), 2, 1000, costs)
+    assert [0] in mbs

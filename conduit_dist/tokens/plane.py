@@ -64,6 +64,14 @@ class TokenPlane:
         seed: the replay draw's seed.
         device: where micro-batches land (``"cuda"``: composed on the host, copied once).
         transport: collectives' timeout, strategy and bandwidth model (:class:`TransportConfig`).
+        cost: what learners are balanced by, a sequence of ``L`` tokens costing ``"tokens"``
+            (``L``, the default), ``"flops"`` (``a*L + b*L**2``, one transformer layer of width
+            4096: ``tokens.cost.Flops``, whose ``Flops(a, b)`` or ``Flops.for_model(d)`` set
+            other coefficients) or a callable ``L -> cost``; computed at put as integers.
+        token_cap: the most tokens one micro-batch may hold, never exceeded (``None``: no cap,
+            ``token_budget`` is a target); a put that would give a group more is refused
+            (``SpecError`` naming it), and so is a ``token_budget`` above it (``ConfigError``
+            in the round).
 
     Raises:
         ConfigError: on a bad argument, naming it, the expected and the received value.
@@ -92,6 +100,8 @@ class TokenPlane:
         seed: int = 0,
         device: str | torch.device = "cpu",
         transport: TransportConfig | None = None,
+        cost: str | Callable[[int], float] = "tokens",
+        token_cap: int | None = None,
     ) -> None:
         if not isinstance(spec, TokenSpec):
             raise ConfigError(f"spec: expected a TokenSpec, got {type(spec).__name__}")
@@ -105,7 +115,7 @@ class TokenPlane:
                 "built for it yet); expected 'auto' or False, got True"
             )
         self.spec, self.device = spec, resolve_device(device)
-        self.store = GroupStore(spec, capacity_per_rank, tokens_per_rank)
+        self.store = GroupStore(spec, capacity_per_rank, tokens_per_rank, cost, token_cap)
         self.ex = Exchange(transport.timeout_s, name=f"tokens{next(_ids)}", device="cpu")
         try:
             self.learners = rank_set("learner_ranks", learner_ranks, self.ex.world)
@@ -130,6 +140,7 @@ class TokenPlane:
             float(alpha),
             int(seed),
             self.device,
+            token_cap,
         )
         self.weights = WeightsState()
         self.version = 0  # this rank's: published (learners) or pulled (producers)

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError, StaleDataError
-from conduit_dist.tokens import balance
 from conduit_dist.tokens import deliver as D
 from conduit_dist.tokens import select as S
 from conduit_dist.tokens.batch import MicroBatch
@@ -76,6 +75,8 @@ class TokenRound:
         alpha: the priority exponent of prioritized replay.
         seed: the replay draw's seed (the same on every rank).
         device: where micro-batches are delivered.
+        token_cap: the most tokens a micro-batch may hold (``None``: no cap; see
+            ``select.planned``).
     """
 
     def __init__(
@@ -89,8 +90,10 @@ class TokenRound:
         alpha: float,
         seed: int,
         device: torch.device,
+        token_cap: int | None = None,
     ) -> None:
         self.store, self.ex, self.transport = store, ex, transport
+        self.token_cap = token_cap
         self.wire = Wire(store.spec)
         self.learners, self.max_age, self.replay = learners, max_age, replay
         self.alpha, self.seed, self.device = alpha, seed, device
@@ -103,15 +106,16 @@ class TokenRound:
 
     def _table(self) -> np.ndarray:
         rows = [
-            (g.gid, g.tokens, len(g.slots), g.version, g.complete_at, g.priority)
+            (g.gid, g.tokens, len(g.slots), g.version, g.complete_at, g.priority, g.cost)
             for g in self.store.groups.values()
         ]
-        rows += [(gid, holder, 0, 0, S.UPDATE, p) for holder, gid, p in self.updates]
+        rows += [(gid, holder, 0, 0, S.UPDATE, p, 0) for holder, gid, p in self.updates]
         self.updates = []
         t = np.zeros((len(rows), S.WIDTH), dtype=np.int64)
         for i, r in enumerate(rows):
             t[i, : S.PRIORITY] = r[: S.PRIORITY]
             t[i, S.PRIORITY] = np.float64(r[S.PRIORITY]).view(np.int64)
+            t[i, S.COST] = r[S.COST]
         return t  # a group not complete yet has ORDER -1 = select.PENDING
 
     def _gather(self, req: Request, weights, version: int, snap, ahead: bool):
@@ -208,7 +212,9 @@ class TokenRound:
                     f"token round {self.round}: a selected group is older "
                     f"than max_policy_age={self.max_age}"
                 )
-            plan = balance.plan(groups.tokens[chosen].tolist(), len(self.learners), req.budget)
+            chosen, plan = S.planned(
+                groups, chosen, req.want, len(self.learners), req.budget, self.token_cap
+            )
             out = self._deliver(groups, chosen, plan, stats)
             stats.groups = len(chosen)
             stats.oldest_delivered = int(groups.version[chosen].min())

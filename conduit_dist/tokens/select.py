@@ -5,7 +5,8 @@ Consume-once (on-policy): the oldest policy versions first, then completion orde
 the age bound (``version <= newest - max_policy_age``) must all be in this global batch, so
 room is kept for those still being generated. Replay: ``want`` distinct groups drawn uniformly,
 or in proportion to ``priority ** alpha``, from every complete group; the store keeps them.
-A streamed piece leaves either nothing or at least one group per learner for later pieces.
+A streamed piece leaves either nothing or at least one group per learner for later pieces;
+with a token cap it is also a multiple of the learner count (:func:`planned`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# columns of a rank's group table (int64; priority as float64 bits)
-GID, TOKENS, MEMBERS, VERSION, ORDER, PRIORITY = range(6)
-WIDTH = 6
+from conduit_dist.tokens import balance
+
+# columns of a rank's group table (int64; priority as float64 bits; COST: the sum of the
+# members' integer costs, computed by their holder at put: tokens/cost.py)
+GID, TOKENS, MEMBERS, VERSION, ORDER, PRIORITY, COST = range(7)
+WIDTH = 7
 EPS = 1e-6  # added to priorities, as the plane's prioritized sampler does
 PENDING = -1  # ORDER of a group still waiting for members
 UPDATE = -2  # ORDER of a row that carries a priority update (GID, holder in TOKENS, PRIORITY)
@@ -40,6 +44,10 @@ class Groups:
     @property
     def tokens(self) -> np.ndarray:
         return self.table[:, TOKENS]
+
+    @property
+    def cost(self) -> np.ndarray:
+        return self.table[:, COST]
 
 
 def gather_tables(tables: np.ndarray, rows: np.ndarray) -> tuple[Groups, np.ndarray]:
@@ -103,3 +111,22 @@ def replay(
         return rng.choice(cand, size=want, replace=False)
     p = (groups.table[cand, PRIORITY].view(np.float64) + EPS) ** alpha  # zero stays drawable
     return rng.choice(cand, size=want, replace=False, p=p / p.sum())
+
+
+def planned(
+    groups: Groups, chosen: np.ndarray, want: int, learners: int, budget: int, cap: int | None
+) -> tuple[np.ndarray, list[list[list[int]]]]:
+    """The piece that is delivered and its plan (:func:`conduit_dist.tokens.balance.plan`):
+    balanced by the groups' costs, micro-batches sized by ``budget`` and never over ``cap``.
+
+    With a cap, a streamed piece short of the ``want`` groups still wanted is cut to a multiple
+    of ``learners`` (the groups left wait for the next piece, oldest first): with ``num_groups``
+    a multiple of the learners every piece then has a plan within the cap.
+
+    Raises:
+        ConfigError: ``budget > cap``, or no plan within the cap (see ``balance.plan``).
+    """
+    if cap is not None and len(chosen) < want:
+        chosen = chosen[: len(chosen) - len(chosen) % learners]
+    costs = groups.cost[chosen].tolist()
+    return chosen, balance.plan(groups.tokens[chosen].tolist(), learners, budget, costs, cap)

@@ -5,7 +5,9 @@ fields in one arena per field (``capacity_tokens`` tokens), each sequence a cont
 its ``offset``: no padding. Space freed by delivered or evicted sequences is reclaimed by
 compacting the live runs to the front when the arena's end is reached. A group becomes
 deliverable when its ``group_size`` members have arrived; when either capacity binds, the
-oldest groups (by first arrival) are evicted whole and counted.
+oldest groups (by first arrival) are evicted whole and counted. Each sequence's cost
+(``tokens/cost.py``) is computed here, once, and summed per group; with a token cap a put that
+would give a group more tokens than one micro-batch may hold is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from conduit_dist.errors import SpecError
+from conduit_dist.errors import ConfigError, SpecError
+from conduit_dist.tokens import cost as C
 from conduit_dist.tokens.spec import Packed, TokenSpec
 
 RESTORED = -(2**62)  # restored groups' keys start here (far from any generated group id)
@@ -32,6 +35,7 @@ class Group:
     version: int = 2**62  # its oldest token's version
     complete_at: int = -1  # arrival sequence number at which it completed (-1: not yet)
     priority: float = 1.0  # prioritized replay by group
+    cost: int = 0  # the sum of its members' costs (tokens/cost.py)
 
 
 class GroupStore:
@@ -41,12 +45,24 @@ class GroupStore:
         spec: the token spec.
         capacity_items: sequences this shard holds at most.
         capacity_tokens: tokens this shard holds at most (every ragged field alike).
+        cost: what a sequence costs (``"tokens"``, ``"flops"``, a ``Flops`` or a callable
+            ``L -> cost``: ``tokens/cost.py``).
+        token_cap: the most tokens one micro-batch may hold (``None``: no cap); a put that
+            would give a group more is refused.
 
     Raises:
         SpecError: if a capacity is not a positive int or a single sequence cannot fit.
+        ConfigError: on a bad ``cost`` or ``token_cap``.
     """
 
-    def __init__(self, spec: TokenSpec, capacity_items: int, capacity_tokens: int) -> None:
+    def __init__(
+        self,
+        spec: TokenSpec,
+        capacity_items: int,
+        capacity_tokens: int,
+        cost: object = "tokens",
+        token_cap: int | None = None,
+    ) -> None:
         for name, v in (("capacity_items", capacity_items), ("capacity_tokens", capacity_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(f"{name}: expected an int >= 1, got {v!r}")
@@ -60,6 +76,14 @@ class GroupStore:
                 f"capacity_items: expected at least group_size = {spec.group_size}, "
                 f"got {capacity_items}"
             )
+        bad = isinstance(token_cap, bool) or not isinstance(token_cap, int)
+        if token_cap is not None and (bad or token_cap < spec.group_size):
+            raise ConfigError(
+                f"token_cap: expected None or an int >= group_size = {spec.group_size} (a group "
+                f"of one-token sequences), got {token_cap!r}"
+            )
+        self.cost = C.resolve(cost, spec.max_len, spec.group_size)
+        self.token_cap = token_cap
         self.spec, self.cap_items, self.cap_tokens = spec, capacity_items, capacity_tokens
         self.fixed = {
             n: torch.zeros((capacity_items, *f.shape), dtype=f.dtype) for n, f in spec.fixed.items()
@@ -91,8 +115,10 @@ class GroupStore:
                 fresh keys, since ids only need to be new on the rank that generated them).
 
         Raises:
-            SpecError: a group would exceed ``group_size`` members, or the batch alone exceeds a
-                capacity; nothing is stored.
+            SpecError: a group would exceed ``group_size`` members or ``token_cap`` tokens (then
+                the put's reserved groups are dropped, and that group's stored members too, as
+                for an evicted group), a sequence's cost is not valid, or the batch alone exceeds
+                a capacity; nothing is stored.
         """
         gids = (p.fixed[self.spec.group] if keys is None else keys).tolist()
         if self.tombstones and any(g in self.tombstones for g in gids):
@@ -109,6 +135,9 @@ class GroupStore:
                     f"group {g}: expected at most group_size = {self.spec.group_size}"
                     f" members, got {have} stored + {c} in this put"
                 )
+        lengths = p.lengths.numpy()
+        self._check_cap(gids, lengths)
+        costs = self.cost(lengths)
         total = int(p.lengths.sum())
         if p.n > self.cap_items or total > self.cap_tokens:
             raise SpecError(
@@ -118,7 +147,6 @@ class GroupStore:
         self._make_room(p.n, total, set(counts))
         if self.end + total > self.cap_tokens:
             self._compact()
-        lengths = p.lengths.numpy()
         starts = self.end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
         slots = [self.free.pop() for _ in range(p.n)]
         idx = torch.as_tensor(slots)
@@ -137,10 +165,36 @@ class GroupStore:
                 grp = self.groups[g] = Group(g, self.arrivals)
             grp.slots.append(s)
             grp.tokens += int(lengths[i])
+            grp.cost += int(costs[i])
             grp.version = min(grp.version, int(self.version[s]))
             self.arrivals += 1
             if len(grp.slots) == self.spec.group_size:
                 grp.complete_at = self.arrivals
+
+    def _check_cap(self, gids: list[int], lengths: np.ndarray) -> None:
+        """Refuse a put that would give a group more than ``token_cap`` tokens (see :meth:`add`)."""
+        if self.token_cap is None:
+            return
+        put: dict[int, int] = {}
+        for g, n in zip(gids, lengths.tolist(), strict=True):
+            put[g] = put.get(g, 0) + n
+        for g, n in put.items():
+            grp = self.groups.get(g)
+            have = grp.tokens if grp is not None else 0
+            if have + n <= self.token_cap:
+                continue
+            stored = len(grp.slots) if grp is not None else 0
+            self.cancel(list(put))  # reservations that will not arrive hold no place
+            if stored:  # it can never be delivered: evicted, its later members dropped
+                self.evicted_groups += 1
+                self.evicted_sequences += stored
+                self.evict([g])
+            raise SpecError(
+                f"group {g}: {have + n} tokens ({have} stored + {n} in this put) exceed "
+                f"token_cap = {self.token_cap}, the most one micro-batch may hold (a group is "
+                "never split); nothing of this put is stored"
+                + (f", and its {stored} stored members are dropped" if stored else "")
+            )
 
     def _make_room(self, n: int, tokens: int, keep: set[int]) -> None:
         """Evict the oldest groups by first arrival (not those the batch adds to, when others
