@@ -48,7 +48,12 @@ from conduit_dist.tokens.plane import TokenPlane
 from conduit_dist.train import setup
 from conduit_dist.train.config import TrainConfig
 from conduit_dist.train.grpo_config import check_grpo
-from conduit_dist.train.grpo_window import Window, aggregate_learners, summary_values
+from conduit_dist.train.grpo_window import (
+    Window,
+    aggregate_learners,
+    per_learner_step,
+    summary_values,
+)
 from conduit_dist.train.metrics import Logger, aggregate
 
 
@@ -69,7 +74,7 @@ class GRPOTrainer:
 
     DONE_KEYS = (
         "reward_first_100", "reward_100", "wall_s", "max_policy_age_seen", "dropped_stale",
-        "trained_samples", "steps", "evicted_groups",
+        "trained_samples", "steps", "evicted_groups", "exposed_ms_per_step", "hidden_ms_per_step",
     )  # fmt: skip
 
     def __init__(
@@ -126,6 +131,11 @@ class GRPOTrainer:
                 shared_memory=pc.shared_memory,
             ),
         )
+        # the next global batch's first round launched at the first backward after a take
+        # (TokenPlane.attach): plane.schedule overlap or auto; sync: rounds inside stream/fetch
+        self.overlap = self.is_learner and pc.schedule != "sync"
+        if self.overlap:  # the last module of the loss's path (packed_logprobs calls
+            self.plane.attach(self.policy.ln_f)  # TinyLM.hidden, not forward: no hook there)
         self.version = self.steps = self.trained = self.next_gid = 0
         k = math.ceil(100 / len(self.producers))  # each producer's share of "100 responses"
         self.first: list[float] = []  # the first k rewards this producer scored
@@ -133,6 +143,7 @@ class GRPOTrainer:
         self.k = k
         self.gen_s = self.gen_tokens = 0.0
         self.produce_s = 0.0  # generation inside the current stream (colocated)
+        self.exposed_s = self.hidden_s = 0.0  # the plane's measured split, all steps so far
         self.max_age = 0
         # this learner's share of the last 100 consumed rewards (the target_return check)
         self.recent: deque[float] = deque(maxlen=math.ceil(100 / len(self.learners)))
@@ -165,6 +176,19 @@ class GRPOTrainer:
         """Colocated: generate before a round, within the allowance (never waits)."""
         n = min(self.g.gen_groups, self.plane.allowance() or 0)
         if n:
+            t0 = time.perf_counter()
+            self._generate(n)
+            self.produce_s += time.perf_counter() - t0
+
+    def _produce_ahead(self) -> None:
+        """Colocated with rounds launched at the backward: generate the next global batch's
+        share now, with the current policy (what pacing allows: one version ahead), so the
+        round the coming backward launches finds it complete and the next step waits for
+        nothing."""
+        while True:
+            n = min(self.g.gen_groups, self.plane.allowance() or 0)
+            if not n:
+                return
             t0 = time.perf_counter()
             self._generate(n)
             self.produce_s += time.perf_counter() - t0
@@ -204,6 +228,10 @@ class GRPOTrainer:
             "trained_samples": int(agg["trained_max"]),
             "steps": int(agg["steps_max"]),
             "gen_tokens_per_s": agg["gen_tokens_mean"] * self.world / wall,
+            # a learner's wait for the plane per global batch, and what ran behind its
+            # backward instead (TokenPlane.last_take, measured; means over the learners)
+            "exposed_ms_per_step": per_learner_step(agg, "exposed_s", self),
+            "hidden_ms_per_step": per_learner_step(agg, "hidden_s", self),
         }
 
     def _learner_loop(self, start: float) -> None:
@@ -227,21 +255,22 @@ class GRPOTrainer:
         g = self.g
         self.produce_s = 0.0
         produce = self._produce if self.is_producer else None
-        t0 = wait = time.perf_counter()
+        t0 = time.perf_counter()
         taken = (
             self.plane.stream(g.prompts_per_step, g.token_budget, produce=produce, wait_s=g.wait_s)
             if g.stream
             else iter(self.plane.fetch(g.prompts_per_step, g.token_budget, produce=produce))
         )
-        kept, exposed = [], 0.0
-        for mb in taken:
-            exposed += time.perf_counter() - wait
+        kept = []
+        ahead = self.overlap and self.is_producer
+        for i, mb in enumerate(taken):
+            if i == 0 and ahead:  # before the first backward: the next batch's groups
+                self._produce_ahead()
             window.consume(mb, self.version)
             self.update.accumulate(mb.fields, mb.cu_seqlens, mb.max_seqlen)
             if g.epochs > 1:
                 kept.append(mb)
-            wait = time.perf_counter()
-        exposed += time.perf_counter() - wait
+        take = self.plane.last_take  # measured by the plane: exposed, and hidden at backward
         stats = self.update.step()
         for _ in range(g.epochs - 1):
             for mb in kept:
@@ -251,8 +280,10 @@ class GRPOTrainer:
         self.version = self.plane.publish_weights(None if colocated else self.policy)
         self.steps += 1
         age, rewards = window.end_step(
-            stats, exposed - self.produce_s, self.produce_s, len(self.producers), g.group_size
+            stats, take, self.produce_s, len(self.producers), g.group_size
         )
+        self.exposed_s += take.exposed_ms / 1e3
+        self.hidden_s += take.hidden_ms / 1e3
         self.recent.extend(rewards)
         if age > g.max_policy_age:  # the plane refuses older ones; checked here on every row
             raise StaleDataError(

@@ -15,14 +15,15 @@ import torch
 import torch.distributed as dist
 
 from conduit_dist.errors import RoundError
+from conduit_dist.tokens.ahead import TakeTiming
 from conduit_dist.tokens.batch import MicroBatch
 
 if TYPE_CHECKING:
     from conduit_dist.train.grpo_trainer import GRPOTrainer
 
 SUMS = (
-    "reward_sum", "sequences", "exact", "resp_tokens", "tokens", "exposed_s", "generate_s",
-    "age_sum", "pg", "clipfrac", "ratio", "kl", "grad_norm", "steps", "step_s",
+    "reward_sum", "sequences", "exact", "resp_tokens", "tokens", "exposed_s", "hidden_s",
+    "generate_s", "age_sum", "pg", "clipfrac", "ratio", "kl", "grad_norm", "steps", "step_s",
 )  # fmt: skip
 
 
@@ -65,7 +66,7 @@ class Window:
     def end_step(
         self,
         stats: dict[str, float],
-        exposed_s: float,
+        take: TakeTiming,
         produce_s: float,
         producers: int,
         group_size: int,
@@ -74,8 +75,9 @@ class Window:
 
         Args:
             stats: the optimiser step's stats (``GRPOUpdate.step``).
-            exposed_s: the learner's time in the plane (rounds, waits), its own generation
-                excluded.
+            take: the plane's measured split of the batch's rounds (``TokenPlane.last_take``):
+                the learner's wait for them (its own generation excluded), and the time a round
+                launched at the previous backward ran before the learner asked.
             produce_s: its own generation inside the stream (colocated), else 0.
             producers: the number of producers (the generation time of the batch, summed over
                 the sequences, divided by it is the producers' wall time in parallel).
@@ -107,7 +109,8 @@ class Window:
         v["exact"] += float((rewards == 1).sum())
         v["resp_tokens"] += resp
         v["tokens"] += tokens
-        v["exposed_s"] += exposed_s
+        v["exposed_s"] += take.exposed_ms / 1e3
+        v["hidden_s"] += take.hidden_ms / 1e3
         # colocated: this rank's own generation inside the stream; disaggregated: the
         # producers' generation of this learner's share, in parallel over the producers
         # (summed over the learners at a log: the batch's)
@@ -136,12 +139,12 @@ class Window:
         steps = max(s["steps"] / n_l, 1.0)  # global batches in the window
         seqs = max(s["sequences"], 1.0)
         per_step_ms = 1e3 / steps / n_l  # a learner's mean per global batch
-        exposed = s["exposed_s"] * per_step_ms
+        exposed = s["exposed_s"] * per_step_ms  # measured by the plane (last_take)
+        hidden = s["hidden_s"] * per_step_ms  # a launched round's time before it was asked for
         if tr.cfg.mode == "colocated":  # each learner generated its own share, on its thread
-            generate, hidden = s["generate_s"] * per_step_ms, 0.0
-        else:  # the learners' shares add up to the batch; what the learner did not wait for
+            generate = s["generate_s"] * per_step_ms
+        else:  # the learners' shares add up to the batch
             generate = s["generate_s"] * 1e3 / steps
-            hidden = max(0.0, generate - exposed)
         return {
             "rl/reward": s["reward_sum"] / seqs,
             "rl/exact": s["exact"] / seqs,
@@ -186,4 +189,21 @@ def summary_values(tr: GRPOTrainer) -> dict[str, float]:
         "gen_s": tr.gen_s, "gen_tokens": tr.gen_tokens,
         "max_age": tr.max_age, "trained": tr.trained, "steps": tr.steps,
         "stale_evicted": st["stale_evicted"], "evicted_groups": st["evicted_groups"],
+        "exposed_s": tr.exposed_s, "hidden_s": tr.hidden_s,
     }  # fmt: skip
+
+
+def per_learner_step(agg: dict[str, float], key: str, tr: GRPOTrainer) -> float:
+    """Milliseconds per global batch of a learner's ``key`` (seconds summed over its steps),
+    from :func:`summary_values` aggregated over every rank (``<key>_mean``: producers add 0).
+
+    Args:
+        agg: the aggregated summary values.
+        key: ``exposed_s`` or ``hidden_s``.
+        tr: the trainer.
+
+    Returns:
+        The mean over the learners, per step.
+    """
+    steps = max(agg["steps_max"], 1.0)
+    return round(agg[f"{key}_mean"] * tr.world / len(tr.learners) / steps * 1e3, 3)
