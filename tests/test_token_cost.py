@@ -6,12 +6,14 @@ exceeded end to end over random long-tailed lengths, at world size 1 and on 2 gl
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import subprocess
 
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import ROOT, TORCHRUN, child_env, run_ranks
 
 import conduit_dist as cd
 from conduit_dist.tokens.cost import COSTS, Flops
@@ -268,3 +270,28 @@ def test_the_cap_is_never_exceeded_end_to_end_on_two_ranks():
     res = run_ranks(_trials, 2, seeds, timeout_s=240)
     for t in range(len(seeds)):
         _check_trial([res[0][t], res[1][t]])
+
+
+# ---------------------------------------------------------------------- the bench
+
+
+def test_bench_tokens_learner_cost_reports_step_time_balance():
+    """``bench tokens --cost flops --learner-cost sleep`` (bench/token_balance.py) runs under
+    torchrun and reports its keys; the modelled compute balance (no timing in it) is best by
+    flops, and the planes' micro-batches stay within the cap (values, not timings, asserted)."""
+    cmd = [*TORCHRUN, "-m", "conduit_dist.bench", "tokens", "--cost", "flops",
+           "--learner-cost", "sleep", "--groups-per-rank", "8", "--samples", "3",
+           "--warmup", "0", "--step-ms", "5", "--d-model", "1024"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["bench"] == "token_balance" and line["world"] == 2 and line["cost"] == "flops"
+    s = line["summary"]
+    for pre in ("", "tokens_", "equal_counts_"):
+        for key in ("step_time_max_over_mean", "cost_max_over_mean", "step_ms_mean"):
+            assert s[pre + key] > 0, pre + key
+    assert s["cost_max_over_mean"] <= s["tokens_cost_max_over_mean"] + 1e-9
+    assert s["cost_max_over_mean"] <= s["equal_counts_cost_max_over_mean"] + 1e-9
+    assert s["max_micro_batch_tokens"] <= s["token_cap"]
+    assert s["tokens_max_micro_batch_tokens"] <= s["token_cap"]

@@ -78,6 +78,10 @@ def _sample(fn) -> float:
 
 def main(argv: list[str]) -> None:
     """Run the tokens benchmark (every rank) and print the JSON line last on rank 0."""
+    if any(x.split("=")[0] in ("--cost", "--learner-cost") for x in argv):  # balance in time
+        from conduit_dist.bench import token_balance
+
+        return token_balance.main(argv)
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench tokens")
     p.add_argument(
         "--groups-per-rank", type=number(int, 1), default=256,
