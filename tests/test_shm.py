@@ -332,11 +332,8 @@ def test_a_malformed_node_index_on_one_rank_fails_every_rank_alike():
         assert "ranks [1]: their node index variable is malformed" in msg, (rank, msg)
 
 
-def test_bad_values_and_planes_without_it_are_refused():
+def test_bad_values_are_refused():
     with pytest.raises(
         ConfigError, match=r"transport.shared_memory: expected one of \['auto', True, False\]"
     ):
         cd.TransportConfig(shared_memory="yes")
-    with pytest.raises(ConfigError, match="the token plane moves its rows through gloo only"):
-        spec = cd.TokenSpec({"tokens": cd.Ragged(torch.int32, 8), "reward": ((), torch.float32)})
-        cd.TokenPlane(spec, 16, 64, transport=cd.TransportConfig(shared_memory=True))

@@ -348,3 +348,22 @@ def test_review_cases_refused_or_unblocked():
                 a, b = int(lens[:m].sum()), int(lens[: m + 1].sum())
                 tp.put({k: (v[a:b] if v.shape[0] == int(lens.sum()) else v[m : m + 1])
                         for k, v in big.items()}, lens[m : m + 1])  # fmt: skip
+
+
+def _over(rank: int, world: int, shm) -> dict[str, object]:
+    """The same groups delivered with the sections through /dev/shm or gloo's sockets."""
+    transport = cd.TransportConfig(shared_memory=shm)
+    with cd.TokenPlane(make_spec(), 64, 8192, transport=transport) as tp:
+        tp.put(*group_batch([g for g in range(9) if g % world == rank]))
+        seen = check_whole(tp.fetch(9, 300))
+        mem = tp.ex.shm
+        return {"seen": sorted((g, sorted(d)) for g, d in seen.items()),
+                "shm": mem.exchanges if mem is not None else 0}  # fmt: skip
+
+
+def test_sections_go_through_shared_memory_on_one_host_and_arrive_the_same():
+    via_shm = run_ranks(_over, 2, True)
+    via_gloo = run_ranks(_over, 2, False)
+    for rank in (0, 1):
+        assert via_shm[rank]["shm"] > 0 and via_gloo[rank]["shm"] == 0
+        assert via_shm[rank]["seen"] == via_gloo[rank]["seen"]  # byte for byte, whole

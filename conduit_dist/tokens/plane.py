@@ -109,14 +109,14 @@ class TokenPlane:
             raise ConfigError(f"replay: expected one of {list(REPLAYS)}, got {replay!r}")
         max_age = check_max_age("max_policy_age", max_policy_age)
         transport = TransportConfig.of(transport)
-        if transport.shared_memory is True:  # no silent fallback to gloo ("auto": off here)
-            raise ConfigError(
-                "transport.shared_memory: the token plane moves its rows through gloo only (not "
-                "built for it yet); expected 'auto' or False, got True"
-            )
         self.spec, self.device = spec, resolve_device(device)
         self.store = GroupStore(spec, capacity_per_rank, tokens_per_rank, cost, token_cap)
-        self.ex = Exchange(transport.timeout_s, name=f"tokens{next(_ids)}", device="cpu")
+        # host sections between the ranks of one host go through /dev/shm, as DataPlane's
+        # (the same setting and default: transport.shared_memory, agreed at start-up)
+        self.ex = Exchange(
+            transport.timeout_s, name=f"tokens{next(_ids)}", device="cpu",
+            shared_memory=transport.shared_memory,
+        )  # fmt: skip
         try:
             self.learners = rank_set("learner_ranks", learner_ranks, self.ex.world)
             producers = rank_set("producer_ranks", producer_ranks, self.ex.world)
