@@ -456,6 +456,12 @@ class TokenPlane:
                 f"groups_per_batch = {self.pacer.per_batch} groups per version, "
                 f"got {n}"
             )
+        cap = self.store.token_cap
+        if cap is not None and budget > cap:  # refused here, before any round runs
+            raise ConfigError(
+                f"token_budget: expected at most token_cap = {cap} (the most tokens a "
+                f"micro-batch may hold), got {budget}"
+            )
 
     def update_priorities(self, batch: MicroBatch, priority: torch.Tensor) -> None:
         """Set the replay priority of each group in ``batch`` (one value per sequence: a group

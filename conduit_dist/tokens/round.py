@@ -1,18 +1,20 @@
 """One token round: every rank's group table in one all-gather, the same selection and
-token-balanced plan on every rank, then the selected groups' sequences in one exchange from
+cost-balanced plan on every rank, then the selected groups' sequences in one exchange from
 their holders to their learners, without padding.
 
 Steps (each rank, in the same order):
 
 1. ``meta``: a fixed row (table rows, the learners' request, the first learner's version and
-   weights size, closing) and this rank's group table (complete groups, groups still
-   generating, priority updates), all-gathered.
+   weights size, closing, whether a round was launched ahead of the next version) and this
+   rank's group table (complete groups, groups still generating, priority updates; a group's
+   tokens and its integer cost), all-gathered.
 2. ``weights``: the first learner's newer weights, broadcast.
 3. ``select``: stale groups evicted (none when producers pace with ``reserve`` and
    learners publish one version per global batch), then the piece
    (``tokens/select.py``), identical everywhere.
-4. ``plan``: the piece over the learners by tokens, each share into micro-batches
-   (``tokens/balance.py``).
+4. ``plan``: the piece over the learners by cost (``cost``: tokens, flops or a callable), each
+   share into micro-batches never over ``token_cap`` tokens (``tokens/balance.py``,
+   ``tokens/deal.py``).
 5. ``deliver``: holders pack their selected groups per learner (``tokens/wire.py``); one
    exchange whose byte matrix every rank derived from the tables; learners cut micro-batches.
 6. ``take``: consume-once groups leave their holders.
