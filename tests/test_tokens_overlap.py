@@ -13,6 +13,7 @@ from test_tokens import check_whole, group_batch, make_spec
 
 import conduit_dist as cd
 from conduit_dist.errors import ConfigError
+from conduit_dist.rounds.devices import REHEARSAL_ENV
 
 STEPS, PER_STEP, BUDGET = 6, 6, 300
 
@@ -119,3 +120,22 @@ def test_groups_left_at_close_are_counted():
     for rank, s in run_ranks(_left, 2, timeout_s=120).items():
         assert s["left_at_close_groups"] == len(_groups(1, rank, 2)), s
         assert s["left_at_close_sequences"] == 4 * len(_groups(1, rank, 2)), s
+
+
+def test_the_device_path_delivers_the_same_sequences(monkeypatch):
+    """The device path's logic on CPU planes (``CONDUIT_DEVICE_ROWS_REHEARSAL=1``): every round
+    on the round thread, launched rounds gated until their exchange is enqueued, the sections'
+    lengths sent on the host beside them and the micro-batches cut without reading the
+    received bytes: the same sequences, whole, as the host path."""
+    monkeypatch.delenv(REHEARSAL_ENV, raising=False)
+    host = run_ranks(_run, 2, "sync", timeout_s=180)
+    monkeypatch.setenv(REHEARSAL_ENV, "1")
+    device = run_ranks(_run, 2, "attach", timeout_s=180)
+    for rank in (0, 1):
+        assert device[rank]["digests"] == host[rank]["digests"], rank
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_a_cuda_token_plane_is_refused_at_once_saying_what_to_install():
+    with pytest.raises(ConfigError, match=r"CUDA is not available here .* install a CUDA build"):
+        cd.TokenPlane(make_spec(), 64, 16_384, device="cuda")

@@ -20,6 +20,7 @@ asked (``sched.timeline.split``), both measured with ``time.perf_counter``.
 from __future__ import annotations
 
 import time
+from concurrent import futures
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -58,12 +59,13 @@ class _Launched:
 
 
 class Ahead:
-    """At most one round launched ahead of the learner's next take.
+    """The plane's round thread and at most one round on it (launched ahead of the learner's
+    next take, or an inline round a CUDA plane runs there).
 
     Args:
-        device: the plane's device (the worker thread's current CUDA device).
-        timeout_s: the collectives' timeout; a launched round not finished after
-            ``4 * timeout_s`` fails the take.
+        device: the plane's device (the thread's current CUDA device).
+        timeout_s: the collectives' timeout; a round not finished after ``4 * timeout_s``
+            fails the call waiting for it.
     """
 
     def __init__(self, device: torch.device, timeout_s: float) -> None:
@@ -73,24 +75,21 @@ class Ahead:
         self.armed: Key | None = None  # launch this at the next backward (attach)
         self.trigger = None  # the BackwardTrigger of attach()
 
-    def launch(self, key: Key, run) -> None:
-        """Start ``run()`` (one round: ``(micro-batches, stats)``) on the round thread."""
+    def launch(self, key, run) -> None:
+        """Start ``run()`` (a round: its result tuple) on the round thread."""
         if self.pending is not None:
             raise RuntimeError("token plane: one launched round at a time")
         if self._pool is None:
             self._pool = executor("conduit-tokens", self.device)
 
         def timed():
-            out, stats = run()
-            return out, stats, time.perf_counter()
+            return run(), time.perf_counter()
 
         self.pending = _Launched(key, self._pool.submit(timed), time.perf_counter())
-        self.armed = None
 
     def take(self, key: Key, asked: float, timing: TakeTiming):
-        """The launched round's ``(micro-batches, stats)`` when it was launched for ``key``
-        (accounted in ``timing``: hidden up to ``asked``, the rest exposed); ``None`` when none
-        is pending.
+        """The result of the round launched for ``key`` (accounted in ``timing``: hidden up to
+        ``asked``, the rest exposed); ``None`` when none is pending.
 
         Raises:
             RuntimeError: if the pending round was launched for another request (callers
@@ -103,16 +102,16 @@ class Ahead:
             return None
         if p.key != key:
             raise RuntimeError(f"token plane: the round in flight was launched for {p.key}")
-        out, stats, end = self.wait()
+        res, end = self.wait()
         now = time.perf_counter()
         _, hidden = split((p.start, end), (asked, now))
         timing.launched, timing.rounds = True, timing.rounds + 1
         timing.hidden_ms += hidden * 1e3
         timing.exposed_ms += (now - asked) * 1e3  # the wait itself, the hand-over included
-        return out, stats
+        return res
 
     def wait(self):
-        """Wait for the launched round and clear it: ``(micro-batches, stats, end)``.
+        """Wait for the pending round and clear it: ``(result, end)`` (``perf_counter``).
 
         Raises:
             RoundError: if it has not finished after ``4 * timeout_s``; its own failure.
@@ -122,13 +121,19 @@ class Ahead:
             return p.future.result(timeout=4 * self.timeout_s)
         except FutureTimeout:
             raise RoundError(
-                f"token plane: the round launched ahead has not finished after "
+                f"token plane: a round on the round thread has not finished after "
                 f"{4 * self.timeout_s:.0f}s",
                 round=-1,
             ) from None
 
+    def settle(self) -> None:
+        """Wait until the pending round has ended (its result stays pending)."""
+        p = self.pending
+        if p is not None:
+            futures.wait([p.future], timeout=4 * self.timeout_s)
+
     def close(self) -> None:
-        """Stop the round thread (a launched round is waited for by the caller first)."""
+        """Stop the round thread (a pending round is waited for by the caller first)."""
         if self.trigger is not None:
             self.trigger.remove()
             self.trigger = None

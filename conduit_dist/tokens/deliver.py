@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conduit_dist.tiers.cuda import upload
 from conduit_dist.tokens import select as S
 from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.store import GroupStore
@@ -26,8 +27,8 @@ def pack(
     n: np.ndarray,
     t: np.ndarray,
     nbytes: np.ndarray,
-) -> None:
-    """Write this holder's sections into ``send``.
+) -> np.ndarray:
+    """Write this holder's sections into ``send`` (on the store's device: its arenas').
 
     Args:
         store: this rank's shard.
@@ -37,15 +38,21 @@ def pack(
             its micro-batch order.
         n, t: sequences and tokens per destination (in rank order).
         nbytes: bytes per destination.
+
+    Returns:
+        The sequences' lengths in the order packed (host int64: what the learners' cut needs
+        on the host, sent beside device sections so that nothing is read back from a GPU).
     """
     slots = np.asarray([s for g in gids for s in store.groups[g].slots], dtype=np.int64)
-    idx = torch.from_numpy(slots)
-    tok = store.token_index(slots)
+    dev = send.device
+    idx = upload(torch.from_numpy(slots), dev)
+    tok = upload(store.token_index(slots), dev)
     fixed_np = {
         LENGTHS: store.length[slots],
         VERSIONS: store.version[slots],
         KEYS: store.key[slots],
     }
+    meta = {k: upload(torch.from_numpy(np.ascontiguousarray(v)), dev) for k, v in fixed_np.items()}
     s0 = t0 = b0 = 0
     for d in range(len(n)):
         s1, t1, b1 = s0 + int(n[d]), t0 + int(t[d]), b0 + int(nbytes[d])
@@ -53,11 +60,12 @@ def pack(
             cols = wire.columns(send[b0:b1], s1 - s0, t1 - t0)
             for name, col in store.fixed.items():
                 torch.index_select(col, 0, idx[s0:s1], out=cols[name])
-            for name, values in fixed_np.items():
-                cols[name].copy_(torch.from_numpy(values[s0:s1]))
+            for name, values in meta.items():
+                cols[name].copy_(values[s0:s1])
             for name, arena in store.arena.items():
                 torch.index_select(arena, 0, tok[t0:t1], out=cols[name])
         s0, t0, b0 = s1, t1, b1
+    return fixed_np[LENGTHS]
 
 
 def cut(
@@ -69,6 +77,7 @@ def cut(
     holder: np.ndarray,
     mbs: list[list[int]],
     device: torch.device,
+    lengths: np.ndarray | None = None,
 ) -> list[MicroBatch]:
     """This learner's micro-batches from the received sections.
 
@@ -86,6 +95,8 @@ def cut(
             group's holder rank (indexed by position in ``chosen``).
         mbs: this learner's micro-batches (positions in ``chosen``).
         device: where the micro-batches go.
+        lengths: the received sequences' lengths, holder by holder, on the host (sent beside
+            sections on a device); ``None``: read from the received (host) sections.
 
     Returns:
         The micro-batches, in order.
@@ -100,23 +111,38 @@ def cut(
     np.add.at(n, (k_of, holder[flat]), members[flat])
     np.add.at(t, (k_of, holder[flat]), tokens[flat])
     splits: dict[str, list] = {name: [] for name in (*wire.fixed, *wire.ragged)}
-    at = 0
+    host_lengths: list[list[np.ndarray]] = []
+    at = seq_at = 0
     for src in range(world):
         ns, ts = n[:, src], t[:, src]
         cols = wire.columns(recv[at : at + int(sizes[src])], int(ns.sum()), int(ts.sum()))
         for name, col in cols.items():
             splits[name].append(torch.split(col, (ts if name in wire.ragged else ns).tolist()))
+        if lengths is not None:
+            mine = lengths[seq_at : seq_at + int(ns.sum())]
+            host_lengths.append(np.split(mine, np.cumsum(ns)[:-1]))
+            seq_at += int(ns.sum())
         at += int(sizes[src])
     runs = [(k, s) for k, s in zip(*np.nonzero(n))]  # row-major: micro-batch, then holder
     full = {name: torch.cat([parts[s][k] for k, s in runs]) for name, parts in splits.items()}
     order = flat[np.lexsort((holder[flat], k_of))]  # stable: each holder's micro-batch order
-    full["_holder"] = torch.from_numpy(np.repeat(holder[order], members[order]))
-    return _slice(wire, full, n.sum(1), t.sum(1), device)
+    owner = torch.from_numpy(np.repeat(holder[order], members[order]))
+    full["_holder"] = owner.to(recv.device)
+    if lengths is None:
+        host = full[LENGTHS].numpy()  # host sections: read where they landed
+    elif runs:  # the same runs of the host copy, in the same order
+        host = np.concatenate([host_lengths[s][k] for k, s in runs]).astype(np.int64)
+    else:
+        host = np.zeros(0, dtype=np.int64)
+    return _slice(wire, full, n.sum(1), t.sum(1), device, host)
 
 
-def _slice(wire: Wire, full, seqs: np.ndarray, toks: np.ndarray, device) -> list[MicroBatch]:
-    """Micro-batches as views of ``full`` (host), moved to ``device`` column by column."""
-    lengths = full[LENGTHS].numpy()
+def _slice(
+    wire: Wire, full, seqs: np.ndarray, toks: np.ndarray, device, lengths: np.ndarray
+) -> list[MicroBatch]:
+    """Micro-batches as views of ``full``, moved to ``device`` column by column (nothing moves
+    where they are there already); ``lengths``: the sequences' lengths on the host, for
+    ``cu_seqlens`` and ``max_seqlen`` (no device read)."""
     ends = np.cumsum(seqs)
     starts = ends - seqs
     longest = np.maximum.reduceat(lengths, starts)

@@ -14,7 +14,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent import futures
 
 import torch
 from torch import nn
@@ -23,17 +22,19 @@ from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.topology import discover
 from conduit_dist.collectives.transport import Transport
-from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError, SpecError
+from conduit_dist.errors import ConfigError, SpecError
 from conduit_dist.flow.versions import check_max_age
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.plane.build import bandwidth_model, rank_set
 from conduit_dist.plane.options import TransportConfig
-from conduit_dist.sched.hooks import BackwardTrigger
-from conduit_dist.tokens.ahead import Ahead, TakeTiming
+from conduit_dist.rounds.devices import rehearsing
+from conduit_dist.tokens.ahead import TakeTiming
 from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.checkpoint import load_shares, save_shard
+from conduit_dist.tokens.learner import TokenLearner
 from conduit_dist.tokens.pacing import Pacer
-from conduit_dist.tokens.round import Request, TokenRound, TokenRoundStats
+from conduit_dist.tokens.round import Request, TokenRound
+from conduit_dist.tokens.runner import TokenRunner
 from conduit_dist.tokens.spec import TokenSpec, check_batch
 from conduit_dist.tokens.store import GroupStore
 
@@ -110,11 +111,18 @@ class TokenPlane:
         max_age = check_max_age("max_policy_age", max_policy_age)
         transport = TransportConfig.of(transport)
         self.spec, self.device = spec, resolve_device(device)
-        self.store = GroupStore(spec, capacity_per_rank, tokens_per_rank, cost, token_cap)
+        cuda = self.device.type == "cuda"
+        rehearse = rehearsing() and not cuda  # the device path's logic on a CPU plane
+        # arenas on the plane's device: what producers put from GPU tensors stays there, the
+        # sections move by the group's backend for CUDA tensors (NCCL), micro-batches are cut
+        # where they land
+        self.store = GroupStore(
+            spec, capacity_per_rank, tokens_per_rank, cost, token_cap, self.device
+        )
         # host sections between the ranks of one host go through /dev/shm, as DataPlane's
         # (the same setting and default: transport.shared_memory, agreed at start-up)
         self.ex = Exchange(
-            transport.timeout_s, name=f"tokens{next(_ids)}", device="cpu",
+            transport.timeout_s, name=f"tokens{next(_ids)}", device=self.device,
             shared_memory=transport.shared_memory,
         )  # fmt: skip
         try:
@@ -141,19 +149,32 @@ class TokenPlane:
             int(seed),
             self.device,
             token_cap,
+            rehearse,
         )
         self.weights = WeightsState()
         self.version = 0  # this rank's: published (learners) or pulled (producers)
-        self.newest = 0  # the first learner's, as of the last round
-        self.closed, self.closed_by = False, -1
-        self.last: TokenRoundStats | None = None
-        self.totals = {"delivered_groups": 0, "wire_bytes": 0, "token_bytes": 0, "rounds": 0}
+        self.closed = False
         self._sends_weights = any(r not in self.learners for r in range(self.world))
-        # the next take's first round, launched at a backward or by fetch_start (ahead.py)
-        self.ahead = Ahead(self.device, transport.timeout_s)
-        self.last_take: TakeTiming | None = None
-        self._priorities: list[tuple[list[int], list[int], list[float]]] = []  # for the round
+        # where and when rounds run (runner.py): every round on the round thread where its
+        # NCCL work must come from one thread (CUDA, or the device path rehearsed)
+        self.runner = TokenRunner(
+            self.engine, self.weights, self.device, transport.timeout_s, cuda or rehearse
+        )
+        self.ahead = self.runner.ahead  # the round launched ahead of the next take (ahead.py)
+        self.learner = TokenLearner(
+            self.runner, self.store, self.pacer, self.learners, self.rank,
+            lambda: self.version, lambda: self.closed,
+        )  # fmt: skip
         self.at_close = {"groups": 0, "sequences": 0, "launched_groups": 0}
+
+    newest = property(
+        lambda s: s.runner.newest,
+        lambda s, v: setattr(s.runner, "newest", v),
+        doc="The first learner's version, as of the last round.",
+    )
+    closed_by = property(lambda s: s.runner.closed_by, doc="A rank that closed the plane (-1).")
+    last = property(lambda s: s.runner.last, doc="The latest round's ``TokenRoundStats``.")
+    totals = property(lambda s: s.runner.totals, doc="What this rank received, summed.")
 
     # ------------------------------------------------------------------ producers
 
@@ -180,7 +201,8 @@ class TokenPlane:
             ConfigError: after ``close``.
         """
         self._open("put")
-        self._settle()  # the store is a launched round's until it ended
+        self.runner.settle()  # the store is a launched round's until it ended
+        self.runner.before_write()  # CUDA: the arenas after the rounds' reads (on the device)
         v = self.version if version is None else int(version)
         try:
             packed = check_batch(self.spec, batch, lengths, v, token_versions)
@@ -207,7 +229,7 @@ class TokenPlane:
             ConfigError: on a rank not in ``producer_ranks``; SpecError: on a reused group id.
         """
         self._open("reserve")
-        self._settle()
+        self.runner.settle()
         ids = [int(g) for g in group_ids]
         if self.closed_by >= 0:
             return None
@@ -268,7 +290,7 @@ class TokenPlane:
                 "flush: a round was launched for the next fetch/stream (at a backward or by "
                 "fetch_start) and holds its micro-batches; call fetch/stream to take them"
             )
-        self._round(Request())
+        self.runner.run(Request(), self.version)
         return self.closed_by < 0
 
     # ------------------------------------------------------------------ learners
@@ -314,52 +336,7 @@ class TokenPlane:
 
     def _take(self, n: int, budget: int, produce, wait_s: float, streaming: bool):
         self._open("stream")
-        self._check_take(n, budget)
-        key = (n, budget, streaming)
-        pending = self.ahead.pending
-        if pending is not None and pending.key != key:
-            raise ConfigError(
-                f"stream/fetch: a round was launched ahead for (num_groups, token_budget, "
-                f"stream) = {pending.key}, got {key}; keep them fixed between steps"
-            )
-        self.ahead.armed = None
-        timing = self.last_take = TakeTiming()
-        start, left = time.monotonic(), n
-        launched = self.ahead.take(key, time.perf_counter(), timing)
-        if launched is not None:
-            out, stats = self._account(*launched)
-            left -= stats.groups
-            if not left:  # the batch is complete: the next backward launches the next one
-                self.ahead.armed = key
-            yield from out
-        while left:
-            if time.monotonic() - start > wait_s:
-                raise EmptyStoreError(
-                    f"stream: {n - left} of {n} groups delivered after "
-                    f"{wait_s:.0f} s (wait_s); are the producers putting "
-                    "whole groups and calling flush()?"
-                )
-            if self.closed_by >= 0:
-                raise RoundError(
-                    f"stream: rank {self.closed_by} closed the plane with "
-                    f"{left} of {n} groups undelivered"
-                )
-            if produce is not None:
-                produce()
-            piece = len(self.learners) if streaming else left
-            t0 = time.perf_counter()
-            out, stats = self._round(Request(left, budget, piece))
-            timing.rounds += 1
-            timing.exposed_ms += (time.perf_counter() - t0) * 1e3
-            left -= stats.groups
-            if not left:  # the batch is complete: the next backward launches the next one
-                self.ahead.armed = key
-            yield from out
-            if left and self.closed_by >= 0:
-                raise RoundError(
-                    f"stream: rank {self.closed_by} closed the plane with "
-                    f"{left} of {n} groups undelivered"
-                )
+        yield from self.learner.take(n, budget, produce, wait_s, streaming)
 
     def fetch_start(
         self, num_groups: int, token_budget: int, *, stream: bool = False,
@@ -386,10 +363,7 @@ class TokenPlane:
             ConfigError: on a non-learner rank, a bad argument, or a round launched already.
         """
         self._open("fetch_start")
-        self._check_take(num_groups, token_budget)
-        if self.ahead.pending is not None:
-            raise ConfigError("fetch_start: a round was launched already; take it first")
-        self._launch((num_groups, token_budget, bool(stream)), next_version)
+        self.learner.fetch_start(num_groups, token_budget, stream, next_version)
 
     def attach(self, module: nn.Module) -> None:
         """Launch each global batch's first round when ``module``'s backward starts: the first
@@ -401,81 +375,25 @@ class TokenPlane:
             ConfigError: on a non-learner rank, or a module attached already.
         """
         self._open("attach")
-        if self.rank not in self.learners:
-            raise ConfigError(f"attach: rank {self.rank} is not a learner; producers flush")
-        if self.ahead.trigger is not None:
-            raise ConfigError("attach: a module is attached already; call detach() first")
-        self.ahead.trigger = BackwardTrigger(module, self._on_backward, lambda a, b: None)
+        self.learner.attach(module)
 
     def detach(self) -> None:
         """Remove the backward hooks (a round launched already is still taken next)."""
-        if self.ahead.trigger is not None:
-            self.ahead.trigger.remove()
-            self.ahead.trigger = None
+        self.learner.detach()
 
-    def _on_backward(self) -> None:
-        """At a backward start: launch the armed next take's first round, once."""
-        key = self.ahead.armed
-        if key is None or self.closed or self.closed_by >= 0 or self.ahead.pending is not None:
-            return
-        self._launch(key, next_version=True)
-
-    def _launch(self, key, next_version: bool) -> None:
-        n, budget, streaming = key
-        req = Request(n, budget, len(self.learners) if streaming else n)
-        self._hand_priorities()
-        snap, version, weights = self.weights.snapshot(), self.version, self.weights
-        self.ahead.launch(
-            key, lambda: self.engine.run(req, weights, version, snap, ahead=next_version)
-        )
-
-    def _settle(self) -> None:
-        """Wait until a round launched ahead has ended (its result stays for its take)."""
-        p = self.ahead.pending
-        if p is not None:
-            futures.wait([p.future], timeout=4 * self.ahead.timeout_s)
-
-    def _check_take(self, n: int, budget: int) -> None:
-        """A learner's take arguments.
-
-        Raises:
-            ConfigError: on a non-learner rank, a bad count or budget, or a count pacing does
-                not expect.
-        """
-        if self.rank not in self.learners:
-            raise ConfigError(
-                f"stream/fetch: rank {self.rank} is not a learner (learner_ranks="
-                f"{list(self.learners)}); producers call flush()"
-            )
-        for name, v in (("num_groups", n), ("token_budget", budget)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name}: expected an int >= 1, got {v!r}")
-        if self.pacer.on and n != self.pacer.per_batch:
-            raise ConfigError(
-                f"num_groups: pacing by version assumes one global batch of "
-                f"groups_per_batch = {self.pacer.per_batch} groups per version, "
-                f"got {n}"
-            )
-        cap = self.store.token_cap
-        if cap is not None and budget > cap:  # refused here, before any round runs
-            raise ConfigError(
-                f"token_budget: expected at most token_cap = {cap} (the most tokens a "
-                f"micro-batch may hold), got {budget}"
-            )
+    last_take = property(
+        lambda s: s.learner.last_take,
+        doc="How the latest take went (``TakeTiming``: rounds, launched, exposed, hidden ms).",
+    )
 
     def update_priorities(self, batch: MicroBatch, priority: torch.Tensor) -> None:
         """Set the replay priority of each group in ``batch`` (one value per sequence: a group
-        takes its members' mean); applied by the holders in the next round."""
-        gid = batch["_key"].tolist()
-        holder = batch["_holder"].tolist()
-        pr = priority.detach().to("cpu", torch.float64).reshape(-1)
-        if pr.shape[0] != batch.sequences or not bool(torch.isfinite(pr).all() & (pr >= 0).all()):
-            raise SpecError(
-                f"update_priorities: expected {batch.sequences} finite priorities >= 0 "
-                f"(one per sequence), got {pr.shape[0]} with min "
-                f"{float(pr.min()) if pr.numel() else 'n/a'}"
-            )
-        self._priorities.append((holder, gid, pr.tolist()))  # given to the next round
+        takes its members' mean); applied by the holders in the next round.
+
+        Raises:
+            SpecError: unless one finite priority >= 0 per sequence (nothing is queued).
+        """
+        self.learner.update_priorities(batch, priority)
 
     # ------------------------------------------------------------------ versions and weights
 
@@ -507,31 +425,6 @@ class TokenPlane:
         return self.version
 
     # ------------------------------------------------------------------ rounds, state
-
-    def _round(self, req: Request) -> tuple[list[MicroBatch], TokenRoundStats]:
-        if self.closed_by >= 0:
-            raise RoundError(f"token plane: rank {self.closed_by} closed it; no further round")
-        self._hand_priorities()
-        return self._account(*self.engine.run(req, self.weights, self.version))
-
-    def _hand_priorities(self) -> None:
-        """The priorities given since the last round, to the engine (on the caller's thread,
-        while no round runs: the round reads them on whichever thread runs it)."""
-        for holder, gid, pr in self._priorities:
-            self.engine.queue_priorities(holder, gid, pr)
-        self._priorities = []
-
-    def _account(self, out, stats: TokenRoundStats) -> tuple[list[MicroBatch], TokenRoundStats]:
-        """A finished round's effects on this rank's counters (on the caller's thread)."""
-        self.newest, self.last = stats.newest, stats
-        if stats.closing_rank >= 0:
-            self.closed_by = stats.closing_rank
-        t = self.totals
-        t["delivered_groups"] += stats.groups
-        t["wire_bytes"] += stats.wire_bytes
-        t["token_bytes"] += stats.token_bytes
-        t["rounds"] += 1
-        return out, stats
 
     def stats(self) -> dict[str, int]:
         """This shard's counters: groups, sequences and tokens stored, evictions (capacity and
@@ -615,14 +508,16 @@ class TokenPlane:
         self.closed = True
         try:
             if self.ahead.pending is not None:  # launched ahead, never taken
-                _, stats = self._account(*self.ahead.wait()[:2])
+                _, stats = self.runner.take(
+                    self.ahead.pending.key, time.perf_counter(), TakeTiming()
+                )
                 self.at_close["launched_groups"] += stats.groups
             if self.closed_by < 0:
-                self._round(Request(closing=True))
+                self.runner.run(Request(closing=True), self.version)
         finally:
             self.at_close["groups"] += len(self.store.groups)
             self.at_close["sequences"] += self.store.sequences
-            self.ahead.close()
+            self.runner.close()
             with contextlib.suppress(Exception):
                 self.ex.close()
 

@@ -79,6 +79,8 @@ class TokenRound:
         device: where micro-batches are delivered.
         token_cap: the most tokens a micro-batch may hold (``None``: no cap; see
             ``select.planned``).
+        rehearse: run the device path's exchange of lengths on a CPU plane (its rehearsal,
+            ``rounds.devices.REHEARSAL_ENV``).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class TokenRound:
         seed: int,
         device: torch.device,
         token_cap: int | None = None,
+        rehearse: bool = False,
     ) -> None:
         self.store, self.ex, self.transport = store, ex, transport
         self.token_cap = token_cap
@@ -100,6 +103,9 @@ class TokenRound:
         self.learners, self.max_age, self.replay = learners, max_age, replay
         self.alpha, self.seed, self.device = alpha, seed, device
         self.round = 0
+        # sections on a device (or the device path rehearsed): their lengths go on the host
+        self.lengths_on_host = store.device.type != "cpu" or rehearse
+        self.on_enqueued = None  # set by a round launched at a backward (plane.py)
         self.rows_hint = 16  # table rows the meta all-gather carries (see _gather)
         self.stale_evicted = 0
         self.updates: list[tuple[int, int, float]] = []  # (holder, gid, priority) to send
@@ -282,7 +288,8 @@ class TokenRound:
             if world > 1
             else np.array([[self.wire.nbytes(int(n[0, 0]), int(t[0, 0]))]])
         )
-        send = torch.empty(int(nbytes[me].sum()), dtype=torch.uint8)
+        dev = self.store.device  # the sections leave from and land in the arenas' device
+        send = torch.empty(int(nbytes[me].sum()), dtype=torch.uint8, device=dev)
         gids = groups.table[chosen, S.GID]
         mine = [  # destination by destination (rank order), each in its micro-batch order
             int(gids[i])
@@ -292,11 +299,19 @@ class TokenRound:
             for i in mb
             if holder[i] == me
         ]
+        lens = np.zeros(0, dtype=np.int64)
         if mine:
-            D.pack(self.store, self.wire, send, mine, n[me], t[me], nbytes[me])
-        recv = torch.empty(int(nbytes[:, me].sum()), dtype=torch.uint8)
+            lens = D.pack(self.store, self.wire, send, mine, n[me], t[me], nbytes[me])
+        recv = torch.empty(int(nbytes[:, me].sum()), dtype=torch.uint8, device=dev)
+        # device sections: their lengths travel on the host first (the cut reads them there,
+        # and nothing comes back from the device; one exchange at a time on the plane's group)
+        got = None
+        if self.lengths_on_host:
+            got = self._lengths(lens, n) if world > 1 else lens  # one rank: its own, in order
         # [bytes, 1] rows: every strategy moves rows of one width (here one byte)
         self.transport.move(recv.view(-1, 1), send.view(-1, 1), nbytes, self.round, "tokens")
+        if self.on_enqueued is not None:  # a backward waiting for the NCCL enqueue goes on
+            self.on_enqueued()
         stats.wire_bytes = int(nbytes[:, me].sum())
         stats.token_bytes = int(
             n[:, me].sum() * self.wire.seq_bytes + t[:, me].sum() * self.wire.token_bytes
@@ -304,4 +319,16 @@ class TokenRound:
         if me not in self.learners:
             return []
         mbs = plan[self.learners.index(me)]
-        return D.cut(self.wire, recv, nbytes[:, me], groups, chosen, holder, mbs, self.device)
+        return D.cut(self.wire, recv, nbytes[:, me], groups, chosen, holder, mbs, self.device, got)
+
+    def _lengths(self, lens: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """The all-to-all of the sections' sequence lengths (host int64, ``n[src, dst]`` of
+        them from each holder to each learner); returns what this rank received, holder by
+        holder."""
+        me = self.ex.rank
+        send = torch.from_numpy(np.ascontiguousarray(lens, dtype=np.int64)).view(-1, 1)
+        recv = torch.empty((int(n[:, me].sum()), 1), dtype=torch.int64)
+        self.ex.all_to_all(
+            recv, send, n[:, me].tolist(), n[me].tolist(), self.round, "tokens(lengths)"
+        )
+        return recv.numpy()[:, 0]

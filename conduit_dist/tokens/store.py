@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError, SpecError
+from conduit_dist.syncs import SYNCS
 from conduit_dist.tokens import cost as C
 from conduit_dist.tokens.spec import Packed, TokenSpec
 
@@ -62,6 +63,7 @@ class GroupStore:
         capacity_tokens: int,
         cost: object = "tokens",
         token_cap: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         for name, v in (("capacity_items", capacity_items), ("capacity_tokens", capacity_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -85,11 +87,16 @@ class GroupStore:
         self.cost = C.resolve(cost, spec.max_len, spec.group_size)
         self.token_cap = token_cap
         self.spec, self.cap_items, self.cap_tokens = spec, capacity_items, capacity_tokens
+        # the columns and arenas live on ``device`` (a CUDA plane's: what producers put from
+        # GPU tensors stays there); the slot metadata below is always host memory
+        self.device = torch.device(device)
+        dev = self.device
         self.fixed = {
-            n: torch.zeros((capacity_items, *f.shape), dtype=f.dtype) for n, f in spec.fixed.items()
+            n: torch.zeros((capacity_items, *f.shape), dtype=f.dtype, device=dev)
+            for n, f in spec.fixed.items()
         }
         self.arena = {
-            n: torch.zeros((capacity_tokens, *f.inner), dtype=f.dtype)
+            n: torch.zeros((capacity_tokens, *f.inner), dtype=f.dtype, device=dev)
             for n, f in spec.ragged.items()
         }
         self.offset = np.zeros(capacity_items, dtype=np.int64)
@@ -120,6 +127,7 @@ class GroupStore:
                 for an evicted group), a sequence's cost is not valid, or the batch alone exceeds
                 a capacity; nothing is stored.
         """
+        p = self._metadata_on_host(p)
         gids = (p.fixed[self.spec.group] if keys is None else keys).tolist()
         if self.tombstones and any(g in self.tombstones for g in gids):
             p, gids = self._drop_evicted(p, gids)
@@ -149,9 +157,9 @@ class GroupStore:
             self._compact()
         starts = self.end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
         slots = [self.free.pop() for _ in range(p.n)]
-        idx = torch.as_tensor(slots)
-        for n, col in self.fixed.items():
-            col[idx] = p.fixed[n]
+        idx = torch.as_tensor(slots).to(self.device)
+        for n, col in self.fixed.items():  # (between devices: one copy each)
+            col[idx] = p.fixed[n].to(self.device)
         for n, arena in self.arena.items():
             arena[self.end : self.end + total] = p.ragged[n]
         self.offset[slots], self.length[slots] = starts, lengths
@@ -170,6 +178,18 @@ class GroupStore:
             self.arrivals += 1
             if len(grp.slots) == self.spec.group_size:
                 grp.complete_at = self.arrivals
+
+    def _metadata_on_host(self, p: Packed) -> Packed:
+        """``p`` with what the slot bookkeeping reads on the host (lengths, versions, the group
+        field) there: put from GPU tensors, those few values come to the host (a counted
+        sync on the producer's side); the token and fixed columns stay where they are."""
+        g = self.spec.group
+        moved = [t.is_cuda for t in (p.lengths, p.versions, p.fixed[g])]
+        if not any(moved):
+            return p
+        SYNCS.add("token put metadata")
+        fixed = {**p.fixed, g: p.fixed[g].cpu()}
+        return Packed(fixed, p.ragged, p.lengths.cpu(), p.versions.cpu())
 
     def _check_cap(self, gids: list[int], lengths: np.ndarray) -> None:
         """Refuse a put that would give a group more than ``token_cap`` tokens (see :meth:`add`)."""
@@ -250,7 +270,7 @@ class GroupStore:
     def _compact(self) -> None:
         """Move every live sequence's tokens to the front of the arena, in arrival order."""
         slots = [s for g in self.groups.values() for s in g.slots]
-        idx = self.token_index(slots)
+        idx = self.token_index(slots).to(self.device)
         for arena in self.arena.values():
             arena[: idx.numel()] = arena[idx]
         lengths = self.length[slots]
@@ -316,11 +336,11 @@ class GroupStore:
     def state_dict(self) -> dict[str, object]:
         """Every live sequence, grouped, as plain tensors (loads with ``weights_only=True``)."""
         order = [s for g in self.groups.values() for s in g.slots]
-        idx = torch.as_tensor(order, dtype=torch.int64)
-        tok = self.token_index(order)
-        return {
-            "fixed": {n: c[idx].clone() for n, c in self.fixed.items()},
-            "ragged": {n: a[tok].clone() for n, a in self.arena.items()},
+        idx = torch.as_tensor(order, dtype=torch.int64).to(self.device)
+        tok = self.token_index(order).to(self.device)
+        return {  # host tensors, whatever the arenas' device: a checkpoint loads them anywhere
+            "fixed": {n: c[idx].cpu() for n, c in self.fixed.items()},
+            "ragged": {n: a[tok].cpu() for n, a in self.arena.items()},
             "lengths": torch.as_tensor(self.length[order]),
             "versions": torch.as_tensor(self.version[order]),
             "keys": torch.as_tensor(self.key[order]),  # groups contiguous, one key each
