@@ -278,3 +278,29 @@ def test_weights_buffers_follow_a_layout_change_and_a_receiver_reuses_its_own():
         assert receiver.pull(target) == v
         assert torch.equal(target.weight, small.weight)
     assert len(receiver._buffers._pool) <= 3
+
+
+def test_device_weights_read_their_header_once_per_layout_and_check_its_digest():
+    """Device buffers (a CUDA token plane's; a host "device" here): a receiver loads a version
+    with no host read when it knows the header's digest, reads the header once per new
+    layout (counted), and refuses a buffer whose header is not the one announced."""
+    from conduit_dist.flow.weights import WeightsState
+    from conduit_dist.syncs import SYNCS
+
+    cpu = torch.device("cpu")
+    pub, recv = WeightsState(cpu), WeightsState(cpu)
+    net, copy = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    before = SYNCS.snapshot().get("weights header", 0)
+    for _ in range(3):  # three versions of one layout
+        pub.publish(net)
+        snap = pub.snapshot()
+        recv.buf, recv.version, recv.head = snap.buf.clone(), snap.version, snap.head
+        assert recv.pull(copy) == snap.version
+        assert torch.equal(copy.weight, net.weight)
+        with torch.no_grad():
+            net.weight.add_(1.0)
+    assert SYNCS.snapshot().get("weights header", 0) == before + 1  # the first pull only
+    pub.publish(net)
+    recv.buf, recv.version, recv.head = pub.snapshot().buf.clone(), pub.version, 12345
+    with pytest.raises(SpecError, match="differs from the one the publisher announced"):
+        recv.pull(copy)

@@ -12,6 +12,7 @@ its module before it loads a byte (no pickle)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -24,6 +25,7 @@ from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
 from conduit_dist.records.buffers import Pooled, keep, lasting_empty, use_count
 from conduit_dist.records.spec import ALIGN, SUPPORTED, align
+from conduit_dist.syncs import SYNCS
 
 _MAGIC = b"CDWT"
 _FORMAT = 1
@@ -44,6 +46,7 @@ class WeightsSnapshot:
 
     version: int
     buf: torch.Tensor | None
+    head: int = 0  # a device buffer's header digest (WeightsState.head_digest); 0: none
 
     @property
     def nbytes(self) -> int:
@@ -112,9 +115,10 @@ def _head(entries: dict[str, _Entry]) -> tuple[bytes, int]:
 
 
 def _fill(buf: torch.Tensor, head: bytes, entries: dict[str, _Entry], state) -> None:
-    """Write the header ``head`` (padded with zeros) and ``state``'s values into ``buf``."""
+    """Write the header ``head`` (padded with zeros) and ``state``'s values into ``buf`` (on
+    any device: the header goes up from the host, the values are copied where they are)."""
     start = align(len(head))
-    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    buf[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     buf[len(head) : start].zero_()
     for name, t in state.items():
         e = entries[name]
@@ -131,9 +135,10 @@ class _Buffers:
     round's snapshot, not a ``pull`` in progress (storage use counts, as the output pool's), so
     a buffer is never written while anyone may read it. Without use counts, always a new one."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, device: torch.device | None = None) -> None:
         self._pool: list[Pooled] = []
         self.size = size
+        self.device = device if device is not None else torch.device("cpu")
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A ``uint8 [nbytes]`` buffer nobody else references (contents undefined): a distinct
@@ -142,7 +147,7 @@ class _Buffers:
         for e in self._pool:
             if e.buf.shape[0] == nbytes and e.free():
                 return e.buf.detach()
-        buf = lasting_empty(nbytes, dtype=torch.uint8)
+        buf = lasting_empty(nbytes, dtype=torch.uint8, device=self.device)
         if use_count(buf) is None:
             return buf
         keep(self._pool, Pooled(buf), self.size)  # a free one of an old size leaves first
@@ -252,20 +257,26 @@ class WeightsState:
         1
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.version = 0
         self.buf: torch.Tensor | None = None
         self.broadcast = 0  # last version broadcast (the same on every rank)
         self._decoded: tuple[int, int, _Layout] | None = None  # (version, address, layout)
-        self._buffers = _Buffers()
+        # device buffers: every buffer on ``device`` (published from and loaded into modules
+        # there, broadcast by the group's backend for CUDA tensors); a receiver reads a header
+        # to the host only when its digest (carried in the round's meta) is new
+        self.device = device
+        self._buffers = _Buffers(device=device)
         self._head: tuple[tuple, bytes, int, dict] | None = None  # publish's last layout
+        self.head = 0  # the current buffer's header digest (device buffers; 0: unknown)
+        self._layouts: dict[int, _Layout] = {}  # device buffers: decoded layouts by digest
 
     def snapshot(self) -> WeightsSnapshot:
         """The current version and buffer (taken when a round is prepared); without a buffer
         (restored, not published since) the last version broadcast: nothing new to send."""
         if self.buf is None:
             return WeightsSnapshot(min(self.version, self.broadcast), None)
-        return WeightsSnapshot(self.version, self.buf)
+        return WeightsSnapshot(self.version, self.buf, self.head)
 
     def publish(self, module: nn.Module) -> None:
         """Pack ``module``'s state (names, shapes, dtypes and values) into a buffer nobody
@@ -279,13 +290,27 @@ class WeightsState:
         if self._head is None or self._head[0] != key:  # the header only when the layout changes
             entries = _entries(state)
             self._head = (key, *_head(entries), entries)
+            if self.device is not None:  # its digest, and its layout known without a read
+                digest = head_digest(self._head[1])
+                self._layouts[digest] = _decode(self._host_header(self._head[1], self._head[2]))
         _, head, total, entries = self._head
         buf = self._buffers.take(total)
         _fill(buf, head, entries, state)
         self.buf = buf  # complete before it is current
+        self.head = head_digest(head) if self.device is not None else 0
         self.version += 1
 
-    def exchange(self, ex: Exchange, src: int, version: int, nbytes: int, r: int, snap) -> None:
+    @staticmethod
+    def _host_header(head: bytes, total: int) -> torch.Tensor:
+        """A host buffer of ``total`` bytes holding ``head`` (what ``_decode`` checks: the
+        payload's bytes are not read)."""
+        out = torch.zeros(total, dtype=torch.uint8)
+        out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        return out
+
+    def exchange(
+        self, ex: Exchange, src: int, version: int, nbytes: int, r: int, snap, head: int = 0
+    ) -> None:
         """Broadcast from ``src`` if its version is newer than the last broadcast (all ranks).
 
         Args:
@@ -296,6 +321,7 @@ class WeightsState:
             r: the round number.
             snap: this rank's :class:`WeightsSnapshot` (the buffer sent when this rank is
                 ``src``).
+            head: ``src``'s header digest, from the meta (device buffers; 0: none).
         """
         if version <= self.broadcast:
             return
@@ -303,7 +329,7 @@ class WeightsState:
         ex.broadcast(buf, src, r)
         self.broadcast = version
         if ex.rank != src:
-            self.buf, self.version = buf, version
+            self.buf, self.version, self.head = buf, version, head
 
     def state_dict(self) -> dict[str, int]:
         """The last version broadcast (the same on every rank; versions are owned by
@@ -330,11 +356,14 @@ class WeightsState:
             return 0
         # by version and address: a reused buffer holds a new version, and the layout decoded
         # is always that of the buffer copied from
-        key = (version, buf.data_ptr())
-        decoded = self._decoded
-        if decoded is None or decoded[:2] != key:
-            decoded = self._decoded = (*key, _decode(buf))
-        layout = decoded[2]
+        if self.device is not None:
+            layout = self._device_layout(buf)
+        else:
+            key = (version, buf.data_ptr())
+            decoded = self._decoded
+            if decoded is None or decoded[:2] != key:
+                decoded = self._decoded = (*key, _decode(buf))
+            layout = decoded[2]
         state = _state(module)
         mine = _entries(state)
         diff = _differences(mine, layout.entries)
@@ -352,3 +381,30 @@ class WeightsState:
                 at = layout.start + e.offset
                 t.copy_(buf[at : at + e.nbytes].view(e.dtype).view(e.shape))
         return version
+
+    def _device_layout(self, buf: torch.Tensor) -> _Layout:
+        """A device buffer's layout: known by its header digest, or read once (its preamble
+        and header to the host: a counted sync), checked against the digest."""
+        layout = self._layouts.get(self.head)
+        if layout is not None:
+            return layout
+        size = buf.numel()
+        first = buf[: min(size, _PREAMBLE.size)].cpu()
+        SYNCS.add("weights header")
+        hlen = _PREAMBLE.unpack(first.numpy().tobytes())[2] if size >= _PREAMBLE.size else 0
+        head = buf[: min(size, _PREAMBLE.size + hlen)].cpu()
+        got = head_digest(head.numpy().tobytes())
+        if self.head and got != self.head:
+            raise SpecError(
+                f"weights: the received header's digest {got:#x} differs from the one the "
+                f"publisher announced, {self.head:#x}: a corrupted or mismatched buffer"
+            )
+        layout = _decode(self._host_header(head.numpy().tobytes(), size))
+        self._layouts[got] = layout
+        return layout
+
+
+def head_digest(head: bytes) -> int:
+    """A weights header's 63-bit digest (blake2b; carried in a round's meta as an int64), so a
+    receiver of a device buffer reads the header only when it is new."""
+    return int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "little") >> 1

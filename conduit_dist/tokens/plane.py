@@ -151,7 +151,9 @@ class TokenPlane:
             token_cap,
             rehearse,
         )
-        self.weights = WeightsState()
+        # weights on the plane's device (published from and pulled into modules there, sent
+        # by the group's backend for CUDA tensors); rehearsed on CPU planes
+        self.weights = WeightsState(self.device if cuda or rehearse else None)
         self.version = 0  # this rank's: published (learners) or pulled (producers)
         self.closed = False
         self._sends_weights = any(r not in self.learners for r in range(self.world))

@@ -35,9 +35,10 @@ from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.store import GroupStore
 from conduit_dist.tokens.wire import Wire
 
-# meta row columns (AHEAD: the first learner's round was launched ahead of its next version)
-ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD = range(8)
-META_WIDTH = 8
+# meta row columns (AHEAD: the first learner's round was launched ahead of its next version;
+# WHEAD: its weights header's digest, device weights)
+ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD = range(9)
+META_WIDTH = 9
 
 
 @dataclass
@@ -138,7 +139,7 @@ class TokenRound:
         if self.ex.rank == self.learners[0]:
             row[VERSION], row[AHEAD] = version, int(ahead)
             fresh = snap.buf is not None and snap.version > weights.broadcast
-            row[WBYTES] = snap.nbytes if fresh else 0
+            row[WBYTES], row[WHEAD] = (snap.nbytes, snap.head) if fresh else (0, 0)
         head = table[:k].reshape(-1)
         row[META_WIDTH : META_WIDTH + head.size] = torch.from_numpy(head)
         got = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
@@ -206,7 +207,10 @@ class TokenRound:
         stats.closing_rank = int(closing[0]) if len(closing) else -1
         src = self.learners[0]
         if meta[src, WBYTES]:  # producer-only ranks exist and the first learner published
-            weights.exchange(self.ex, src, stats.newest, int(meta[src, WBYTES]), self.round, snap)
+            weights.exchange(
+                self.ex, src, stats.newest, int(meta[src, WBYTES]), self.round, snap,
+                int(meta[src, WHEAD]),
+            )  # fmt: skip
         # the version the delivered sequences will be used at (one more for a round ahead)
         using = stats.newest + int(meta[src, AHEAD])
         self._apply_updates(updates)
