@@ -5,24 +5,27 @@
 #   bash scripts/gpu_check.sh
 #   GPU_CHECK_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh  # a copied tree without .git
 # Steps and their time limits (s); the sum, 595, stays under the 10 minutes it is sized to:
-#   install           45  install_plan.py --apply: torch kept if a CUDA build in pyproject's range
+#   install           40  install_plan.py --apply: torch kept if a CUDA build in pyproject's range
 #                         sees a GPU, else `pip install torch==2.13.0`; the [train] extra kept if
 #                         its imports work, else `pip install --no-build-isolation -e ".[train]"`
 #   torch              -  refuses a CPU build (exit 2) or no visible GPU (exit 3), saying why
 #   a.world1          30  world size 1: device tier, pinned staging, GPU puts, host reads,
 #                         side-stream rounds, pooled buffers, allocator requests, memory 50 vs 300
-#   r.rows            40  7 samplers: cuda plane == cpu plane, rows and first tier on the GPU,
+#   r.rows            35  7 samplers: cuda plane == cpu plane, rows and first tier on the GPU,
 #                         host syncs per iteration within the budget
-#   s.1.sanitizer     50  TORCH_CUDA_SANITIZER=1, 1 rank: overlap, landing, tiers past overflow
-#   s.2.sanitizer     60    with donated and second-thread puts, checkpoint while overwritten;
+#   s.1.sanitizer     40  TORCH_CUDA_SANITIZER=1, 1 rank: overlap, landing, tiers past overflow
+#   s.2.sanitizer     50    with donated and second-thread puts, checkpoint while overwritten;
 #                         2 ranks sharing the GPU (gloo); no "CSAN detected a possible data race"
 #   b.two_ranks       45  2 ranks sharing the GPU (gloo): overlap vs sync, tiers, samplers, queues,
 #                         a checkpoint restored equal
-#   o.overlap         50  2 ranks, GPU-bound backward: overlap's exposed wait <= 25% of sync's,
+#   o.overlap         45  2 ranks, GPU-bound backward: overlap's exposed wait <= 25% of sync's,
 #                         the round >= 70% hidden; the overlapped plane's memory 50 vs 300
-#   d.train.*        170  train.py device=cuda: DQN 1 and 2 ranks (host syncs per iteration, rows
+#   d.train.*        160  train.py device=cuda: DQN 1 and 2 ranks (host syncs per iteration, rows
 #                         on the GPU), PPO 1 rank, GRPO 1 and 2 ranks
-#   k.kill_resume     70  scripts/kill_resume.py with device=cuda: a rank killed, resumed, finished
+#   k.kill_resume     60  scripts/kill_resume.py with device=cuda: a rank killed, resumed, finished
+#   t.tokens1/2    25+30  the token plane at world size 1 (NCCL) and on 2 ranks sharing the GPU:
+#                         sequences byte-identical and whole (GPU and host puts), micro-batches
+#                         and arenas on the GPU, the next batch's round launched at the backward
 #   c.nccl_world1     35  NCCL at world size 1 (groups, a plane with DDP), the Exchange's wait on
 #                         the device and its close with work queued (last: see docs/gpu.md)
 #   g.two_gpus       120  only where torch.cuda.device_count() >= 2 (not in the sum): NCCL between
@@ -65,7 +68,7 @@ skipped() {
 if [[ "${CONDUIT_GPU_CHECK_SKIP_INSTALL:-0}" == 1 ]]; then
   echo "skip install: CONDUIT_GPU_CHECK_SKIP_INSTALL=1"
 else
-  step install 45 python scripts/gpu_check/install_plan.py --apply
+  step install 40 python scripts/gpu_check/install_plan.py --apply
 fi
 
 info=$(python -c "import torch; c = torch.cuda
@@ -97,12 +100,12 @@ first=${all_visible:-0}
 export CUDA_VISIBLE_DEVICES=${first%%,*}  # one GPU for every step but g.two_gpus
 
 step a.world1 30 python scripts/gpu_check/world1.py
-step r.rows 40 python scripts/gpu_check/rows.py
-step s.1.sanitizer 50 python scripts/gpu_check/sanitize.py 1
-step s.2.sanitizer 60 python scripts/gpu_check/sanitize.py 2
+step r.rows 35 python scripts/gpu_check/rows.py
+step s.1.sanitizer 40 python scripts/gpu_check/sanitize.py 1
+step s.2.sanitizer 50 python scripts/gpu_check/sanitize.py 2
 CONDUIT_CUDA_BACKEND=gloo step b.two_ranks 45 \
   torchrun --standalone --nproc_per_node=2 scripts/gpu_check/two_ranks.py
-CONDUIT_CUDA_BACKEND=gloo step o.overlap 50 \
+CONDUIT_CUDA_BACKEND=gloo step o.overlap 45 \
   torchrun --standalone --nproc_per_node=2 scripts/gpu_check/overlap.py
 
 dqn=(total_env_steps=3000 algo.learning_starts=500)  # the default experiment: PER, 3-step
@@ -111,11 +114,14 @@ grpo=(experiment=grpo total_env_steps=1024)  # responses: 8 optimiser steps of 1
 # train NAME LIMIT_S NPROC OVERRIDE...: one train.py run, checked from its summary
 train() { step "d.train.$1" "$2" python scripts/gpu_check/train_run.py "$1" "${@:3}"; }
 train dqn-1 35 1 "${dqn[@]}"
-train dqn-2 40 2 "${dqn[@]}"
+train dqn-2 35 2 "${dqn[@]}"
 train ppo-1 30 1 "${ppo[@]}"
 train grpo-1 30 1 "${grpo[@]}"
-train grpo-2 35 2 "${grpo[@]}"
-step k.kill_resume 70 python scripts/gpu_check/resume.py
+train grpo-2 30 2 "${grpo[@]}"
+step k.kill_resume 60 python scripts/gpu_check/resume.py
+step t.tokens1 25 torchrun --standalone --nproc_per_node=1 scripts/gpu_check/tokens.py
+CONDUIT_CUDA_BACKEND=gloo step t.tokens2 30 \
+  torchrun --standalone --nproc_per_node=2 scripts/gpu_check/tokens.py
 # last of the one-GPU steps: its device-side wait needs the library's NCCL waits on the device
 step c.nccl_world1 35 torchrun --standalone --nproc_per_node=1 scripts/gpu_check/nccl_world1.py
 

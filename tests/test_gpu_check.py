@@ -69,7 +69,7 @@ def test_the_one_gpu_steps_fit_ten_minutes():
     }
     assert {"install", "a.world1", "r.rows", "s.1.sanitizer", "s.2.sanitizer", "b.two_ranks",
             "c.nccl_world1", "o.overlap", "dqn-1", "dqn-2", "ppo-1", "grpo-1", "grpo-2",
-            "k.kill_resume", "g.two_gpus"} <= limits.keys()  # fmt: skip
+            "k.kill_resume", "t.tokens1", "t.tokens2", "g.two_gpus"} <= limits.keys()  # fmt: skip
     one_gpu = sum(v for k, v in limits.items() if k not in ("g.two_gpus", "dqn-2-nccl"))
     assert one_gpu < 600, limits
     assert f"the sum, {one_gpu}," in text  # the header says it
@@ -226,6 +226,8 @@ def _names(lines: list[str]) -> list[str]:
             ["b.overlap", "b.tiers", "b.prioritized", "b.windows", "b.queues", "b.checkpoint"],
         ),
         (2, "overlap", (), ["o.overlap", "o.memory"]),
+        (1, "tokens", (), ["t.tokens1"]),
+        (2, "tokens", (), ["t.tokens2"]),
         (2, "two_gpus", (), ["g.exact", "g.overlap"]),
         (
             0,
