@@ -275,18 +275,22 @@ def test_the_cap_is_never_exceeded_end_to_end_on_two_ranks():
 # ---------------------------------------------------------------------- the bench
 
 
-def test_bench_tokens_learner_cost_reports_step_time_balance():
-    """``bench tokens --cost flops --learner-cost sleep`` (bench/token_balance.py) runs under
-    torchrun and reports its keys; the modelled compute balance (no timing in it) is best by
-    flops, and the planes' micro-batches stay within the cap (values, not timings, asserted)."""
+@pytest.mark.parametrize("learner", ["sleep", "matmul"])
+def test_bench_tokens_learner_cost_reports_step_time_balance(learner):
+    """``bench tokens --cost flops --learner-cost sleep|matmul`` (bench/token_balance.py) runs
+    under torchrun and reports its keys; the modelled compute balance (no timing in it) is best
+    by flops, and the planes' micro-batches stay within the cap (values, not timings,
+    asserted)."""
     cmd = [*TORCHRUN, "-m", "conduit_dist.bench", "tokens", "--cost", "flops",
-           "--learner-cost", "sleep", "--groups-per-rank", "8", "--samples", "3",
-           "--warmup", "0", "--step-ms", "5", "--d-model", "1024"]  # fmt: skip
+           "--learner-cost", learner, "--groups-per-rank", "8", "--samples", "3",
+           "--warmup", "0", "--step-ms", "5", "--d-model", "1024", "--matmul-width", "8",
+           "--median", "64"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["bench"] == "token_balance" and line["world"] == 2 and line["cost"] == "flops"
+    assert line["learner_cost"] == learner
     s = line["summary"]
     for pre in ("", "tokens_", "equal_counts_"):
         for key in ("step_time_max_over_mean", "cost_max_over_mean", "step_ms_mean"):

@@ -17,6 +17,15 @@ three ways, measured side by side in one run, the order rotating per sample:
 - ``equal_counts``: groups dealt by count (``bench tokens``' baseline), micro-batches of equal
   group counts.
 
+``--learner-cost matmul`` replaces the sleep by real compute, measured independently of any cost
+model: for each sequence of ``L`` tokens (one at a time, as varlen attention runs them) a dense
+block ``x @ W1 @ W2`` (``[L, w] x [w, 4w] x [4w, w]``) and non-causal attention ``(x x^T) x``
+in query blocks of 256 rows, ``w = --matmul-width``, on one CPU thread into preallocated
+buffers. Its counted FLOPs are ``16 w^2 L + 4 w L^2``: ``--cost flops`` then plans with
+``Flops(a=4w, b=1)`` (the FLOP count, not a fit of the measured times), ``--plan-d-model``
+with ``Flops.for_model`` (a misfit). Seconds per sample are several times the sleep's: use
+fewer groups (``--groups-per-rank 16 --samples 11``).
+
 Per sample and scheme the step time of every learner is measured after a barrier; the figure is
 the slowest learner's step over the mean, median over samples: ``step_time_max_over_mean``
 (``cost``), ``tokens_step_time_max_over_mean``, ``equal_counts_step_time_max_over_mean``. Beside
@@ -48,8 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench tokens --learner-cost sleep")
     p.add_argument("--cost", choices=("flops", "tokens"), default="flops",
                    help="what the measured plane balances by")  # fmt: skip
-    p.add_argument("--learner-cost", choices=("sleep",), default="sleep",
-                   help="a learner's step: a sleep proportional to a*L + b*L^2")  # fmt: skip
+    p.add_argument("--learner-cost", choices=("sleep", "matmul"), default="sleep",
+                   help="a learner's step: a sleep proportional to a*L + b*L^2, or real "
+                   "dense + attention matmuls on the CPU")  # fmt: skip
+    p.add_argument("--matmul-width", type=number(int, 1), default=32,
+                   help="the matmul step's width w")  # fmt: skip
     p.add_argument("--groups-per-rank", type=number(int, 1), default=64)
     p.add_argument("--group-size", type=number(int, 1), default=8)
     p.add_argument("--median", type=number(float, 16), default=256.0, help="median length")
@@ -83,6 +95,39 @@ def _step(mbs: list, flops: Flops, scale_s: float) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
+class _Matmul:
+    """A learner's step as real CPU compute (see the module docstring), buffers made once."""
+
+    BLOCK = 256
+
+    def __init__(self, width: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(MAX_LEN, width, generator=g) / width**0.5
+        self.w1 = torch.randn(width, 4 * width, generator=g) / width**0.5
+        self.w2 = torch.randn(4 * width, width, generator=g) / (4 * width) ** 0.5
+        self.h = torch.empty(MAX_LEN, 4 * width)
+        self.y = torch.empty(MAX_LEN, width)
+        self.s = torch.empty(self.BLOCK * MAX_LEN)
+        self.cost = Flops(a=4 * width, b=1)  # 16 w^2 L + 4 w L^2 in units of 4 w FLOPs
+
+    def __call__(self, mbs: list) -> tuple[float, int]:
+        """Run the step over ``mbs``: its seconds and its counted cost."""
+        t0, total = time.perf_counter(), 0
+        for mb in mbs:
+            lengths = mb["_length"].tolist()
+            total += int(self.cost(np.asarray(lengths)).sum())
+            for n in lengths:
+                x = self.x[:n]
+                torch.mm(x, self.w1, out=self.h[:n])
+                torch.mm(self.h[:n], self.w2, out=self.y[:n])
+                for q in range(0, n, self.BLOCK):
+                    rows = min(self.BLOCK, n - q)
+                    s = self.s[: rows * n].view(rows, n)
+                    torch.mm(x[q : q + rows], x.T, out=s)
+                    torch.mm(s, x, out=self.y[q : q + rows])
+        return time.perf_counter() - t0, total
+
+
 def main(argv: list[str]) -> None:
     """Run the balance-in-time benchmark (every rank); rank 0 prints the JSON line last."""
     a = _parser().parse_args(argv)
@@ -103,7 +148,11 @@ def _run(a: argparse.Namespace) -> None:
     flops = Flops.for_model(a.d_model)
     per, size = a.groups_per_rank, a.group_size
     cap_items, cap_tokens = 4 * per * size, per * size * MAX_LEN
-    assumed = Flops.for_model(a.plan_d_model or a.d_model)
+    matmul = _Matmul(a.matmul_width) if a.learner_cost == "matmul" else None
+    if matmul is not None:
+        assumed = matmul.cost if a.plan_d_model is None else Flops.for_model(a.plan_d_model)
+    else:
+        assumed = Flops.for_model(a.plan_d_model or a.d_model)
     cost = assumed if a.cost == "flops" else "tokens"
     planes = {
         "cost": cd.TokenPlane(spec, cap_items, cap_tokens, cost=cost, token_cap=a.token_cap),
@@ -120,7 +169,7 @@ def _run(a: argparse.Namespace) -> None:
             tp.put(*d.batch())
             mbs[k] = tp.fetch(per * world, a.token_budget)
         mbs["equal_counts"] = run_equal(d, a.token_budget)[0]
-        if not scale_s:  # the mean learner's step is step_ms
+        if not scale_s and matmul is None:  # the mean learner's step is step_ms
             total = torch.tensor([int(flops(d.lengths.numpy()).sum())], dtype=torch.float64)
             dist.all_reduce(total)
             scale_s = a.step_ms / 1e3 / (float(total) / world)
@@ -128,7 +177,7 @@ def _run(a: argparse.Namespace) -> None:
         got = {}
         for k in SCHEMES[k0:] + SCHEMES[:k0]:
             dist.barrier()
-            got[k] = _step(mbs[k], flops, scale_s)
+            got[k] = matmul(mbs[k]) if matmul is not None else _step(mbs[k], flops, scale_s)
         if i < a.warmup:
             continue
         for k in SCHEMES:
@@ -177,6 +226,7 @@ def _report(a: argparse.Namespace, world: int, every: torch.Tensor, counts: torc
         learner_cost=a.learner_cost,
         d_model=a.d_model,
         plan_d_model=a.plan_d_model or a.d_model,
+        matmul_width=a.matmul_width if a.learner_cost == "matmul" else None,
         groups_per_rank=a.groups_per_rank,
         group_size=a.group_size,
         median=a.median,
