@@ -83,6 +83,10 @@ def check_whole(mbs: list[cd.MicroBatch]) -> dict[int, list[str]]:
             seen.setdefault(gid, [k]).append(digest(f))
     for gid, d in seen.items():
         assert sorted(d[1:]) == sorted(digest(member(gid, m)) for m in range(G)), gid
+    for mb in mbs:  # what the round knew on the host is what the sections carried
+        assert mb.host["_key"].tolist() == mb["_key"].tolist()
+        assert mb.host["_holder"].tolist() == mb["_holder"].tolist()
+        assert mb.tokens == int(mb.cu_seqlens[-1])
     return {g: d[1:] for g, d in seen.items()}
 
 

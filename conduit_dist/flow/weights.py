@@ -133,7 +133,11 @@ def _fill(buf: torch.Tensor, head: bytes, entries: dict[str, _Entry], state) -> 
 class _Buffers:
     """Weight buffers of one size reused once nobody holds them: not the current one, not a
     round's snapshot, not a ``pull`` in progress (storage use counts, as the output pool's), so
-    a buffer is never written while anyone may read it. Without use counts, always a new one."""
+    a buffer is never written while anyone may read it. Without use counts, always a new one.
+
+    On CUDA, "nobody holds it" is the host's view: a broadcast or a pull's copies may still run
+    on the device. Each device use ends with :meth:`used` (an event on the stream that used it),
+    and :meth:`take` makes the taker's stream wait for the buffer's last one (on the device)."""
 
     def __init__(self, size: int = 3, device: torch.device | None = None) -> None:
         self._pool: list[Pooled] = []
@@ -146,12 +150,24 @@ class _Buffers:
         reference) lives, the storage's use count says so."""
         for e in self._pool:
             if e.buf.shape[0] == nbytes and e.free():
+                if e.released is not None:  # its last device use, before the taker's writes
+                    torch.cuda.current_stream(self.device).wait_event(e.released)
                 return e.buf.detach()
         buf = lasting_empty(nbytes, dtype=torch.uint8, device=self.device)
         if use_count(buf) is None:
             return buf
         keep(self._pool, Pooled(buf), self.size)  # a free one of an old size leaves first
         return buf.detach()
+
+    def used(self, buf: torch.Tensor) -> None:
+        """CUDA: ``buf`` was used on the current stream up to here (a fill, a broadcast, a
+        pull's copies); the next :meth:`take` of its storage waits for that on the device."""
+        if self.device.type != "cuda":
+            return
+        ptr = buf.untyped_storage().data_ptr()
+        for e in self._pool:
+            if e.buf.untyped_storage().data_ptr() == ptr:
+                e.released = torch.cuda.current_stream(self.device).record_event()
 
 
 def _corrupt(what: str) -> SpecError:
@@ -181,15 +197,32 @@ def _entry(i: int, d: object, payload: int) -> _Entry:
     return e
 
 
-def _decode(buf: torch.Tensor) -> _Layout:
-    """Read and check the layout of a weights buffer (not the payload's values)."""
-    size = buf.numel()
+def _decode(buf: torch.Tensor | bytes, size: int | None = None) -> _Layout:
+    """Read and check the layout of a weights buffer (not the payload's values).
+
+    Args:
+        buf: a host buffer, or the first bytes of one (its preamble and header at least: a
+            device buffer's header read to the host, a publisher's header).
+        size: the whole buffer's size in bytes, with ``bytes`` (its payload is not read).
+    """
+    if isinstance(buf, torch.Tensor):
+        size = buf.numel()
+        host = buf
+
+        def read(a: int, b: int) -> bytes:
+            return host[a:b].numpy().tobytes()
+    else:
+        raw_all = bytes(buf)
+
+        def read(a: int, b: int) -> bytes:
+            return raw_all[a:b]
+
     if size < _PREAMBLE.size:
         raise SpecError(
             f"weights: truncated buffer: expected at least the {_PREAMBLE.size}-byte preamble, "
             f"got {size} bytes"
         )
-    raw = buf[: _PREAMBLE.size].numpy().tobytes()
+    raw = read(0, _PREAMBLE.size)
     magic, fmt, hlen = _PREAMBLE.unpack(raw)
     if magic != _MAGIC:
         raise SpecError(
@@ -203,7 +236,7 @@ def _decode(buf: torch.Tensor) -> _Layout:
             f"{_PREAMBLE.size + hlen}), got {size} bytes"
         )
     try:
-        header = json.loads(buf[_PREAMBLE.size : _PREAMBLE.size + hlen].numpy().tobytes())
+        header = json.loads(read(_PREAMBLE.size, _PREAMBLE.size + hlen))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise _corrupt(f"expected UTF-8 JSON, got {e}") from e
     if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
@@ -292,21 +325,14 @@ class WeightsState:
             self._head = (key, *_head(entries), entries)
             if self.device is not None:  # its digest, and its layout known without a read
                 digest = head_digest(self._head[1])
-                self._layouts[digest] = _decode(self._host_header(self._head[1], self._head[2]))
+                self._layouts[digest] = _decode(self._head[1], self._head[2])
         _, head, total, entries = self._head
         buf = self._buffers.take(total)
         _fill(buf, head, entries, state)
+        self._buffers.used(buf)
         self.buf = buf  # complete before it is current
         self.head = head_digest(head) if self.device is not None else 0
         self.version += 1
-
-    @staticmethod
-    def _host_header(head: bytes, total: int) -> torch.Tensor:
-        """A host buffer of ``total`` bytes holding ``head`` (what ``_decode`` checks: the
-        payload's bytes are not read)."""
-        out = torch.zeros(total, dtype=torch.uint8)
-        out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        return out
 
     def exchange(
         self, ex: Exchange, src: int, version: int, nbytes: int, r: int, snap, head: int = 0
@@ -327,6 +353,7 @@ class WeightsState:
             return
         buf = snap.buf if ex.rank == src else self._buffers.take(nbytes)
         ex.broadcast(buf, src, r)
+        self._buffers.used(buf)  # CUDA: the broadcast on the round's stream, before a reuse
         self.broadcast = version
         if ex.rank != src:
             self.buf, self.version, self.head = buf, version, head
@@ -380,6 +407,7 @@ class WeightsState:
                 e = layout.entries[name]
                 at = layout.start + e.offset
                 t.copy_(buf[at : at + e.nbytes].view(e.dtype).view(e.shape))
+        self._buffers.used(buf)
         return version
 
     def _device_layout(self, buf: torch.Tensor) -> _Layout:
@@ -399,7 +427,7 @@ class WeightsState:
                 f"weights: the received header's digest {got:#x} differs from the one the "
                 f"publisher announced, {self.head:#x}: a corrupted or mismatched buffer"
             )
-        layout = _decode(self._host_header(head.numpy().tobytes(), size))
+        layout = _decode(head.numpy().tobytes(), size)
         self._layouts[got] = layout
         return layout
 

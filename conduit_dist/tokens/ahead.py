@@ -65,18 +65,26 @@ class Ahead:
     Args:
         device: the plane's device (the thread's current CUDA device).
         timeout_s: the collectives' timeout; a round not finished after ``4 * timeout_s``
-            fails the call waiting for it.
+            fails the call waiting for it, and every later call (it may still be running).
+        where: ``() -> (round, ranks)``: the round running and the ranks behind it (errors).
     """
 
-    def __init__(self, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, device: torch.device, timeout_s: float, where=None) -> None:
         self.device, self.timeout_s = device, timeout_s
+        self.where = where  # () -> (round, laggard ranks), for the errors
+        self.failed: str | None = None  # a round that outlasted its wait: nothing runs after
         self._pool = None  # made at the first launch: a plane that never launches has none
         self.pending: _Launched | None = None
         self.armed: Key | None = None  # launch this at the next backward (attach)
         self.trigger = None  # the BackwardTrigger of attach()
 
     def launch(self, key, run) -> None:
-        """Start ``run()`` (a round: its result tuple) on the round thread."""
+        """Start ``run()`` (a round: its result tuple) on the round thread.
+
+        Raises:
+            RoundError: once an earlier round outlasted its wait.
+        """
+        self._check()
         if self.pending is not None:
             raise RuntimeError("token plane: one launched round at a time")
         if self._pool is None:
@@ -120,23 +128,44 @@ class Ahead:
         try:
             return p.future.result(timeout=4 * self.timeout_s)
         except FutureTimeout:
-            raise RoundError(
-                f"token plane: a round on the round thread has not finished after "
-                f"{4 * self.timeout_s:.0f}s",
-                round=-1,
-            ) from None
+            self._late()
 
     def settle(self) -> None:
-        """Wait until the pending round has ended (its result stays pending)."""
+        """Wait until the pending round has ended (its result stays pending).
+
+        Raises:
+            RoundError: if it has not after ``4 * timeout_s``.
+        """
+        self._check()
         p = self.pending
         if p is not None:
-            futures.wait([p.future], timeout=4 * self.timeout_s)
+            done, _ = futures.wait([p.future], timeout=4 * self.timeout_s)
+            if not done:
+                self.pending = None
+                self._late()
 
-    def close(self) -> None:
-        """Stop the round thread (a pending round is waited for by the caller first)."""
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise RoundError(f"token plane: {self.failed}; no further round on this rank")
+
+    def _late(self):
+        """A round outlasted its wait: it may still be running (and change the store), so the
+        plane is failed for every later call."""
+        round, late = self.where() if self.where is not None else (-1, ())
+        behind = f"; ranks behind it: {list(late)}" if late else ""
+        self.failed = (
+            f"round {round} on the round thread has not finished after "
+            f"{4 * self.timeout_s:.0f}s (4 x the collectives' timeout){behind}"
+        )
+        raise RoundError(f"token plane: {self.failed}", round=round)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the round thread and remove the backward hooks (a pending round is waited for
+        by the caller first; ``wait=False``: a failed plane's is abandoned, its queue
+        cancelled)."""
         if self.trigger is not None:
             self.trigger.remove()
             self.trigger = None
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=wait, cancel_futures=not wait)
             self._pool = None

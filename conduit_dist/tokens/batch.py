@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -22,6 +23,9 @@ class MicroBatch:
         index: this micro-batch's position among the learner's micro-batches of the global
             batch, and their count (the same on every learner): ``(i, count)``.
         ragged: the names of the ragged fields.
+        host: what the round knew on the host of each sequence, so nothing reads the device
+            for it: ``"_key"`` and ``"_holder"`` (int64 arrays, as the fields) and
+            ``"tokens"`` (a 0-d array; empty for a micro-batch built elsewhere).
     """
 
     fields: dict[str, torch.Tensor]
@@ -29,13 +33,16 @@ class MicroBatch:
     max_seqlen: int
     index: tuple[int, int]
     ragged: tuple[str, ...]
+    host: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]
 
     @property
     def tokens(self) -> int:
-        """Tokens in the micro-batch."""
+        """Tokens in the micro-batch (from the host; read from ``cu_seqlens`` otherwise)."""
+        if "tokens" in self.host:
+            return int(self.host["tokens"])
         return int(self.cu_seqlens[-1])
 
     @property

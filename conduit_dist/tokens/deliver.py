@@ -126,34 +126,38 @@ def cut(
     runs = [(k, s) for k, s in zip(*np.nonzero(n))]  # row-major: micro-batch, then holder
     full = {name: torch.cat([parts[s][k] for k, s in runs]) for name, parts in splits.items()}
     order = flat[np.lexsort((holder[flat], k_of))]  # stable: each holder's micro-batch order
-    owner = torch.from_numpy(np.repeat(holder[order], members[order]))
-    full["_holder"] = owner.to(recv.device)
+    owner = np.repeat(holder[order], members[order])  # each received sequence's, on the host
+    keys = np.repeat(groups.table[chosen, S.GID][order], members[order])
+    full["_holder"] = upload(torch.from_numpy(owner), recv.device)
     if lengths is None:
         host = full[LENGTHS].numpy()  # host sections: read where they landed
     elif runs:  # the same runs of the host copy, in the same order
         host = np.concatenate([host_lengths[s][k] for k, s in runs]).astype(np.int64)
     else:
         host = np.zeros(0, dtype=np.int64)
-    return _slice(wire, full, n.sum(1), t.sum(1), device, host)
+    return _slice(wire, full, n.sum(1), t.sum(1), device, host, (keys, owner))
 
 
 def _slice(
-    wire: Wire, full, seqs: np.ndarray, toks: np.ndarray, device, lengths: np.ndarray
-) -> list[MicroBatch]:
+    wire: Wire, full, seqs: np.ndarray, toks: np.ndarray, device, lengths: np.ndarray,
+    ids: tuple[np.ndarray, np.ndarray],
+) -> list[MicroBatch]:  # fmt: skip
     """Micro-batches as views of ``full``, moved to ``device`` column by column (nothing moves
-    where they are there already); ``lengths``: the sequences' lengths on the host, for
-    ``cu_seqlens`` and ``max_seqlen`` (no device read)."""
+    where they are there already; host to CUDA without a host sync); ``lengths``: the
+    sequences' lengths on the host, for ``cu_seqlens`` and ``max_seqlen``, and ``ids``: their
+    keys and holders there (``MicroBatch.host``: no device read)."""
     ends = np.cumsum(seqs)
     starts = ends - seqs
     longest = np.maximum.reduceat(lengths, starts)
     cum = np.concatenate([[0], np.cumsum(lengths)])
     cu = np.concatenate([cum[a : b + 1] - cum[a] for a, b in zip(starts, ends)]).astype(np.int32)
-    cus = torch.split(torch.from_numpy(cu).to(device), (seqs + 1).tolist())
+    cus = torch.split(upload(torch.from_numpy(cu), device), (seqs + 1).tolist())
     ragged = tuple(wire.ragged)
     parts = {
-        name: torch.split(v.to(device), (toks if name in ragged else seqs).tolist())
+        name: torch.split(upload(v, device), (toks if name in ragged else seqs).tolist())
         for name, v in full.items()
     }
+    keys, holders = ids
     return [
         MicroBatch(
             {name: p[k] for name, p in parts.items()},
@@ -161,6 +165,11 @@ def _slice(
             int(longest[k]),
             (k, len(seqs)),
             ragged,
+            {
+                "_key": keys[starts[k] : ends[k]],
+                "_holder": holders[starts[k] : ends[k]],
+                "tokens": np.asarray(toks[k]),
+            },
         )
         for k in range(len(seqs))
     ]

@@ -13,6 +13,7 @@ from torch import nn
 
 from conduit_dist.errors import ConfigError, EmptyStoreError, RoundError, SpecError
 from conduit_dist.sched.hooks import BackwardTrigger
+from conduit_dist.syncs import SYNCS
 from conduit_dist.tokens.ahead import Key, TakeTiming
 from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.round import Request
@@ -172,8 +173,12 @@ class TokenLearner:
         Raises:
             SpecError: unless one finite priority >= 0 per sequence.
         """
-        gid = batch["_key"].tolist()
-        holder = batch["_holder"].tolist()
+        if "_key" in batch.host:  # as the round knew them: no read of the device
+            gid, holder = batch.host["_key"].tolist(), batch.host["_holder"].tolist()
+        else:
+            gid, holder = batch["_key"].tolist(), batch["_holder"].tolist()
+        if priority.is_cuda:  # the next round's table carries them on the host
+            SYNCS.add("token priorities")
         pr = priority.detach().to("cpu", torch.float64).reshape(-1)
         if pr.shape[0] != batch.sequences or not bool(torch.isfinite(pr).all() & (pr >= 0).all()):
             raise SpecError(

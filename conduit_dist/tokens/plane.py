@@ -63,7 +63,9 @@ class TokenPlane:
             ``"prioritized"`` (groups drawn again and again, by ``priority ** alpha``).
         alpha: prioritized replay's exponent.
         seed: the replay draw's seed.
-        device: where micro-batches land (``"cuda"``: composed on the host, copied once).
+        device: where the plane's arenas are and micro-batches land (``"cuda"``: the device
+            path of docs/tokens.md, "Device": tokens put from GPU tensors stay on the GPU,
+            sections move by NCCL, rounds run on the plane's round thread and side stream).
         transport: collectives' timeout, strategy and bandwidth model (:class:`TransportConfig`).
         cost: what learners are balanced by, a sequence of ``L`` tokens costing ``"tokens"``
             (``L``, the default), ``"flops"`` (``a*L + b*L**2``, one transformer layer of width
@@ -228,7 +230,9 @@ class TokenPlane:
             a learner has closed the plane.
 
         Raises:
-            ConfigError: on a rank not in ``producer_ranks``; SpecError: on a reused group id.
+            ConfigError: on a rank not in ``producer_ranks``; while a round launched for the
+                next take is pending and more than ``allowance()`` groups are asked (waiting
+                would run rounds before that take's). SpecError: on a reused group id.
         """
         self._open("reserve")
         self.runner.settle()
@@ -248,6 +252,12 @@ class TokenPlane:
                 self.store.reserve(ids, self.version)
                 self.pacer.started += len(ids)
                 return self.version
+            if self.ahead.pending is not None:  # waiting runs rounds; the next is the take's
+                raise ConfigError(
+                    f"reserve: {len(ids)} groups need a round to wait for, but a round launched "
+                    f"for the next fetch/stream holds its micro-batches; reserve at most "
+                    f"allowance()={self.allowance()} groups until that take, or take it first"
+                )
             if not self.flush():
                 return None
 
@@ -349,7 +359,8 @@ class TokenPlane:
         when its backward starts; collective with the producers' rounds). That call then takes
         its micro-batches, waiting only for what is left of the round, and runs any further
         round inline (docs/tokens.md, "Behind the backward"; ``last_take`` says what was
-        hidden). Puts and ``reserve`` wait for a round in flight (it holds the store).
+        hidden). Puts and ``reserve`` wait for a round in flight (it holds the store); a
+        ``reserve`` that would have to wait for a further round is refused until the take.
 
         Args:
             num_groups: the next call's ``num_groups``.
@@ -489,8 +500,20 @@ class TokenPlane:
 
     def restore(self, root: str) -> None:
         """Load the groups a checkpoint under ``root`` holds, dealt whole over this job's ranks
-        (any world size), and the counters (collective)."""
+        (any world size), and the counters (collective). Priorities given since the last round
+        are dropped (they name groups of the store being replaced).
+
+        Raises:
+            ConfigError: after ``close``, or while a round launched ahead holds groups no take
+                used yet (they would be delivered beside their restored copies).
+        """
         self._open("restore")
+        if self.ahead.pending is not None:
+            raise ConfigError(
+                "restore: a round was launched ahead and holds the next take's groups; "
+                "take it (fetch/stream) first, or restore before the backward that launches it"
+            )
+        self.runner.priorities = []
         load_shares(root, self.rank, self.world, self, self.ex)
 
     def _open(self, what: str) -> None:
@@ -508,6 +531,7 @@ class TokenPlane:
         if self.closed:
             return
         self.closed = True
+        clean = False
         try:
             if self.ahead.pending is not None:  # launched ahead, never taken
                 _, stats = self.runner.take(
@@ -516,12 +540,13 @@ class TokenPlane:
                 self.at_close["launched_groups"] += stats.groups
             if self.closed_by < 0:
                 self.runner.run(Request(closing=True), self.version)
+            clean = True
         finally:
             self.at_close["groups"] += len(self.store.groups)
             self.at_close["sequences"] += self.store.sequences
             self.runner.close()
-            with contextlib.suppress(Exception):
-                self.ex.close()
+            with contextlib.suppress(Exception):  # clean: every rank ran the same exchanges,
+                self.ex.close(drain=clean)  # so a barrier before its shared-memory files go
 
     def __enter__(self) -> TokenPlane:
         return self
@@ -530,11 +555,10 @@ class TokenPlane:
         """Release the plane's group without a closing round (after a failure: the peers'
         next round then fails naming this rank instead of waiting for it)."""
         self.closed = True
-        if self.ahead.trigger is not None:
-            self.ahead.trigger.remove()
-            self.ahead.trigger = None
         with contextlib.suppress(Exception):
             self.ex.close()
+        # after the group is gone (a launched round mid-collective then fails): not waited for
+        self.runner.close(wait=False)
 
     def __exit__(self, *exc) -> None:
         if exc[0] is None:

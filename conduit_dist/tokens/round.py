@@ -199,6 +199,8 @@ class TokenRound:
             RoundError: on a timeout or a failed peer.
         """
         t0 = time.perf_counter()
+        # the earlier rounds' NCCL works: forgotten once done, or failed by name when late
+        self.ex.arrive(self.round)
         snap = weights.snapshot() if snap is None else snap
         meta, groups, updates = self._gather(req, weights, version, snap, ahead)
         req = self._check(meta)

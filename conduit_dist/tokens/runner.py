@@ -10,8 +10,11 @@
   the caller's stream when it was started (the puts that wrote the arenas), and ends with an
   event the caller's stream waits on before the micro-batches are handed out (``record_stream``
   marks them used there). A ``put`` waits on the device for the latest round's event before it
-  writes the arenas again (a compaction could move tokens over a section still being packed).
-  Nothing waits for a round on the host.
+  writes the arenas again (a compaction could move tokens over a section still being packed);
+  the thread that ran the round sets that event before the round's result is available, so a
+  round that ended and is not yet taken counts. Nothing waits on the host for a round's device
+  work (a put or ``reserve`` while a launched round runs waits for its host side to end: the
+  store is the round's until then).
 - **Counters.** Each finished round's effects (the newest version, the closing rank, totals)
   are applied on the caller's thread when it takes the round; priority updates go to the engine
   there too, while no round runs.
@@ -48,11 +51,13 @@ class TokenRunner:
         self, engine: TokenRound, weights, device: torch.device, timeout_s: float, one_thread: bool
     ) -> None:
         self.engine, self.weights = engine, weights
-        self.ahead = Ahead(device, timeout_s)
+        self.ahead = Ahead(device, timeout_s, self._where)
         self.one_thread = one_thread
         self.cuda = device if device.type == "cuda" else None
         self.stream = torch.cuda.Stream(device) if self.cuda is not None else None
-        self.last_event = None  # CUDA: the latest round's end on its side stream
+        # CUDA: the latest round's end on its side stream (set by the thread that ran it,
+        # before its result is available; read by puts once no round runs)
+        self.last_event = None
         self.priorities: list[tuple[list[int], list[int], list[float]]] = []
         self.newest, self.closed_by = 0, -1
         self.last: TokenRoundStats | None = None
@@ -104,8 +109,20 @@ class TokenRunner:
         return None if got is None else self._taken(*got)
 
     def settle(self) -> None:
-        """Wait until a round launched ahead has ended (its result stays for its take)."""
+        """Wait until a round launched ahead has ended (its result stays for its take).
+
+        Raises:
+            RoundError: if it has not after ``4 * timeout_s`` (the plane is then failed).
+        """
         self.ahead.settle()
+
+    def _where(self) -> tuple[int, tuple[int, ...]]:
+        """The round the engine is in and the ranks whose heartbeat is older (for errors)."""
+        r = self.engine.round
+        try:
+            return r, self.engine.ex.laggards(r)
+        except Exception:  # the store may be gone with the failure
+            return r, ()
 
     def before_write(self) -> None:
         """CUDA: the caller's stream waits (on the device) for the latest round, before the
@@ -130,7 +147,11 @@ class TokenRunner:
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(ready)
                     out, stats = engine.run(req, self.weights, version, snap, ahead)
-                    return out, stats, self.stream.record_event()
+                    end = self.stream.record_event()
+                # before the result is: a put after settle() (the round ended, not yet taken)
+                # orders its writes after the round's packing reads of the arenas
+                self.last_event = end
+                return out, stats, end
             finally:
                 engine.on_enqueued = None
                 if enqueued is not None:
@@ -142,7 +163,6 @@ class TokenRunner:
         """A finished round, on the caller's thread: its micro-batches ordered after it on the
         caller's stream, and its effects on the counters."""
         if event is not None:  # CUDA only
-            self.last_event = event
             current = torch.cuda.current_stream(self.cuda)
             current.wait_event(event)
             for mb in out:
@@ -172,6 +192,7 @@ class TokenRunner:
             self.engine.queue_priorities(holder, gid, pr)
         self.priorities = []
 
-    def close(self) -> None:
-        """Stop the round thread (a launched round is waited for by the caller first)."""
-        self.ahead.close()
+    def close(self, wait: bool = True) -> None:
+        """Stop the round thread (a launched round is waited for by the caller first;
+        ``wait=False``: after a failure, not waited for at all)."""
+        self.ahead.close(wait)

@@ -19,6 +19,8 @@ import torch
 
 from conduit_dist.errors import SpecError
 from conduit_dist.records.spec import SUPPORTED, FieldSpec
+from conduit_dist.syncs import SYNCS
+from conduit_dist.tiers.cuda import upload
 
 TOKEN_VERSION = "_token_version"  # optional per-token policy versions (put(..., token_versions=))
 _SHOWN = 3  # positions a NaN/inf error lists
@@ -138,7 +140,8 @@ class TokenSpec:
 
 @dataclass
 class Packed:
-    """A checked ``put`` batch: ``n`` sequences as packed columns (all on the host)."""
+    """A checked ``put`` batch: ``n`` sequences as packed columns (token and fixed columns where
+    they were put; the group field, lengths and versions on the host)."""
 
     fixed: dict[str, torch.Tensor]  # name -> [n, *shape]
     ragged: dict[str, torch.Tensor]  # name -> [sum(lengths), *inner]
@@ -197,9 +200,7 @@ def _nonfinite(name: str, values: torch.Tensor, lengths: torch.Tensor | None) ->
     )
 
 
-def _check_ragged(
-    spec: TokenSpec, name: str, values: torch.Tensor, lengths: torch.Tensor, total: int
-) -> None:
+def _check_ragged(spec: TokenSpec, name: str, values: torch.Tensor, total: int) -> None:
     f = spec.ragged[name]
     if values.dtype != f.dtype:
         raise SpecError(f"field {name!r}: expected dtype {f.dtype}, got {values.dtype}")
@@ -208,9 +209,13 @@ def _check_ragged(
             f"field {name!r}: expected packed shape {[total, *f.inner]} "
             f"(sum of lengths = {total}), got {list(values.shape)}"
         )
-    unchecked = not values.is_floating_point() or f.allow_nonfinite or not total
-    if not unchecked and not bool(torch.isfinite(values).all()):
-        raise _nonfinite(name, values, lengths)
+
+
+def _on_host(t: torch.Tensor, reason: str) -> torch.Tensor:
+    """``t`` on the host: a CUDA tensor's copy is a host sync, counted as ``reason``."""
+    if t.is_cuda:
+        SYNCS.add(reason)
+    return t.to("cpu")
 
 
 def check_batch(
@@ -220,7 +225,13 @@ def check_batch(
     version: int,
     token_versions: torch.Tensor | None = None,
 ) -> Packed:
-    """Check a whole ``put`` batch against ``spec`` and return it as packed host columns.
+    """Check a whole ``put`` batch against ``spec``: what the store's bookkeeping reads comes to
+    the host, the token and fixed columns stay where they were put.
+
+    Put from CUDA tensors, at most two reads of the device (each counted in
+    :data:`~conduit_dist.syncs.SYNCS`): the lengths, when they are a CUDA tensor; then one
+    for everything checked or read on the host together (each float field's finiteness, the
+    group ids, each sequence's oldest token version).
 
     Args:
         spec: the plane's token spec.
@@ -232,7 +243,8 @@ def check_batch(
             generation spanned a weight update); a sequence's version is its oldest token's.
 
     Returns:
-        The :class:`Packed` batch (copies; the caller may reuse its tensors).
+        The :class:`Packed` batch: the caller's tensors (detached; the store copies them into
+        its columns before ``put`` returns), the group field, lengths and versions on the host.
 
     Raises:
         SpecError: naming the field, the expected and the received value; nothing is stored.
@@ -242,29 +254,32 @@ def check_batch(
         raise SpecError(
             f"batch: expected fields {sorted(spec.ragged.keys() | spec.fixed.keys())}, got {got}"
         )
-    ragged = {}
+    ragged, nested = {}, None
     for name in spec.ragged:
         t = batch[name]
         if not isinstance(t, torch.Tensor):
             raise SpecError(f"field {name!r}: expected a torch.Tensor, got {type(t).__name__}")
         if t.is_nested:
             t, lens = _unnest(name, t)
+            lens = _on_host(lens, "token put lengths")
             if lengths is not None and not torch.equal(
-                torch.as_tensor(lengths).reshape(-1).to("cpu", torch.int64), lens.to("cpu")
+                _on_host(torch.as_tensor(lengths).reshape(-1), "token put lengths").long(), lens
             ):
                 raise SpecError(
                     f"field {name!r}: its sequence lengths {lens.tolist()[:8]} differ "
                     "from those of the other ragged fields / lengths "
                     f"{torch.as_tensor(lengths).reshape(-1).tolist()[:8]}"
                 )
-            lengths = lens
-        ragged[name] = t
+            lengths = nested = lens
+        ragged[name] = t.detach()
     if lengths is None:
         raise SpecError(
             "lengths: expected a [B] int tensor of sequence lengths with packed "
             "ragged fields, got None"
         )
-    lengths = torch.as_tensor(lengths).to("cpu", torch.int64).reshape(-1)
+    if lengths is not nested:
+        lengths = _on_host(torch.as_tensor(lengths).reshape(-1), "token put lengths")
+    lengths = lengths.to(torch.int64)
     n = lengths.shape[0]
     if n == 0:
         raise SpecError("batch is empty: expected at least one sequence, got 0")
@@ -276,32 +291,57 @@ def check_batch(
         )
     total = int(lengths.sum())
     for name, values in ragged.items():
-        _check_ragged(spec, name, values, lengths, total)
+        _check_ragged(spec, name, values, total)
     fixed = {}
     for name, f in spec.fixed.items():
         t = batch[name]
         if not isinstance(t, torch.Tensor) or t.dtype != f.dtype or tuple(t.shape) != (n, *f.shape):
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise SpecError(f"field {name!r}: expected {f.dtype} {[n, *f.shape]}, got {got}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise _nonfinite(name, t, None)
-        fixed[name] = t.detach().to("cpu").clone()
-    versions = _versions(token_versions, lengths, total, version)
-    return Packed(
-        fixed,
-        {k: v.detach().to("cpu").contiguous().clone() for k, v in ragged.items()},
-        lengths,
-        versions,
-    )
-
-
-def _versions(tv: torch.Tensor | None, lengths: torch.Tensor, total: int, version: int):
-    """Each sequence's version: its oldest token's (``tv``), or the producer's."""
-    if tv is None:
-        return torch.full((lengths.shape[0],), int(version), dtype=torch.int64)
-    if not isinstance(tv, torch.Tensor) or tv.dtype != torch.int64 or tuple(tv.shape) != (total,):
+        fixed[name] = t.detach()
+    tv = token_versions
+    if tv is not None and (
+        not isinstance(tv, torch.Tensor) or tv.dtype != torch.int64 or tuple(tv.shape) != (total,)
+    ):
         got = f"{tv.dtype} {list(tv.shape)}" if isinstance(tv, torch.Tensor) else type(tv).__name__
         raise SpecError(f"token_versions: expected int64 [{total}] (one per token), got {got}")
-    seq = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
-    out = torch.full((lengths.shape[0],), torch.iinfo(torch.int64).max, dtype=torch.int64)
-    return out.scatter_reduce_(0, seq, tv.to("cpu"), reduce="amin")
+    return _read(spec, ragged, fixed, lengths, tv, version)
+
+
+def _read(spec: TokenSpec, ragged, fixed, lengths: torch.Tensor, tv, version: int) -> Packed:
+    """The shape-checked batch's host reads (see :func:`check_batch`), then the finiteness
+    errors (in field order) and the :class:`Packed` batch."""
+    checked = [
+        (name, v, lengths)
+        for name, v in ragged.items()
+        if v.is_floating_point() and not spec.ragged[name].allow_nonfinite and v.numel()
+    ] + [(name, v, None) for name, v in fixed.items() if v.is_floating_point()]
+    n = lengths.shape[0]
+    g = spec.group
+    on_device = [torch.isfinite(v).all().reshape(1).long() for _, v, _ in checked if v.is_cuda]
+    if fixed[g].is_cuda:
+        on_device.append(fixed[g].reshape(-1).long())
+    if tv is not None and tv.is_cuda:
+        on_device.append(_oldest(tv, lengths))
+    host = iter(_on_host(torch.cat(on_device), "token put checks").tolist() if on_device else [])
+    for name, v, lens in checked:
+        finite = next(host) if v.is_cuda else bool(torch.isfinite(v).all())
+        if not finite:
+            raise _nonfinite(name, v, lens)
+    if fixed[g].is_cuda:
+        fixed[g] = torch.tensor([next(host) for _ in range(n)], dtype=fixed[g].dtype)
+    if tv is None:
+        versions = torch.full((n,), int(version), dtype=torch.int64)
+    elif tv.is_cuda:
+        versions = torch.tensor([next(host) for _ in range(n)], dtype=torch.int64)
+    else:
+        versions = _oldest(tv, lengths)
+    return Packed(fixed, ragged, lengths, versions)
+
+
+def _oldest(tv: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each sequence's oldest token version (``tv``: ``[sum(lengths)]``, on its device)."""
+    n = lengths.shape[0]
+    seq = upload(torch.repeat_interleave(torch.arange(n), lengths), tv.device)
+    out = torch.full((n,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=tv.device)
+    return out.scatter_reduce_(0, seq, tv, reduce="amin")

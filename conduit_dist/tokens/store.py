@@ -19,6 +19,7 @@ import torch
 
 from conduit_dist.errors import ConfigError, SpecError
 from conduit_dist.syncs import SYNCS
+from conduit_dist.tiers.cuda import upload
 from conduit_dist.tokens import cost as C
 from conduit_dist.tokens.spec import Packed, TokenSpec
 
@@ -127,7 +128,6 @@ class GroupStore:
                 for an evicted group), a sequence's cost is not valid, or the batch alone exceeds
                 a capacity; nothing is stored.
         """
-        p = self._metadata_on_host(p)
         gids = (p.fixed[self.spec.group] if keys is None else keys).tolist()
         if self.tombstones and any(g in self.tombstones for g in gids):
             p, gids = self._drop_evicted(p, gids)
@@ -157,11 +157,11 @@ class GroupStore:
             self._compact()
         starts = self.end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
         slots = [self.free.pop() for _ in range(p.n)]
-        idx = torch.as_tensor(slots).to(self.device)
+        idx = upload(torch.as_tensor(slots), self.device)
         for n, col in self.fixed.items():  # (between devices: one copy each)
-            col[idx] = p.fixed[n].to(self.device)
+            col[idx] = self._placed(p.fixed[n])
         for n, arena in self.arena.items():
-            arena[self.end : self.end + total] = p.ragged[n]
+            arena[self.end : self.end + total] = self._placed(p.ragged[n])
         self.offset[slots], self.length[slots] = starts, lengths
         self.version[slots] = p.versions.numpy()
         self.key[slots] = gids
@@ -179,17 +179,13 @@ class GroupStore:
             if len(grp.slots) == self.spec.group_size:
                 grp.complete_at = self.arrivals
 
-    def _metadata_on_host(self, p: Packed) -> Packed:
-        """``p`` with what the slot bookkeeping reads on the host (lengths, versions, the group
-        field) there: put from GPU tensors, those few values come to the host (a counted
-        sync on the producer's side); the token and fixed columns stay where they are."""
-        g = self.spec.group
-        moved = [t.is_cuda for t in (p.lengths, p.versions, p.fixed[g])]
-        if not any(moved):
-            return p
-        SYNCS.add("token put metadata")
-        fixed = {**p.fixed, g: p.fixed[g].cpu()}
-        return Packed(fixed, p.ragged, p.lengths.cpu(), p.versions.cpu())
+    def _placed(self, t: torch.Tensor) -> torch.Tensor:
+        """A put column on the store's device: there already (a GPU producer's tokens on a CUDA
+        plane), uploaded without a host sync (host to CUDA), or read to a host store (CUDA to
+        the host: a counted sync)."""
+        if t.is_cuda and self.device.type != "cuda":
+            SYNCS.add("token put to a host store")
+        return upload(t, self.device)
 
     def _check_cap(self, gids: list[int], lengths: np.ndarray) -> None:
         """Refuse a put that would give a group more than ``token_cap`` tokens (see :meth:`add`)."""
@@ -258,10 +254,15 @@ class GroupStore:
         mask = torch.tensor(keep, dtype=torch.bool)
         if not mask.any():
             return None, []
-        tok = torch.repeat_interleave(mask, p.lengths)
+        rows = mask.nonzero().flatten()  # indices built on the host: no device read
+        tok = torch.repeat_interleave(mask, p.lengths).nonzero().flatten()
+
+        def pick(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, upload(i, t.device))
+
         kept = Packed(
-            {n: c[mask] for n, c in p.fixed.items()},
-            {n: v[tok] for n, v in p.ragged.items()},
+            {n: pick(c, rows) for n, c in p.fixed.items()},
+            {n: pick(v, tok) for n, v in p.ragged.items()},
             p.lengths[mask],
             p.versions[mask],
         )
@@ -270,7 +271,7 @@ class GroupStore:
     def _compact(self) -> None:
         """Move every live sequence's tokens to the front of the arena, in arrival order."""
         slots = [s for g in self.groups.values() for s in g.slots]
-        idx = self.token_index(slots).to(self.device)
+        idx = upload(self.token_index(slots), self.device)
         for arena in self.arena.values():
             arena[: idx.numel()] = arena[idx]
         lengths = self.length[slots]

@@ -8,7 +8,12 @@ batch is taken by ``fetch`` with the next one's first round launched at a backwa
 function of its group and member ids, so a digest of what arrived is compared with a digest of
 what was put), groups whole and delivered once, the micro-batches on the device, every launched
 round after the first taken (``last_take.launched``), and where the plane put its arenas,
-sections and weights (``store.device``, the group's backend).
+sections and weights (``store.device``, the group's backend). On odd steps the next batch is put
+while the launched round runs (after the first backward): the put waits for the round and
+writes the arenas after the round's reads on the device. Host syncs are counted
+(``SyncWatch``): a ``fetch`` makes none, a put from host tensors none, a put from GPU tensors
+at most two, each counted by the library (``token put lengths``, ``token put checks``); the
+rounds' NCCL works are forgotten once done (``Exchange._device_works`` stays short).
 
 In a dry run the plane is a CPU plane rehearsing the device path
 (``CONDUIT_DEVICE_ROWS_REHEARSAL=1``): the same checks, on host tensors.
@@ -23,7 +28,7 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from common import DEVICE, DRY, check, ok, rehearsal
+from common import DEVICE, DRY, SyncWatch, check, ok, rehearsal
 
 import conduit_dist as cd
 
@@ -49,14 +54,16 @@ def digest(fields: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def put_groups(tp: cd.TokenPlane, gids: list[int], device) -> None:
-    """Whole groups in one put (packed fields and lengths), from tensors on ``device``."""
+def put_groups(tp: cd.TokenPlane, gids: list[int], device, watch: SyncWatch) -> None:
+    """Whole groups in one put (packed fields and lengths), from tensors on ``device`` (made
+    before the put: only the put's syncs are counted)."""
     seqs = [member(g, m, device) for g in gids for m in range(G)]
     lengths = torch.tensor([s["tokens"].shape[0] for s in seqs], device=device)
     batch = {k: torch.cat([s[k] for s in seqs]) for k in ("tokens", "logprobs")}
     batch["reward"] = torch.stack([s["reward"] for s in seqs])
     batch["group"] = torch.tensor(gids, device=device).repeat_interleave(G)
-    tp.put(batch, lengths)
+    with watch.count():
+        tp.put(batch, lengths)
 
 
 def main() -> None:
@@ -74,19 +81,23 @@ def main() -> None:
         check(tp.runner.one_thread, "rounds not on the plane's round thread")
         tp.attach(net)
         seen: dict[int, list[str]] = {}
-        launched = []
+        launched, works = [], []
+        gpu_puts, host_puts, fetches = SyncWatch(), SyncWatch(), SyncWatch()
 
         def put_step(step: int) -> None:
             mine = [g for g in range(step * PER_STEP, (step + 1) * PER_STEP) if g % world == rank]
             half = len(mine) // 2  # half from GPU tensors, half from host tensors
-            for part, where in ((mine[:half], dev), (mine[half:], "cpu")):
+            parts = ((mine[:half], dev, gpu_puts), (mine[half:], "cpu", host_puts))
+            for part, where, watch in parts:
                 if part:
-                    put_groups(tp, part, where)
+                    put_groups(tp, part, where, watch)
 
         put_step(0)
         for step in range(STEPS):
-            mbs = tp.fetch(PER_STEP, BUDGET)
+            with fetches.count():
+                mbs = tp.fetch(PER_STEP, BUDGET)
             launched.append(tp.last_take.launched)
+            works.append(len(tp.ex._device_works))
             for k, mb in enumerate(mbs):
                 check(mb.index == (k, len(mbs)) and mb.sequences > 0, f"micro-batch {mb.index}")
                 check(mb["tokens"].device == dev, f"micro-batch on {mb['tokens'].device}")
@@ -97,14 +108,24 @@ def main() -> None:
                     f["reward"] = mb["reward"][i]
                     check(gid not in seen or seen[gid][0] == k, f"group {gid} split")
                     seen.setdefault(gid, [k]).append(digest(f))
-            if step + 1 < STEPS:
+            late = step % 2 == 1  # put while the launched round runs (after the first backward)
+            if step + 1 < STEPS and not late:
                 put_step(step + 1)
-            for _ in mbs:  # one backward per micro-batch: the first launches the next round
+            for i, _ in enumerate(mbs):  # one backward per micro-batch: the first launches
                 net(torch.randn(8, 4, device=dev)).sum().backward()
+                if i == 0 and late and step + 1 < STEPS:
+                    put_step(step + 1)
         for gid, got in seen.items():
             want = sorted(digest(member(gid, m, "cpu")) for m in range(G))
             check(sorted(got[1:]) == want, f"group {gid}: bytes differ from what was put")
         check(not launched[0] and all(launched[1:]), f"launched rounds taken: {launched}")
+        # rounds' NCCL works: checked and forgotten at each round's start, not kept
+        check(max(works) <= 16, f"NCCL works kept across rounds: {works}")
+        # NCCL (world size 1): none; gloo moves CUDA tensors through the host (its own
+        # copies): counted and reported, not bounded
+        fetch_syncs = fetches.within(1, 0, 0, "fetch") if world == 1 else fetches.since(1)
+        host_syncs = host_puts.within(0, 0, 0, "put from host tensors")
+        gpu_syncs = gpu_puts.within(0, 2, 2, "put from GPU tensors")
     mine = torch.tensor([len(seen)], dtype=torch.int64)
     dist.all_reduce(mine)
     check(int(mine) == STEPS * PER_STEP, f"{int(mine)} groups delivered, {STEPS * PER_STEP} put")
@@ -112,8 +133,12 @@ def main() -> None:
     ok(
         f"t.tokens{world}",
         f"{where}: {int(mine)} groups byte-identical and whole, micro-batches on {DEVICE}, "
-        "arenas on the device, rounds launched at the backward taken",
-        groups=int(mine), world=world,
+        "arenas on the device, rounds launched at the backward taken (puts before and while "
+        f"they ran); host syncs per fetch {fetch_syncs['torch_max']}, per GPU put "
+        f"{gpu_syncs['torch_max']} (counted {gpu_syncs['library_max']}), per host put "
+        f"{host_syncs['torch_max']}",
+        groups=int(mine), world=world, fetch_syncs=fetch_syncs["torch_max"],
+        gpu_put_syncs=gpu_syncs["torch_max"], host_put_syncs=host_syncs["torch_max"],
     )  # fmt: skip
     cd.destroy_distributed()
 
