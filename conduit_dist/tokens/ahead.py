@@ -93,7 +93,9 @@ class Ahead:
         def timed():
             return run(), time.perf_counter()
 
-        self.pending = _Launched(key, self._pool.submit(timed), time.perf_counter())
+        # the start read before the submit: the round may end before this thread runs again
+        start = time.perf_counter()
+        self.pending = _Launched(key, self._pool.submit(timed), start)
 
     def take(self, key: Key, asked: float, timing: TakeTiming):
         """The result of the round launched for ``key`` (accounted in ``timing``: hidden up to

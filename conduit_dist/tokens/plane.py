@@ -9,37 +9,27 @@ learners' policy version instead of having stale output dropped.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from conduit_dist.collectives.dist import resolve_device
-from conduit_dist.collectives.exchange import Exchange
-from conduit_dist.collectives.topology import discover
-from conduit_dist.collectives.transport import Transport
-from conduit_dist.errors import ConfigError, SpecError
+from conduit_dist.errors import ConfigError
 from conduit_dist.flow.versions import check_max_age
-from conduit_dist.flow.weights import WeightsState
-from conduit_dist.plane.build import bandwidth_model, rank_set
 from conduit_dist.plane.options import TransportConfig
-from conduit_dist.rounds.devices import rehearsing
-from conduit_dist.tokens.ahead import TakeTiming
 from conduit_dist.tokens.batch import MicroBatch
+from conduit_dist.tokens.build import build
 from conduit_dist.tokens.checkpoint import load_shares, save_shard
+from conduit_dist.tokens.closing import Closing
 from conduit_dist.tokens.learner import TokenLearner
-from conduit_dist.tokens.pacing import Pacer
-from conduit_dist.tokens.round import Request, TokenRound
-from conduit_dist.tokens.runner import TokenRunner
-from conduit_dist.tokens.spec import TokenSpec, check_batch
-from conduit_dist.tokens.store import GroupStore
+from conduit_dist.tokens.producer import TokenProducer
+from conduit_dist.tokens.round import Request
+from conduit_dist.tokens.spec import TokenSpec
+from conduit_dist.tokens.versions import TokenVersions
 
 log = logging.getLogger("conduit_dist")
-_ids = itertools.count()
 REPLAYS = (None, "uniform", "prioritized")
 
 
@@ -111,66 +101,33 @@ class TokenPlane:
         if replay not in REPLAYS:
             raise ConfigError(f"replay: expected one of {list(REPLAYS)}, got {replay!r}")
         max_age = check_max_age("max_policy_age", max_policy_age)
-        transport = TransportConfig.of(transport)
         self.spec, self.device = spec, resolve_device(device)
-        cuda = self.device.type == "cuda"
-        rehearse = rehearsing() and not cuda  # the device path's logic on a CPU plane
-        # arenas on the plane's device: what producers put from GPU tensors stays there, the
-        # sections move by the group's backend for CUDA tensors (NCCL), micro-batches are cut
-        # where they land
-        self.store = GroupStore(
-            spec, capacity_per_rank, tokens_per_rank, cost, token_cap, self.device
-        )
-        # host sections between the ranks of one host go through /dev/shm, as DataPlane's
-        # (the same setting and default: transport.shared_memory, agreed at start-up)
-        self.ex = Exchange(
-            transport.timeout_s, name=f"tokens{next(_ids)}", device=self.device,
-            shared_memory=transport.shared_memory,
+        p = build(
+            spec, self.device, (capacity_per_rank, tokens_per_rank), learner_ranks,
+            producer_ranks, max_age, groups_per_batch, (replay, alpha, seed),
+            TransportConfig.of(transport), cost, token_cap,
         )  # fmt: skip
-        try:
-            self.learners = rank_set("learner_ranks", learner_ranks, self.ex.world)
-            producers = rank_set("producer_ranks", producer_ranks, self.ex.world)
-            topo = discover(self.ex)
-            model, _ = bandwidth_model(
-                transport.bandwidth, self.ex, topo, transport.bandwidth_cache
-            )
-            self.pacer = Pacer(max_age, groups_per_batch, producers, self.ex.rank)
-        except BaseException:
-            self.ex.close()
-            raise
+        self.store, self.ex, self.learners, self.pacer = p.store, p.ex, p.learners, p.pacer
+        self.engine, self.weights, self.runner = p.engine, p.weights, p.runner
         self.rank, self.world = self.ex.rank, self.ex.world
-        moves = Transport(self.ex, topo, model, transport.strategy)
-        self.engine = TokenRound(
-            self.store,
-            self.ex,
-            moves,
-            self.learners,
-            max_age,
-            replay,
-            float(alpha),
-            int(seed),
-            self.device,
-            token_cap,
-            rehearse,
-        )
-        # weights on the plane's device (published from and pulled into modules there, sent
-        # by the group's backend for CUDA tensors); rehearsed on CPU planes
-        self.weights = WeightsState(self.device if cuda or rehearse else None)
-        self.version = 0  # this rank's: published (learners) or pulled (producers)
+        self.versions = TokenVersions(self.weights, self.rank, self.learners, self.world)
         self.closed = False
-        self._sends_weights = any(r not in self.learners for r in range(self.world))
-        # where and when rounds run (runner.py): every round on the round thread where its
-        # NCCL work must come from one thread (CUDA, or the device path rehearsed)
-        self.runner = TokenRunner(
-            self.engine, self.weights, self.device, transport.timeout_s, cuda or rehearse
-        )
         self.ahead = self.runner.ahead  # the round launched ahead of the next take (ahead.py)
+        self.producer = TokenProducer(
+            spec, self.runner, self.store, self.pacer, self.versions, self.rank,
+            self.rank in self.learners, self.flush,
+        )  # fmt: skip
         self.learner = TokenLearner(
             self.runner, self.store, self.pacer, self.learners, self.rank,
             lambda: self.version, lambda: self.closed,
         )  # fmt: skip
-        self.at_close = {"groups": 0, "sequences": 0, "launched_groups": 0}
+        self.closing = Closing(self.runner, self.ex, self.store)
 
+    version = property(
+        lambda s: s.versions.version,
+        lambda s, v: setattr(s.versions, "version", v),
+        doc="This rank's policy version: published (learners) or pulled (producers).",
+    )
     newest = property(
         lambda s: s.runner.newest,
         lambda s, v: setattr(s.runner, "newest", v),
@@ -205,17 +162,7 @@ class TokenPlane:
             ConfigError: after ``close``.
         """
         self._open("put")
-        self.runner.settle()  # the store is a launched round's until it ended
-        self.runner.before_write()  # CUDA: the arenas after the rounds' reads (on the device)
-        v = self.version if version is None else int(version)
-        try:
-            packed = check_batch(self.spec, batch, lengths, v, token_versions)
-        except SpecError:  # a reserved group that will never arrive must not hold a place
-            gids = batch.get(self.spec.group) if isinstance(batch, Mapping) else None
-            if isinstance(gids, torch.Tensor):
-                self.store.cancel(gids.reshape(-1).tolist())
-            raise
-        self.store.add(packed)
+        self.producer.put(batch, lengths, version, token_versions)
 
     def reserve(self, group_ids: Sequence[int], model: nn.Module | None = None) -> int | None:
         """Ask before generating ``group_ids``: waits (running rounds, as ``flush``) while
@@ -235,31 +182,7 @@ class TokenPlane:
                 would run rounds before that take's). SpecError: on a reused group id.
         """
         self._open("reserve")
-        self.runner.settle()
-        ids = [int(g) for g in group_ids]
-        if self.closed_by >= 0:
-            return None
-        if model is None and self.pacer.on and self.rank not in self.learners:
-            raise ConfigError(
-                "reserve: expected model= on a producer-only rank (pacing counts "
-                "the version of the weights it generates with, which pull_weights "
-                "advances), got None"
-            )
-        while True:
-            if model is not None and self.rank not in self.learners:
-                self.pull_weights(model)
-            if self.pacer.allows(len(ids), self.version):
-                self.store.reserve(ids, self.version)
-                self.pacer.started += len(ids)
-                return self.version
-            if self.ahead.pending is not None:  # waiting runs rounds; the next is the take's
-                raise ConfigError(
-                    f"reserve: {len(ids)} groups need a round to wait for, but a round launched "
-                    f"for the next fetch/stream holds its micro-batches; reserve at most "
-                    f"allowance()={self.allowance()} groups until that take, or take it first"
-                )
-            if not self.flush():
-                return None
+        return self.producer.reserve(group_ids, model)
 
     def allowance(self) -> int | None:
         """Groups this producer may ``reserve`` now without waiting (no collective).
@@ -276,11 +199,7 @@ class TokenPlane:
             ConfigError: on a rank not in ``producer_ranks``, or after ``close``.
         """
         self._open("allowance")
-        if not self.pacer.producer:
-            raise ConfigError(f"allowance: rank {self.rank} is not in producer_ranks")
-        if not self.pacer.on:
-            return None
-        return max(0, self.pacer.window(self.version) - self.pacer.started)
+        return self.producer.allowance()
 
     @property
     def share(self) -> int:
@@ -418,24 +337,12 @@ class TokenPlane:
             ConfigError: when producer-only ranks exist and no ``model`` is given.
         """
         self._open("publish_weights")
-        if self.rank == self.learners[0] and self._sends_weights:
-            if model is None:
-                raise ConfigError(
-                    "publish_weights: expected the model (producer-only ranks "
-                    "pull its weights), got None"
-                )
-            self.weights.publish(model)
-            self.version = self.weights.version
-        else:
-            self.version += 1
-        return self.version
+        return self.versions.publish(model)
 
     def pull_weights(self, model: nn.Module) -> int:
         """Load the newest weights received into ``model`` (producer-only ranks); returns their
         version (unchanged when nothing newer arrived)."""
-        v = self.weights.pull(model)
-        self.version = max(self.version, v)
-        return self.version
+        return self.versions.pull(model)
 
     # ------------------------------------------------------------------ rounds, state
 
@@ -451,8 +358,7 @@ class TokenPlane:
             "evicted_sequences": s.evicted_sequences,
             "stale_evicted": self.engine.stale_evicted,
             **self.totals,
-            **{f"left_at_close_{k}": v for k, v in self.at_close.items() if k != "launched_groups"},
-            "launched_at_close_groups": self.at_close["launched_groups"],
+            **self.closing.stats(),
         }
 
     def state_dict(self) -> dict[str, object]:
@@ -461,11 +367,7 @@ class TokenPlane:
         Raises:
             ConfigError: while a round launched ahead holds groups no take used yet.
         """
-        if self.ahead.pending is not None:
-            raise ConfigError(
-                "state_dict: a round was launched ahead and holds the next take's groups; "
-                "take it (fetch/stream) first"
-            )
+        self._idle("state_dict", "take it (fetch/stream) first")
         return {
             "store": self.store.state_dict(),
             "spec": repr(self.spec.state_dict()),
@@ -483,20 +385,12 @@ class TokenPlane:
             ConfigError: while a round launched ahead holds micro-batches no take used yet.
         """
         self._open("checkpoint")
-        if self.ahead.pending is not None:
-            raise ConfigError(
-                "checkpoint: a round was launched ahead and holds the next take's groups; "
-                "checkpoint after that fetch/stream (or before the backward that launches it)"
-            )
-        save_shard(
-            root,
-            self.rank,
-            self.world,
-            self.state_dict(),
-            self.ex,
-            self.spec.group,
-            self.spec.group_size,
+        self._idle(
+            "checkpoint",
+            "checkpoint after that fetch/stream (or before the backward that launches it)",
         )
+        spec, state = self.spec, self.state_dict()
+        save_shard(root, self.rank, self.world, state, self.ex, spec.group, spec.group_size)
 
     def restore(self, root: str) -> None:
         """Load the groups a checkpoint under ``root`` holds, dealt whole over this job's ranks
@@ -508,17 +402,20 @@ class TokenPlane:
                 used yet (they would be delivered beside their restored copies).
         """
         self._open("restore")
-        if self.ahead.pending is not None:
-            raise ConfigError(
-                "restore: a round was launched ahead and holds the next take's groups; "
-                "take it (fetch/stream) first, or restore before the backward that launches it"
-            )
+        self._idle("restore", "take it (fetch/stream) first, or restore before the backward")
         self.runner.priorities = []
         load_shares(root, self.rank, self.world, self, self.ex)
 
     def _open(self, what: str) -> None:
         if self.closed:
             raise ConfigError(f"{what}: the token plane is closed")
+
+    def _idle(self, what: str, hint: str) -> None:
+        """Refuse ``what`` while a round launched ahead holds the next take's groups."""
+        if self.ahead.pending is not None:
+            raise ConfigError(
+                f"{what}: a round was launched ahead and holds the next take's groups; {hint}"
+            )
 
     def close(self) -> None:
         """Run the closing round (unless a peer's already ran) and release the group.
@@ -531,22 +428,7 @@ class TokenPlane:
         if self.closed:
             return
         self.closed = True
-        clean = False
-        try:
-            if self.ahead.pending is not None:  # launched ahead, never taken
-                _, stats = self.runner.take(
-                    self.ahead.pending.key, time.perf_counter(), TakeTiming()
-                )
-                self.at_close["launched_groups"] += stats.groups
-            if self.closed_by < 0:
-                self.runner.run(Request(closing=True), self.version)
-            clean = True
-        finally:
-            self.at_close["groups"] += len(self.store.groups)
-            self.at_close["sequences"] += self.store.sequences
-            self.runner.close()
-            with contextlib.suppress(Exception):  # clean: every rank ran the same exchanges,
-                self.ex.close(drain=clean)  # so a barrier before its shared-memory files go
+        self.closing.close(self.version)
 
     def __enter__(self) -> TokenPlane:
         return self
@@ -555,10 +437,7 @@ class TokenPlane:
         """Release the plane's group without a closing round (after a failure: the peers'
         next round then fails naming this rank instead of waiting for it)."""
         self.closed = True
-        with contextlib.suppress(Exception):
-            self.ex.close()
-        # after the group is gone (a launched round mid-collective then fails): not waited for
-        self.runner.close(wait=False)
+        self.closing.abort()
 
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
