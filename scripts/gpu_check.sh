@@ -25,7 +25,8 @@
 #   k.kill_resume     60  scripts/kill_resume.py with device=cuda: a rank killed, resumed, finished
 #   t.tokens1/2    25+30  the token plane at world size 1 (NCCL) and on 2 ranks sharing the GPU:
 #                         sequences byte-identical and whole (GPU and host puts), micro-batches
-#                         and arenas on the GPU, the next batch's round launched at the backward
+#                         and arenas on the GPU, the next batch's round launched at the backward,
+#                         puts while it runs; host syncs per fetch (0) and per put (0 / 2, counted)
 #   c.nccl_world1     35  NCCL at world size 1 (groups, a plane with DDP), the Exchange's wait on
 #                         the device and its close with work queued (last: see docs/gpu.md)
 #   g.two_gpus       120  only where torch.cuda.device_count() >= 2 (not in the sum): NCCL between
