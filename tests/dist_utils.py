@@ -169,3 +169,35 @@ def _check_exits(procs, exit_s: float, expect_exit: dict[int, int]) -> None:
         raise AssertionError(
             f"ranks exited with unexpected codes {bad} (expected 0, or {expect_exit})"
         )
+
+
+PROVENANCE = ("commit", "dirty", "torch", "native", "world_size", "cores", "conduit_dist")
+
+
+def bench_line(stdout: str) -> dict:
+    """A benchmark's JSON line (its output's last line), checked to carry its provenance:
+    the commit, torch version, native functions, world size and cores (``bench/common.py``)."""
+    import json
+
+    line = json.loads(stdout.strip().splitlines()[-1])
+    prov = line.get("provenance")
+    assert isinstance(prov, dict), f"bench {line.get('bench')}: no provenance in {sorted(line)}"
+    missing = [k for k in PROVENANCE if k not in prov]
+    assert not missing, f"bench {line.get('bench')}: provenance lacks {missing}"
+    assert prov["torch"] and prov["cores"] >= 1 and prov["world_size"] >= 1, prov
+    assert set(prov["native"]) == {"built", "native", "missing"}, prov["native"]
+    return line
+
+
+def needs_native(*names: str) -> None:
+    """Skip, naming them, where the native extension or any of ``names`` is absent: a test
+    comparing the native path with torch's would otherwise compare torch's path with itself."""
+    import pytest
+
+    from conduit_dist.records.native import _native
+
+    if _native is None:
+        pytest.skip("the native extension is not built (pip install -e .)")
+    missing = [n for n in names if not hasattr(_native, n)]
+    if missing:
+        pytest.skip(f"the native extension lacks {', '.join(missing)} (a stale build)")

@@ -4,11 +4,10 @@ gloo transport) and reports each against the others; values, not timings, are as
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
-from dist_utils import ROOT, child_env
+from dist_utils import ROOT, bench_line, child_env
 
 BENCH = [sys.executable, "-m", "conduit_dist.bench", "remote"]
 
@@ -18,7 +17,7 @@ def test_bench_remote_measures_conduit_raw_and_torchrl_side_by_side():
     proc = subprocess.run([*BENCH, *args], cwd=ROOT, env=child_env(), capture_output=True,
                           text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = bench_line(proc.stdout)
     assert line["bench"] == "remote" and line["batch"] == 64 and line["placement"] == "local"
     systems = {r["system"] for r in line["results"]}
     assert systems == {"conduit", "conduit_shm", "raw", "torchrl"}, systems

@@ -6,10 +6,9 @@ rows than any before it, so a new tensor is rare, never per round)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 
-from dist_utils import ROOT, TORCHRUN, child_env
+from dist_utils import ROOT, TORCHRUN, bench_line, child_env
 
 
 def test_bench_rounds_runs_every_case_from_an_empty_store():
@@ -18,7 +17,7 @@ def test_bench_rounds_runs_every_case_from_an_empty_store():
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = bench_line(proc.stdout)
     assert line["bench"] == "rounds" and line["world"] == 2
     cases = {r["case"]: r for r in line["results"]}
     assert {"fused", "fused_grads", "three_exchange", "main_job"} <= set(cases), set(cases)

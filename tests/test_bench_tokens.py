@@ -5,10 +5,9 @@ are asserted)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 
-from dist_utils import ROOT, TORCHRUN, child_env
+from dist_utils import ROOT, TORCHRUN, bench_line, child_env
 
 KEYS = (
     "balance_max_over_mean", "wire_over_token_bytes", "speedup_vs_allgather", "ours_ms",
@@ -24,7 +23,7 @@ def test_bench_tokens_reports_balance_and_wire_bytes():
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = bench_line(proc.stdout)
     assert line["bench"] == "tokens" and line["world"] == 2
     s = line["summary"]
     assert set(KEYS) <= set(s), set(KEYS) - set(s)

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from dist_utils import child_env, run_ranks
+from dist_utils import bench_line, child_env, run_ranks
 from plane_helpers import assert_intact, make_batch, spec
 
 import conduit_dist as cd
@@ -339,7 +339,6 @@ def test_background_write_failure_surfaces_at_the_next_call(tmp_path):
 
 def test_checkpoint_bench_runs_every_mode(tmp_path):
     """``bench checkpoint`` at a toy size on 2 ranks: every mode measured, ratios last."""
-    import json
     import subprocess
     import sys
 
@@ -350,7 +349,7 @@ def test_checkpoint_bench_runs_every_mode(tmp_path):
         capture_output=True, text=True, timeout=240, env=child_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = bench_line(out.stdout)
     modes = {r["mode"]: r for r in res["results"]}
     assert set(modes) == {"ours", "ours_checksum_limited", "dcp_async", "stop_world"}
     assert all(f"{m}_cost" in res["summary"] for m in modes)

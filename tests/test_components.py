@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import needs_native, run_ranks
 from plane_helpers import assert_intact, make_batch, shard_items, spec
 
 import conduit_dist as cd
@@ -431,11 +431,9 @@ def test_uniform_allocation_is_the_same_with_and_without_the_native_extension(mo
     import numpy as np
 
     import conduit_dist.sampling.uniform as uniform_mod
-    from conduit_dist.records.spec import _native
     from conduit_dist.sampling import SamplerContext
 
-    if _native is None:
-        pytest.skip("the native extension is not built")
+    needs_native("uniform_alloc")
     u = uniform_mod.Uniform()
     u.bind(SamplerContext(3, 0, 3, np.zeros((3, 3))))
     cases = [([128, 0, 64], [40, 120, 7]), ([5, 5, 5], [0, 9, 0]), ([300, 1, 0], [1, 1, 1])]

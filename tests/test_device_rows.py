@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import test_matrix as tm
 import torch
-from dist_utils import run_ranks
+from dist_utils import needs_native, run_ranks
 from matrix_helpers import FIELDS, N_STEP, intact, nstep_window, sampler, step
 
 import conduit_dist as cd
@@ -52,6 +52,7 @@ def _batches(kind: str, rounds: int = 14) -> list[dict[str, torch.Tensor]]:
 def test_the_device_path_gives_the_native_paths_bytes_at_world_size_one(kind, monkeypatch):
     """Same draws, same rows: every field, address, weight, n-step return and discount equal
     bit for bit (the draws do not depend on where rows are composed)."""
+    needs_native()
     monkeypatch.delenv(REHEARSAL_ENV, raising=False)
     native = _batches(kind)
     monkeypatch.setenv(REHEARSAL_ENV, "1")
@@ -144,8 +145,7 @@ def test_priorities_given_on_the_device_path_are_checked_when_queued(monkeypatch
 
 
 def test_nstep_values_are_the_native_loops_bytes():
-    if _native is None or not hasattr(_native, "seq_nstep"):
-        pytest.skip("the native extension is not built")
+    needs_native("seq_nstep")
     rng = np.random.default_rng(3)
     k, L, rb, gamma = 64, N_STEP + 2, 16, 0.97
     rewards = rng.normal(size=(k, L)).astype(np.float32)

@@ -172,9 +172,13 @@ def test_every_sampler_at_world_size_one(kind):
         _check(kind, 1, {0: _combo(0, 1, kind, placement)})
 
 
-def _ages(rank: int, world: int) -> dict[tuple[str, str], tuple[int, int]]:
+def _ages(rank: int, world: int) -> dict[tuple[str, str], tuple[list[int], int]]:
     """Every rank learns and publishes each round, so each round's items are one version newer;
-    with max_policy_age=1 shards evict what falls behind, and no fetch returns a stale row."""
+    with max_policy_age=1 shards evict what falls behind, and no fetch returns a stale row.
+    Slices publish every ``2 * LENGTH`` steps: a window of ``LENGTH`` steps a version apart
+    would always hold a stale item, so none could ever be fetched (the check saw no age at all
+    before it counted them), and with ``LENGTH`` steps between publishes episode ends leave
+    too few whole windows."""
     net, out = torch.nn.Linear(2, 2), {}
     for kind in KINDS:
         for placement in ("local", "round_robin"):
@@ -183,15 +187,19 @@ def _ages(rank: int, world: int) -> dict[tuple[str, str], tuple[int, int]]:
                 placement=placement, schedule="sync", max_policy_age=1,
             )  # fmt: skip
             oldest, batch = [], 1 if kind in ("queue", "lifo", "without_replacement") else 4
-            for t in range(12):  # queues: fewer items taken than put, so some grow stale
+            every = 2 * LENGTH if kind == "slices" else 1
+            for t in range(12 * every):  # queues: fewer items taken than put, so some go stale
                 plane.put(step(rank, t))
+                if (t + 1) % every:
+                    continue
                 plane.publish_weights(net)
                 try:
                     b = plane.fetch(batch)
                     oldest.append(int(b["_version"].min()) - plane.policy_version)
                 except EmptyStoreError:
                     pass
-            out[(kind, placement)] = (min(oldest, default=0), plane.store_stats()["stale_evicted"])
+            # the ages seen: min(oldest, default=0) would pass a combination that fetched nothing
+            out[(kind, placement)] = (oldest, plane.store_stats()["stale_evicted"])
             plane.close()
     return out
 
@@ -200,7 +208,8 @@ def test_max_policy_age_with_every_sampler():
     res = run_ranks(_ages, 3, timeout_s=300)
     for rank, got in res.items():
         for combo, (oldest, evicted) in got.items():
-            assert oldest >= -1, (rank, combo, oldest)  # never more than one version behind
+            assert len(oldest) >= 3, (rank, combo, oldest)  # ages were observed, not assumed
+            assert min(oldest) >= -1, (rank, combo, oldest)  # never more than one version behind
             assert evicted > 0, (rank, combo)  # the shards did evict stale items
 
 

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import needs_native, run_ranks
 
 import conduit_dist as cd
 from conduit_dist.errors import ConfigError, SpecError
@@ -296,6 +296,8 @@ def test_sum_tree_fill_matches_set_natively_and_without_the_extension(monkeypatc
     """``fill`` (one native call, or ``set`` through a reused buffer) gives ``set``'s tree, and
     a negative or infinite value is refused before any leaf changes."""
     from conduit_dist.sampling import sumtree
+
+    needs_native("tree_fill", "tree_set")
 
     def build(use_fill: bool) -> sumtree.SumTree:
         tree = sumtree.SumTree(1000)

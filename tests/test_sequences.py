@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import needs_native, run_ranks
 
 import conduit_dist as cd
 from conduit_dist.errors import ConfigError
@@ -249,11 +249,9 @@ def _draws(
 def test_native_links_and_nstep_rows_match_the_torch_path(monkeypatch, seq, dtype):
     """``seq_link``/``seq_nstep``/``unpack_rows`` (the C loops) give the torch path's batches,
     item for item."""
-    from conduit_dist.records.spec import _native as native
     from conduit_dist.sampling import sequences
 
-    if native is None:
-        pytest.skip("the native extension is not built")
+    needs_native("seq_link", "seq_nstep", "unpack_rows", "seq_starts")
     fast = _draws(seq, dtype, 60)
     monkeypatch.setattr(sequences, "_native", None)
     slow = _draws(seq, dtype, 60)
@@ -274,11 +272,9 @@ def test_native_starts_match_the_torch_path_in_rings_that_reuse_slots_every_step
 ):
     """A ring of a few slots: every step's items overwrite the windows the walks back cross, so
     ``seq_starts`` must check each link's liveness as the torch path does."""
-    from conduit_dist.records.spec import _native as native
     from conduit_dist.sampling import sequences
 
-    if native is None:
-        pytest.skip("the native extension is not built")
+    needs_native("seq_starts")
     seq = cd.Windows(n_step=3, gamma=GAMMA, stream="env", truncated="truncated")
     fast = _draws(seq, torch.int64, 60, capacity=capacity, batch=4)
     monkeypatch.setattr(sequences, "_native", None)
@@ -362,8 +358,7 @@ def test_seq_starts_matches_a_reference_walk_on_random_links():
     ends an episode; only live starts, in that order."""
     from conduit_dist.records.spec import _native as native
 
-    if native is None or not hasattr(native, "seq_starts"):
-        pytest.skip("the native extension is not built")
+    needs_native("seq_starts")
     g = torch.Generator().manual_seed(0)
 
     def back(prev, gen, cap, x, steps):

@@ -6,14 +6,13 @@ exceeded end to end over random long-tailed lengths, at world size 1 and on 2 gl
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import subprocess
 
 import numpy as np
 import pytest
 import torch
-from dist_utils import ROOT, TORCHRUN, child_env, run_ranks
+from dist_utils import ROOT, TORCHRUN, bench_line, child_env, run_ranks
 
 import conduit_dist as cd
 from conduit_dist.tokens.cost import COSTS, Flops
@@ -288,7 +287,7 @@ def test_bench_tokens_learner_cost_reports_step_time_balance(learner):
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = bench_line(proc.stdout)
     assert line["bench"] == "token_balance" and line["world"] == 2 and line["cost"] == "flops"
     assert line["learner_cost"] == learner
     s = line["summary"]

@@ -63,9 +63,62 @@ def run_peer(bench: str, python: str, script: str, cfg: dict, hint: str) -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _commit() -> dict[str, object]:
+    """The checkout's commit and whether tracked files differ from it (``None`` outside a git
+    checkout, e.g. an installed wheel)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        diff = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(diff.stdout.strip())}
+
+
+def provenance() -> dict[str, object]:
+    """What a benchmark's figures depend on beyond its options: the commit (and whether the
+    tree was dirty), the package and torch versions, which native functions were used, the
+    process group's world size and backend, and the cores this process may run on.
+
+    Returns:
+        A JSON-ready dict (``emit`` puts it under ``"provenance"`` in every benchmark's line).
+    """
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    from conduit_dist import __version__
+    from conduit_dist.records.native import native_state
+
+    up = dist.is_available() and dist.is_initialized()
+    return {
+        **_commit(),
+        "conduit_dist": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "native": native_state(),
+        "world_size": dist.get_world_size() if up else int(os.environ.get("WORLD_SIZE", 1)),
+        "backend": str(dist.get_backend()) if up else None,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "host": platform.node(),
+    }
+
+
 def emit(name: str, results: list[dict], summary: dict, **extra: object) -> None:
-    """Print the benchmark's JSON line (always the last line of output)."""
-    print(json.dumps({"bench": name, **extra, "results": results, "summary": summary}), flush=True)
+    """Print the benchmark's JSON line (always the last line of output), with its
+    :func:`provenance` under ``"provenance"``."""
+    line = {"bench": name, **extra, "provenance": provenance(), "results": results}
+    print(json.dumps({**line, "summary": summary}), flush=True)
 
 
 # ---------------------------------------------------------------------------- argument checks

@@ -258,8 +258,6 @@ def main(argv: list[str]) -> None:
     off = _measure("offcpu", a, spec, cpu["compute_ms"])
     dqn = _dqn(a.dqn_iters) if a.dqn_iters else None
     if dist.get_rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        plot({"cpu": cpu["raw"], "offcpu": off["raw"]}, a.out)
         summary = report(cpu, off)
         if dqn:
             report_dqn(dqn, summary)
@@ -280,6 +278,9 @@ def main(argv: list[str]) -> None:
             dqn=dqn,
             plot=a.out,
         )
+        # the picture after the JSON: a plot that cannot be written costs no measurement
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        plot({"cpu": cpu["raw"], "offcpu": off["raw"]}, a.out)
     cd.destroy_distributed()
 
 

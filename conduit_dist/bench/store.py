@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import sys
 
 import torch
 
@@ -182,14 +183,21 @@ class TorchRLStore:
         self.rb = None
 
 
+SKIPPED: dict[str, str] = {}
+"""Baselines that could not run in this process, and why (in the JSON's ``skipped``)."""
+
+
 def _systems() -> list[type]:
     systems: list[type] = [ConduitStore, RingStore, RingOutStore]
     try:
         import torchrl.data  # noqa: F401
 
         systems.append(TorchRLStore)
-    except Exception:
-        pass
+    except Exception as exc:  # said on stderr and in the JSON, never dropped silently
+        why = f"{type(exc).__name__}: {exc} (pip install -e '.[bench]')"
+        if "torchrl" not in SKIPPED:  # once, not per transition kind
+            print(f"bench store: the torchrl baseline cannot run: {why}", file=sys.stderr)
+        SKIPPED["torchrl"] = why
     return systems
 
 
@@ -385,7 +393,10 @@ def main(argv: list[str]) -> None:
             + "  "
             + " ".join(f"{k}={v:.2f}" for k, v in e.items() if k.startswith("vs_"))
         )
-    emit("store", ratios, summary, threads=a.threads, insert_counts=INSERT_COUNTS)
+    emit(
+        "store", ratios, summary, threads=a.threads, insert_counts=INSERT_COUNTS,
+        skipped=dict(SKIPPED),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ _CODES = {False: 1, True: 2, "auto": 3}  # a rank's setting in the agreement (0:
 def native_barrier() -> bool:
     """Whether the native extension has the barrier and the batched copies of an exchange (a
     build older than them does not)."""
-    return _native is not None and all(hasattr(_native, f) for f in ("shm_wait", "copy_spans"))
+    return _native is not None and all(
+        hasattr(_native, f) for f in ("shm_wait", "shm_arrive", "shm_lock", "copy_spans")
+    )
 
 
 def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
@@ -53,7 +55,7 @@ def open_shared(ex, wanted: bool | str) -> SharedMemory | None:
     where every rank does, all are on one host by the topology's host keys
     (``topology.host_key``: emulated hosts sharing one ``/dev/shm`` stay apart), every rank's
     native extension has the barrier and ``/dev/shm`` has room for what all its ranks map at
-    start-up (:func:`room_for`), and otherwise says why once (rank 0, ``INFO``).
+    start-up (:func:`room_for`), and otherwise says why once (rank 0, ``WARNING``).
 
     Raises:
         ConfigError: naming the ranks whose setting differs from the others'; with ``True``, the
@@ -243,9 +245,10 @@ def _probe(ex, seen: bool) -> tuple[list[int], str]:
 
 
 def _off(ex, why: str) -> None:
-    """``"auto"`` decided against shared memory: say why, once per plane (rank 0)."""
+    """``"auto"`` decided against shared memory: say why, once per plane (rank 0, a WARNING:
+    host rows then take gloo's slower path, which a user who left the default should know)."""
     if ex.rank == 0:
-        log.info("transport.shared_memory=auto: off, %s; host rows go through gloo", why)
+        log.warning("transport.shared_memory=auto: off, %s; host rows go through gloo", why)
     return None
 
 

@@ -185,7 +185,7 @@ def _strategies(ex: Exchange, topo: Topology, model: BandwidthModel) -> dict[str
 
 def _versions(device: torch.device) -> dict[str, object]:
     from conduit_dist import __version__
-    from conduit_dist.records.spec import _native
+    from conduit_dist.records.native import native_state
 
     cuda = torch.cuda.is_available()
     return {
@@ -193,7 +193,7 @@ def _versions(device: torch.device) -> dict[str, object]:
         "torch": torch.__version__,
         "conduit_dist": __version__,
         "numpy": np.__version__,
-        "native_extension": _native is not None,
+        "native_extension": native_state(),
         "device": str(device),
         "cuda_available": cuda,
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -279,13 +279,25 @@ def _cache_line(bw: dict, world: int) -> str:
     return f"{bw['cache_path']} ({'exists' if bw['cache_exists'] else 'not written yet'})"
 
 
+def _native_line(state: dict) -> str:
+    if not state["built"]:
+        return "native extension: not built (pip install -e .); every function takes Python"
+    if not state["missing"]:
+        return f"native extension: all {len(state['native'])} functions"
+    return (
+        f"native extension: {len(state['native'])} functions; missing (Python path): "
+        + ", ".join(state["missing"])
+    )
+
+
 def format_report(r: dict) -> str:
     """The report as the lines ``python -m conduit_dist info`` prints."""
     v, topo, bw = r["versions"], r["topology"], r["bandwidth"]
     gpus = ", ".join(v["cuda_devices"]) or "none"
     lines = [
         f"conduit_dist {v['conduit_dist']}  torch {v['torch']}  python {v['python']}  "
-        f"numpy {v['numpy']}  native extension: {'yes' if v['native_extension'] else 'no'}",
+        f"numpy {v['numpy']}",
+        _native_line(v["native_extension"]),
         f"device {v['device']}  cuda: {gpus}  cpus: {v['cpu_count']}",
         f"backend {r['backend'] or 'none (no process group)'}  world size {r['world_size']}",
         "",
