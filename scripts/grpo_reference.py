@@ -34,11 +34,11 @@ from conduit_dist.rl.grpo import (
     VOCAB,
     Group,
     GRPOConfig,
-    make_prompts,
     sample_groups,
     split_micro_batches,
     to_token_batch,
 )
+from conduit_dist.rl.grpo_eval import PromptSplit, evaluate
 from conduit_dist.rl.grpo_update import GRPOUpdate
 from conduit_dist.rl.lm import LMConfig, TinyLM
 
@@ -114,6 +114,8 @@ def run(
     steps: int,
     log_every: int,
     out_path: str | None,
+    split: PromptSplit,
+    eval_every: int = 0,
 ) -> dict[str, object]:
     """Train until the time budget or the step count runs out.
 
@@ -124,6 +126,9 @@ def run(
         steps: the most steps (0: unlimited).
         log_every: steps between log lines.
         out_path: JSONL metrics path or None.
+        split: the held-out prompts (evaluated greedily before the first step, every
+            ``eval_every`` steps and after the last) and the training prompts' draw.
+        eval_every: steps between evaluations (0: the first and the last only).
 
     Returns:
         The summary dict printed as ``done:``.
@@ -140,8 +145,11 @@ def run(
     t0 = tick = time.perf_counter()
     step = trained = tokens = 0
     window: list[float] = []  # rewards scored since the last log line
+    first_eval = evaluate(policy, split.heldout, cfg.max_new)
+    emit({"step": 0, "trained_samples": 0, **_eval_keys(first_eval)}, out)
+    last_eval = first_eval
     while (not steps or step < steps) and time.perf_counter() - t0 < budget_s:
-        prompts = make_prompts(cfg.prompts_per_step, rng, cfg.max_digits)
+        prompts = split.train(cfg.prompts_per_step, rng)
         groups = sample_groups(policy, prompts, cfg.group_size, cfg.max_new, gen)
         rewards = torch.cat([g.rewards for g in groups])
         first.extend(rewards.tolist()[: 100 - len(first)])
@@ -153,9 +161,14 @@ def run(
         step += 1
         trained += len(lengths) * cfg.epochs
         tokens += int(lengths.sum()) * cfg.epochs
-        if step % log_every == 0:
+        done_now = step == steps or time.perf_counter() - t0 >= budget_s
+        evaluated = done_now or (eval_every and step % eval_every == 0)
+        if evaluated:
+            last_eval = evaluate(policy, split.heldout, cfg.max_new)
+        if step % log_every == 0 or evaluated:
             now = time.perf_counter()
             rec = {"step": step, "trained_samples": trained, **batch_stats(groups, batch)}
+            rec.update(_eval_keys(last_eval) if evaluated else {})
             rec.update(tokens_per_s=round(tokens / (now - tick), 1), wall_s=round(now - t0, 1))
             rec["clipfrac"] = round(stats.get("clipfrac", 0.0), 4)
             rec["reward_window"] = round(float(np.mean(window)), 4)  # as train.py's rl/reward
@@ -169,11 +182,20 @@ def run(
         "reward_1000": round(float(np.mean(last)), 4),
         "wall_s": round(time.perf_counter() - t0, 1),
         "trained_samples": trained,
+        "eval_exact_first": round(first_eval["exact"], 4),
+        "eval_exact_last": round(last_eval["exact"], 4),
+        "eval_reward_first": round(first_eval["reward"], 4),
+        "eval_reward_last": round(last_eval["reward"], 4),
     }
     emit(done, out, "done: ")
     if out is not None:
         out.close()
     return done
+
+
+def _eval_keys(ev: dict[str, float]) -> dict[str, float]:
+    """An evaluation under train.py's metric names."""
+    return {"eval/exact": round(ev["exact"], 4), "eval/reward": round(ev["reward"], 4)}
 
 
 def main() -> None:
@@ -187,6 +209,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--d-model", type=int, default=LMConfig.d_model)
     p.add_argument("--n-layers", type=int, default=LMConfig.n_layers)
+    p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts")
+    p.add_argument("--eval-seed", type=int, default=1234, help="the held-out set's seed")
+    p.add_argument("--eval-every", type=int, default=0, help="steps (0: first and last)")
     for f in dataclasses.fields(GRPOConfig):
         if f.name != "seed":
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
@@ -196,7 +221,8 @@ def main() -> None:
     cfg = GRPOConfig(**{k: v for k, v in over.items() if v is not None})
     max_len = cfg.max_digits + 1 + cfg.max_new
     lm = LMConfig(vocab=VOCAB, d_model=a.d_model, n_layers=a.n_layers, max_len=max_len)
-    run(cfg, lm, a.minutes * 60, a.steps, a.log_every, a.out)
+    split = PromptSplit(a.eval_prompts, cfg.max_digits, a.eval_seed)
+    run(cfg, lm, a.minutes * 60, a.steps, a.log_every, a.out, split, a.eval_every)
 
 
 if __name__ == "__main__":

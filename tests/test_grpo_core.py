@@ -23,6 +23,7 @@ from conduit_dist.rl.grpo import (
     to_token_batch,
     token_spec,
 )
+from conduit_dist.rl.grpo_eval import PromptSplit, evaluate, greedy_rewards
 from conduit_dist.rl.lm import LMConfig, TinyLM, generate, packed_logprobs
 from conduit_dist.tokens import MicroBatch
 from conduit_dist.tokens.spec import check_batch
@@ -212,3 +213,41 @@ def test_training_raises_reward_on_one_digit_task():
             loss.backward()
             opt.step()
     assert np.mean(means[-10:]) > np.mean(means[:10]) + 0.2, means
+
+
+def test_heldout_prompts_are_fixed_distinct_and_never_drawn_for_training():
+    split = PromptSplit(256, max_digits=6, seed=1234)
+    assert split.lengths == [3, 4, 5, 6]  # 1- and 2-digit prompts: too few to hold out
+    assert len({tuple(p) for p in split.heldout}) == 256
+    assert all(p[-1] == SEP and 3 <= len(p) - 1 <= 6 for p in split.heldout)
+    lens = [len(p) - 1 for p in split.heldout]
+    assert all(lens.count(k) == 64 for k in range(3, 7))
+    assert split.heldout == PromptSplit(256, 6, 1234).heldout  # the seed fixes the set
+    assert split.heldout != PromptSplit(256, 6, 99).heldout
+    train = split.train(20_000, np.random.default_rng(0))
+    assert not any(p in split for p in train)
+    assert len({len(p) - 1 for p in train}) == 6  # training keeps every length
+    # 1,000 3-digit strings: of 64 held out, some would have been drawn had they not been
+    tiny = PromptSplit(90, max_digits=3, seed=0)  # 3-digit strings only: 90 of 1,000
+    assert tiny.lengths == [3]
+    assert not any(p in tiny for p in tiny.train(5000, np.random.default_rng(1)))
+    with pytest.raises(ValueError, match="do not fit"):
+        PromptSplit(1000, max_digits=2, seed=0)
+
+
+def test_greedy_evaluation_scores_the_argmax_answer():
+    m = _model(seed=7)
+    prompts = make_prompts(40, np.random.default_rng(3), 4)
+    tok, _, lengths = generate(m, prompts, 6, EOS, greedy=True)
+    again, _, _ = generate(m, prompts, 6, EOS, generator=None, greedy=True)
+    assert torch.equal(tok, again)  # deterministic
+    for i, p in enumerate(prompts[:5]):  # each token is the argmax given what came before
+        seq = p + tok[i, : lengths[i]].tolist()
+        logits = m(torch.tensor(seq)[None])[0]
+        for t in range(len(p), len(seq)):
+            assert seq[t] == int(logits[t - 1].argmax())
+    r = greedy_rewards(m, prompts, 6)
+    want = [reward(p, tok[i, : lengths[i]].tolist()) for i, p in enumerate(prompts)]
+    assert r.tolist() == want
+    ev = evaluate(m, prompts, 6)
+    assert ev == {"exact": float((r == 1).double().mean()), "reward": float(r.mean())}

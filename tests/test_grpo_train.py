@@ -50,6 +50,13 @@ def _rows(tmp_path) -> list[dict]:
 
 
 def _check_rows(rows: list[dict], bound: int, steps: int = STEPS) -> None:
+    """The first row is the held-out evaluation before any step; the last holds the one after
+    the last step; every other row is a training window."""
+    assert set(rows[0]) >= {"eval/exact", "eval/reward"} and rows[0]["env_steps"] == 0
+    assert "train/policy_version" not in rows[0] and "eval/exact" in rows[-1]
+    for r in (rows[0], rows[-1]):
+        assert 0 <= r["eval/exact"] <= r["eval/reward"] <= 1
+    rows = rows[1:]
     versions = [r["train/policy_version"] for r in rows]
     assert versions == sorted(versions) and versions[-1] == steps, versions
     for r in rows:
@@ -70,12 +77,14 @@ def test_colocated_two_ranks_streams_and_logs_to_wandb(tmp_path):
     assert done["dropped_stale"] == 0 and done["max_policy_age_seen"] <= 1
     assert 0 <= done["reward_first_100"] <= 1 and 0 <= done["reward_100"] <= 1
     rows = _rows(tmp_path)
-    assert len(rows) == STEPS // 4
+    assert len(rows) == 1 + STEPS // 4
     _check_rows(rows, 1)
+    assert done["eval_exact_first"] == rows[0]["eval/exact"]
+    assert done["eval_exact_last"] == rows[-1]["eval/exact"]
     run = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     assert len(run) == 1, run
     keys = {k for row in history(glob.glob(os.path.join(run[0], "*.wandb"))[0]) for k in row}
-    assert {"rl/reward", "path/policy_age_max", "rate/gen_tokens_per_s"} <= keys
+    assert {"rl/reward", "path/policy_age_max", "rate/gen_tokens_per_s", "eval/exact"} <= keys
 
 
 def test_disaggregated_one_learner_two_generators_keeps_the_age_bound(tmp_path):
@@ -86,7 +95,9 @@ def test_disaggregated_one_learner_two_generators_keeps_the_age_bound(tmp_path):
     done = _done(res)
     assert done["steps"] == STEPS and done["dropped_stale"] == 0
     assert done["max_policy_age_seen"] <= 1
-    _check_rows(_rows(tmp_path), 1)
+    rows = _rows(tmp_path)
+    _check_rows(rows, 1)
+    assert done["eval_exact_last"] == rows[-1]["eval/exact"]  # rank 0, the only learner
 
 
 def test_colocated_fetch_two_epochs_with_kl_and_age_zero(tmp_path):
@@ -100,7 +111,7 @@ def test_colocated_fetch_two_epochs_with_kl_and_age_zero(tmp_path):
     assert done["max_policy_age_seen"] == 0
     rows = _rows(tmp_path)
     _check_rows(rows, 0, STEPS // 2)
-    assert all(r["train/kl"] >= 0 for r in rows)
+    assert all(r["train/kl"] >= 0 for r in rows[1:])
 
 
 def _compose(*overrides: str) -> TrainConfig:
@@ -122,6 +133,9 @@ def _compose(*overrides: str) -> TrainConfig:
         ("algo.grpo.group_size=1", r"algo.grpo.group_size: expected >= 2"),
         ("algo.grpo.d_model=30", r"algo.grpo.d_model: expected a multiple of n_heads=4"),
         ("plane.placement=round_robin", r"plane.placement: expected auto or local"),
+        ("algo.grpo.eval_every=-1", r"algo.grpo.eval_every: expected >= 0, got -1"),
+        ("algo.grpo.eval_prompts=0", r"algo.grpo.eval_prompts: expected >= 1, got 0"),
+        ("algo.grpo.eval_prompts=999999", r"algo.grpo.eval_prompts: .* do not fit"),
     ],
 )
 def test_grpo_refuses_settings_it_cannot_honour(override, message):
@@ -195,4 +209,5 @@ def test_three_generators_at_age_zero_stop_on_time_and_log_the_last_window(tmp_p
     assert 1 <= done["steps"] < 100000 and done["max_policy_age_seen"] == 0
     assert done["dropped_stale"] == 0 and done["evicted_groups"] == 0
     rows = _rows(tmp_path)
-    assert len(rows) == 1 and rows[0]["train/policy_version"] == done["steps"]
+    assert len(rows) == 2 and rows[1]["train/policy_version"] == done["steps"]
+    assert rows[1]["eval/exact"] == done["eval_exact_last"]

@@ -2,7 +2,8 @@
 
 Pre-LN blocks, learned absolute positions, optionally tied input/output embeddings. Two uses:
 
-* :func:`generate` samples responses to variable-length prompts at temperature 1. Prompts are
+* :func:`generate` samples responses to variable-length prompts at temperature 1 (or decodes
+  greedily, ``greedy=True``: the evaluation's decoding). Prompts are
   left-padded; each row's positions start at 0 at its first real token and pad keys are masked,
   so a row samples exactly as it would alone. A KV cache makes each decoding step one token
   per row: on one CPU core at ``d_model=64``, 256 rows of 2..9-token prompts and up to 10 new
@@ -227,6 +228,7 @@ def generate(
     eos: int,
     pad: int = 0,
     generator: torch.Generator | None = None,
+    greedy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample responses at temperature 1 with a KV cache, stopping rows at ``eos``.
 
@@ -237,6 +239,8 @@ def generate(
         eos: the end-of-sequence id (included in a response that emits it).
         pad: the id left-padding uses (masked out; any valid id).
         generator: random source for sampling.
+        greedy: take the most likely token at each step instead of sampling (``generator``
+            unused).
 
     Returns:
         ``tokens [B, max_new]`` int64 (after a row's end: ``eos``), ``logp [B, max_new]``
@@ -266,7 +270,10 @@ def generate(
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     for t in range(max_new):
         logp = torch.log_softmax(model.head(h).float(), -1)
-        tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        if greedy:
+            tok = logp.argmax(-1)
+        else:
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         out[:, t] = torch.where(done, eos, tok)
         logps[:, t] = torch.where(done, 0.0, logp.gather(-1, tok[:, None]).squeeze(-1))
         done |= tok == eos

@@ -46,6 +46,11 @@ class GRPOSettings:
         max_minutes: stop after this much wall time (0: only ``total_env_steps``).
         wait_s: how long a learner waits for a global batch before failing.
         d_model, n_layers, n_heads: the policy's size (``rl/lm.py``'s ``LMConfig``).
+        eval_prompts: held-out prompts, never drawn for training, answered greedily before
+            the first step, every ``eval_every`` global batches and after the last
+            (``rl/grpo_eval.py``; split over the learners).
+        eval_every: global batches between evaluations (0: the first and the last only).
+        eval_seed: the held-out set's own seed (the same set whatever the run's seed).
     """
 
     max_digits: int = 6
@@ -65,6 +70,9 @@ class GRPOSettings:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    eval_prompts: int = 256
+    eval_every: int = 500
+    eval_seed: int = 1234
 
     def to_config(self, lr: float, grad_clip: float, seed: int) -> GRPOConfig:
         """The algorithm's config (``rl/grpo.py``) from these settings.
@@ -97,7 +105,8 @@ def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:
     """
     g, pc = cfg.algo.grpo, cfg.plane
     positive = ("max_digits", "max_new", "group_size", "prompts_per_step", "epochs")
-    for name in (*positive, "token_budget", "gen_groups", "d_model", "n_layers", "n_heads"):
+    sizes = ("token_budget", "gen_groups", "d_model", "n_layers", "n_heads", "eval_prompts")
+    for name in (*positive, *sizes):
         if getattr(g, name) < 1:
             raise ConfigError(f"algo.grpo.{name}: expected >= 1, got {getattr(g, name)!r}")
     if g.group_size < 2:
@@ -105,8 +114,9 @@ def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:
             f"algo.grpo.group_size: expected >= 2 (advantages are normalised within a "
             f"group), got {g.group_size}"
         )
-    if g.max_policy_age < 0:
-        raise ConfigError(f"algo.grpo.max_policy_age: expected >= 0, got {g.max_policy_age}")
+    for name in ("max_policy_age", "eval_every"):
+        if getattr(g, name) < 0:
+            raise ConfigError(f"algo.grpo.{name}: expected >= 0, got {getattr(g, name)!r}")
     for name in ("max_minutes", "kl_coef", "adv_eps"):
         if getattr(g, name) < 0:
             raise ConfigError(f"algo.grpo.{name}: expected >= 0, got {getattr(g, name)!r}")

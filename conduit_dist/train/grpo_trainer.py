@@ -19,6 +19,10 @@ micro-batch's gradient (``rl/grpo_update.py``), take one optimiser step per glob
 
 Every consumed sequence's policy age (the learner's version minus the oldest token's) is
 checked against the bound (the plane also refuses to deliver older ones).
+
+Learning is judged on held-out prompts (``rl/grpo_eval.py``): training never draws them; the
+learners answer them greedily before the first step, every ``eval_every`` global batches and
+after the last (``eval/exact``, ``eval/reward``; ``eval_exact_first``/``_last`` in the summary).
 """
 
 from __future__ import annotations
@@ -35,13 +39,8 @@ import torch.distributed as dist
 
 from conduit_dist.errors import ConfigError, StaleDataError
 from conduit_dist.plane.options import TransportConfig
-from conduit_dist.rl.grpo import (
-    VOCAB,
-    make_prompts,
-    sample_groups,
-    to_token_batch,
-    token_spec,
-)
+from conduit_dist.rl.grpo import VOCAB, sample_groups, to_token_batch, token_spec
+from conduit_dist.rl.grpo_eval import PromptSplit, greedy_rewards
 from conduit_dist.rl.grpo_update import GRPOUpdate
 from conduit_dist.rl.lm import LMConfig, TinyLM
 from conduit_dist.tokens.plane import TokenPlane
@@ -67,14 +66,15 @@ class GRPOTrainer:
             samples and learns there; experience is scored and stored on the host.
 
     Raises:
-        ConfigError: on settings GRPO cannot honour (``train/grpo_config.py``), or with
+        ConfigError: on settings GRPO cannot honour (``train/grpo_config.py``), with
             ``learner_ranks`` not holding rank 0 (the run's logger lives on rank 0 and logs
-            the learners' metrics).
+            the learners' metrics), or ``eval_prompts`` too many to hold out.
     """
 
     DONE_KEYS = (
         "reward_first_100", "reward_100", "wall_s", "max_policy_age_seen", "dropped_stale",
         "trained_samples", "steps", "evicted_groups", "exposed_ms_per_step", "hidden_ms_per_step",
+        "eval_exact_first", "eval_exact_last",
     )  # fmt: skip
 
     def __init__(
@@ -96,6 +96,10 @@ class GRPOTrainer:
         self.producers = [r for r in range(self.world) if colocated or r not in self.learners]
         self.is_learner, self.is_producer = self.rank in self.learners, self.rank in self.producers
         self.gcfg = g.to_config(cfg.algo.lr, cfg.algo.max_grad_norm, cfg.seed)
+        try:  # the same held-out set on every rank: training prompts are drawn around it
+            self.split = PromptSplit(g.eval_prompts, g.max_digits, g.eval_seed)
+        except ValueError as e:
+            raise ConfigError(f"algo.grpo.eval_prompts: {e}") from None
         lm = LMConfig(VOCAB, g.d_model, g.n_layers, g.n_heads, g.max_digits + 1 + g.max_new)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.policy = TinyLM(lm).to(self.device)
@@ -145,6 +149,7 @@ class GRPOTrainer:
         self.produce_s = 0.0  # generation inside the current stream (colocated)
         self.exposed_s = self.hidden_s = 0.0  # the plane's measured split, all steps so far
         self.max_age = 0
+        self.eval_first = self.eval_last = {"exact": 0.0, "reward": 0.0}  # learners' figures
         # this learner's share of the last 100 consumed rewards (the target_return check)
         self.recent: deque[float] = deque(maxlen=math.ceil(100 / len(self.learners)))
 
@@ -159,7 +164,7 @@ class GRPOTrainer:
             return False
         self.next_gid += n
         t0 = time.perf_counter()
-        prompts = make_prompts(n, self.rng, self.g.max_digits)
+        prompts = self.split.train(n, self.rng)
         groups = sample_groups(self.policy, prompts, self.g.group_size, self.g.max_new, self.gen)
         batch, lengths = to_token_batch(groups, ids, self.g.adv_eps)
         dt = time.perf_counter() - t0
@@ -219,6 +224,12 @@ class GRPOTrainer:
         agg = aggregate(summary_values(self), self.cfg.plane.timeout_s)
         first, last = agg["first_sum_mean"], agg["last_sum_mean"]
         return {
+            # greedy exact match on the held-out prompts before the first step and after the
+            # last (the learners' figure; other ranks add 0)
+            "eval_exact_first": agg["eval_exact_first_max"],
+            "eval_exact_last": agg["eval_exact_last_max"],
+            "eval_reward_first": agg["eval_reward_first_max"],
+            "eval_reward_last": agg["eval_reward_last_max"],
             "reward_first_100": first / max(agg["first_n_mean"], 1e-9),
             "reward_100": last / max(agg["last_n_mean"], 1e-9),
             "wall_s": round(wall, 1),
@@ -239,17 +250,35 @@ class GRPOTrainer:
         per_step = g.prompts_per_step * g.group_size * g.epochs  # responses trained per step
         total = math.ceil(cfg.total_env_steps / per_step)
         window = Window()
+        self.eval_first = self.eval_last = self._evaluate()
+        self.logger.log(_eval_metrics(self.eval_first), 0)
         while self.steps < total:
             self._step(window)
             elapsed = time.perf_counter() - start
             stop = [float(g.max_minutes > 0 and elapsed > 60 * g.max_minutes)]
             reached = self._reward_100(stop)
             last = stop[0] > 0 or reached or self.steps == total
+            ev = {}
+            if last or (g.eval_every and self.steps % g.eval_every == 0):
+                self.eval_last = self._evaluate()
+                ev = _eval_metrics(self.eval_last)
             if self.steps % cfg.logger.log_every == 0 or last:
-                self._log(window)
+                self._log(window, ev)
                 window = Window()
+            elif ev:
+                self.logger.log(ev, self.trained)
             if stop[0] > 0 or reached:
                 break
+
+    def _evaluate(self) -> dict[str, float]:
+        """Greedy answers to this learner's share of the held-out prompts, totalled over the
+        learners (a collective of the learners): ``exact`` and ``reward`` over all of them."""
+        share = self.split.heldout[self.learners.index(self.rank) :: len(self.learners)]
+        r = greedy_rewards(self.policy, share, self.g.max_new)
+        vals = [float((r == 1).sum()), float(r.sum()), float(len(r))]
+        if self.group is not None:
+            vals = aggregate_learners(vals, self.group, op="sum")
+        return {"exact": vals[0] / vals[2], "reward": vals[1] / vals[2]}
 
     def _step(self, window: Window) -> None:
         g = self.g
@@ -304,8 +333,8 @@ class GRPOTrainer:
         stop[0] = vals[0]
         return target is not None and vals[2] > 0 and vals[1] / vals[2] >= target
 
-    def _log(self, window: Window) -> None:
-        metrics = window.metrics(self)
+    def _log(self, window: Window, extra: dict[str, float]) -> None:
+        metrics = {**window.metrics(self), **extra}
         self.logger.log(metrics, int(metrics["train/trained_samples"]), window.histograms())
 
     def close(self) -> None:
@@ -314,3 +343,8 @@ class GRPOTrainer:
         timeout."""
         if not self.plane.closed:
             self.plane.abort()
+
+
+def _eval_metrics(ev: dict[str, float]) -> dict[str, float]:
+    """An evaluation's logged metrics."""
+    return {"eval/exact": ev["exact"], "eval/reward": ev["reward"]}

@@ -179,8 +179,8 @@ def summary_values(tr: GRPOTrainer) -> dict[str, float]:
         tr: the trainer, after its loop.
 
     Returns:
-        The same keys on every rank (producers' rewards and generation, learners' ages and
-        counts, this shard's evictions).
+        The same keys on every rank (producers' rewards and generation, learners' ages,
+        counts and held-out evaluations (0 on other ranks), this shard's evictions).
     """
     st = tr.plane.stats()
     return {
@@ -190,6 +190,8 @@ def summary_values(tr: GRPOTrainer) -> dict[str, float]:
         "max_age": tr.max_age, "trained": tr.trained, "steps": tr.steps,
         "stale_evicted": st["stale_evicted"], "evicted_groups": st["evicted_groups"],
         "exposed_s": tr.exposed_s, "hidden_s": tr.hidden_s,
+        "eval_exact_first": tr.eval_first["exact"], "eval_exact_last": tr.eval_last["exact"],
+        "eval_reward_first": tr.eval_first["reward"], "eval_reward_last": tr.eval_last["reward"],
     }  # fmt: skip
 
 
