@@ -60,13 +60,15 @@ from conduit_dist.bench.token_baselines import (
     SEQ_BYTES,
     TOKEN_BYTES,
     Data,
+    Pool,
     align8,
     run_allgather,
     run_equal,
     run_padded,
 )
 
-SCHEMES = ("ours", "equal", "padded", "allgather", "ag", "a2a")
+BASELINES = ("equal", "padded", "allgather")
+SCHEMES = ("ours", *BASELINES, "ag", "a2a")
 
 
 def _sample(fn) -> float:
@@ -78,20 +80,26 @@ def _sample(fn) -> float:
 
 def main(argv: list[str]) -> None:
     """Run the tokens benchmark (every rank) and print the JSON line last on rank 0."""
+    if any(x.split("=")[0] == "--peer" for x in argv):  # beside another data plane
+        from conduit_dist.bench import tokens_peer
+
+        return tokens_peer.main(argv)
     if any(x.split("=")[0] in ("--cost", "--learner-cost") for x in argv):  # balance in time
         from conduit_dist.bench import token_balance
 
         return token_balance.main(argv)
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench tokens")
     p.add_argument(
-        "--groups-per-rank", type=number(int, 1), default=256,
-        help="groups each rank generates a global batch (256: about 8 MB of token data)",
+        "--groups-per-rank", type=sizes, default=None,
+        help="groups each rank generates a global batch; a comma list is a sweep, each size "
+        "measured in this run (default 32,256; 256 in the overlap mode; 256: about 8 MB of "
+        "token data a rank)",
     )  # fmt: skip
     p.add_argument("--group-size", type=number(int, 1), default=8)
     p.add_argument("--median", type=number(float, 16), default=256.0, help="median length")
     p.add_argument("--token-budget", type=number(int, MAX_LEN), default=16_384)
     p.add_argument("--samples", type=number(int, 3), default=7)
-    p.add_argument("--warmup", type=number(int, 0), default=2)
+    p.add_argument("--warmup", type=number(int, 1), default=2)
     p.add_argument("--profile", action="store_true", help="cProfile ours' fetches on rank 0")
     p.add_argument(
         "--backward-ms", type=number(float, 0), default=0.0,
@@ -100,7 +108,12 @@ def main(argv: list[str]) -> None:
     )  # fmt: skip
     p.add_argument("--steps", type=number(int, 3), default=12, help="overlap mode: timed steps")
     a = p.parse_args(argv)
+    if a.groups_per_rank is None:
+        a.groups_per_rank = [256] if a.backward_ms > 0 else [32, 256]
     if a.backward_ms > 0:
+        if len(a.groups_per_rank) > 1:
+            p.error(f"--groups-per-rank: the overlap mode takes one size, got {a.groups_per_rank}")
+        a.groups_per_rank = a.groups_per_rank[0]
         cd.init_distributed()
         torch.set_num_threads(1)
         try:
@@ -110,26 +123,57 @@ def main(argv: list[str]) -> None:
         return
     cd.init_distributed()
     torch.set_num_threads(1)
+    sweep = [_one_size(a, per) for per in a.groups_per_rank]
+    if dist.get_rank() == 0:
+        results = [r for row in sweep for r in row["results"]]
+        summary = {**sweep[0]["summary"], "sweep": [row["summary"] for row in sweep]}
+        emit(
+            "tokens", results, summary, world=dist.get_world_size(),
+            groups_per_rank=a.groups_per_rank, group_size=a.group_size, median=a.median,
+            token_budget=a.token_budget, samples=a.samples, warmup=a.warmup,
+        )  # fmt: skip
+    cd.destroy_distributed()
+
+
+def sizes(text: str) -> list[int]:
+    """``--groups-per-rank``: one positive integer or a comma list of them."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 1 or a comma list of them, got {text!r}"
+        )
+    return out
+
+
+def _one_size(a, per: int) -> dict:
+    """Every scheme at ``per`` groups per rank; rank 0 gets the summary and result rows."""
     me, world = dist.get_rank(), dist.get_world_size()
     spec = cd.TokenSpec(
         {n: cd.Ragged(t, MAX_LEN) for n, t in FIELDS} | {"reward": ((), torch.float32)},
         group_size=a.group_size,
     )
-    per, size = a.groups_per_rank, a.group_size
+    size = a.group_size
     tp = cd.TokenPlane(spec, 4 * per * size, 4 * per * size * 2 * MAX_LEN // 8)
     prof = cProfile.Profile() if a.profile and me == 0 else None
     rng = np.random.default_rng(1000 + me)
+    pools = {k: Pool() for k in BASELINES}  # each baseline owns its buffers, as ours does
     walls: dict[str, list] = {k: [] for k in SCHEMES}
-    got: dict[str, list] = {k: [] for k in ("ours", "equal", "padded", "allgather")}
+    got: dict[str, list] = {k: [] for k in ("ours", *BASELINES)}
     wire: dict[str, list] = {k: [] for k in ("ours", "padded", "allgather", "data")}
+    src = dst_ag = dst_a2a = torch.empty(0, dtype=torch.uint8)
     for i in range(a.warmup + a.samples):
         d = Data(rng, per, size, a.median, base=(i * world + me) * per)
         tp.put(*d.batch())
         mean = torch.tensor([d.nbytes()], dtype=torch.int64)
         dist.all_reduce(mean)  # the raw collectives move the mean rank's bytes
-        src = torch.zeros(align8(int(mean) // world // world) * world, dtype=torch.uint8)
-        dst_ag = torch.empty(world * src.numel(), dtype=torch.uint8)
-        dst_a2a = torch.empty_like(src)
+        n_src = align8(int(mean) // world // world) * world
+        if src.numel() < n_src:  # grown with headroom outside the timer, then reused
+            src = torch.zeros(int(n_src * 1.5) // world * world, dtype=torch.uint8)
+            dst_ag = torch.zeros(world * src.numel(), dtype=torch.uint8)
+            dst_a2a = torch.zeros_like(src)
         out: dict = {}
 
         def ours(out=out) -> None:
@@ -141,14 +185,13 @@ def main(argv: list[str]) -> None:
 
         fns = {
             "ours": ours,
-            "equal": lambda d=d, out=out: out.__setitem__("equal", run_equal(d, a.token_budget)),
-            "padded": lambda d=d, out=out: out.__setitem__("padded", run_padded(d, a.token_budget)),
-            "allgather": lambda d=d, out=out: out.__setitem__(
-                "allgather", run_allgather(d, a.token_budget)
-            ),
-            "ag": lambda o=dst_ag, s=src: ALL_GATHER(o, s),
-            "a2a": lambda o=dst_a2a, s=src: dist.all_to_all_single(o, s),
+            **{k: _baseline(k, d, pools[k], a.token_budget, out) for k in BASELINES},
+            "ag": lambda o=dst_ag[: world * n_src], s=src[:n_src]: ALL_GATHER(o, s),
+            "a2a": lambda o=dst_a2a[:n_src], s=src[:n_src]: dist.all_to_all_single(o, s),
         }
+        if i == a.warmup:  # growths from here on happened inside a timed sample: reported
+            for pool in pools.values():
+                pool.reset_count()
         k = i % len(SCHEMES)
         t = {name: _sample(fns[name]) for name in SCHEMES[k:] + SCHEMES[:k]}
         if i < a.warmup:
@@ -158,7 +201,7 @@ def main(argv: list[str]) -> None:
         ours_mbs = out["ours"]
         tok = sum(mb.tokens for mb in ours_mbs)
         got["ours"].append(tok)
-        for name in ("equal", "padded", "allgather"):
+        for name in BASELINES:
             got[name].append(sum(int(mb["_length"].sum()) for mb in out[name][0]))
         wire["ours"].append(tp.last.wire_bytes)
         wire["padded"].append(out["padded"][1])
@@ -173,51 +216,55 @@ def main(argv: list[str]) -> None:
     dist.all_gather(all_toks, toks)
     wb = torch.tensor([wire[k] for k in wire], dtype=torch.float64)
     dist.all_reduce(wb)
-    if me == 0:
-        if prof is not None:
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
-            print(s.getvalue(), flush=True)
-        _report(a, world, w, list(got), torch.stack(all_toks), wb)
-    cd.destroy_distributed()
+    grown = torch.tensor([pools[k].grown for k in BASELINES], dtype=torch.int64)
+    dist.all_reduce(grown)
+    if me != 0:
+        return {}
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+        print(s.getvalue(), flush=True)
+    return _report(a, per, world, w, list(got), torch.stack(all_toks), wb, int(grown.sum()))
 
 
-def _report(a, world: int, walls, got: list[str], stacked, wb) -> None:
+def _baseline(name: str, d: Data, pool: Pool, budget: int, out: dict):
+    run = {"equal": run_equal, "padded": run_padded, "allgather": run_allgather}[name]
+    return lambda: out.__setitem__(name, run(d, pool, budget))
+
+
+def _report(a, per: int, world: int, walls, got: list[str], stacked, wb, grown: int) -> dict:
     ms = {k: statistics.median(walls[i].tolist()) * 1e3 for i, k in enumerate(SCHEMES)}
     bal = {}
     for j, k in enumerate(got):  # stacked: [rank, scheme, sample]
         per_sample = stacked[:, j, :]
         bal[k] = statistics.median((per_sample.max(0).values / per_sample.mean(0)).tolist())
     data = float(wb[3].sum())
-    summary = {
-        "balance_max_over_mean": bal["ours"],
-        "wire_over_token_bytes": float(wb[0].sum()) / data,
-        "speedup_vs_allgather": ms["allgather"] / ms["ours"],
-        "ours_ms": ms["ours"],
-        "equal_counts_balance_max_over_mean": bal["equal"],
-        "equal_counts_ms": ms["equal"],
-        "padded_wire_over_token_bytes": float(wb[1].sum()) / data,
-        "padded_ms": ms["padded"],
-        "padded_balance_max_over_mean": bal["padded"],
-        "allgather_ms": ms["allgather"],
-        "allgather_balance_max_over_mean": bal["allgather"],
-        "allgather_wire_over_token_bytes": float(wb[2].sum()) / data,
+    summary = {  # the fair comparison first: the same exchange, only the assignment differs
+        "groups_per_rank": per,
         "ours_vs_equal_counts": ms["ours"] / ms["equal"],
-        "raw_all_gather_ms": ms["ag"],
+        "ours_ms": ms["ours"],
+        "equal_counts_ms": ms["equal"],
+        "balance_max_over_mean": bal["ours"],
+        "equal_counts_balance_max_over_mean": bal["equal"],
+        "wire_over_token_bytes": float(wb[0].sum()) / data,
+        "ours_vs_raw_all_to_all": ms["ours"] / ms["a2a"],
+        "padded_ms": ms["padded"],
+        "padded_wire_over_token_bytes": float(wb[1].sum()) / data,
+        "padded_balance_max_over_mean": bal["padded"],
         "raw_all_to_all_ms": ms["a2a"],
+        "raw_all_gather_ms": ms["ag"],
         "raw_all_gather_over_all_to_all": ms["ag"] / ms["a2a"],
+        # a labelled reference, not a headline: gloo's all-gather here costs far more than an
+        # all-to-all of the same bytes, which flatters ours
+        "reference_allgather_ms": ms["allgather"],
+        "reference_allgather_over_ours": ms["allgather"] / ms["ours"],
+        "reference_allgather_balance_max_over_mean": bal["allgather"],
+        "reference_allgather_wire_over_token_bytes": float(wb[2].sum()) / data,
         "token_data_mb_per_rank": data / world / a.samples / 1e6,
+        "baseline_buffers_grown_in_timed_samples": grown,
     }
+    print(f"--- {per} groups per rank", flush=True)
     for k, v in summary.items():
-        print(f"{k:>36}: {v:.4g}", flush=True)
-    emit(
-        "tokens",
-        [{"scheme": k, "ms": ms[k]} for k in SCHEMES],
-        summary,
-        world=world,
-        groups_per_rank=a.groups_per_rank,
-        group_size=a.group_size,
-        median=a.median,
-        token_budget=a.token_budget,
-        samples=a.samples,
-    )
+        print(f"{k:>44}: {v:.4g}", flush=True)
+    results = [{"groups_per_rank": per, "scheme": k, "ms": ms[k]} for k in SCHEMES]
+    return {"summary": summary, "results": results}
