@@ -4,10 +4,12 @@ would pick for the same matrix. Declared topologies load with their checks."""
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 
-from conduit_dist.bench.sim import fit_bookkeeping
+from conduit_dist.bench.sim_validate import Config, Run, fit_bookkeeping, score, sources, summarize
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError
 from conduit_dist.sim import TokenWorkload, Workload, load, names, simulate, simulate_tokens
@@ -157,6 +159,94 @@ def test_bookkeeping_is_fitted_from_a_rounds_run_as_each_case_over_its_raw_colle
     topo = type(load("dgx_h100"))(**{**load("dgx_h100").__dict__, **fit})
     r = simulate(topo, 8, DQN)
     assert r.cpu_s == pytest.approx(600e-6 + 300e-6)
+
+
+LOOP2, LOOP3 = Config(1, 2), Config(1, 3)
+FAST, SLOW, BUSY = Config(2, 1, 2000.0), Config(2, 1, 500.0), Config(2, 2, 2000.0)
+
+
+def _run(cfg: Config, job: int, tmp_path, round_us: float, gbps: float = 1.0) -> Run:
+    """A measured run of fake timings, its calibration a declared model (``gbps`` on every
+    link) saved where the plane's cache would hold it."""
+    from conduit_dist.collectives.model import BandwidthModel
+    from conduit_dist.collectives.model.cache import cache_path, save_cache
+    from conduit_dist.collectives.topology import Topology
+
+    keys = None
+    hosts = [f"node0@{socket.gethostname()}"] * cfg.world
+    if cfg.hosts > 1:
+        keys = tuple(
+            f"node{i}@host{i}" for i in range(cfg.hosts) for _ in range(cfg.ranks_per_host)
+        )
+        hosts = list(keys)
+    cache = str(tmp_path / f"{cfg.label}-{job}")
+    model = BandwidthModel.declared(100e-6, dict.fromkeys(("self", "host", "net"), gbps))
+    save_cache(cache_path(cache, "gloo", Topology.from_hosts(hosts)), model, "gloo",
+               Topology.from_hosts(hosts))  # fmt: skip
+    cases = {"fused": 1, "fused_grads": 1.5, "three_exchange": 3}
+    results = [
+        {"case": c, "round_ms": 0.3 * k + round_us * k / 1e3, "raw_ms": 0.3 * k,
+         "exposed_ms": 0.5 if c != "three_exchange" else None}
+        for c, k in cases.items()
+    ]  # fmt: skip
+    measured = {"world": cfg.world, "put": 8, "batch": 128, "results": results}
+    return Run(cfg, job, measured, cache, keys)
+
+
+def test_every_scored_run_is_predicted_from_other_runs_and_oversubscribed_ones_not_scored(
+    tmp_path,
+):
+    runs = [
+        _run(c, j, tmp_path, 400 + 10 * i)
+        for i, (j, c) in enumerate([(j, c) for j in (0, 1) for c in (LOOP2, FAST, SLOW)])
+    ]
+    runs += [_run(LOOP3, 0, tmp_path, 900), _run(BUSY, 0, tmp_path, 900)]
+    got = sources(runs, cores=2)
+    for r, (calib, fit) in got.items():
+        if r.config in (LOOP3, BUSY):  # more ranks than cores: own calibration, a scored fit
+            assert calib is r and fit.config == LOOP2
+            continue
+        # another job of the same layout calibrated; another layout's run was fitted on
+        assert calib is not r and calib.config == r.config and calib.job != r.job
+        assert fit is not r and fit.config != r.config and fit.job != r.job
+    assert got[runs[0]][1].config == FAST and got[runs[1]][1].config == LOOP2
+    with pytest.raises(ConfigError, match=r"scored configurations \['loopback, 2 ranks'\]"):
+        sources(runs[:1], cores=2)
+    # a single scored layout: the fit comes from its other job, as the calibration does
+    alone = [_run(LOOP2, j, tmp_path, 400) for j in (0, 1)]
+    assert sources(alone, cores=2)[alone[0]] == (alone[1], alone[1])
+
+
+def test_checks_name_their_sources_and_only_scored_ones_are_summarized(tmp_path):
+    loops = [_run(LOOP2, j, tmp_path, 400, gbps=1.0 + j) for j in (0, 1)]
+    hosts = [_run(FAST, j, tmp_path, 800) for j in (0, 1)]
+    busy = _run(BUSY, 0, tmp_path, 900)
+    checks, fits = score([*loops, *hosts, busy], load("loopback"), cores=2)
+    assert fits["loopback, 2 ranks, job 0"]["round_cpu_us"] == pytest.approx(400)
+    mine = [c for c in checks if c["where"] == "loopback, 2 ranks" and c["job"] == 0]
+    assert {c["calibration_source"] for c in mine} == {"loopback, 2 ranks, job 1"}
+    assert {c["fit_source"] for c in mine} == {"2 hosts x 1 rank, 2000 Mbit/s, job 1"}
+    fused = next(c for c in mine if c["case"] == "fused" and c["metric"] == "round")
+    # the bookkeeping predicted is the other layout's (800 us), not this run's own (400 us)
+    assert fused["bookkeeping_predicted_ms"] == pytest.approx(0.8)
+    assert fused["error_in_sample"] != fused["error"]
+    # and its collectives are priced with job 1's calibration (twice job 0's GB/s): faster
+    other = next(
+        c for c in checks if c["where"] == "loopback, 2 ranks" and c["job"] == 1
+        and c["case"] == "fused_grads" and c["metric"] == "round"
+    )  # fmt: skip
+    grads = next(c for c in mine if c["case"] == "fused_grads" and c["metric"] == "round")
+    assert grads["collectives_ms"] < other["collectives_ms"]
+    over = [c for c in checks if not c["scored"]]
+    assert over and {c["where"] for c in over} == {"2 hosts x 2 ranks, 2000 Mbit/s"}
+    assert all(c["calibration_source"].endswith("(own run: in sample)") for c in over)
+    assert all("error_in_sample" not in c for c in over)
+    s = summarize(checks)
+    scored = [abs(c["error"]) for c in checks if c["scored"]]
+    assert s["worst_error_out_of_sample"] == max(scored) and s["scored_checks"] == len(scored)
+    assert s["scored_set"] == ["loopback, 2 ranks", "2 hosts x 1 rank, 2000 Mbit/s"]
+    assert s["oversubscribed_set"] == ["2 hosts x 2 ranks, 2000 Mbit/s"]
+    assert s["worst_error_oversubscribed"] == max(abs(c["error"]) for c in over)
 
 
 LLM = TokenWorkload("llm", params_b=1.0, groups_per_learner=3, group_size=4, step_ms=500.0)

@@ -1,0 +1,261 @@
+"""``bench sim``'s validation, checked out of sample: which run predicts which, and the errors.
+
+Each measured run is a ``bench rounds`` job (:data:`ROUND_CASES`) in one configuration
+(:class:`Config`: ranks on this machine's loopback, or emulated hosts), with a calibration of
+the plane's collective model of its own (its planes calibrate at start-up into a cache
+directory of the job's own). A run is predicted from two things, each taken from another run
+(:func:`sources`):
+
+- the collective model: the calibration another job of the same configuration made (a model is
+  keyed by its layout, so it must be the same layout, but it is another job's measurement);
+- the bookkeeping terms (:func:`fit_bookkeeping`): fitted on a run of another configuration
+  (another layout or world size) with one rank per core, or, where none ran, on another job of
+  the same configuration (the source names which).
+
+The scored set is the configurations with at most one rank per core of this machine (2 ranks
+on a 2-core loopback; 2 emulated hosts of 1 rank). Oversubscribed configurations (more ranks
+than cores: their bookkeeping stretched by the cores they share) are reported beside them and
+not scored, predicted with their own calibration (in sample, named so) and a scored run's fit.
+For the scored runs, the in-sample prediction (own calibration, own fit: how ``bench sim``
+scored before) is kept beside each check as ``error_in_sample``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from conduit_dist.bench.rounds import GRAD_NUMEL
+from conduit_dist.errors import ConfigError
+from conduit_dist.sim import SimTopology, Workload, simulate
+
+ROUND_CASES = {  # bench rounds' cases as workloads (its records are 64 bytes on the wire)
+    "fused": {"placement": "local"},
+    "fused_grads": {"placement": "local", "reduce_numel": GRAD_NUMEL},
+    "three_exchange": {"placement": "round_robin"},
+}
+BACKWARD_MS = 1.0  # the backward the exposed-latency runs start their rounds at
+TERMS = ("round_cpu_us", "exchange_cpu_us", "payload_gbps")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Where a run's ranks are: ``hosts`` 1 (this machine's loopback) or emulated hosts of
+    ``ranks_per_host`` ranks each, their link shaped to ``rate_mbit`` Mbit/s (``None``:
+    unshaped)."""
+
+    hosts: int
+    ranks_per_host: int
+    rate_mbit: float | None = None
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    @property
+    def label(self) -> str:
+        if self.hosts == 1:
+            return f"loopback, {self.world} ranks"
+        rate = f", {self.rate_mbit:g} Mbit/s" if self.rate_mbit else ""
+        s = "" if self.ranks_per_host == 1 else "s"
+        return f"{self.hosts} hosts x {self.ranks_per_host} rank{s}{rate}"
+
+    def scored(self, cores: int) -> bool:
+        """At most one rank per core of this machine (every emulated host shares its cores)."""
+        return self.world <= cores
+
+    def topology(self, loopback: SimTopology, cores: int) -> SimTopology:
+        """The simulated machine: ``loopback``'s terms, a node per host, the cores shared."""
+        if self.hosts == 1:
+            return replace(loopback, cores_per_node=cores)
+        per_host = max(1, cores // self.hosts)
+        return replace(loopback, ranks_per_node=self.ranks_per_host, cores_per_node=per_host)
+
+
+@dataclass(frozen=True, eq=False)
+class Run:
+    """One measured ``bench rounds`` job.
+
+    Attributes:
+        config: where its ranks ran.
+        job: its index among the jobs of ``config``.
+        measured: ``bench rounds``' JSON line.
+        cache_dir: where its planes cached the calibration they made at start-up.
+        host_keys: every rank's host key (emulated hosts; ``None``: one torchrun node here).
+    """
+
+    config: Config
+    job: int
+    measured: dict
+    cache_dir: str
+    host_keys: tuple[str, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.config.label}, job {self.job}"
+
+    def model(self, topo: SimTopology):
+        """The collective model this job's planes calibrated."""
+        keys = list(self.host_keys) if self.host_keys else None
+        return topo.model(self.config.world, self.cache_dir, keys)
+
+
+def fit_bookkeeping(measured: dict, topo: SimTopology | None = None) -> dict[str, float]:
+    """The topology's bookkeeping terms from one ``bench rounds`` run: each case's round time
+    over its raw collectives' (``round_cpu_us`` the fused round's; ``exchange_cpu_us`` each of
+    the three-exchange round's two further exchanges; ``payload_gbps`` the gradients' extra),
+    undoing ``topo``'s oversubscription at the run's world size (the inverse of
+    :func:`~conduit_dist.sim.rounds.bookkeeping_s`).
+
+    Raises:
+        ConfigError: a run without one of the cases of :data:`ROUND_CASES`.
+    """
+    stretch = topo.oversubscription(measured["world"]) if topo is not None else 1.0
+    extra = {
+        r["case"]: max(0.0, r["round_ms"] - r["raw_ms"]) * 1e3 / stretch
+        for r in measured["results"]
+    }
+    missing = sorted(set(ROUND_CASES) - set(extra))
+    if missing:
+        raise ConfigError(
+            f"bench rounds results: expected cases {sorted(ROUND_CASES)}, missing {missing}"
+        )
+    base = extra["fused"]
+    grads_us = extra["fused_grads"] - base
+    return {
+        "round_cpu_us": base,
+        "exchange_cpu_us": max(0.0, (extra["three_exchange"] - base) / 2),
+        "payload_gbps": GRAD_NUMEL * 4 / (grads_us * 1e3) if grads_us > 0 else 0.0,
+    }
+
+
+def sources(runs: list[Run], cores: int) -> dict[Run, tuple[Run, Run]]:
+    """Each run's ``(calibration run, fit run)``.
+
+    A scored run (:meth:`Config.scored`) takes its calibration from the next job of its own
+    configuration (cyclically) and its bookkeeping fit from the same job of the first other
+    scored configuration, in run order (the next job of its own where no other ran): a job
+    measured in another pass than the scored one. An
+    oversubscribed run takes its own calibration and the first scored run's fit (its own where
+    none ran).
+
+    Raises:
+        ConfigError: a scored configuration with a single job (its calibration would be its own).
+    """
+    scored = [r for r in runs if r.config.scored(cores)]
+    jobs: dict[Config, list[Run]] = {}
+    for r in scored:
+        jobs.setdefault(r.config, []).append(r)
+    lonely = [c.label for c, js in jobs.items() if len(js) < 2]
+    if lonely:
+        raise ConfigError(
+            f"scored configurations {lonely}: expected >= 2 jobs each (a run is predicted with "
+            "another job's calibration), got 1"
+        )
+    out = {}
+    for r in runs:
+        if r.config not in jobs:  # oversubscribed: reported beside, not scored
+            out[r] = (r, scored[0] if scored else r)
+            continue
+        same = jobs[r.config]
+        nxt = same.index(r) + 1
+        calib = same[nxt % len(same)]
+        other = next((js for c, js in jobs.items() if c != r.config), None)
+        fit = other[nxt % len(other)] if other else calib
+        out[r] = (calib, fit)
+    return out
+
+
+def _fitted(run: Run, loopback: SimTopology, cores: int) -> dict[str, float]:
+    return fit_bookkeeping(run.measured, run.config.topology(loopback, cores))
+
+
+def _predict(topo: SimTopology, measured: dict, model) -> list[dict]:
+    """Each case's round time, and its exposed latency where measured, against the sim's."""
+    out = []
+    for r in measured["results"]:
+        w = Workload(r["case"], record_bytes=64, puts_per_rank=measured["put"],
+                     batch_per_learner=measured["batch"], backward_ms=BACKWARD_MS,
+                     overlap="flight", **ROUND_CASES[r["case"]])  # fmt: skip
+        sim = simulate(topo, measured["world"], w, model=model)
+        coll = sim.seconds - sim.cpu_s
+        row = {"world": measured["world"], "case": r["case"]}
+        out.append(row | {
+            "metric": "round", "measured_ms": r["round_ms"], "predicted_ms": sim.seconds * 1e3,
+            "error": sim.seconds * 1e3 / r["round_ms"] - 1,
+            "raw_ms": r["raw_ms"], "collectives_ms": coll * 1e3,
+            "collectives_error": coll * 1e3 / r["raw_ms"] - 1,
+            "bookkeeping_ms": r["round_ms"] - r["raw_ms"],
+            "bookkeeping_predicted_ms": sim.cpu_s * 1e3,
+            "strategies": [e.strategy for e in sim.exchanges],
+        })  # fmt: skip
+        if r.get("exposed_ms"):  # started by fetch_start, a backward of BACKWARD_MS
+            out.append(row | {
+                "metric": "exposed", "backward_ms": BACKWARD_MS,
+                "measured_ms": r["exposed_ms"], "predicted_ms": sim.exposed_s * 1e3,
+                "error": sim.exposed_s * 1e3 / r["exposed_ms"] - 1,
+            })  # fmt: skip
+    return out
+
+
+def score(runs: list[Run], loopback: SimTopology, cores: int) -> tuple[list[dict], dict]:
+    """Every run's checks, predicted from the runs :func:`sources` names.
+
+    Returns:
+        ``(checks, fits)``: a row per run, case and metric (``where``, ``job``, ``scored``,
+        ``calibration_source``, ``fit_source``, ``bookkeeping_fit``, the errors; for scored
+        runs ``error_in_sample``), and every run's fitted terms by name.
+    """
+    fits = {r.name: _fitted(r, loopback, cores) for r in runs}
+    checks = []
+    for r, (calib, fit) in sources(runs, cores).items():
+        base = r.config.topology(loopback, cores)
+        topo = replace(base, **fits[fit.name])
+        rows = _predict(topo, r.measured, calib.model(topo))
+        scored = r.config.scored(cores)
+        if scored:  # the in-sample prediction, as bench sim scored before: labelled
+            own = replace(base, **fits[r.name])
+            for row, mine in zip(rows, _predict(own, r.measured, r.model(own)), strict=True):
+                row["error_in_sample"] = mine["error"]
+        where = {
+            "where": r.config.label, "job": r.job, "scored": scored,
+            "ranks_per_core": r.config.world / cores,
+            "calibration_source": calib.name + (" (own run: in sample)" if calib is r else ""),
+            "fit_source": fit.name + (" (own run: in sample)" if fit is r else ""),
+            "bookkeeping_fit": fits[fit.name],
+        }  # fmt: skip
+        checks += [where | row for row in rows]
+    return checks, fits
+
+
+def _stats(values: list[float]) -> tuple[float | None, float | None]:
+    return (statistics.median(values), max(values)) if values else (None, None)
+
+
+def summarize(checks: list[dict]) -> dict:
+    """The summary's errors: out of sample over the scored checks (rounds and exposed
+    latencies), the same checks in sample (labelled), and the oversubscribed ones beside."""
+    scored = [c for c in checks if c["scored"]]
+    over = [c for c in checks if not c["scored"]]
+    med, worst = _stats([abs(c["error"]) for c in scored])
+    med_in, worst_in = _stats([abs(c["error_in_sample"]) for c in scored])
+    med_over, worst_over = _stats([abs(c["error"]) for c in over])
+    rounds = [c for c in scored if c["metric"] == "round"]
+    return {
+        "median_error_out_of_sample": med,
+        "worst_error_out_of_sample": worst,
+        "median_round_error_out_of_sample": _stats([abs(c["error"]) for c in rounds])[0],
+        "median_exposed_error_out_of_sample": _stats(
+            [abs(c["error"]) for c in scored if c["metric"] == "exposed"]
+        )[0],
+        "median_collectives_error_out_of_sample": _stats(
+            [abs(c["collectives_error"]) for c in rounds]
+        )[0],
+        "scored_checks": len(scored),
+        "scored_set": list(dict.fromkeys(c["where"] for c in scored)),
+        "median_error_in_sample": med_in,
+        "worst_error_in_sample": worst_in,
+        "oversubscribed_set": list(dict.fromkeys(c["where"] for c in over)),
+        "median_error_oversubscribed": med_over,
+        "worst_error_oversubscribed": worst_over,
+    }
