@@ -371,3 +371,77 @@ def test_sections_go_through_shared_memory_on_one_host_and_arrive_the_same():
     for rank in (0, 1):
         assert via_shm[rank]["shm"] > 0 and via_gloo[rank]["shm"] == 0
         assert via_shm[rank]["seen"] == via_gloo[rank]["seen"]  # byte for byte, whole
+
+
+def _spans(rank: int, world: int, native: bool) -> dict[str, object]:
+    """Rank 0 puts members one at a time, groups interleaved, so its arena runs break at every
+    sequence; rank 1 puts whole groups in order in one put, so its runs are long and cross
+    from one destination's groups to the next's; a per-token field of inner shape (2, 3).
+    ``native``: the holders copy token runs with the extension's copy_spans (host shards),
+    else they gather by a token index."""
+    import conduit_dist.tokens.deliver as D
+
+    if not native:
+        D._native = None
+    fields = {
+        "tokens": cd.Ragged(torch.int32, MAX_LEN),
+        "h": cd.Ragged(torch.float16, MAX_LEN, inner=(2, 3)),
+        "reward": ((), torch.float32),
+    }
+    spec = cd.TokenSpec(fields, group_size=G)
+    tp = cd.TokenPlane(spec, 256, 8192, seed=5)
+    gids = [rank * 100 + i for i in range(12)]
+    truth = {}
+    if rank == 0:  # member-major, one at a time
+        order, step = [(g, m) for m in range(G) for g in gids], 1
+    else:  # group-major, all at once
+        order, step = [(g, m) for g in gids for m in range(G)], len(gids) * G
+    for i in range(0, len(order), step):
+        seqs = []
+        for g, m in order[i : i + step]:
+            n = 1 + (g * 7 + m * 3) % 9
+            gen = torch.Generator().manual_seed(g * 31 + m)
+            f = {
+                "tokens": torch.randint(0, 9999, (n,), dtype=torch.int32, generator=gen),
+                "h": torch.randn(n, 2, 3, generator=gen).half(),
+                "reward": torch.rand(()),
+            }
+            truth.setdefault(g, []).append(digest_h(f))
+            seqs.append((g, f))
+        lengths = torch.tensor([f["tokens"].shape[0] for _, f in seqs])
+        batch = {k: torch.cat([f[k] for _, f in seqs]) for k in ("tokens", "h")}
+        batch["reward"] = torch.stack([f["reward"] for _, f in seqs])
+        batch["group"] = torch.tensor([g for g, _ in seqs])
+        tp.put(batch, lengths)
+    got: dict[int, list[str]] = {}
+    for mb in tp.fetch(12 * world, 40):
+        cu = mb.cu_seqlens.tolist()
+        for i in range(mb.sequences):
+            f = {k: mb[k][cu[i] : cu[i + 1]] for k in ("tokens", "h")} | {"reward": mb["reward"][i]}
+            got.setdefault(int(mb["group"][i]), []).append(digest_h(f))
+    tp.close()
+    return {"truth": {g: sorted(v) for g, v in truth.items()},
+            "got": {g: sorted(v) for g, v in got.items()}}  # fmt: skip
+
+
+def digest_h(f: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in ("tokens", "h", "reward"):
+        h.update(f[k].reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["spans", "index"])
+def test_token_runs_copied_by_spans_or_gathered_by_index_arrive_the_same(native):
+    if native:
+        from dist_utils import needs_native
+
+        needs_native("copy_spans")
+    res = run_ranks(_spans, 2, native)
+    truth = {g: v for r in res.values() for g, v in r["truth"].items()}
+    got: dict[int, list[str]] = {}
+    for r in res.values():
+        for g, v in r["got"].items():
+            assert g not in got, f"group {g} delivered to two learners"
+            got[g] = v
+    assert got == truth

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
-from conduit_dist.bench.token_baselines import FIELDS, MAX_LEN, Data, run_equal
+from conduit_dist.bench.token_baselines import FIELDS, MAX_LEN, Data, Pool, run_equal
 from conduit_dist.tokens.cost import Flops
 
 SCHEMES = ("cost", "tokens", "equal_counts")
@@ -159,6 +159,7 @@ def _run(a: argparse.Namespace) -> None:
         "tokens": cd.TokenPlane(spec, cap_items, cap_tokens, token_cap=a.token_cap),
     }
     rng = np.random.default_rng(2000 + me)
+    pool = Pool()  # the equal-count baseline's buffers (its micro-batches live until the next)
     steps = {k: [] for k in SCHEMES}  # [sample] -> this rank's (seconds, cost)
     shape = {k: [] for k in SCHEMES}  # [sample] -> (micro-batches, largest micro-batch tokens)
     scale_s = 0.0
@@ -168,7 +169,7 @@ def _run(a: argparse.Namespace) -> None:
         for k, tp in planes.items():
             tp.put(*d.batch())
             mbs[k] = tp.fetch(per * world, a.token_budget)
-        mbs["equal_counts"] = run_equal(d, a.token_budget)[0]
+        mbs["equal_counts"] = run_equal(d, pool, a.token_budget)[0]
         if not scale_s and matmul is None:  # the mean learner's step is step_ms
             total = torch.tensor([int(flops(d.lengths.numpy()).sum())], dtype=torch.float64)
             dist.all_reduce(total)

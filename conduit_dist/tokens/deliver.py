@@ -1,10 +1,13 @@
 """A token round's delivery: holders pack their selected groups per learner, learners cut the
 received sections into micro-batches (``tokens/round.py`` runs the exchange between them).
 
-Both sides work on whole columns with a handful of torch calls per column, whatever the number
-of groups: the holder builds one slot index and one token index for all its destinations and
-gathers each column section by section; the learner splits each received column into its
-micro-batch runs with one ``torch.split`` per holder and joins them with one ``cat``.
+Both sides work on whole columns with a handful of calls per column, whatever the number of
+groups. The holder gathers each fixed column by one slot index for all its destinations; a
+host shard copies the token columns as runs of adjacent arena tokens (a group's members, and
+groups put together, lie side by side) in one native ``copy_spans`` call for every column and
+destination, and a device shard (or a build without the extension) gathers them by one token
+index. The learner splits each received column into its micro-batch runs with one
+``torch.split`` per holder and joins them with one ``cat``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conduit_dist.records.native import _native
 from conduit_dist.tiers.cuda import upload
 from conduit_dist.tokens import select as S
 from conduit_dist.tokens.batch import MicroBatch
@@ -46,7 +50,8 @@ def pack(
     slots = np.asarray([s for g in gids for s in store.groups[g].slots], dtype=np.int64)
     dev = send.device
     idx = upload(torch.from_numpy(slots), dev)
-    tok = upload(store.token_index(slots), dev)
+    spans = dev.type == "cpu" and _native is not None and hasattr(_native, "copy_spans")
+    tok = None if spans else upload(store.token_index(slots), dev)
     fixed_np = {
         LENGTHS: store.length[slots],
         VERSIONS: store.version[slots],
@@ -54,6 +59,7 @@ def pack(
     }
     meta = {k: upload(torch.from_numpy(np.ascontiguousarray(v)), dev) for k, v in fixed_np.items()}
     s0 = t0 = b0 = 0
+    bases: dict[str, list[int]] = {name: [] for name in store.arena}  # per destination
     for d in range(len(n)):
         s1, t1, b1 = s0 + int(n[d]), t0 + int(t[d]), b0 + int(nbytes[d])
         if s1 > s0:
@@ -63,9 +69,55 @@ def pack(
             for name, values in meta.items():
                 cols[name].copy_(values[s0:s1])
             for name, arena in store.arena.items():
-                torch.index_select(arena, 0, tok[t0:t1], out=cols[name])
+                if tok is None:  # where token t0 of this destination's column would start
+                    bases[name].append(cols[name].data_ptr() - t0 * _token_bytes(arena))
+                else:
+                    torch.index_select(arena, 0, tok[t0:t1], out=cols[name])
+        else:
+            for name in bases:
+                bases[name].append(0)  # no run goes there
         s0, t0, b0 = s1, t1, b1
+    if tok is None and len(slots):
+        _copy_runs(store, slots, n, bases)
     return fixed_np[LENGTHS]
+
+
+def _token_bytes(arena: torch.Tensor) -> int:
+    """Bytes of one token of a (contiguous) arena column, its inner shape included."""
+    return arena.stride(0) * arena.element_size()
+
+
+def _copy_runs(
+    store: GroupStore, slots: np.ndarray, n: np.ndarray, bases: dict[str, list[int]]
+) -> None:
+    """Copy the tokens of ``slots`` (host arenas) into the packed columns as runs: adjacent
+    sequences whose tokens are adjacent in the arena, within one destination, are one span;
+    every column's spans go in one ``copy_spans`` call.
+
+    Args:
+        store: the host shard; slots: the sequences in packing order.
+        n: sequences per destination (in rank order).
+        bases: per arena column, per destination, the address token 0 of the packing order
+            would have in that destination's column (addresses computed, never dereferenced
+            outside the column: each run lies inside its destination's tokens).
+    """
+    lengths = store.length[slots].astype(np.int64)
+    starts = store.offset[slots].astype(np.int64)
+    dest = np.repeat(np.arange(len(n)), n)
+    at = np.cumsum(lengths) - lengths  # each sequence's token position in packing order
+    cut = np.ones(len(slots), dtype=bool)
+    cut[1:] = (starts[1:] != starts[:-1] + lengths[:-1]) | (dest[1:] != dest[:-1])
+    first = np.flatnonzero(cut)
+    run_len = np.add.reduceat(lengths, first)
+    run_src, run_at, run_dest = starts[first], at[first], dest[first]
+    triples = []
+    for name, arena in store.arena.items():
+        item = _token_bytes(arena)
+        base = np.asarray(bases[name], dtype=np.int64)[run_dest]
+        triples.append(
+            np.stack([base + run_at * item, arena.data_ptr() + run_src * item, run_len * item], 1)
+        )
+    _native.copy_spans(tuple(np.concatenate(triples).ravel().tolist()))
 
 
 def cut(
