@@ -110,6 +110,21 @@ class TokenRound:
         self.rows_hint = 16  # table rows the meta all-gather carries (see _gather)
         self.stale_evicted = 0
         self.updates: list[tuple[int, int, float]] = []  # (holder, gid, priority) to send
+        self._bufs: dict[str, torch.Tensor] = {}  # the sections' send and receive bytes
+
+    def _buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        """The reused byte buffer ``name`` (the sections' send or receive bytes, on the arenas'
+        device), grown by a quarter beyond ``nbytes`` when too small (a host buffer reused is
+        not page-faulted in again every round). A round is done with both before the next
+        starts: the cut copies what it keeps, and on a device the round's stream waits for its
+        exchange's works before the cut, so the next round's pack is ordered after them."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(
+                nbytes + nbytes // 4 + 64, dtype=torch.uint8, device=self.store.device
+            )
+            self._bufs[name] = buf
+        return buf[:nbytes]
 
     # ------------------------------------------------------------------ meta
 
@@ -294,8 +309,8 @@ class TokenRound:
             if world > 1
             else np.array([[self.wire.nbytes(int(n[0, 0]), int(t[0, 0]))]])
         )
-        dev = self.store.device  # the sections leave from and land in the arenas' device
-        send = torch.empty(int(nbytes[me].sum()), dtype=torch.uint8, device=dev)
+        # the sections leave from and land in the arenas' device
+        send = self._buffer("send", int(nbytes[me].sum()))
         gids = groups.table[chosen, S.GID]
         mine = [  # destination by destination (rank order), each in its micro-batch order
             int(gids[i])
@@ -308,7 +323,7 @@ class TokenRound:
         lens = np.zeros(0, dtype=np.int64)
         if mine:
             lens = D.pack(self.store, self.wire, send, mine, n[me], t[me], nbytes[me])
-        recv = torch.empty(int(nbytes[:, me].sum()), dtype=torch.uint8, device=dev)
+        recv = self._buffer("recv", int(nbytes[:, me].sum()))
         # device sections: their lengths travel on the host first (the cut reads them there,
         # and nothing comes back from the device; one exchange at a time on the plane's group)
         got = None
