@@ -38,6 +38,7 @@ def test_bench_sim_validates_out_of_sample_projects_and_plots_from_another_cwd(t
     for c in checks:
         other = f"loopback, 2 ranks, job {1 - c['job']}"
         assert c["calibration_source"] == c["fit_source"] == other, c
+        assert c["load_1m"] >= 0  # the machine's load as the job started, beside its timings
     # a round always takes time; an exposed latency may be predicted 0 (a fitting run whose
     # round came out no slower than its raw collectives fits no bookkeeping, and the exchange
     # then hides behind the backward): 0 is a prediction, a negative one is a bug

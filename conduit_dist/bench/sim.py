@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from conduit_dist.bench.common import check_out_path, emit, number
 from conduit_dist.bench.hosts import EmulatedHosts, HostsUnavailable
@@ -132,11 +133,12 @@ def measure(
         slug = cfg.label.replace(" ", "").replace(",", "-").replace("/", "")
         cache_dir = os.path.join(cache_root, f"{slug}-job{job}")
         try:
-            runs.append(_measure(cfg, job, samples, cache_dir))
+            load = os.getloadavg()[0]  # what else this machine ran as the job started
+            runs.append(replace(_measure(cfg, job, samples, cache_dir), load_1m=load))
         except HostsUnavailable as exc:
             skipped = str(exc)
             continue
-        print(f"measured {runs[-1].name}", file=sys.stderr, flush=True)
+        print(f"measured {runs[-1].name} (load {load:.1f})", file=sys.stderr, flush=True)
     return runs, skipped
 
 

@@ -82,6 +82,8 @@ class Run:
         measured: ``bench rounds``' JSON line.
         cache_dir: where its planes cached the calibration they made at start-up.
         host_keys: every rank's host key (emulated hosts; ``None``: one torchrun node here).
+        load_1m: this machine's 1-minute load average as the job started (the context its
+            timings were taken in; ``None``: not recorded).
     """
 
     config: Config
@@ -89,6 +91,7 @@ class Run:
     measured: dict
     cache_dir: str
     host_keys: tuple[str, ...] | None = None
+    load_1m: float | None = None
 
     @property
     def name(self) -> str:
@@ -132,12 +135,15 @@ def fit_bookkeeping(measured: dict, topo: SimTopology | None = None) -> dict[str
 def sources(runs: list[Run], cores: int) -> dict[Run, tuple[Run, Run]]:
     """Each run's ``(calibration run, fit run)``.
 
-    A scored run (:meth:`Config.scored`) takes its calibration from the next job of its own
-    configuration (cyclically) and its bookkeeping fit from the same job of the first other
-    scored configuration, in run order (the next job of its own where no other ran): a job
-    measured in another pass than the scored one. An
-    oversubscribed run takes its own calibration and the first scored run's fit (its own where
-    none ran).
+    A scored run (:meth:`Config.scored`) of job ``j`` takes its calibration from job ``j + 1``
+    (cyclically) of its own configuration, and its bookkeeping fit from job ``j + 1`` of the
+    first other scored configuration in run order (of its own where no other ran): both from
+    another pass than its own. An oversubscribed run takes its own calibration and the first
+    scored run's fit (its own where none ran).
+
+    Example: loopback and one host rate, two jobs each; loopback job 0 is predicted with
+    loopback job 1's calibration and the hosts' job 1 fit, the hosts' job 0 with hosts job 1's
+    calibration and loopback job 1's fit.
 
     Raises:
         ConfigError: a scored configuration with a single job (its calibration would be its own).
@@ -219,7 +225,7 @@ def score(runs: list[Run], loopback: SimTopology, cores: int) -> tuple[list[dict
                 row["error_in_sample"] = mine["error"]
         where = {
             "where": r.config.label, "job": r.job, "scored": scored,
-            "ranks_per_core": r.config.world / cores,
+            "ranks_per_core": r.config.world / cores, "load_1m": r.load_1m,
             "calibration_source": calib.name + (" (own run: in sample)" if calib is r else ""),
             "fit_source": fit.name + (" (own run: in sample)" if fit is r else ""),
             "bookkeeping_fit": fits[fit.name],
