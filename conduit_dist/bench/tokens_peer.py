@@ -5,20 +5,27 @@ Roles: the first ``--learners`` ranks learn (default half the world), the others
 sample, every producer generates its share of ``G`` groups of ``--group-size`` responses
 (``bench tokens``' workload, ``token_baselines.Data``: lognormal lengths, median 256 tokens, 1%
 at 6,144-8,192; int32 tokens, float32 log-probs, bool loss mask, a float32 reward and the int64
-group id per response), untimed; then each side delivers that global batch, the sides' order
-alternating from sample to sample:
+group id per response), untimed; then each pass delivers that global batch, the passes' order
+rotating from sample to sample:
 
-- ``ours``: the producers ``TokenPlane.put`` (a copy into their own shard), a barrier (the batch
-  is available), then the producers ``flush`` and the learners ``fetch(G, --token-budget)``: one
-  round (the group table all-gathered, the token-balanced plan, one exchange), the learners
-  holding packed micro-batches with ``cu_seqlens``;
+- ours: the producers ``TokenPlane.put`` (a copy into their own shard), then the producers
+  ``flush`` and the learners ``fetch(G, --token-budget)``: one round (the group table
+  all-gathered, the token-balanced plan, one exchange), the learners holding packed
+  micro-batches with ``cu_seqlens``. The round itself tells the learners the batch is there
+  (``ours_ms``); a second pass puts the same groups again with a barrier between the puts and the
+  round, as TransferQueue's pass has (``ours_with_barrier_ms``, ``ours_put_ms``,
+  ``ours_delivery_ms``);
 - ``transferqueue`` (``bench/tokens_tq.py``): the producers ``put`` into its storage units (the
-  data moves there), a barrier, then each learner reads its share through its streaming loader
-  (the ``SeqlenBalancedSampler`` over whole groups, ``get_meta`` and ``get_data``, its
-  micro-batches of ``--tq-micro-groups`` groups as jagged nested tensors: packed values and
-  offsets);
+  data moves there), a barrier (the cheapest way its learners can know the batch is complete:
+  its streaming loader polls once a second), then each learner reads its share through its
+  streaming loader (the ``SeqlenBalancedSampler`` over whole groups, ``get_meta`` and
+  ``get_data``, micro-batches of ``--tq-micro-groups`` groups as jagged nested tensors: packed
+  values and offsets);
+- ``transferqueue_client``, the neutral variant: the same through its client without the loader
+  (whose chunking deep-copies the batch's metadata once per micro-batch), micro-batches cut as
+  views of the returned packed values;
 - ``raw``: one ``all_to_all_single`` on the same group moving ours' delivered bytes (each
-  learner's received bytes, split evenly over the producers), right after ours.
+  learner's received bytes, split evenly over the producers), right after ours' second pass.
 
 Timing: each rank's wall from the barrier before the puts (``*_ms``, end to end: the puts count)
 or from the barrier after them (``*_delivery_ms``: the batch available) to its end (a learner's:
@@ -26,14 +33,16 @@ holding its micro-batches); a sample's time is the slowest rank's; figures are m
 ``--samples`` after ``--warmup``. GB/s: the batch's sequence data (9 bytes a token, 20 a
 sequence) over that time.
 
-Checks, every sample, on both sides (untimed): ``digests_equal`` (every group's members hashed
-field by field, in any order, equal to what its producer put, and no group missing or extra) and
-``groups_whole`` (every group's members arrive together, in one micro-batch of one learner,
+Checks, every sample and pass (untimed): ``digests_equal_*`` (every group's members hashed field
+by field, in any order, equal to what its producer put; no group missing or extra) and
+``groups_whole_*`` (every group's members arrive together, in one micro-batch of one learner,
 once).
 
-Summary: ``speedup_vs_transferqueue`` (its end-to-end time over ours; the smallest over the
-sizes), ``delivery_speedup_vs_transferqueue``, ``ours_vs_raw_exchange`` (ours' delivery over the
-raw exchange; the largest), the checks over every size and sample, and each size's row.
+Summary: ``speedup_vs_transferqueue`` (its end-to-end time over ours' ``ours_ms``; the smallest
+over the sizes), ``speedup_vs_transferqueue_same_barrier`` (over ``ours_with_barrier_ms``),
+``delivery_speedup_vs_transferqueue``, the same against ``transferqueue_client``,
+``ours_vs_raw_exchange`` (ours' delivery over the raw exchange; the largest), the checks over
+every size and sample, and each size's row.
 """
 
 from __future__ import annotations
@@ -53,8 +62,10 @@ from conduit_dist.bench.token_baselines import FIELDS, MAX_LEN, SEQ_BYTES, TOKEN
 from conduit_dist.bench.token_checks import judge, produced, received, summarise
 
 PEERS = ("transferqueue",)
-SIDES = ("ours", "tq", "tqc")  # ours, TransferQueue through its loader, through its client
-NAMES = {"ours": "ours", "tq": "transferqueue", "tqc": "transferqueue_client"}
+# ours (put, barrier, round), ours without the barrier, TransferQueue through its loader and
+# through its client
+SIDES = ("ours", "ours_direct", "tq", "tqc")
+PEER_SIDES = {"tq": "transferqueue", "tqc": "transferqueue_client"}
 
 
 def _sizes(text: str) -> list[int]:
@@ -99,12 +110,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 # -------------------------------------------------------------------------------- the sides
 
 
-def _ours(tp, d: Data | None, groups: int, budget: int) -> tuple[list[float], list]:
+def _ours(tp, d: Data | None, groups: int, budget: int, split: bool) -> tuple[list[float], list]:
+    """Ours' pass: ``split``: put, barrier, round (end to end, put, delivery); else put and
+    round, the round itself telling the learners the batch is there (end to end only)."""
     dist.barrier()
     t0 = time.perf_counter()
     if d is not None:
         tp.put(*d.batch())
-    dist.barrier()
+    if split:
+        dist.barrier()
     t1 = time.perf_counter()
     mbs = []
     if d is not None:
@@ -113,7 +127,7 @@ def _ours(tp, d: Data | None, groups: int, budget: int) -> tuple[list[float], li
         taken = tp.fetch(groups, budget)
         mbs = [{**mb.fields, "cu_seqlens": mb.cu_seqlens} for mb in taken]
     t2 = time.perf_counter()
-    return [t2 - t0, t1 - t0, t2 - t1], mbs
+    return ([t2 - t0, t1 - t0, t2 - t1] if split else [t2 - t0]), mbs
 
 
 def _tq(tq, d: Data | None, partition: str, take) -> tuple[list[float], list]:
@@ -174,8 +188,11 @@ def _size(a, tp, tq, groups: int, first_gid: int, roles) -> tuple[dict, dict]:
         held: dict[str, list] = {}
 
         def ours(t=t, held=held, d=d) -> None:
-            t["ours"], held["ours"] = _ours(tp, d, groups, a.token_budget)
+            t["ours"], held["ours"] = _ours(tp, d, groups, a.token_budget, split=True)
             t["raw"] = [_raw(*_raw_buffers(tp, learners, producers))]
+
+        def direct(t=t, held=held, d=d) -> None:  # the same groups again (consumed by now)
+            t["ours_direct"], held["ours_direct"] = _ours(tp, d, groups, a.token_budget, False)
 
         def loader(t=t, held=held, d=d, part=part) -> None:
             t["tq"], held["tq"] = _tq(tq, d, f"{part}_loader", partial(tq.take, micro))
@@ -184,8 +201,8 @@ def _size(a, tp, tq, groups: int, first_gid: int, roles) -> tuple[dict, dict]:
             take = partial(tq.take_client, f"{part}_client", share)
             t["tqc"], held["tqc"] = _tq(tq, d, f"{part}_client", take)
 
-        order = (ours, loader, client)
-        for fn in order[i % 3 :] + order[: i % 3]:
+        order = (ours, direct, loader, client)
+        for fn in order[i % 4 :] + order[: i % 4]:
             fn()
         report: dict = {}
         if d is not None:
@@ -203,7 +220,11 @@ def _size(a, tp, tq, groups: int, first_gid: int, roles) -> tuple[dict, dict]:
             times.append([x for side in SIDES for x in t[side]] + t["raw"])
     w = torch.tensor(times, dtype=torch.float64)  # [sample, phase]
     dist.all_reduce(w, op=dist.ReduceOp.MAX)
-    phases = [f"{s}{p}" for s in SIDES for p in ("", "_put", "_delivery")] + ["raw"]
+    phases = [
+        f"{s}{p}"
+        for s in SIDES
+        for p in (("",) if s == "ours_direct" else ("", "_put", "_delivery"))
+    ] + ["raw"]
     ms = {k: statistics.median(w[:, j].tolist()) * 1e3 for j, k in enumerate(phases)}
     return ms, summarise(verdicts, SIDES) if me == 0 else {}
 
@@ -260,12 +281,12 @@ def main(argv: list[str]) -> None:
 
 
 def _progress(r: dict) -> None:
-    parts = [f"{r['groups']:>4} groups:"]
-    for side in SIDES:
-        n = NAMES[side]
+    parts = [f"{r['groups']:>4} groups: ours {r['ours_ms']:.1f} ms"]
+    parts.append(f"(with the barrier {r['ours_with_barrier_ms']:.1f}, delivery")
+    parts.append(f"{r['ours_delivery_ms']:.1f}, raw {r['raw_exchange_ms']:.1f}),")
+    for n in PEER_SIDES.values():
         parts.append(f"{n} {r[f'{n}_ms']:.1f} ms (delivery {r[f'{n}_delivery_ms']:.1f}),")
-    parts.append(f"raw exchange {r['raw_exchange_ms']:.1f} ms:")
-    parts.append(f"{r['speedup_vs_transferqueue']:.1f}x, {r['ours_vs_raw_exchange']:.2f} of raw")
+    parts.append(f"{r['speedup_vs_transferqueue']:.1f}x")
     print(" ".join(parts), flush=True)
 
 
@@ -275,21 +296,25 @@ def _row(groups: int, size: int, ms: dict, checks: dict) -> dict:
         return {}
     data = checks["tokens"] * TOKEN_BYTES + groups * size * SEQ_BYTES  # the batch's bytes
     row: dict = {"groups": groups, "sequences": groups * size, "token_data_mb": data / 1e6}
-    for side in SIDES[1:]:
-        n = NAMES[side]
-        row[f"speedup_vs_{n}"] = ms[side] / ms["ours"]
+    for side, n in PEER_SIDES.items():
+        row[f"speedup_vs_{n}"] = ms[side] / ms["ours_direct"]
+        row[f"speedup_vs_{n}_same_barrier"] = ms[side] / ms["ours"]
         row[f"delivery_speedup_vs_{n}"] = ms[f"{side}_delivery"] / ms["ours_delivery"]
     row["ours_vs_raw_exchange"] = ms["ours_delivery"] / ms["raw"]
     row["raw_exchange_ms"] = ms["raw"]
-    for side in SIDES:
-        n = NAMES[side]
-        row[f"{n}_ms"] = ms[side]
+    row["ours_ms"] = ms["ours_direct"]
+    row["ours_gb_s"] = data / ms["ours_direct"] / 1e6
+    row["ours_with_barrier_ms"] = ms["ours"]
+    for side, n in {"ours": "ours", **PEER_SIDES}.items():
+        if side != "ours":
+            row[f"{n}_ms"] = ms[side]
+            row[f"{n}_gb_s"] = data / ms[side] / 1e6
         row[f"{n}_put_ms"] = ms[f"{side}_put"]
         row[f"{n}_delivery_ms"] = ms[f"{side}_delivery"]
-        row[f"{n}_gb_s"] = data / ms[side] / 1e6
         row[f"{n}_delivery_gb_s"] = data / ms[f"{side}_delivery"] / 1e6
-        row[f"digests_equal_{n}"] = checks[f"{side}_digests"]
-        row[f"groups_whole_{n}"] = checks[f"{side}_whole"]
+        whole = checks[f"{side}_whole"] and (side != "ours" or checks["ours_direct_whole"])
+        digests = checks[f"{side}_digests"] and (side != "ours" or checks["ours_direct_digests"])
+        row[f"digests_equal_{n}"], row[f"groups_whole_{n}"] = digests, whole
         row[f"balance_max_over_mean_{n}"] = checks[f"{side}_balance"]
         row[f"micro_batches_per_learner_{n}"] = checks[f"{side}_micro"]
     return row
@@ -299,15 +324,15 @@ def _report(a, world: int, learners: list[int], producers: list[int], rows: list
     import transfer_queue
 
     summary: dict = {}
-    for n in (NAMES[s] for s in SIDES[1:]):  # the least speedup over the sizes
-        summary[f"speedup_vs_{n}"] = min(r[f"speedup_vs_{n}"] for r in rows)
-        summary[f"delivery_speedup_vs_{n}"] = min(r[f"delivery_speedup_vs_{n}"] for r in rows)
+    for n in PEER_SIDES.values():  # the least speedup over the sizes
+        for k in (f"speedup_vs_{n}", f"speedup_vs_{n}_same_barrier", f"delivery_speedup_vs_{n}"):
+            summary[k] = min(r[k] for r in rows)
     summary["ours_vs_raw_exchange"] = max(r["ours_vs_raw_exchange"] for r in rows)
-    for n in (NAMES[s] for s in SIDES):
+    for n in ("ours", *PEER_SIDES.values()):
         summary[f"digests_equal_{n}"] = all(r[f"digests_equal_{n}"] for r in rows)
         summary[f"groups_whole_{n}"] = all(r[f"groups_whole_{n}"] for r in rows)
     for k, v in summary.items():
-        print(f"{k:>42}: {v:.4g}" if isinstance(v, float) else f"{k:>42}: {v}", flush=True)
+        print(f"{k:>48}: {v:.4g}" if isinstance(v, float) else f"{k:>48}: {v}", flush=True)
     summary["speedup_vs_transferqueue_by_size"] = {
         str(r["groups"]): r["speedup_vs_transferqueue"] for r in rows
     }
