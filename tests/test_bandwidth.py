@@ -49,6 +49,53 @@ def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
     assert coef[FEATURES.index("msgs")] == 0.0
 
 
+def _tbf_probe(burst: float, rng) -> dict[str, list[tuple[np.ndarray, float]]]:
+    """The calibration's probe on 2 hosts of 1 rank joined by a token-bucket link: 100 us a
+    call, 1 GB/s within a rested ``burst`` (0: an unshaped link), 62.5 MB/s (500 Mbit/s)
+    beyond it, 3% noise."""
+    from conduit_dist.collectives.model import PROBE_SIZES
+
+    links = Topology.from_hosts(["a", "b"]).link_matrix()
+    samples: dict[str, list[tuple[np.ndarray, float]]] = {"all_to_all": [], "p2p": []}
+    for size in PROBE_SIZES:
+        for m in probe_matrices(2, size).values():
+            for name, got in samples.items():
+                x = features(name, m, links)
+                net = x[FEATURES.index("bytes_net")]
+                t = 100e-6 * x[0] + x[1] / 9e9 + min(net, burst) / 1e9
+                t += max(0.0, net - burst) / (62.5e6 if burst else 1e9)
+                got.append((x, t * rng.uniform(0.97, 1.03)))
+    return samples
+
+
+def test_a_shaped_links_burst_is_fitted_as_a_knee_and_prices_a_rounds_payload_at_line_rate():
+    from conduit_dist.collectives.model.costs import fit_burst
+
+    rng = np.random.default_rng(0)
+    links = Topology.from_hosts(["a", "b"]).link_matrix()
+    payload = np.array([[0, 70_000], [70_000, 0]])  # a round's gradients, within the burst
+    bulk = np.array([[0, 4 << 20], [4 << 20, 0]])  # 4 MiB, far beyond it
+    truth = {"payload": 100e-6 + 70_000 / 1e9, "bulk": 100e-6 + (256 << 10) / 1e9
+             + ((4 << 20) - (256 << 10)) / 62.5e6}  # fmt: skip
+    samples = _tbf_probe(256 << 10, rng)
+    coef, burst, over = fit_burst(samples)
+    assert burst == 256 << 10 and set(over) == {"all_to_all", "p2p"}
+    knee = BandwidthModel(coef, "calibrated", burst, over)
+    assert knee.predict("all_to_all", payload, links) == pytest.approx(truth["payload"], rel=0.1)
+    assert knee.predict("all_to_all", bulk, links) == pytest.approx(truth["bulk"], rel=0.1)
+    assert knee.terms("all_to_all", bulk, links)["bytes_net_over_burst"] > 0
+    assert "256 KiB burst" in knee.describe()
+    # one rate for every size (the model without a knee) cannot price both: fitted on relative
+    # error it keeps the small probes' line rate and prices the bulk ~12x too cheap
+    plain = BandwidthModel({n: fit(s) for n, s in samples.items()}, "calibrated")
+    assert plain.predict("all_to_all", bulk, links) < truth["bulk"] / 2
+    # an unshaped link shows no knee: none is kept
+    coef, burst, over = fit_burst(_tbf_probe(0.0, rng))
+    assert burst == 0.0 and over == {}
+    with pytest.raises(ConfigError, match="knee"):
+        BandwidthModel(coef, "given", -1.0, {"p2p": 1e-9})
+
+
 def test_features_encode_the_algorithmic_factors():
     topo = Topology.from_hosts(["a", "a", "b", "b"])
     links = topo.link_matrix()
@@ -263,6 +310,12 @@ def test_cache_round_trip_and_corrupt_or_mismatched_cache_is_ignored(tmp_path, c
     loaded = load_cache(path, "gloo", topo)
     assert loaded is not None and loaded.source == "cache"
     assert all(np.allclose(loaded.coef[n], model.coef[n]) for n in NAMES)
+    assert loaded.burst_bytes == 0.0 and loaded.over_s == {}
+    # a network knee is kept with the coefficients
+    model.burst_bytes, model.over_s = 262_144.0, {"all_to_all": 1.5e-8}
+    save_cache(path, model, "gloo", topo)
+    loaded = load_cache(path, "gloo", topo)
+    assert loaded.burst_bytes == 262_144.0 and loaded.over_s == {"all_to_all": 1.5e-8}
     caplog.set_level(logging.WARNING, logger="conduit_dist")
     assert load_cache(path, "gloo", Topology.single_host(3)) is None  # other world size
     assert "ignored" in caplog.text

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from conduit_dist.collectives.model.costs import FEATURES, features
 from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
 from conduit_dist.placement.base import PlacementContext
@@ -306,8 +305,7 @@ def price_exchange(
         name, seconds = fixed, model.predict(fixed, matrix, links)
     else:
         name, seconds = model.choose(matrix, links)
-    terms = dict(zip(FEATURES, (features(name, matrix, links) * model.coef[name]).tolist()))
-    return Exchange(op, name, seconds, _link_bytes(matrix, links), terms)
+    return Exchange(op, name, seconds, _link_bytes(matrix, links), model.terms(name, matrix, links))
 
 
 def _add(r: SimRound, op: str, matrix, links, model, fixed: str | None = None) -> None:

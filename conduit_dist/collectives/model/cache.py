@@ -3,6 +3,8 @@
 A calibrated :class:`~conduit_dist.collectives.model.costs.BandwidthModel` is written by the first
 rank of each host (atomically) and read back by the next job on the same layout; a file that is
 missing, corrupt, of another :data:`CACHE_VERSION` or for another layout is ignored with a warning.
+A network knee (``burst_bytes``, ``over_s``) is kept beside the coefficients; a file without
+one has none.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from conduit_dist.collectives.topology import Topology
 
 log = logging.getLogger("conduit_dist")
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: probes rest on network links, 64 KB probed, a network knee
 
 
 def cache_path(cache_dir: str, backend: str, topo: Topology) -> str:
@@ -43,10 +45,12 @@ def load_cache(path: str, backend: str, topo: Topology) -> BandwidthModel | None
         coef = {n: np.array(data["coef"][n], dtype=np.float64) for n in NAMES}
         if any(c.shape != (len(FEATURES),) or not np.isfinite(c).all() for c in coef.values()):
             raise ValueError("bad coefficient vector")
+        over = {n: float(v) for n, v in data.get("over_s", {}).items() if n in NAMES}
+        model = BandwidthModel(coef, "cache", float(data.get("burst_bytes", 0.0)), over)
     except Exception as exc:
         log.warning("bandwidth cache %s ignored (%s); re-probing", path, exc)
         return None
-    return BandwidthModel(coef, "cache")
+    return model
 
 
 def save_cache(path: str, model: BandwidthModel, backend: str, topo: Topology) -> None:
@@ -59,6 +63,8 @@ def save_cache(path: str, model: BandwidthModel, backend: str, topo: Topology) -
         "hosts": topo.key(),
         "features": list(FEATURES),
         "coef": model.to_json(),
+        "burst_bytes": model.burst_bytes,
+        "over_s": model.over_s,
     }
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -1,7 +1,9 @@
 """How a job gets its bandwidth model: the declared numbers, the cached calibration, or a probe.
 
-:func:`calibrate` times every strategy on a few byte patterns (:func:`probe_matrices`) and fits
-each strategy's coefficients (:func:`~conduit_dist.collectives.model.costs.fit`); :func:`agree`
+:func:`calibrate` times every strategy on a few byte patterns (:func:`probe_matrices`) at sizes
+from 1 KB to 8 MB per peer (64 KB among them: a round's gradient payload) and fits each
+strategy's coefficients, with a network knee where the links show one
+(:func:`~conduit_dist.collectives.model.costs.fit_burst`); :func:`agree`
 puts rank 0's model on every rank; :func:`build` picks the declared model, the cached one
 (``cache.py``) or a fresh calibration, the same on every rank.
 """
@@ -17,14 +19,18 @@ import torch.distributed as dist
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.model.cache import cache_path, load_cache, save_cache
-from conduit_dist.collectives.model.costs import FEATURES, BandwidthModel, features, fit
+from conduit_dist.collectives.model.costs import FEATURES, BandwidthModel, features, fit_burst
 from conduit_dist.collectives.strategies import NAMES, Strategy, make_strategies, usable
 from conduit_dist.collectives.topology import Topology
 
 log = logging.getLogger("conduit_dist")
 
-PROBE_SIZES = (1024, 16 * 1024, 256 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+PROBE_SIZES = (1024, 16 * 1024, 64 * 1024, 256 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 PROBE_REPEATS = 7
+# on a layout with network links every probe call starts after the links rested this long, as a
+# round's exchange does after a step's compute: a token-bucket link's burst refills (256 KiB at
+# 420 Mbit/s and up) and the probe prices a message as a round meets the link
+NET_REST_S = 0.005
 
 
 def probe_matrices(world: int, per_peer: int) -> dict[str, np.ndarray]:
@@ -44,6 +50,7 @@ def time_strategies(
     matrix: np.ndarray,
     repeats: int,
     device: torch.device | None = None,
+    rest_s: float = 0.0,
 ) -> dict[str, float]:
     """Median seconds of every strategy moving ``matrix`` bytes (the slowest rank's).
 
@@ -51,7 +58,8 @@ def time_strategies(
     in a round (back-to-back calls of one strategy run warmer than it ever does in a round), and a
     noisy moment hits all of them alike. The first repeat is a warm-up. ``device``: the rows'
     device (``None``: the host); on a GPU each call is timed to its completion on the device
-    (a start-up probe: synchronising there is what it measures).
+    (a start-up probe: synchronising there is what it measures). ``rest_s``: seconds every
+    rank sleeps before each call (the links idle, as between a job's rounds).
     """
     me = ex.rank
     rows_out, rows_in = matrix[me].tolist(), matrix[:, me].tolist()
@@ -63,6 +71,8 @@ def time_strategies(
     samples = torch.zeros(repeats + 1, len(names), dtype=torch.float64)
     for rep in range(repeats + 1):
         for j, name in enumerate(names):
+            if rest_s:
+                time.sleep(rest_s)
             ex.barrier("probe")
             t0 = time.perf_counter()
             strategies[name].run(ex, out, inp, rows_in, rows_out, -1, "probe", matrix)
@@ -99,6 +109,9 @@ def calibrate(
             tensors); ``None``: host rows. Strategies the group cannot run for those rows
             (``strategies.usable``) are priced at infinity, so they are never chosen.
 
+    Where ranks are on several hosts, every call starts after :data:`NET_REST_S` of rest and a
+    knee is fitted where the network shows one (a shaped link's burst).
+
     Raises:
         PhaseError: if a rank does not take part within the timeout (naming the ranks that never
             entered the phase, where the rendezvous store can tell).
@@ -108,16 +121,18 @@ def calibrate(
         allowed = usable(device.type == "cuda", ex.cuda_backend)
     strategies = {n: s for n, s in make_strategies().items() if n in allowed}
     links = topo.link_matrix()
+    rest = NET_REST_S if (links == 2).any() else 0.0
     samples: dict[str, list[tuple[np.ndarray, float]]] = {n: [] for n in strategies}
     phase = "start-up: calibrate" + (" device rows" if device is not None else "")
     with ex.phase(phase):
         for size in sizes:
             for matrix in probe_matrices(ex.world, size).values():
-                timed = time_strategies(ex, strategies, matrix, repeats, device)
+                timed = time_strategies(ex, strategies, matrix, repeats, device, rest)
                 for name, t in timed.items():
                     samples[name].append((features(name, matrix, links), t))
-    coef = {n: fit(samples[n]) if n in samples else np.full(len(FEATURES), np.inf) for n in NAMES}
-    return BandwidthModel(coef, "calibrated")
+    fitted, burst, over = fit_burst(samples)
+    coef = {n: fitted.get(n, np.full(len(FEATURES), np.inf)) for n in NAMES}
+    return BandwidthModel(coef, "calibrated", burst, over)
 
 
 def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
@@ -135,13 +150,21 @@ def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
         )
         if not int(ok):
             return None
-        flat = torch.tensor(np.concatenate([model.coef[n] for n in NAMES]), dtype=torch.float64)
+        # every strategy's coefficients, then the knee: burst bytes, each one's over_s (-1: none)
+        knee = [model.burst_bytes] + [model.over_s.get(n, -1.0) for n in NAMES]
+        flat = torch.tensor(
+            np.concatenate([*(model.coef[n] for n in NAMES), knee]), dtype=torch.float64
+        )
         ex.run(
             lambda: dist.broadcast(flat, src=0, group=ex.group, async_op=True),
             "broadcast(coefficients)",
         )
-    parts = flat.numpy().reshape(len(NAMES), len(FEATURES))
-    return BandwidthModel({n: parts[i].copy() for i, n in enumerate(NAMES)}, model.source)
+    values = flat.numpy()
+    n_coef = len(NAMES) * len(FEATURES)
+    parts = values[:n_coef].reshape(len(NAMES), len(FEATURES))
+    coef = {n: parts[i].copy() for i, n in enumerate(NAMES)}
+    over_s = {n: float(v) for n, v in zip(NAMES, values[n_coef + 1 :], strict=True) if v >= 0}
+    return BandwidthModel(coef, model.source, float(values[n_coef]), over_s)
 
 
 def build(

@@ -26,6 +26,13 @@ The coefficients (seconds per call, per message, per byte) are fitted per strate
 squares on relative error from a short probe (:func:`calibrate`), or declared
 (:meth:`BandwidthModel.declared`): then every strategy has the same numbers and only its features
 (its structure) tell it apart.
+
+A shaped network link (a token bucket: ``tc tbf``, a cloud NIC's burst allowance) passes a
+rested burst at its line rate and the rest at its sustained rate, which no single per-byte
+coefficient prices at both a round's tens of KB and a probe's MBs. A calibrated model may carry
+a knee for it (:attr:`BandwidthModel.burst_bytes`, fitted by :func:`fit_burst`): net bytes at
+the critical rank beyond the knee cost ``over_s[strategy]`` seconds per byte on top of
+``bytes_net``'s coefficient.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from conduit_dist.errors import ConfigError
 FEATURES = ("calls", "bytes_self", "bytes_host", "both_host", "bytes_net", "both_net", "msgs")
 _COL = {"self": 1, "host": 2, "net": 4}  # column of B_c; D_c (both directions) follows it
 _MSGS = FEATURES.index("msgs")
+_NET = FEATURES.index("bytes_net")
 TIE_MARGIN = 0.15
 SOURCES = ("declared", "calibrated", "cache", "given")
 
@@ -97,9 +105,14 @@ class BandwidthModel:
         source: where the numbers came from (one of :data:`SOURCES`): ``declared``
             (:meth:`declared`), ``calibrated`` (:func:`calibrate`), ``cache`` (:func:`load_cache`)
             or ``given`` (built by the caller).
+        burst_bytes: a shaped network link's knee (:func:`fit_burst`): net bytes at the critical
+            rank it passes at its line rate after a rest; ``0`` with no ``over_s``: no knee.
+        over_s: strategy name -> extra seconds per net byte beyond ``burst_bytes`` (the
+            sustained rate's cost over the line rate's); empty: no knee.
 
     Raises:
-        ConfigError: on a coefficient vector of the wrong length or an unknown source.
+        ConfigError: on a coefficient vector of the wrong length, an unknown source, or a knee
+            that is negative or not finite.
 
     Example::
 
@@ -109,8 +122,16 @@ class BandwidthModel:
 
     coef: dict[str, np.ndarray] = field(default_factory=dict)
     source: str = "given"
+    burst_bytes: float = 0.0
+    over_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        knee = [self.burst_bytes, *self.over_s.values()]
+        if not all(np.isfinite(v) and v >= 0 for v in knee):
+            raise ConfigError(
+                f"BandwidthModel knee: expected burst_bytes and over_s >= 0 and finite, got "
+                f"burst_bytes={self.burst_bytes!r}, over_s={self.over_s!r}"
+            )
         if self.source not in SOURCES:
             raise ConfigError(
                 f"BandwidthModel.source: expected one of {list(SOURCES)}, got {self.source!r}"
@@ -124,7 +145,17 @@ class BandwidthModel:
 
     def predict(self, strategy: str, matrix: np.ndarray, links: np.ndarray) -> float:
         """Predicted seconds of ``strategy`` on ``matrix``."""
-        return float(features(strategy, matrix, links) @ self.coef[strategy])
+        return sum(self.terms(strategy, matrix, links).values())
+
+    def terms(self, strategy: str, matrix: np.ndarray, links: np.ndarray) -> dict[str, float]:
+        """Seconds of each term of ``strategy`` on ``matrix``: every feature's, and
+        ``bytes_net_over_burst`` where the model has a knee."""
+        x = features(strategy, matrix, links)
+        out = dict(zip(FEATURES, (x * self.coef[strategy]).tolist(), strict=True))
+        if self.over_s:
+            over = max(0.0, float(x[_NET]) - self.burst_bytes)
+            out["bytes_net_over_burst"] = over * self.over_s.get(strategy, 0.0)
+        return out
 
     def choose(
         self, matrix: np.ndarray, links: np.ndarray, allowed=None, margin: float = TIE_MARGIN
@@ -165,7 +196,12 @@ class BandwidthModel:
                 f"{'/'.join(names)}: {x['calls'] * 1e6:.0f} us/call + {x['msgs'] * 1e6:.0f} us/msg,"
                 f" self {_gbps(x['bytes_self'])}, {links} GB/s"
             )
-        return f"bandwidth model ({self.source}): " + "; ".join(parts)
+        knee = ""
+        if self.over_s:  # the sustained rate beyond the burst, the fused all-to-all's
+            name = "all_to_all" if "all_to_all" in self.over_s else next(iter(self.over_s))
+            rate = _gbps(float(self.coef[name][_NET]) + self.over_s[name])
+            knee = f"; net beyond a {self.burst_bytes / 1024:.0f} KiB burst {rate} GB/s ({name})"
+        return f"bandwidth model ({self.source}): " + "; ".join(parts) + knee
 
     @classmethod
     def declared(
@@ -242,3 +278,47 @@ def fit(samples: list[tuple[np.ndarray, float]]) -> np.ndarray:
             break
         active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
     return coef
+
+
+BURST_GAIN = 0.5  # a knee is kept where it at least halves the probe's squared relative error
+
+
+def _sse(samples: list[tuple[np.ndarray, float]], coef: np.ndarray) -> float:
+    return float(sum(((x @ coef) / max(t, 1e-9) - 1.0) ** 2 for x, t in samples))
+
+
+def fit_burst(
+    samples: dict[str, list[tuple[np.ndarray, float]]],
+) -> tuple[dict[str, np.ndarray], float, dict[str, float]]:
+    """Each strategy's coefficients (:func:`fit`), and a network knee where the probe shows one.
+
+    A token-bucket link passes a rested burst at its line rate and what exceeds it at its
+    sustained rate. Every probed ``bytes_net`` below the two largest is tried as the knee
+    (probes at or under it within the burst); each strategy is refitted with one more column,
+    the net bytes beyond the knee, and the knee with the least squared relative error summed
+    over strategies is kept where it at most :data:`BURST_GAIN` times the error without one
+    (a plain link's probe gains little from a knee; a shaped one's several-fold).
+
+    Args:
+        samples: strategy name -> ``(features, seconds)`` of the probe.
+
+    Returns:
+        ``(coef, burst_bytes, over_s)``: ``over_s`` empty where no knee is kept.
+    """
+    plain = {n: fit(s) for n, s in samples.items()}
+    nets = sorted({float(x[_NET]) for s in samples.values() for x, _ in s if x[_NET] > 0})
+    base = sum(_sse(s, plain[n]) for n, s in samples.items())
+    best = (base * BURST_GAIN, None)
+    for knee in nets[:-2]:
+        aug = {
+            n: [(np.append(x, max(0.0, x[_NET] - knee)), t) for x, t in s]
+            for n, s in samples.items()
+        }
+        coefs = {n: fit(a) for n, a in aug.items()}
+        err = sum(_sse(a, coefs[n]) for n, a in aug.items())
+        if err < best[0]:
+            best = (err, (knee, coefs))
+    if best[1] is None:
+        return plain, 0.0, {}
+    knee, coefs = best[1]
+    return {n: c[:-1] for n, c in coefs.items()}, knee, {n: float(c[-1]) for n, c in coefs.items()}
