@@ -9,7 +9,16 @@ import socket
 import numpy as np
 import pytest
 
-from conduit_dist.bench.sim_validate import Config, Run, fit_bookkeeping, score, sources, summarize
+from conduit_dist.bench.sim_validate import (
+    Config,
+    Run,
+    fit_bookkeeping,
+    increments,
+    pool_bookkeeping,
+    score,
+    sources,
+    summarize,
+)
 from conduit_dist.collectives.transport import Transport
 from conduit_dist.errors import ConfigError
 from conduit_dist.sim import TokenWorkload, Workload, load, names, simulate, simulate_tokens
@@ -161,6 +170,34 @@ def test_bookkeeping_is_fitted_from_a_rounds_run_as_each_case_over_its_raw_colle
     assert r.cpu_s == pytest.approx(600e-6 + 300e-6)
 
 
+def _rounds(fused_us: float, grads_us: float, three_us: float) -> dict:
+    """A ``bench rounds`` run whose cases take these microseconds over their raw collectives."""
+    extra = {"fused": fused_us, "fused_grads": grads_us, "three_exchange": three_us}
+    results = [{"case": c, "round_ms": 0.5 + us / 1e3, "raw_ms": 0.5} for c, us in extra.items()]
+    return {"world": 2, "results": results}
+
+
+def test_the_pooled_fit_is_each_terms_median_so_one_slow_case_moves_nothing():
+    # four fitting runs: the gradients cost 0-100 us over the fused round, but one run's
+    # gradients case was slow (1,900 us over: a moment of the machine, not the payload)
+    runs = [_rounds(400, 450, 1000), _rounds(380, 480, 900), _rounds(420, 2320, 1020),
+            _rounds(400, 400, 1100)]  # fmt: skip
+    inc = [increments(r) for r in runs]
+    assert inc[2]["payload_us"] == pytest.approx(1900)
+    pooled = pool_bookkeeping(inc)
+    assert pooled["round_cpu_us"] == pytest.approx(400)  # median of 380, 400, 400, 420
+    assert pooled["exchange_cpu_us"] == pytest.approx(300)  # median of 260, 300, 300, 350
+    # the median payload: 50 and 100 us between them, 75 us; the slow run alone: 1,900 us
+    assert pooled["payload_gbps"] == pytest.approx(17_282 * 4 / 75e3)
+    assert fit_bookkeeping(runs[2])["payload_gbps"] == pytest.approx(17_282 * 4 / 1900e3)
+    # a payload that costs nothing within the noise (the median increment <= 0) is free,
+    # though one run alone would price it
+    free = pool_bookkeeping([increments(_rounds(400, g, 1000)) for g in (380, 390, 450)])
+    assert free["payload_gbps"] == 0.0
+    with pytest.raises(ConfigError, match="at least one run"):
+        pool_bookkeeping([])
+
+
 LOOP2, LOOP3 = Config(1, 2), Config(1, 3)
 FAST, SLOW, BUSY = Config(2, 1, 2000.0), Config(2, 1, 500.0), Config(2, 2, 2000.0)
 
@@ -202,19 +239,19 @@ def test_every_scored_run_is_predicted_from_other_runs_and_oversubscribed_ones_n
     ]
     runs += [_run(LOOP3, 0, tmp_path, 900), _run(BUSY, 0, tmp_path, 900)]
     got = sources(runs, cores=2)
-    for r, (calib, fit) in got.items():
-        if r.config in (LOOP3, BUSY):  # more ranks than cores: own calibration, a scored fit
-            assert calib is r and fit.config == LOOP2
+    scored = runs[:6]
+    for r, (calib, pool) in got.items():
+        if r.config in (LOOP3, BUSY):  # more ranks than cores: own calibration, scored fits
+            assert calib is r and pool == tuple(scored)
             continue
-        # another job of the same layout calibrated; another layout's run was fitted on
+        # another job of the same layout calibrated; every run of the other layouts is pooled
         assert calib is not r and calib.config == r.config and calib.job != r.job
-        assert fit is not r and fit.config != r.config and fit.job != r.job
-    assert got[runs[0]][1].config == FAST and got[runs[1]][1].config == LOOP2
+        assert pool == tuple(o for o in scored if o.config != r.config) and len(pool) == 4
     with pytest.raises(ConfigError, match=r"scored configurations \['loopback, 2 ranks'\]"):
         sources(runs[:1], cores=2)
     # a single scored layout: the fit comes from its other job, as the calibration does
     alone = [_run(LOOP2, j, tmp_path, 400) for j in (0, 1)]
-    assert sources(alone, cores=2)[alone[0]] == (alone[1], alone[1])
+    assert sources(alone, cores=2)[alone[0]] == (alone[1], (alone[1],))
 
 
 def test_checks_name_their_sources_and_only_scored_ones_are_summarized(tmp_path):
@@ -225,7 +262,10 @@ def test_checks_name_their_sources_and_only_scored_ones_are_summarized(tmp_path)
     assert fits["loopback, 2 ranks, job 0"]["round_cpu_us"] == pytest.approx(400)
     mine = [c for c in checks if c["where"] == "loopback, 2 ranks" and c["job"] == 0]
     assert {c["calibration_source"] for c in mine} == {"loopback, 2 ranks, job 1"}
-    assert {c["fit_source"] for c in mine} == {"2 hosts x 1 rank, 2000 Mbit/s, job 1"}
+    assert all(
+        c["fit_sources"] == [f"2 hosts x 1 rank, 2000 Mbit/s, job {j}" for j in (0, 1)]
+        for c in mine
+    )
     fused = next(c for c in mine if c["case"] == "fused" and c["metric"] == "round")
     # the bookkeeping predicted is the other layout's (800 us), not this run's own (400 us)
     assert fused["bookkeeping_predicted_ms"] == pytest.approx(0.8)

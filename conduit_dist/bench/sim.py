@@ -9,8 +9,8 @@
    ``--host-rates`` Mbit/s; skipped, and said so, where namespaces cannot be made). Those with
    at most one rank per core are the scored set, each run ``--repeats`` times (passes over the
    set); the oversubscribed ones run once, reported beside them, not scored. Every scored run
-   is predicted with another job's calibration and a bookkeeping fit from another
-   configuration's run (``calibration_source``, ``fit_source`` in each check). Error =
+   is predicted with another job's calibration and bookkeeping terms pooled (medians) over the
+   other configurations' runs (``calibration_source``, ``fit_sources`` in each check). Error =
    predicted / measured - 1 on the round's wall time and, for the one-exchange rounds, on the
    latency a round started by ``fetch_start`` at a 1 ms backward leaves exposed (the sim's
    ``flight`` overlap); ``collectives_error`` the same for the exchanges alone against the raw

@@ -8,14 +8,18 @@ directory of the job's own). A run is predicted from two things, each taken from
 
 - the collective model: the calibration another job of the same configuration made (a model is
   keyed by its layout, so it must be the same layout, but it is another job's measurement);
-- the bookkeeping terms (:func:`fit_bookkeeping`): fitted on a run of another configuration
-  (another layout or world size) with one rank per core, or, where none ran, on another job of
-  the same configuration (the source names which).
+- the bookkeeping terms (:func:`pool_bookkeeping`): each term the median over every scored run
+  of the other configurations (other layouts or world sizes, one rank per core, every pass),
+  or, where no other configuration ran, over the other jobs of its own (the sources name
+  which). A median over runs, not one run's fit: a term is a difference of two medians within
+  a run (the gradients' ~0.1 ms within a ~0.7 ms round), and one slow case in one fitting run
+  would otherwise price every run it predicts.
 
 The scored set is the configurations with at most one rank per core of this machine (2 ranks
 on a 2-core loopback; 2 emulated hosts of 1 rank). Oversubscribed configurations (more ranks
 than cores: their bookkeeping stretched by the cores they share) are reported beside them and
-not scored, predicted with their own calibration (in sample, named so) and a scored run's fit.
+not scored, predicted with their own calibration (in sample, named so) and the scored runs'
+pooled fit.
 For the scored runs, the in-sample prediction (own calibration, own fit: how ``bench sim``
 scored before) is kept beside each check as ``error_in_sample``.
 """
@@ -103,12 +107,12 @@ class Run:
         return topo.model(self.config.world, self.cache_dir, keys)
 
 
-def fit_bookkeeping(measured: dict, topo: SimTopology | None = None) -> dict[str, float]:
-    """The topology's bookkeeping terms from one ``bench rounds`` run: each case's round time
-    over its raw collectives' (``round_cpu_us`` the fused round's; ``exchange_cpu_us`` each of
-    the three-exchange round's two further exchanges; ``payload_gbps`` the gradients' extra),
-    undoing ``topo``'s oversubscription at the run's world size (the inverse of
-    :func:`~conduit_dist.sim.rounds.bookkeeping_s`).
+def increments(measured: dict, topo: SimTopology | None = None) -> dict[str, float]:
+    """One ``bench rounds`` run's bookkeeping increments, microseconds, unclipped: each case's
+    round time over its raw collectives' (``round_cpu_us`` the fused round's;
+    ``exchange_cpu_us`` each of the three-exchange round's two further exchanges over it;
+    ``payload_us`` the gradients' case over it), undoing ``topo``'s oversubscription at the
+    run's world size (the inverse of :func:`~conduit_dist.sim.rounds.bookkeeping_s`).
 
     Raises:
         ConfigError: a run without one of the cases of :data:`ROUND_CASES`.
@@ -124,26 +128,55 @@ def fit_bookkeeping(measured: dict, topo: SimTopology | None = None) -> dict[str
             f"bench rounds results: expected cases {sorted(ROUND_CASES)}, missing {missing}"
         )
     base = extra["fused"]
-    grads_us = extra["fused_grads"] - base
     return {
         "round_cpu_us": base,
-        "exchange_cpu_us": max(0.0, (extra["three_exchange"] - base) / 2),
-        "payload_gbps": GRAD_NUMEL * 4 / (grads_us * 1e3) if grads_us > 0 else 0.0,
+        "exchange_cpu_us": (extra["three_exchange"] - base) / 2,
+        "payload_us": extra["fused_grads"] - base,
     }
 
 
-def sources(runs: list[Run], cores: int) -> dict[Run, tuple[Run, Run]]:
-    """Each run's ``(calibration run, fit run)``.
+def pool_bookkeeping(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The topology's bookkeeping terms (:data:`TERMS`) from runs' :func:`increments`: each
+    the median over the runs, clipped at 0; ``payload_gbps`` the gradients' bytes over the
+    median ``payload_us`` (0, free, where that is not positive). A median over increments, not
+    over rates: a payload that costs nothing within the noise is 0 us, not an infinite rate.
+
+    Raises:
+        ConfigError: no runs.
+    """
+    if not runs:
+        raise ConfigError("pool_bookkeeping: expected at least one run's increments, got none")
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    pay = med["payload_us"]
+    return {
+        "round_cpu_us": max(0.0, med["round_cpu_us"]),
+        "exchange_cpu_us": max(0.0, med["exchange_cpu_us"]),
+        "payload_gbps": GRAD_NUMEL * 4 / (pay * 1e3) if pay > 0 else 0.0,
+    }
+
+
+def fit_bookkeeping(measured: dict, topo: SimTopology | None = None) -> dict[str, float]:
+    """The topology's bookkeeping terms (:data:`TERMS`) from one ``bench rounds`` run: its
+    :func:`increments`, pooled alone.
+
+    Raises:
+        ConfigError: a run without one of the cases of :data:`ROUND_CASES`.
+    """
+    return pool_bookkeeping([increments(measured, topo)])
+
+
+def sources(runs: list[Run], cores: int) -> dict[Run, tuple[Run, tuple[Run, ...]]]:
+    """Each run's ``(calibration run, fit runs)``.
 
     A scored run (:meth:`Config.scored`) of job ``j`` takes its calibration from job ``j + 1``
-    (cyclically) of its own configuration, and its bookkeeping fit from job ``j + 1`` of the
-    first other scored configuration in run order (of its own where no other ran): both from
-    another pass than its own. An oversubscribed run takes its own calibration and the first
-    scored run's fit (its own where none ran).
+    (cyclically) of its own configuration, and its bookkeeping fit from every scored run of the
+    other configurations (the other jobs of its own where no other ran): never its own run. An
+    oversubscribed run takes its own calibration and every scored run's fit (its own where
+    none ran).
 
     Example: loopback and one host rate, two jobs each; loopback job 0 is predicted with
-    loopback job 1's calibration and the hosts' job 1 fit, the hosts' job 0 with hosts job 1's
-    calibration and loopback job 1's fit.
+    loopback job 1's calibration and the median of the hosts' jobs 0 and 1, the hosts' job 0
+    with hosts job 1's calibration and the median of loopback's jobs 0 and 1.
 
     Raises:
         ConfigError: a scored configuration with a single job (its calibration would be its own).
@@ -161,19 +194,17 @@ def sources(runs: list[Run], cores: int) -> dict[Run, tuple[Run, Run]]:
     out = {}
     for r in runs:
         if r.config not in jobs:  # oversubscribed: reported beside, not scored
-            out[r] = (r, scored[0] if scored else r)
+            out[r] = (r, tuple(scored) or (r,))
             continue
         same = jobs[r.config]
-        nxt = same.index(r) + 1
-        calib = same[nxt % len(same)]
-        other = next((js for c, js in jobs.items() if c != r.config), None)
-        fit = other[nxt % len(other)] if other else calib
-        out[r] = (calib, fit)
+        calib = same[(same.index(r) + 1) % len(same)]
+        other = tuple(o for o in scored if o.config != r.config)
+        out[r] = (calib, other or tuple(o for o in same if o is not r))
     return out
 
 
-def _fitted(run: Run, loopback: SimTopology, cores: int) -> dict[str, float]:
-    return fit_bookkeeping(run.measured, run.config.topology(loopback, cores))
+def _increments(run: Run, loopback: SimTopology, cores: int) -> dict[str, float]:
+    return increments(run.measured, run.config.topology(loopback, cores))
 
 
 def _predict(topo: SimTopology, measured: dict, model) -> list[dict]:
@@ -209,14 +240,17 @@ def score(runs: list[Run], loopback: SimTopology, cores: int) -> tuple[list[dict
 
     Returns:
         ``(checks, fits)``: a row per run, case and metric (``where``, ``job``, ``scored``,
-        ``calibration_source``, ``fit_source``, ``bookkeeping_fit``, the errors; for scored
-        runs ``error_in_sample``), and every run's fitted terms by name.
+        ``calibration_source``, ``fit_sources`` (the runs pooled), ``bookkeeping_fit`` (the
+        pooled terms), the errors; for scored runs ``error_in_sample``), and every run's own
+        fitted terms by name.
     """
-    fits = {r.name: _fitted(r, loopback, cores) for r in runs}
+    inc = {r.name: _increments(r, loopback, cores) for r in runs}
+    fits = {name: pool_bookkeeping([i]) for name, i in inc.items()}
     checks = []
-    for r, (calib, fit) in sources(runs, cores).items():
+    for r, (calib, pool) in sources(runs, cores).items():
         base = r.config.topology(loopback, cores)
-        topo = replace(base, **fits[fit.name])
+        pooled = pool_bookkeeping([inc[p.name] for p in pool])
+        topo = replace(base, **pooled)
         rows = _predict(topo, r.measured, calib.model(topo))
         scored = r.config.scored(cores)
         if scored:  # the in-sample prediction, as bench sim scored before: labelled
@@ -227,8 +261,8 @@ def score(runs: list[Run], loopback: SimTopology, cores: int) -> tuple[list[dict
             "where": r.config.label, "job": r.job, "scored": scored,
             "ranks_per_core": r.config.world / cores, "load_1m": r.load_1m,
             "calibration_source": calib.name + (" (own run: in sample)" if calib is r else ""),
-            "fit_source": fit.name + (" (own run: in sample)" if fit is r else ""),
-            "bookkeeping_fit": fits[fit.name],
+            "fit_sources": [p.name + (" (own run: in sample)" if p is r else "") for p in pool],
+            "bookkeeping_fit": pooled,
         }  # fmt: skip
         checks += [where | row for row in rows]
     return checks, fits
