@@ -33,7 +33,9 @@ class GRPOSettings:
         epochs: passes over each global batch, one optimiser step each (the first streamed,
             the others over the micro-batches the learner kept).
         clip: PPO ratio clip.
-        kl_coef: k3 KL penalty to the initial policy (0: off).
+        kl_coef: k3 KL penalty to the initial policy (0: off). 0.04 (DeepSeekMath's beta): it
+            keeps the policy from collapsing onto deterministic wrong answers, whose groups
+            have equal rewards and so no advantage to learn from (docs/grpo.md).
         adv_eps: added to a group's reward std before dividing.
         token_budget: the most tokens per micro-batch on each learner (a memory bound:
             gradients accumulate over the step).
@@ -59,7 +61,7 @@ class GRPOSettings:
     prompts_per_step: int = 8
     epochs: int = 1
     clip: float = 0.2
-    kl_coef: float = 0.0
+    kl_coef: float = 0.04
     adv_eps: float = 1e-4
     token_budget: int = 2048
     gen_groups: int = 2
