@@ -79,7 +79,7 @@ def test_a_shaped_links_burst_is_fitted_as_a_knee_and_prices_a_rounds_payload_at
              + ((4 << 20) - (256 << 10)) / 62.5e6}  # fmt: skip
     samples = _tbf_probe(256 << 10, rng)
     coef, burst, over = fit_burst(samples)
-    assert burst == 256 << 10 and set(over) == {"all_to_all", "p2p"}
+    assert burst == {"all_to_all": 256 << 10, "p2p": 256 << 10} and set(over) == set(burst)
     knee = BandwidthModel(coef, "calibrated", burst, over)
     assert knee.predict("all_to_all", payload, links) == pytest.approx(truth["payload"], rel=0.1)
     assert knee.predict("all_to_all", bulk, links) == pytest.approx(truth["bulk"], rel=0.1)
@@ -91,9 +91,9 @@ def test_a_shaped_links_burst_is_fitted_as_a_knee_and_prices_a_rounds_payload_at
     assert plain.predict("all_to_all", bulk, links) < truth["bulk"] / 2
     # an unshaped link shows no knee: none is kept
     coef, burst, over = fit_burst(_tbf_probe(0.0, rng))
-    assert burst == 0.0 and over == {}
+    assert burst == {} and over == {}
     with pytest.raises(ConfigError, match="knee"):
-        BandwidthModel(coef, "given", -1.0, {"p2p": 1e-9})
+        BandwidthModel(coef, "given", {"p2p": -1.0}, {"p2p": 1e-9})
 
 
 def test_features_encode_the_algorithmic_factors():
@@ -310,12 +310,12 @@ def test_cache_round_trip_and_corrupt_or_mismatched_cache_is_ignored(tmp_path, c
     loaded = load_cache(path, "gloo", topo)
     assert loaded is not None and loaded.source == "cache"
     assert all(np.allclose(loaded.coef[n], model.coef[n]) for n in NAMES)
-    assert loaded.burst_bytes == 0.0 and loaded.over_s == {}
+    assert loaded.burst_bytes == {} and loaded.over_s == {}
     # a network knee is kept with the coefficients
-    model.burst_bytes, model.over_s = 262_144.0, {"all_to_all": 1.5e-8}
+    model.burst_bytes, model.over_s = {"all_to_all": 262_144.0}, {"all_to_all": 1.5e-8}
     save_cache(path, model, "gloo", topo)
     loaded = load_cache(path, "gloo", topo)
-    assert loaded.burst_bytes == 262_144.0 and loaded.over_s == {"all_to_all": 1.5e-8}
+    assert loaded.burst_bytes == model.burst_bytes and loaded.over_s == model.over_s
     caplog.set_level(logging.WARNING, logger="conduit_dist")
     assert load_cache(path, "gloo", Topology.single_host(3)) is None  # other world size
     assert "ignored" in caplog.text

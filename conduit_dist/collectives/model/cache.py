@@ -45,8 +45,9 @@ def load_cache(path: str, backend: str, topo: Topology) -> BandwidthModel | None
         coef = {n: np.array(data["coef"][n], dtype=np.float64) for n in NAMES}
         if any(c.shape != (len(FEATURES),) or not np.isfinite(c).all() for c in coef.values()):
             raise ValueError("bad coefficient vector")
+        burst = {n: float(v) for n, v in data.get("burst_bytes", {}).items() if n in NAMES}
         over = {n: float(v) for n, v in data.get("over_s", {}).items() if n in NAMES}
-        model = BandwidthModel(coef, "cache", float(data.get("burst_bytes", 0.0)), over)
+        model = BandwidthModel(coef, "cache", burst, over)
     except Exception as exc:
         log.warning("bandwidth cache %s ignored (%s); re-probing", path, exc)
         return None

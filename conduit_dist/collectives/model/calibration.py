@@ -150,8 +150,10 @@ def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
         )
         if not int(ok):
             return None
-        # every strategy's coefficients, then the knee: burst bytes, each one's over_s (-1: none)
-        knee = [model.burst_bytes] + [model.over_s.get(n, -1.0) for n in NAMES]
+        # every strategy's coefficients, then its knee: burst bytes and over_s (-1: none)
+        knee = [
+            v for n in NAMES for v in (model.burst_bytes.get(n, -1.0), model.over_s.get(n, -1.0))
+        ]
         flat = torch.tensor(
             np.concatenate([*(model.coef[n] for n in NAMES), knee]), dtype=torch.float64
         )
@@ -163,8 +165,10 @@ def agree(ex: Exchange, model: BandwidthModel | None) -> BandwidthModel | None:
     n_coef = len(NAMES) * len(FEATURES)
     parts = values[:n_coef].reshape(len(NAMES), len(FEATURES))
     coef = {n: parts[i].copy() for i, n in enumerate(NAMES)}
-    over_s = {n: float(v) for n, v in zip(NAMES, values[n_coef + 1 :], strict=True) if v >= 0}
-    return BandwidthModel(coef, model.source, float(values[n_coef]), over_s)
+    knees = values[n_coef:].reshape(len(NAMES), 2)
+    burst = {n: float(knees[i, 0]) for i, n in enumerate(NAMES) if knees[i, 1] >= 0}
+    over_s = {n: float(knees[i, 1]) for i, n in enumerate(NAMES) if knees[i, 1] >= 0}
+    return BandwidthModel(coef, model.source, burst, over_s)
 
 
 def build(

@@ -30,9 +30,9 @@ squares on relative error from a short probe (:func:`calibrate`), or declared
 A shaped network link (a token bucket: ``tc tbf``, a cloud NIC's burst allowance) passes a
 rested burst at its line rate and the rest at its sustained rate, which no single per-byte
 coefficient prices at both a round's tens of KB and a probe's MBs. A calibrated model may carry
-a knee for it (:attr:`BandwidthModel.burst_bytes`, fitted by :func:`fit_burst`): net bytes at
-the critical rank beyond the knee cost ``over_s[strategy]`` seconds per byte on top of
-``bytes_net``'s coefficient.
+a knee per strategy for it (:attr:`BandwidthModel.burst_bytes`, fitted by :func:`fit_burst`):
+net bytes at the critical rank beyond the knee cost ``over_s[strategy]`` seconds per byte on
+top of ``bytes_net``'s coefficient.
 """
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ class BandwidthModel:
         source: where the numbers came from (one of :data:`SOURCES`): ``declared``
             (:meth:`declared`), ``calibrated`` (:func:`calibrate`), ``cache`` (:func:`load_cache`)
             or ``given`` (built by the caller).
-        burst_bytes: a shaped network link's knee (:func:`fit_burst`): net bytes at the critical
-            rank it passes at its line rate after a rest; ``0`` with no ``over_s``: no knee.
-        over_s: strategy name -> extra seconds per net byte beyond ``burst_bytes`` (the
-            sustained rate's cost over the line rate's); empty: no knee.
+        burst_bytes: strategy name -> a shaped network link's knee (:func:`fit_burst`): the
+            strategy's ``bytes_net`` it passes at its line rate after a rest.
+        over_s: strategy name -> extra seconds per net byte beyond its ``burst_bytes`` (the
+            sustained rate's cost over the line rate's). A strategy in neither: no knee.
 
     Raises:
         ConfigError: on a coefficient vector of the wrong length, an unknown source, or a knee
@@ -122,15 +122,17 @@ class BandwidthModel:
 
     coef: dict[str, np.ndarray] = field(default_factory=dict)
     source: str = "given"
-    burst_bytes: float = 0.0
+    burst_bytes: dict[str, float] = field(default_factory=dict)
     over_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        knee = [self.burst_bytes, *self.over_s.values()]
-        if not all(np.isfinite(v) and v >= 0 for v in knee):
+        knee = [*self.burst_bytes.values(), *self.over_s.values()]
+        if set(self.burst_bytes) != set(self.over_s) or not all(
+            np.isfinite(v) and v >= 0 for v in knee
+        ):
             raise ConfigError(
-                f"BandwidthModel knee: expected burst_bytes and over_s >= 0 and finite, got "
-                f"burst_bytes={self.burst_bytes!r}, over_s={self.over_s!r}"
+                "BandwidthModel knee: expected burst_bytes and over_s for the same strategies, "
+                f">= 0 and finite, got burst_bytes={self.burst_bytes!r}, over_s={self.over_s!r}"
             )
         if self.source not in SOURCES:
             raise ConfigError(
@@ -152,9 +154,9 @@ class BandwidthModel:
         ``bytes_net_over_burst`` where the model has a knee."""
         x = features(strategy, matrix, links)
         out = dict(zip(FEATURES, (x * self.coef[strategy]).tolist(), strict=True))
-        if self.over_s:
-            over = max(0.0, float(x[_NET]) - self.burst_bytes)
-            out["bytes_net_over_burst"] = over * self.over_s.get(strategy, 0.0)
+        if strategy in self.over_s:
+            over = max(0.0, float(x[_NET]) - self.burst_bytes[strategy])
+            out["bytes_net_over_burst"] = over * self.over_s[strategy]
         return out
 
     def choose(
@@ -200,7 +202,8 @@ class BandwidthModel:
         if self.over_s:  # the sustained rate beyond the burst, the fused all-to-all's
             name = "all_to_all" if "all_to_all" in self.over_s else next(iter(self.over_s))
             rate = _gbps(float(self.coef[name][_NET]) + self.over_s[name])
-            knee = f"; net beyond a {self.burst_bytes / 1024:.0f} KiB burst {rate} GB/s ({name})"
+            kib = self.burst_bytes[name] / 1024
+            knee = f"; net beyond a {kib:.0f} KiB burst {rate} GB/s ({name})"
         return f"bandwidth model ({self.source}): " + "; ".join(parts) + knee
 
     @classmethod
@@ -289,36 +292,32 @@ def _sse(samples: list[tuple[np.ndarray, float]], coef: np.ndarray) -> float:
 
 def fit_burst(
     samples: dict[str, list[tuple[np.ndarray, float]]],
-) -> tuple[dict[str, np.ndarray], float, dict[str, float]]:
-    """Each strategy's coefficients (:func:`fit`), and a network knee where the probe shows one.
+) -> tuple[dict[str, np.ndarray], dict[str, float], dict[str, float]]:
+    """Each strategy's coefficients (:func:`fit`), and a network knee where its probe shows one.
 
     A token-bucket link passes a rested burst at its line rate and what exceeds it at its
-    sustained rate. Every probed ``bytes_net`` below the two largest is tried as the knee
-    (probes at or under it within the burst); each strategy is refitted with one more column,
-    the net bytes beyond the knee, and the knee with the least squared relative error summed
-    over strategies is kept where it at most :data:`BURST_GAIN` times the error without one
-    (a plain link's probe gains little from a knee; a shaped one's several-fold).
+    sustained rate. For each strategy, every probed ``bytes_net`` below its two largest is
+    tried as the knee (probes at or under it within the burst), refitting with one more column,
+    the net bytes beyond the knee; the knee with the least squared relative error is kept where
+    it at most :data:`BURST_GAIN` times the error without one (a plain link's probe gains
+    little from a knee; a shaped one's several-fold). Each strategy has its own: their
+    ``bytes_net`` count differently (a gather's chunks padded, per destination).
 
     Args:
         samples: strategy name -> ``(features, seconds)`` of the probe.
 
     Returns:
-        ``(coef, burst_bytes, over_s)``: ``over_s`` empty where no knee is kept.
+        ``(coef, burst_bytes, over_s)``: the knees by strategy, only where one is kept.
     """
-    plain = {n: fit(s) for n, s in samples.items()}
-    nets = sorted({float(x[_NET]) for s in samples.values() for x, _ in s if x[_NET] > 0})
-    base = sum(_sse(s, plain[n]) for n, s in samples.items())
-    best = (base * BURST_GAIN, None)
-    for knee in nets[:-2]:
-        aug = {
-            n: [(np.append(x, max(0.0, x[_NET] - knee)), t) for x, t in s]
-            for n, s in samples.items()
-        }
-        coefs = {n: fit(a) for n, a in aug.items()}
-        err = sum(_sse(a, coefs[n]) for n, a in aug.items())
-        if err < best[0]:
-            best = (err, (knee, coefs))
-    if best[1] is None:
-        return plain, 0.0, {}
-    knee, coefs = best[1]
-    return {n: c[:-1] for n, c in coefs.items()}, knee, {n: float(c[-1]) for n, c in coefs.items()}
+    coef, burst, over = {}, {}, {}
+    for name, got in samples.items():
+        coef[name] = fit(got)
+        best = _sse(got, coef[name]) * BURST_GAIN
+        nets = sorted({float(x[_NET]) for x, _ in got if x[_NET] > 0})
+        for knee in nets[:-2]:
+            aug = [(np.append(x, max(0.0, x[_NET] - knee)), t) for x, t in got]
+            c = fit(aug)
+            err = _sse(aug, c)
+            if err < best:
+                best, coef[name], burst[name], over[name] = err, c[:-1], knee, float(c[-1])
+    return coef, burst, over
