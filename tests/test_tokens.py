@@ -362,7 +362,8 @@ def _over(rank: int, world: int, shm) -> dict[str, object]:
         seen = check_whole(tp.fetch(9, 300))
         mem = tp.ex.shm
         return {"seen": sorted((g, sorted(d)) for g, d in seen.items()),
-                "shm": mem.exchanges if mem is not None else 0}  # fmt: skip
+                "shm": mem.exchanges if mem is not None else 0,
+                "in_place": mem.in_place if mem is not None else 0}  # fmt: skip
 
 
 def test_sections_go_through_shared_memory_on_one_host_and_arrive_the_same():
@@ -370,6 +371,7 @@ def test_sections_go_through_shared_memory_on_one_host_and_arrive_the_same():
     via_gloo = run_ranks(_over, 2, False)
     for rank in (0, 1):
         assert via_shm[rank]["shm"] > 0 and via_gloo[rank]["shm"] == 0
+        assert via_shm[rank]["in_place"] > 0  # the sections were packed into shared memory
         assert via_shm[rank]["seen"] == via_gloo[rank]["seen"]  # byte for byte, whole
 
 
@@ -381,8 +383,20 @@ def _spans(rank: int, world: int, native: bool) -> dict[str, object]:
     else they gather by a token index."""
     import conduit_dist.tokens.deliver as D
 
+    calls = [0]
     if not native:
         D._native = None
+    else:  # counted, so that a path that stopped taking the spans would fail the test
+
+        class Spy:
+            def __getattr__(self, name, real=D._native):
+                return getattr(real, name)
+
+            def copy_spans(self, spans, real=D._native):
+                calls[0] += 1
+                return real.copy_spans(spans)
+
+        D._native = Spy()
     fields = {
         "tokens": cd.Ragged(torch.int32, MAX_LEN),
         "h": cd.Ragged(torch.float16, MAX_LEN, inner=(2, 3)),
@@ -421,7 +435,7 @@ def _spans(rank: int, world: int, native: bool) -> dict[str, object]:
             got.setdefault(int(mb["group"][i]), []).append(digest_h(f))
     tp.close()
     return {"truth": {g: sorted(v) for g, v in truth.items()},
-            "got": {g: sorted(v) for g, v in got.items()}}  # fmt: skip
+            "got": {g: sorted(v) for g, v in got.items()}, "spans": calls[0]}  # fmt: skip
 
 
 def digest_h(f: dict[str, torch.Tensor]) -> str:
@@ -438,6 +452,7 @@ def test_token_runs_copied_by_spans_or_gathered_by_index_arrive_the_same(native)
 
         needs_native("copy_spans")
     res = run_ranks(_spans, 2, native)
+    assert all((r["spans"] > 0) == native for r in res.values()), res
     truth = {g: v for r in res.values() for g, v in r["truth"].items()}
     got: dict[int, list[str]] = {}
     for r in res.values():
@@ -445,3 +460,22 @@ def test_token_runs_copied_by_spans_or_gathered_by_index_arrive_the_same(native)
             assert g not in got, f"group {g} delivered to two learners"
             got[g] = v
     assert got == truth
+
+
+def _idle_holder(rank: int, world: int, strategy: str) -> dict[str, object]:
+    """Rank 2 puts nothing: it has no section to send in the round (0 bytes lent by shared
+    memory would be an empty tensor at address 0, which start() could not recognise)."""
+    transport = cd.TransportConfig(strategy=strategy)
+    with cd.TokenPlane(make_spec(), 64, 8192, transport=transport) as tp:
+        if rank < 2:
+            tp.put(*group_batch([rank * 10 + g for g in range(6)]))
+        seen = check_whole(tp.fetch(12, 300))
+        return {"groups": sorted(seen), "shm": tp.ex.shm is not None}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "all_to_all"])
+def test_a_holder_with_nothing_to_send_takes_part_in_the_round(strategy):
+    res = run_ranks(_idle_holder, 3, strategy)
+    got = sorted(g for r in res.values() for g in r["groups"])
+    assert got == sorted([g for g in range(6)] + [10 + g for g in range(6)])
+    assert all(r["shm"] for r in res.values())

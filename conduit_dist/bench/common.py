@@ -68,23 +68,32 @@ def _commit() -> dict[str, object]:
     checkout, e.g. an installed wheel)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        if head.returncode != 0:
+        top = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--show-toplevel", "HEAD"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        lines = top.stdout.split()
+        # the package must be the checkout's own (not a wheel installed inside another tree)
+        if (
+            top.returncode != 0
+            or len(lines) != 2
+            or os.path.realpath(lines[0]) != os.path.realpath(root)
+        ):
             return {"commit": None, "dirty": None}
+        head = lines[1]
         diff = subprocess.run(
             ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
             capture_output=True, text=True, timeout=10,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
-    return {"commit": head.stdout.strip(), "dirty": bool(diff.stdout.strip())}
+    return {"commit": head, "dirty": bool(diff.stdout.strip())}
 
 
 def provenance() -> dict[str, object]:
     """What a benchmark's figures depend on beyond its options: the commit (and whether the
-    tree was dirty), the package and torch versions, which native functions were used, the
+    tree was dirty), the package and torch versions, which native functions this process's
+    build has (their fast paths are the ones taken; rank 0's, where the bench prints), the
     process group's world size and backend, and the cores this process may run on.
 
     Returns:

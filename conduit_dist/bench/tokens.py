@@ -1,5 +1,6 @@
 """``torchrun --standalone --nproc_per_node=4 -m conduit_dist.bench tokens``: delivering a global
-batch of LLM-RL prompt groups to data-parallel learners, against three schemes in use.
+batch of LLM-RL prompt groups to data-parallel learners, against equal group counts, padding
+per micro-batch and (a reference) all-gather-then-repack.
 
 Workload: every rank generates ``--groups-per-rank`` groups of ``--group-size`` responses whose
 lengths are lognormal (median ``--median`` tokens, sigma 1), 1% of them 6,144-8,192 tokens,
@@ -11,30 +12,39 @@ A sample's time is the slowest rank's wall (a delivery ends when its last learne
 micro-batches); figures are medians over samples.
 
 Every scheme's timing ends with the learner holding its micro-batches: per field one packed
-tensor per micro-batch (padded rows for ``padded``), the lengths and ``cu_seqlens``:
+tensor per micro-batch (padded rows for ``padded``), the lengths and ``cu_seqlens``. Every
+baseline reuses its buffers from sample to sample (``token_baselines.Pool``), as the plane
+reuses its own; the JSON counts buffers grown inside timed samples.
 
-- ``ours``: ``cd.TokenPlane.fetch(groups, token_budget)``: the group table in one all-gather,
-  a Karmarkar-Karp (largest-first beyond 256 groups) split by tokens, one exchange without
-  padding whose sizes every rank derives from the table, micro-batches cut on arrival;
+- ``ours``: ``cd.TokenPlane.fetch(groups, token_budget)`` as users run it (host sections through
+  shared memory between the ranks of one host, ``ours_transport``): the group table in one
+  all-gather, a Karmarkar-Karp (largest-first beyond 256 groups) split by tokens, one exchange
+  without padding whose sizes every rank derives from the table, micro-batches cut on arrival;
+- ``ours_gloo``: the same plane over gloo's ``all_to_all_single`` (``shared_memory=False``),
+  the baselines' transport: the fair comparison;
 - ``equal_counts``: groups dealt by count, global group ``j -> j % world``, micro-batches of
   equal group counts; moved as ours is (token counts all-gathered, every rank derives the byte
   matrix, one raw ``all_to_all_single`` of packed bytes, holders pack in micro-batch order, the
   learner cuts each field with one ``cat`` of runs): only the assignment differs;
-- ``padded``: ours' split, every sequence padded to the global batch's longest (its length
-  all-reduced), moved and cut the same way;
-- ``allgather``: every rank ``all_gather_into_tensor`` s every rank's packed groups (padded to
-  the largest rank's bytes, the sizes all-gathered first), computes the same split from the
-  gathered lengths and repacks its share with one ``cat`` of runs per field (4x faster here
-  than one ``index_select`` of vectorised indices): the redistribution another framework uses.
+- ``padded``: ours' split, each micro-batch's sequences padded to that micro-batch's longest
+  (a learner without variable-length attention), padded on the holders, moved and cut the same
+  way;
+- ``allgather`` (a labelled reference, not a headline: gloo's all-gather costs far more than an
+  all-to-all of the same bytes here): every rank all-gathers every rank's packed groups
+  (padded to the largest rank's bytes, the sizes all-gathered first), computes the same split
+  from the gathered lengths and repacks its share with one ``cat`` of runs per field.
 
 Also the raw collectives alone: an ``all_gather_into_tensor`` and an ``all_to_all_single`` of
 the mean rank's packed bytes per rank (``--profile``: cProfile of ours' fetches on rank 0).
 
-Summary: ``balance_max_over_mean`` (the most tokens a learner received over the mean, per
-sample, median), ``wire_over_token_bytes`` (bytes every learner received over the sequence data
-they carry: 9 bytes a token, 20 a sequence for its length, reward and group id, counted by the
-bench from the micro-batches), ``speedup_vs_allgather`` (allgather ms over ours), each
-baseline's own figures beside them and the raw collectives.
+``--groups-per-rank`` takes a comma list: every size is measured in one run, each with its own
+summary (``summary.sweep``; the top-level keys are the first size's). Summary, the fair figure
+first: ``ours_vs_equal_counts`` (ours over gloo / equal counts), ``balance_max_over_mean`` (the
+most tokens a learner received over the mean, per sample, median), ``wire_over_token_bytes``
+(bytes every learner received over the sequence data they carry: 9 bytes a token, 20 a
+sequence for its length, reward and group id, counted from the micro-batches),
+``ours_vs_raw_all_to_all`` (ours over gloo / the raw all-to-all), each baseline's own figures
+and the reference's (``reference_allgather_*``).
 """
 
 from __future__ import annotations
@@ -68,7 +78,7 @@ from conduit_dist.bench.token_baselines import (
 )
 
 BASELINES = ("equal", "padded", "allgather")
-SCHEMES = ("ours", *BASELINES, "ag", "a2a")
+SCHEMES = ("ours", "ours_gloo", *BASELINES, "ag", "a2a")
 
 
 def _sample(fn) -> float:
@@ -156,17 +166,22 @@ def _one_size(a, per: int) -> dict:
         group_size=a.group_size,
     )
     size = a.group_size
-    tp = cd.TokenPlane(spec, 4 * per * size, 4 * per * size * 2 * MAX_LEN // 8)
+    caps = (4 * per * size, 4 * per * size * 2 * MAX_LEN // 8)
+    tp = cd.TokenPlane(spec, *caps)  # as users run it: shared memory on one host (auto)
+    # and over gloo's all_to_all_single, the baselines' and the raw exchange's transport
+    gloo = cd.TokenPlane(spec, *caps, transport=cd.TransportConfig(shared_memory=False))
+    transport = "shared memory" if tp.ex.shm is not None else "gloo"
     prof = cProfile.Profile() if a.profile and me == 0 else None
     rng = np.random.default_rng(1000 + me)
     pools = {k: Pool() for k in BASELINES}  # each baseline owns its buffers, as ours does
     walls: dict[str, list] = {k: [] for k in SCHEMES}
-    got: dict[str, list] = {k: [] for k in ("ours", *BASELINES)}
+    got: dict[str, list] = {k: [] for k in ("ours", "ours_gloo", *BASELINES)}
     wire: dict[str, list] = {k: [] for k in ("ours", "padded", "allgather", "data")}
     src = dst_ag = dst_a2a = torch.empty(0, dtype=torch.uint8)
     for i in range(a.warmup + a.samples):
         d = Data(rng, per, size, a.median, base=(i * world + me) * per)
         tp.put(*d.batch())
+        gloo.put(*d.batch())
         mean = torch.tensor([d.nbytes()], dtype=torch.int64)
         dist.all_reduce(mean)  # the raw collectives move the mean rank's bytes
         n_src = align8(int(mean) // world // world) * world
@@ -185,6 +200,9 @@ def _one_size(a, per: int) -> dict:
 
         fns = {
             "ours": ours,
+            "ours_gloo": lambda out=out: out.__setitem__(
+                "ours_gloo", gloo.fetch(per * world, a.token_budget)
+            ),
             **{k: _baseline(k, d, pools[k], a.token_budget, out) for k in BASELINES},
             "ag": lambda o=dst_ag[: world * n_src], s=src[:n_src]: ALL_GATHER(o, s),
             "a2a": lambda o=dst_a2a[:n_src], s=src[:n_src]: dist.all_to_all_single(o, s),
@@ -201,6 +219,7 @@ def _one_size(a, per: int) -> dict:
         ours_mbs = out["ours"]
         tok = sum(mb.tokens for mb in ours_mbs)
         got["ours"].append(tok)
+        got["ours_gloo"].append(sum(mb.tokens for mb in out["ours_gloo"]))
         for name in BASELINES:
             got[name].append(sum(int(mb["_length"].sum()) for mb in out[name][0]))
         wire["ours"].append(tp.last.wire_bytes)
@@ -208,6 +227,7 @@ def _one_size(a, per: int) -> dict:
         wire["allgather"].append(out["allgather"][1])
         wire["data"].append(tok * TOKEN_BYTES + sum(mb.sequences for mb in ours_mbs) * SEQ_BYTES)
     tp.close()
+    gloo.close()
     # the slowest rank's wall per sample; per-learner tokens from every rank; bytes summed
     w = torch.tensor([walls[k] for k in SCHEMES], dtype=torch.float64)
     dist.all_reduce(w, op=dist.ReduceOp.MAX)
@@ -224,7 +244,8 @@ def _one_size(a, per: int) -> dict:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
         print(s.getvalue(), flush=True)
-    return _report(a, per, world, w, list(got), torch.stack(all_toks), wb, int(grown.sum()))
+    stacked = torch.stack(all_toks)
+    return _report(a, per, world, w, list(got), stacked, wb, int(grown.sum()), transport)
 
 
 def _baseline(name: str, d: Data, pool: Pool, budget: int, out: dict):
@@ -232,22 +253,27 @@ def _baseline(name: str, d: Data, pool: Pool, budget: int, out: dict):
     return lambda: out.__setitem__(name, run(d, pool, budget))
 
 
-def _report(a, per: int, world: int, walls, got: list[str], stacked, wb, grown: int) -> dict:
+def _report(
+    a, per: int, world: int, walls, got: list[str], stacked, wb, grown: int, transport: str
+) -> dict:
     ms = {k: statistics.median(walls[i].tolist()) * 1e3 for i, k in enumerate(SCHEMES)}
     bal = {}
     for j, k in enumerate(got):  # stacked: [rank, scheme, sample]
         per_sample = stacked[:, j, :]
         bal[k] = statistics.median((per_sample.max(0).values / per_sample.mean(0)).tolist())
     data = float(wb[3].sum())
-    summary = {  # the fair comparison first: the same exchange, only the assignment differs
+    summary = {  # the fair comparison first: the same transport (gloo's all_to_all_single)
         "groups_per_rank": per,
-        "ours_vs_equal_counts": ms["ours"] / ms["equal"],
-        "ours_ms": ms["ours"],
+        "ours_vs_equal_counts": ms["ours_gloo"] / ms["equal"],
+        "ours_gloo_ms": ms["ours_gloo"],
         "equal_counts_ms": ms["equal"],
+        "ours_ms": ms["ours"],  # as users run it (ours_transport)
+        "ours_transport": transport,
+        "ours_default_vs_equal_counts": ms["ours"] / ms["equal"],
         "balance_max_over_mean": bal["ours"],
         "equal_counts_balance_max_over_mean": bal["equal"],
         "wire_over_token_bytes": float(wb[0].sum()) / data,
-        "ours_vs_raw_all_to_all": ms["ours"] / ms["a2a"],
+        "ours_vs_raw_all_to_all": ms["ours_gloo"] / ms["a2a"],  # both over gloo
         "padded_ms": ms["padded"],
         "padded_wire_over_token_bytes": float(wb[1].sum()) / data,
         "padded_balance_max_over_mean": bal["padded"],
@@ -257,7 +283,7 @@ def _report(a, per: int, world: int, walls, got: list[str], stacked, wb, grown: 
         # a labelled reference, not a headline: gloo's all-gather here costs far more than an
         # all-to-all of the same bytes, which flatters ours
         "reference_allgather_ms": ms["allgather"],
-        "reference_allgather_over_ours": ms["allgather"] / ms["ours"],
+        "reference_allgather_over_ours": ms["allgather"] / ms["ours_gloo"],  # both gloo
         "reference_allgather_balance_max_over_mean": bal["allgather"],
         "reference_allgather_wire_over_token_bytes": float(wb[2].sum()) / data,
         "token_data_mb_per_rank": data / world / a.samples / 1e6,
@@ -265,6 +291,6 @@ def _report(a, per: int, world: int, walls, got: list[str], stacked, wb, grown: 
     }
     print(f"--- {per} groups per rank", flush=True)
     for k, v in summary.items():
-        print(f"{k:>44}: {v:.4g}", flush=True)
+        print(f"{k:>44}: {v if isinstance(v, str) else format(v, '.4g')}", flush=True)
     results = [{"groups_per_rank": per, "scheme": k, "ms": ms[k]} for k in SCHEMES]
     return {"summary": summary, "results": results}

@@ -531,6 +531,12 @@ class Exchange:
         copied again there, ``SharedMemory.send_rows``); ``None``: use a buffer of your own."""
         return self.shm.send_rows(rows, width) if self.shm is not None else None
 
+    def unlend(self) -> None:
+        """Forget rows :meth:`send_rows` lent that will not be the next all-to-all's input (their
+        writer failed before the exchange)."""
+        if self.shm is not None:
+            self.shm.unlend()
+
     def close(self, drain: bool = False) -> None:
         """Remove the shared-memory files and destroy the plane's process group (not the
         default one). ``drain``: every rank closes here after the same exchanges (a clean

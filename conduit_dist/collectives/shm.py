@@ -213,7 +213,11 @@ class SharedMemory:
         """``uint8 [rows, width]`` in the half the next :meth:`start` uses (torch and NumPy
         views), for a sender to write its rows into directly: passed to :meth:`start` as
         ``inp``, they are not copied again. Valid until that exchange is launched. ``None``
-        where the file cannot grow: write elsewhere (``start`` then fails on every rank)."""
+        where the file cannot grow: write elsewhere (``start`` then fails on every rank), and
+        where there is nothing to write (``rows * width == 0``: an empty tensor's address is
+        0, so nothing would tell :meth:`start` it was lent)."""
+        if rows * width == 0:
+            return None
         need = self.head + rows * width
         if need > self.cap:
             try:
@@ -224,6 +228,11 @@ class SharedMemory:
         end = at + rows * width
         self._lent = (self._calls, self._mine.data_ptr() + at)  # start() takes it, or refuses
         return self._mine[at:end].view(rows, width), self._mine_np[at:end].reshape(rows, width)
+
+    def unlend(self) -> None:
+        """Forget rows :meth:`send_rows` lent that will not be this rank's next exchange's input
+        (their writer failed): the next :meth:`start` copies its input as usual."""
+        self._lent = None
 
     def _headers(self, mapped: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
         """The two halves' headers of a file of ``cap``-byte halves (int64 offsets, one per

@@ -101,6 +101,25 @@ class Transport:
             self._choices[key] = hit
         return hit
 
+    def lend(self, matrix_bytes: np.ndarray) -> torch.Tensor | None:
+        """This rank's send bytes of the host move of ``matrix_bytes`` (``[src, dst]`` bytes, a
+        ``move`` of one-byte rows), lent by the exchange's shared memory where the move will
+        go through it (the ``all_to_all`` strategy on an exchange with shared memory): written
+        there, they are not copied again. ``None`` where it will not, or where there is nothing
+        to send: use a buffer of your own. No other exchange may run between the lend and the
+        move (the lent half is the next exchange's); a writer that fails calls
+        :meth:`unlend`."""
+        if self.ex.shm is None or self.ex.world == 1:
+            return None
+        if self.choose(matrix_bytes)[0] != "all_to_all":  # the same choice move() will make
+            return None
+        lent = self.ex.send_rows(int(matrix_bytes[self.ex.rank].sum()), 1)
+        return None if lent is None else lent[0].view(-1)
+
+    def unlend(self) -> None:
+        """Give back what :meth:`lend` lent, unused (its writer failed)."""
+        self.ex.unlend()
+
     def move(
         self,
         out: torch.Tensor,

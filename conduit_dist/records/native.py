@@ -24,7 +24,8 @@ REQUIRED = (
 at all (every caller takes its Python path, one warning naming what it lacks)."""
 
 OPTIONAL: dict[str, str] = {
-    "copy_spans": "an exchange's shared-memory copies go span by span through ctypes",
+    "copy_spans": "shared memory is off (auto) or refused (True); token rounds gather their "
+    "sections by a token index; the record header exchange copies span by span (ctypes)",
     "mean2_f32": "a round's payload mean takes torch's path (one more pass)",
     "seq_starts": "sequence starts are found with torch",
     "tree_fill": "sum-tree fills take torch's path",

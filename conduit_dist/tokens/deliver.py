@@ -6,8 +6,10 @@ groups. The holder gathers each fixed column by one slot index for all its desti
 host shard copies the token columns as runs of adjacent arena tokens (a group's members, and
 groups put together, lie side by side) in one native ``copy_spans`` call for every column and
 destination, and a device shard (or a build without the extension) gathers them by one token
-index. The learner splits each received column into its micro-batch runs with one
-``torch.split`` per holder and joins them with one ``cat``.
+index. The holder's send buffer is the round's own (reused), or this rank's half of shared
+memory where the transport's all-to-all goes through it (``Transport.lend``). The learner
+splits each received column into its micro-batch runs with one ``torch.split`` per holder and
+joins them with one ``cat``.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def pack(
                 bases[name].append(0)  # no run goes there
         s0, t0, b0 = s1, t1, b1
     if tok is None and len(slots):
-        _copy_runs(store, slots, n, bases)
+        _copy_runs(store, slots, n, t, bases)
     return fixed_np[LENGTHS]
 
 
@@ -88,7 +90,11 @@ def _token_bytes(arena: torch.Tensor) -> int:
 
 
 def _copy_runs(
-    store: GroupStore, slots: np.ndarray, n: np.ndarray, bases: dict[str, list[int]]
+    store: GroupStore,
+    slots: np.ndarray,
+    n: np.ndarray,
+    t: np.ndarray,
+    bases: dict[str, list[int]],
 ) -> None:
     """Copy the tokens of ``slots`` (host arenas) into the packed columns as runs: adjacent
     sequences whose tokens are adjacent in the arena, within one destination, are one span;
@@ -97,13 +103,24 @@ def _copy_runs(
     Args:
         store: the host shard; slots: the sequences in packing order.
         n: sequences per destination (in rank order).
+        t: tokens per destination: each destination's column holds exactly these.
         bases: per arena column, per destination, the address token 0 of the packing order
             would have in that destination's column (addresses computed, never dereferenced
             outside the column: each run lies inside its destination's tokens).
+
+    Raises:
+        RuntimeError: if the slots' lengths do not sum to ``t`` per destination (the columns
+            were sized from the group table; raw copies must never leave them).
     """
     lengths = store.length[slots].astype(np.int64)
     starts = store.offset[slots].astype(np.int64)
     dest = np.repeat(np.arange(len(n)), n)
+    held = np.bincount(dest, weights=lengths, minlength=len(n)).astype(np.int64)
+    if not np.array_equal(held, np.asarray(t, dtype=np.int64)):
+        raise RuntimeError(
+            f"token delivery: the selected sequences hold {held.tolist()} tokens per "
+            f"destination, the group table said {np.asarray(t).tolist()}; nothing was copied"
+        )
     at = np.cumsum(lengths) - lengths  # each sequence's token position in packing order
     cut = np.ones(len(slots), dtype=bool)
     cut[1:] = (starts[1:] != starts[:-1] + lengths[:-1]) | (dest[1:] != dest[:-1])

@@ -311,7 +311,9 @@ class TokenRound:
         )
         # the sections leave from and land in the arenas' device; host sections that go by
         # shared memory are packed straight into this rank's half of it (not copied there)
-        send = self._lent_send(nbytes) if not self.lengths_on_host else None
+        dev = self.store.device
+        send = None if self.lengths_on_host or dev.type != "cpu" else self.transport.lend(nbytes)
+        lent = send is not None
         if send is None:
             send = self._buffer("send", int(nbytes[me].sum()))
         gids = groups.table[chosen, S.GID]
@@ -325,7 +327,12 @@ class TokenRound:
         ]
         lens = np.zeros(0, dtype=np.int64)
         if mine:
-            lens = D.pack(self.store, self.wire, send, mine, n[me], t[me], nbytes[me])
+            try:
+                lens = D.pack(self.store, self.wire, send, mine, n[me], t[me], nbytes[me])
+            except BaseException:
+                if lent:  # the next exchange must not take a half-written lent half
+                    self.transport.unlend()
+                raise
         recv = self._buffer("recv", int(nbytes[:, me].sum()))
         # device sections: their lengths travel on the host first (the cut reads them there,
         # and nothing comes back from the device; one exchange at a time on the plane's group)
@@ -344,18 +351,6 @@ class TokenRound:
             return []
         mbs = plan[self.learners.index(me)]
         return D.cut(self.wire, recv, nbytes[:, me], groups, chosen, holder, mbs, self.device, got)
-
-    def _lent_send(self, nbytes: np.ndarray) -> torch.Tensor | None:
-        """This rank's sections' bytes in shared memory (``Exchange.send_rows``), where the
-        transport moves these host sections with the all-to-all and shared memory carries it;
-        ``None`` otherwise. No exchange may run between this and the move (the lent half is
-        the next exchange's): the round packs, then moves."""
-        if self.store.device.type != "cpu" or self.ex.shm is None or self.ex.world == 1:
-            return None
-        if self.transport.choose(nbytes)[0] != "all_to_all":
-            return None
-        lent = self.ex.send_rows(int(nbytes[self.ex.rank].sum()), 1)
-        return None if lent is None else lent[0].view(-1)
 
     def _lengths(self, lens: np.ndarray, n: np.ndarray) -> np.ndarray:
         """The all-to-all of the sections' sequence lengths (host int64, ``n[src, dst]`` of
