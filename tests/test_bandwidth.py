@@ -360,3 +360,26 @@ def test_calibration_probes_once_then_reuses_the_cache_and_reprobes_a_corrupt_on
         f.write_text("corrupt")
     third = run_ranks(_calibrated_plane, 2, str(tmp_path))
     assert {r[0] for r in third.values()} == {"calibrated"}
+
+
+def test_predictions_outside_the_model_go_through_predict():
+    """A strategy's time is ``BandwidthModel.predict`` (its linear terms and a shaped link's
+    burst knee): code that multiplied ``features`` by ``coef`` itself would drop the knee (bench
+    strategies did, pricing a 4 MiB exchange on a 500 Mbit/s link ~15x too cheap). The LP bound
+    is the one documented exception (a line rate's bound)."""
+    import ast
+
+    from dist_utils import ROOT
+
+    allowed = {"conduit_dist/bench/lp_bound.py"}
+    offenders = []
+    for path in (ROOT / "conduit_dist").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("conduit_dist/collectives/model/") or rel in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "features":
+                offenders.append(f"{rel}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "coef":
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders

@@ -33,7 +33,11 @@ from conduit_dist.registry import bound_sampler
 
 
 def _ingest_lp(model: BandwidthModel, links: np.ndarray, staged: np.ndarray, S: list[int], rb: int):
-    """Least predicted ingest seconds routing ``staged`` onto ``S`` with equal inflow."""
+    """Least predicted ingest seconds routing ``staged`` onto ``S`` with equal inflow.
+
+    Priced by the all-to-all's linear terms only: a shaped link's burst knee
+    (``BandwidthModel.burst_bytes``) is not in the LP, so on such a link the bound is a line
+    rate's (one host, the bench's setting, has no knee)."""
     coef = model.coef["all_to_all"] * 1e6  # microseconds: keeps the solver's tolerances meaningful
     srcs = np.nonzero(staged)[0]
     ns, nd = len(srcs), len(S)

@@ -21,7 +21,8 @@ from conduit_dist.collectives.topology import Topology
 
 log = logging.getLogger("conduit_dist")
 
-CACHE_VERSION = 4  # 4: probes rest on network links, 64 KB probed, a network knee
+CACHE_VERSION = 5  # 4: probes rest on network links, 64 KB probed, a network knee; 5: a knee
+# per strategy (a version-4 cache held one knee for all)
 
 
 def cache_path(cache_dir: str, backend: str, topo: Topology) -> str:
