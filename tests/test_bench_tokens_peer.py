@@ -20,14 +20,18 @@ SIDES = ("ours", "transferqueue", "transferqueue_client")
 
 
 def test_bench_tokens_peer_checks_both_sides():
-    cmd = [*TORCHRUN, "-m", "conduit_dist.bench", "tokens", "--peer", "transferqueue",
-           "--sizes", "8", "--samples", "2", "--warmup", "1", "--median", "64"]  # fmt: skip
+    # 2 learners, 1 producer: groups split over learners, each checked to arrive on one only
+    three = [*TORCHRUN[:-1], "--nproc_per_node=3"]
+    cmd = [*three, "-m", "conduit_dist.bench", "tokens", "--peer", "transferqueue",
+           "--learners", "2", "--sizes", "8", "--samples", "2", "--warmup", "1",
+           "--median", "64"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                          timeout=150)  # fmt: skip
+                          timeout=200)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = bench_line(proc.stdout)
     assert line["bench"] == "tokens_peer" and line["peer"] == "transferqueue"
-    assert line["learner_ranks"] == [0] and line["producer_ranks"] == [1]
+    assert line["learner_ranks"] == [0, 1] and line["producer_ranks"] == [2]
+    assert line["transport"] == "shared memory"  # ours and the raw exchange alike
     (row,) = line["results"]
     assert row["groups"] == 8 and row["sequences"] == 64
     s = line["summary"]

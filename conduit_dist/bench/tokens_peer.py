@@ -142,10 +142,12 @@ def _tq(tq, d: Data | None, partition: str, take) -> tuple[list[float], list]:
     return [t2 - t0, t1 - t0, t2 - t1], mbs
 
 
-def _raw(recv: torch.Tensor, send: torch.Tensor, out_splits: list, in_splits: list) -> float:
+def _raw(tp, recv: torch.Tensor, send: torch.Tensor, out_splits: list, in_splits: list) -> float:
+    """One all-to-all of the same bytes on the plane's own exchange: its group and its
+    transport (shared memory where ours' sections go through it, else gloo)."""
     dist.barrier()
     t = time.perf_counter()
-    dist.all_to_all_single(recv, send, out_splits, in_splits)
+    tp.ex.all_to_all(recv.view(-1, 1), send.view(-1, 1), out_splits, in_splits, -1, "raw")
     return time.perf_counter() - t
 
 
@@ -190,7 +192,7 @@ def _size(a, tp, tq, groups: int, first_gid: int, roles) -> tuple[dict, dict]:
 
         def ours(t=t, held=held, d=d) -> None:
             t["ours"], held["ours"] = _ours(tp, d, groups, a.token_budget, split=True)
-            t["raw"] = [_raw(*_raw_buffers(tp, learners, producers))]
+            t["raw"] = [_raw(tp, *_raw_buffers(tp, learners, producers))]
 
         def direct(t=t, held=held, d=d) -> None:  # the same groups again (consumed by now)
             t["ours_direct"], held["ours_direct"] = _ours(tp, d, groups, a.token_budget, False)
@@ -264,18 +266,28 @@ def main(argv: list[str]) -> None:
         spec, seqs, seqs * MAX_LEN // 8, learner_ranks=learners, producer_ranks=producers,
         transport=transport,
     )  # fmt: skip
-    tq = tokens_tq.TQ(learners, a.group_size, a.tq_micro_groups * a.group_size)
-    rows, first_gid = [], 0
+    a.transport = "shared memory" if tp.ex.shm is not None else "gloo"  # ours' and the raw's
+    rows, first_gid, tq, done = [], 0, None, False
     try:
+        tq = tokens_tq.TQ(learners, a.group_size, a.tq_micro_groups * a.group_size)
         for groups in a.sizes:
             ms, checks = _size(a, tp, tq, groups, first_gid, (learners, producers))
             first_gid += (a.warmup + a.samples) * groups
             rows.append(_row(groups, a.group_size, ms, checks))
             if dist.get_rank() == 0:
                 _progress(rows[-1])
-    finally:
-        tq.close()
-        tp.close()
+        done = True
+    finally:  # after a failure: no collective (a peer may be inside another one), Ray stopped
+        if tq is not None:
+            tq.close(failed=not done)
+        elif dist.get_rank() == 0 and not done:
+            import ray
+
+            ray.shutdown()
+        if done:
+            tp.close()
+        else:
+            tp.abort()
     if dist.get_rank() == 0:
         _report(a, world, learners, producers, rows)
     cd.destroy_distributed()
@@ -342,6 +354,7 @@ def _report(a, world: int, learners: list[int], producers: list[int], rows: list
         rows,
         summary,
         peer=a.peer,
+        transport=a.transport,
         peer_version=transfer_queue.__version__,
         world=world,
         learner_ranks=learners,

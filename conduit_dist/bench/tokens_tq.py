@@ -156,12 +156,16 @@ class TQ:
         out, it = [], iter(self.loader)
         for _ in range(micro_batches):  # no further next(): it would poll for the next batch
             td, _meta = next(it)
+            offsets = td["tokens"].offsets()
             mb = {k: td[k].values() for k, _ in FIELDS}
-            mb |= {
-                "reward": td["reward"],
-                "group": td["group"],
-                "cu_seqlens": td["tokens"].offsets(),
-            }
+            # packed: the values are this micro-batch's tokens alone (a slice of a bigger
+            # nested buffer would start past 0 or hold more than its last offset)
+            if int(offsets[0]) != 0 or int(offsets[-1]) != mb["tokens"].shape[0]:
+                raise RuntimeError(
+                    f"bench tokens --peer: a TransferQueue micro-batch is not packed: offsets "
+                    f"{int(offsets[0])}..{int(offsets[-1])}, values {mb['tokens'].shape[0]}"
+                )
+            mb |= {"reward": td["reward"], "group": td["group"], "cu_seqlens": offsets}
             out.append(mb)
         return out
 
@@ -169,10 +173,13 @@ class TQ:
         """Drop a consumed partition from the controller and the storage units (rank 0)."""
         self.client.clear_partition(partition)
 
-    def close(self) -> None:
-        """Close this rank's client; rank 0 then stops the system and Ray (after a barrier)."""
+    def close(self, failed: bool = False) -> None:
+        """Close this rank's client; rank 0 then stops the system and Ray (after a barrier, or
+        at once where ``failed``: a peer may be stuck in another collective, and a barrier
+        would only wait for the timeout)."""
         self.client.close()
-        dist.barrier()
+        if not failed:
+            dist.barrier()
         if self.owner:
             import ray
             import transfer_queue as tq
