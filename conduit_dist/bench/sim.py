@@ -41,6 +41,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,6 +133,9 @@ def measure(
             continue
         slug = cfg.label.replace(" ", "").replace(",", "-").replace("/", "")
         cache_dir = os.path.join(cache_root, f"{slug}-job{job}")
+        # calibrated afresh: a cache left by an earlier invocation (--cache-dir kept) would make
+        # this job's model an older job's, which the out-of-sample sources do not name
+        shutil.rmtree(cache_dir, ignore_errors=True)
         try:
             load = os.getloadavg()[0]  # what else this machine ran as the job started
             runs.append(replace(_measure(cfg, job, samples, cache_dir), load_1m=load))
@@ -165,8 +169,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help=f"where the picture ({PICTURE}) goes")  # fmt: skip
     p.add_argument("--no-validation", action="store_true", help="the projection only")
     p.add_argument("--cache-dir", default=None,
-                   help="where each job's calibration is kept, a directory per job (default: "
-                        "a temporary one)")  # fmt: skip
+                   help="where each job's calibration is kept, a directory per job, emptied "
+                        "when its job starts (default: a temporary one)")  # fmt: skip
     a = p.parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:
         p.error(f"--out-dir: the picture needs matplotlib, which is not installed "
