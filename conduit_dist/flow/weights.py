@@ -300,7 +300,8 @@ class WeightsState:
         # to the host only when its digest (carried in the round's meta) is new
         self.device = device
         self._buffers = _Buffers(device=device)
-        self._head: tuple[tuple, bytes, int, dict] | None = None  # publish's last layout
+        # publish's last layout: (key, header, total bytes, entries, header digest or 0)
+        self._head: tuple[tuple, bytes, int, dict, int] | None = None
         self.head = 0  # the current buffer's header digest (device buffers; 0: unknown)
         self._layouts: dict[int, _Layout] = {}  # device buffers: decoded layouts by digest
 
@@ -322,16 +323,18 @@ class WeightsState:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in state.items())
         if self._head is None or self._head[0] != key:  # the header only when the layout changes
             entries = _entries(state)
-            self._head = (key, *_head(entries), entries)
+            head, total = _head(entries)
+            digest = 0
             if self.device is not None:  # its digest, and its layout known without a read
-                digest = head_digest(self._head[1])
-                self._layouts[digest] = _decode(self._head[1], self._head[2])
-        _, head, total, entries = self._head
+                digest = head_digest(head)
+                self._layouts[digest] = _decode(head, total)
+            self._head = (key, head, total, entries, digest)
+        _, head, total, entries, digest = self._head
         buf = self._buffers.take(total)
         _fill(buf, head, entries, state)
         self._buffers.used(buf)
         self.buf = buf  # complete before it is current
-        self.head = head_digest(head) if self.device is not None else 0
+        self.head = digest  # 0 on a host plane: receivers read the header in place
         self.version += 1
 
     def exchange(
@@ -420,14 +423,14 @@ class WeightsState:
         first = buf[: min(size, _PREAMBLE.size)].cpu()
         SYNCS.add("weights header")
         hlen = _PREAMBLE.unpack(first.numpy().tobytes())[2] if size >= _PREAMBLE.size else 0
-        head = buf[: min(size, _PREAMBLE.size + hlen)].cpu()
-        got = head_digest(head.numpy().tobytes())
+        raw = buf[: min(size, _PREAMBLE.size + hlen)].cpu().numpy().tobytes()
+        got = head_digest(raw)
         if self.head and got != self.head:
             raise SpecError(
                 f"weights: the received header's digest {got:#x} differs from the one the "
                 f"publisher announced, {self.head:#x}: a corrupted or mismatched buffer"
             )
-        layout = _decode(head.numpy().tobytes(), size)
+        layout = _decode(raw, size)
         self._layouts[got] = layout
         return layout
 

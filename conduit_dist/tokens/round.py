@@ -311,8 +311,8 @@ class TokenRound:
         )
         # the sections leave from and land in the arenas' device; host sections that go by
         # shared memory are packed straight into this rank's half of it (not copied there)
-        dev = self.store.device
-        send = None if self.lengths_on_host or dev.type != "cpu" else self.transport.lend(nbytes)
+        # (lengths_on_host: device sections, or the rehearsal's extra exchange before the move)
+        send = None if self.lengths_on_host else self.transport.lend(nbytes)
         lent = send is not None
         if send is None:
             send = self._buffer("send", int(nbytes[me].sum()))
