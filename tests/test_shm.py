@@ -80,6 +80,48 @@ def test_shared_memory_all_to_all_moves_gloos_bytes_and_removes_its_files():
     assert _files(res[0]["token"]) == []  # nor after close
 
 
+def _landing(rank: int, world: int) -> dict[str, object]:
+    """Each source's block reversed in 3-byte runs by land(), this rank's own included, then a
+    run past a block refused before anything is copied."""
+    import numpy as np
+
+    from conduit_dist.collectives.exchange import Exchange
+
+    ex = Exchange(30, name="land", shared_memory=True)
+    k = 12  # bytes from each rank to each rank
+    inp = torch.tensor([(17 * rank + 3 * d + i) % 256 for d in range(world) for i in range(k)],
+                       dtype=torch.uint8)  # fmt: skip
+    out = torch.zeros(world * k, dtype=torch.uint8)  # unused: the runs land in `dest`
+    dest = torch.zeros(world * k, dtype=torch.uint8)
+    spans = {}
+    for p in range(world):  # block p's runs of 3 bytes in reverse order, at p's place in dest
+        runs = [(dest.data_ptr() + p * k + (k - 3 - off), off, 3) for off in range(0, k, 3)]
+        spans[p] = np.asarray(runs, dtype=np.int64)
+    ex.land(spans)
+    ex.all_to_all(out, inp, [k] * world, [k] * world, 0)
+    expect = []
+    for p in range(world):
+        block = [(17 * p + 3 * rank + i) % 256 for i in range(k)]
+        expect += [b for off in reversed(range(0, k, 3)) for b in block[off : off + 3]]
+    ex.land({p: np.asarray([[dest.data_ptr(), k - 2, 3]], dtype=np.int64) for p in range(world)})
+    refused = ""
+    try:
+        ex.all_to_all(out, inp, [k] * world, [k] * world, 1)
+    except Exception as exc:
+        refused = str(exc)
+    landed = ex.shm.landed
+    ex.close()
+    return {"same": dest.tolist() == expect, "untouched": not out.any().item(),
+            "refused": refused, "landed": landed}  # fmt: skip
+
+
+def test_land_copies_each_sources_rows_run_by_run_and_refuses_runs_past_a_block():
+    for rank, got in run_ranks(_landing, 2).items():
+        assert got["same"] and got["untouched"], (rank, got)
+        assert "landing run" in got["refused"] and "outside its 12-byte block" in got["refused"]
+        assert got["landed"] >= 1
+
+
 def _batches(rank: int, world: int, placement: str, strategy: str) -> dict[bool, list]:
     spec = cd.ExperienceSpec.from_batch({"id": torch.zeros(1, dtype=torch.int64),
                                          "obs": torch.zeros(1, 20)})  # fmt: skip

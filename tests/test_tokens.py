@@ -363,7 +363,8 @@ def _over(rank: int, world: int, shm) -> dict[str, object]:
         mem = tp.ex.shm
         return {"seen": sorted((g, sorted(d)) for g, d in seen.items()),
                 "shm": mem.exchanges if mem is not None else 0,
-                "in_place": mem.in_place if mem is not None else 0}  # fmt: skip
+                "in_place": mem.in_place if mem is not None else 0,
+                "landed": mem.landed if mem is not None else 0}  # fmt: skip
 
 
 def test_sections_go_through_shared_memory_on_one_host_and_arrive_the_same():
@@ -372,6 +373,7 @@ def test_sections_go_through_shared_memory_on_one_host_and_arrive_the_same():
     for rank in (0, 1):
         assert via_shm[rank]["shm"] > 0 and via_gloo[rank]["shm"] == 0
         assert via_shm[rank]["in_place"] > 0  # the sections were packed into shared memory
+        assert via_shm[rank]["landed"] > 0  # and landed straight in the micro-batches' columns
         assert via_shm[rank]["seen"] == via_gloo[rank]["seen"]  # byte for byte, whole
 
 

@@ -531,6 +531,17 @@ class Exchange:
         copied again there, ``SharedMemory.send_rows``); ``None``: use a buffer of your own."""
         return self.shm.send_rows(rows, width) if self.shm is not None else None
 
+    def land(self, spans: dict[int, np.ndarray]) -> None:
+        """Where the next all-to-all's received rows go, run by run (shared memory only,
+        ``SharedMemory.land``).
+
+        Raises:
+            RuntimeError: without shared memory (``Transport.lands`` says when it is used).
+        """
+        if self.shm is None:
+            raise RuntimeError("land(): this exchange has no shared memory")
+        self.shm.land(spans)
+
     def unlend(self) -> None:
         """Forget rows :meth:`send_rows` lent that will not be the next all-to-all's input (their
         writer failed before the exchange)."""

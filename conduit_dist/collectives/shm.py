@@ -176,9 +176,12 @@ class SharedMemory:
         self._owned: list[str] = []  # every file of this rank still on disk (removed at exit)
         weakref.finalize(self, _remove, self._owned)
         self._lent: tuple[int, int] | None = None  # (exchange, address) of send_rows' rows
+        # (exchange, spans per source rank) of land(): where the next exchange's rows go
+        self._land: tuple[int, dict[int, np.ndarray]] | None = None
         self.broken: str | None = None  # why no exchange may run any more (a failed one)
         self.exchanges = 0  # all-to-alls run through shared memory
         self.in_place = 0  # of which took their rows where send_rows lent them (no copy in)
+        self.landed = 0  # of which copied their received rows run by run where land() said
 
     def path(self, rank: int, gen: int) -> str:
         """The file of ``rank``'s generation ``gen``."""
@@ -233,6 +236,43 @@ class SharedMemory:
         """Forget rows :meth:`send_rows` lent that will not be this rank's next exchange's input
         (their writer failed): the next :meth:`start` copies its input as usual."""
         self._lent = None
+
+    def land(self, spans: dict[int, np.ndarray]) -> None:
+        """Have the next :meth:`start` copy each source's rows for this rank straight to where
+        the caller wants them, in runs, instead of into ``out`` as one block per source (a
+        scatter-receive: the receiver's reordering costs no copy of its own).
+
+        Args:
+            spans: per source rank (this rank included), int64 ``[k, 3]`` rows of (destination
+                address, byte offset in that source's block for this rank, bytes). The
+                destinations are the caller's and must stay alive and unread until the
+                exchange's ``wait`` returned; every offset is checked against the block's size
+                (the source's split) before anything is copied.
+        """
+        self._land = (self._calls, spans)
+
+    def _landed(
+        self, land: dict[int, np.ndarray], p: int, base: int, n: int, spans: list[int]
+    ) -> None:
+        """Append the copies of source ``p``'s ``n``-byte block at ``base`` that ``land`` asks
+        for to ``spans``.
+
+        Raises:
+            RuntimeError: if one lies outside the block.
+        """
+        runs = land.get(p)
+        if runs is None or not len(runs):
+            return
+        off, size = runs[:, 1], runs[:, 2]
+        if int(off.min()) < 0 or int(size.min()) < 0 or int((off + size).max()) > n:
+            raise RuntimeError(
+                f"shared-memory all_to_all on rank {self.rank}: a landing run from rank {p} "
+                f"lies outside its {n}-byte block (offsets {int(off.min())}.."
+                f"{int((off + size).max())})"
+            )
+        runs = runs.copy()
+        runs[:, 1] += base
+        spans += runs.ravel().tolist()
 
     def _headers(self, mapped: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
         """The two halves' headers of a file of ``cap``-byte halves (int64 offsets, one per
@@ -307,6 +347,13 @@ class SharedMemory:
         base = half * self.cap
         lent, self._lent = self._lent, None
         in_place = lent is not None and lent == (self._calls, src)
+        landing, self._land = self._land, None
+        if landing is not None and landing[0] != self._calls:
+            raise RuntimeError(
+                "shared-memory all_to_all: land() was called for another exchange (one ran in "
+                "between)"
+            )
+        land = None if landing is None else landing[1]
         spans: list[int] = []  # (to, from, bytes) of each copy
         if lent is not None and not in_place:  # the lent rows would be overwritten here
             raise RuntimeError(
@@ -333,7 +380,9 @@ class SharedMemory:
                     offsets[d] = at
                     at += sizes[d]
         self._mine_hdr[half][:] = offsets
-        if n_own:
+        if n_own and land is not None:
+            self._landed(land, me, src + i_off[me], n_own, spans)
+        elif n_own:
             spans += (dst + o_off[me], src + i_off[me], n_own)
         if spans:  # one native call for every copy (torch's slice and copy_: ~4 us each)
             _native.copy_spans(tuple(spans))
@@ -342,6 +391,7 @@ class SharedMemory:
         _native.shm_arrive(self._ctl_addr, me, seq, self.gen)
         self.exchanges += 1
         self.in_place += bool(in_place)
+        self.landed += land is not None
 
         def finish() -> None:
             gens = self._ctl_gens[1 + (seq & 1) :: _SLOT // 8][:world].tolist()
@@ -365,7 +415,10 @@ class SharedMemory:
                         f"shared-memory all_to_all on rank {me}: rank {p}'s {n} bytes for it "
                         f"at offset {off} lie outside its {cap}-byte half"
                     )
-                spans += (dst + o_off[p], addr + half * cap + off, n)
+                if land is not None:
+                    self._landed(land, p, addr + half * cap + off, n, spans)
+                else:
+                    spans += (dst + o_off[p], addr + half * cap + off, n)
             if spans:
                 _native.copy_spans(tuple(spans))
             while self._named and self._named[0][0] < seq:  # every peer has mapped it
@@ -411,7 +464,7 @@ class SharedMemory:
             os.close(self._ctl_fd)
             self._ctl_fd = -1
         self.gen = self.cap = 0
-        self._lent = None
+        self._lent = self._land = None
 
 
 def create(path: str, size: int) -> int:

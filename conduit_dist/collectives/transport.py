@@ -101,6 +101,20 @@ class Transport:
             self._choices[key] = hit
         return hit
 
+    def lands(self, matrix_bytes: np.ndarray) -> bool:
+        """Whether the host move of ``matrix_bytes`` (``[src, dst]`` bytes, one-byte rows) will
+        go through the exchange's shared memory, where :meth:`land` can place what this rank
+        receives run by run."""
+        if self.ex.shm is None or self.ex.world == 1:
+            return False
+        return self.choose(matrix_bytes)[0] == "all_to_all"  # the same choice move() makes
+
+    def land(self, spans: dict[int, np.ndarray]) -> None:
+        """Have the next move (one that :meth:`lands`) copy the rows it receives from each
+        source straight to ``spans``' addresses (``SharedMemory.land``) instead of into its
+        ``out``; no other exchange may run in between."""
+        self.ex.land(spans)
+
     def lend(self, matrix_bytes: np.ndarray) -> torch.Tensor | None:
         """This rank's send bytes of the host move of ``matrix_bytes`` (``[src, dst]`` bytes, a
         ``move`` of one-byte rows), lent by the exchange's shared memory where the move will
@@ -109,9 +123,7 @@ class Transport:
         to send: use a buffer of your own. No other exchange may run between the lend and the
         move (the lent half is the next exchange's); a writer that fails calls
         :meth:`unlend`."""
-        if self.ex.shm is None or self.ex.world == 1:
-            return None
-        if self.choose(matrix_bytes)[0] != "all_to_all":  # the same choice move() will make
+        if not self.lands(matrix_bytes):
             return None
         lent = self.ex.send_rows(int(matrix_bytes[self.ex.rank].sum()), 1)
         return None if lent is None else lent[0].view(-1)

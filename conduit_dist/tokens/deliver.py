@@ -9,10 +9,14 @@ destination, and a device shard (or a build without the extension) gathers them 
 index. The holder's send buffer is the round's own (reused), or this rank's half of shared
 memory where the transport's all-to-all goes through it (``Transport.lend``). The learner
 splits each received column into its micro-batch runs with one ``torch.split`` per holder and
-joins them with one ``cat``.
+joins them with one ``cat``; where the sections come through shared memory it has the exchange
+copy each run straight to its place in the joined columns instead (``land``, a scatter-receive:
+no join copy).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -137,6 +141,76 @@ def _copy_runs(
     _native.copy_spans(tuple(np.concatenate(triples).ravel().tolist()))
 
 
+def _layout(
+    groups: S.Groups, chosen: np.ndarray, holder: np.ndarray, mbs: list[list[int]], world: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``n`` and tokens ``t`` of micro-batch ``k`` from holder ``s`` (``[micro, world]``),
+    and the selected positions in micro-batch order with each one's micro-batch."""
+    members = groups.table[chosen, S.MEMBERS]
+    tokens = groups.tokens[chosen]
+    flat = np.fromiter((i for mb in mbs for i in mb), dtype=np.int64)
+    k_of = np.repeat(np.arange(len(mbs)), [len(mb) for mb in mbs])
+    n = np.zeros((len(mbs), world), np.int64)
+    t = np.zeros((len(mbs), world), np.int64)
+    np.add.at(n, (k_of, holder[flat]), members[flat])
+    np.add.at(t, (k_of, holder[flat]), tokens[flat])
+    return n, t, flat, k_of
+
+
+def land(
+    wire: Wire,
+    groups: S.Groups,
+    chosen: np.ndarray,
+    holder: np.ndarray,
+    mbs: list[list[int]],
+    world: int,
+) -> tuple[dict[str, torch.Tensor], dict[int, np.ndarray], tuple]:
+    """Host columns for this learner's micro-batches, joined (fresh: the micro-batches own
+    them), and per holder the runs that copy its section straight into them
+    (``Transport.land``): micro-batch ``k``'s rows from holder ``s`` are one run of each of
+    ``s``'s columns, landing at run ``(k, s)``'s place in micro-batch order. What :func:`cut`
+    does with one more copy.
+
+    Returns:
+        The columns, the runs (``{holder: int64 [k, 3]}`` of destination address, offset in the
+        holder's section, bytes) and the layout for :func:`landed`.
+    """
+    n, t, flat, k_of = _layout(groups, chosen, holder, mbs, world)
+    full: dict[str, torch.Tensor] = {}
+    runs: dict[int, list[np.ndarray]] = {s: [] for s in range(world)}
+    sent = [s for s in range(world) if n[:, s].any()]  # holders with a section for it
+    offsets = {s: wire.offsets(int(n[:, s].sum()), int(t[:, s].sum())) for s in sent}
+    for name, (shape, dtype) in (*wire.fixed.items(), *wire.ragged.items()):
+        m = t if name in wire.ragged else n
+        col = full[name] = torch.empty((int(m.sum()), *shape), dtype=dtype)
+        item = math.prod(shape) * dtype.itemsize
+        flat_m = m.ravel()
+        before = (np.cumsum(flat_m) - flat_m).reshape(m.shape)  # row-major: micro, then holder
+        for s in sent:
+            rows = m[:, s]
+            src = offsets[s][name] + (np.cumsum(rows) - rows) * item
+            keep = rows > 0
+            runs[s].append(
+                np.stack([col.data_ptr() + before[keep, s] * item, src[keep], rows[keep] * item], 1)
+            )
+    spans = {s: np.concatenate(r).astype(np.int64) for s, r in runs.items() if r}
+    return full, spans, (n, t, flat, k_of)
+
+
+def landed(
+    wire: Wire,
+    full: dict[str, torch.Tensor],
+    layout: tuple,
+    groups: S.Groups,
+    chosen: np.ndarray,
+    holder: np.ndarray,
+    device: torch.device,
+) -> list[MicroBatch]:
+    """This learner's micro-batches from the columns :func:`land` had filled."""
+    n, t, flat, k_of = layout
+    return _finish(wire, full, n, t, flat, k_of, groups, chosen, holder, device, None)
+
+
 def cut(
     wire: Wire,
     recv: torch.Tensor,
@@ -155,6 +229,7 @@ def cut(
     (one ``torch.split`` per holder), the runs joined in micro-batch order (one ``cat``), and
     micro-batches are views of the result (one more ``split``). ``cu_seqlens`` and
     ``max_seqlen`` are computed on the host before the move to ``device`` (no device sync).
+    (Host sections through shared memory skip the join: :func:`land`.)
 
     Args:
         wire: the section layout.
@@ -170,15 +245,8 @@ def cut(
     Returns:
         The micro-batches, in order.
     """
-    members = groups.table[chosen, S.MEMBERS]
-    tokens = groups.tokens[chosen]
-    world, nmb = len(sizes), len(mbs)
-    flat = np.fromiter((i for mb in mbs for i in mb), dtype=np.int64)
-    k_of = np.repeat(np.arange(nmb), [len(mb) for mb in mbs])
-    n = np.zeros((nmb, world), np.int64)  # rows of micro-batch k from holder s
-    t = np.zeros((nmb, world), np.int64)
-    np.add.at(n, (k_of, holder[flat]), members[flat])
-    np.add.at(t, (k_of, holder[flat]), tokens[flat])
+    world = len(sizes)
+    n, t, flat, k_of = _layout(groups, chosen, holder, mbs, world)
     splits: dict[str, list] = {name: [] for name in (*wire.fixed, *wire.ragged)}
     host_lengths: list[list[np.ndarray]] = []
     at = seq_at = 0
@@ -194,16 +262,29 @@ def cut(
         at += int(sizes[src])
     runs = [(k, s) for k, s in zip(*np.nonzero(n))]  # row-major: micro-batch, then holder
     full = {name: torch.cat([parts[s][k] for k, s in runs]) for name, parts in splits.items()}
+    host = None
+    if lengths is not None and runs:  # the same runs of the host copy, in the same order
+        host = np.concatenate([host_lengths[s][k] for k, s in runs]).astype(np.int64)
+    elif lengths is not None:
+        host = np.zeros(0, dtype=np.int64)
+    return _finish(wire, full, n, t, flat, k_of, groups, chosen, holder, device, host)
+
+
+def _finish(
+    wire: Wire, full: dict[str, torch.Tensor], n: np.ndarray, t: np.ndarray, flat: np.ndarray,
+    k_of: np.ndarray, groups: S.Groups, chosen: np.ndarray, holder: np.ndarray,
+    device: torch.device, host: np.ndarray | None,
+) -> list[MicroBatch]:  # fmt: skip
+    """The micro-batches of joined columns ``full`` (``host``: the lengths on the host, or
+    ``None``: read from the host column)."""
+    members = groups.table[chosen, S.MEMBERS]
     order = flat[np.lexsort((holder[flat], k_of))]  # stable: each holder's micro-batch order
     owner = np.repeat(holder[order], members[order])  # each received sequence's, on the host
     keys = np.repeat(groups.table[chosen, S.GID][order], members[order])
-    full["_holder"] = upload(torch.from_numpy(owner), recv.device)
-    if lengths is None:
-        host = full[LENGTHS].numpy()  # host sections: read where they landed
-    elif runs:  # the same runs of the host copy, in the same order
-        host = np.concatenate([host_lengths[s][k] for k, s in runs]).astype(np.int64)
-    else:
-        host = np.zeros(0, dtype=np.int64)
+    device_of = full[LENGTHS].device
+    full["_holder"] = upload(torch.from_numpy(owner), device_of)
+    if host is None:  # host sections: read where they landed
+        host = full[LENGTHS].numpy()
     return _slice(wire, full, n.sum(1), t.sum(1), device, host, (keys, owner))
 
 

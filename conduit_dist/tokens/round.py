@@ -339,6 +339,13 @@ class TokenRound:
         got = None
         if self.lengths_on_host:
             got = self._lengths(lens, n) if world > 1 else lens  # one rank: its own, in order
+        # host sections through shared memory land straight in the micro-batches' columns
+        learner = me in self.learners
+        landing = None
+        if learner and not self.lengths_on_host and self.transport.lands(nbytes):
+            mbs = plan[self.learners.index(me)]
+            landing = D.land(self.wire, groups, chosen, holder, mbs, world)
+            self.transport.land(landing[1])
         # [bytes, 1] rows: every strategy moves rows of one width (here one byte)
         self.transport.move(recv.view(-1, 1), send.view(-1, 1), nbytes, self.round, "tokens")
         if self.on_enqueued is not None:  # a backward waiting for the NCCL enqueue goes on
@@ -347,8 +354,10 @@ class TokenRound:
         stats.token_bytes = int(
             n[:, me].sum() * self.wire.seq_bytes + t[:, me].sum() * self.wire.token_bytes
         )
-        if me not in self.learners:
+        if not learner:
             return []
+        if landing is not None:
+            return D.landed(self.wire, landing[0], landing[2], groups, chosen, holder, self.device)
         mbs = plan[self.learners.index(me)]
         return D.cut(self.wire, recv, nbytes[:, me], groups, chosen, holder, mbs, self.device, got)
 
