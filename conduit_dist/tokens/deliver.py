@@ -17,6 +17,7 @@ no join copy).
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import numpy as np
 import torch
@@ -53,7 +54,8 @@ def pack(
         The sequences' lengths in the order packed (host int64: what the learners' cut needs
         on the host, sent beside device sections so that nothing is read back from a GPU).
     """
-    slots = np.asarray([s for g in gids for s in store.groups[g].slots], dtype=np.int64)
+    groups = store.groups
+    slots = np.fromiter(chain.from_iterable(groups[g].slots for g in gids), dtype=np.int64)
     dev = send.device
     idx = upload(torch.from_numpy(slots), dev)
     spans = dev.type == "cpu" and _native is not None and hasattr(_native, "copy_spans")

@@ -129,17 +129,16 @@ class TokenRound:
     # ------------------------------------------------------------------ meta
 
     def _table(self) -> np.ndarray:
-        rows = [
-            (g.gid, g.tokens, len(g.slots), g.version, g.complete_at, g.priority, g.cost)
-            for g in self.store.groups.values()
-        ]
-        rows += [(gid, holder, 0, 0, S.UPDATE, p, 0) for holder, gid, p in self.updates]
+        groups = self.store.groups.values()
+        ints = [(g.gid, g.tokens, len(g.slots), g.version, g.complete_at, g.cost) for g in groups]
+        ints += [(gid, holder, 0, 0, S.UPDATE, 0) for holder, gid, _ in self.updates]
+        prio = [g.priority for g in groups] + [p for _, _, p in self.updates]
         self.updates = []
-        t = np.zeros((len(rows), S.WIDTH), dtype=np.int64)
-        for i, r in enumerate(rows):
-            t[i, : S.PRIORITY] = r[: S.PRIORITY]
-            t[i, S.PRIORITY] = np.float64(r[S.PRIORITY]).view(np.int64)
-            t[i, S.COST] = r[S.COST]
+        t = np.zeros((len(ints), S.WIDTH), dtype=np.int64)
+        if ints:  # priorities travel as their float64 bits
+            cols = [c for c in range(S.WIDTH) if c != S.PRIORITY]
+            t[:, cols] = np.array(ints, dtype=np.int64)
+            t[:, S.PRIORITY] = np.array(prio, dtype=np.float64).view(np.int64)
         return t  # a group not complete yet has ORDER -1 = select.PENDING
 
     def _gather(self, req: Request, weights, version: int, snap, ahead: bool):
