@@ -47,6 +47,8 @@ def test_bench_tokens_peer_checks_both_sides():
         row["transferqueue_ms"] / row["ours_with_barrier_ms"]
     )
     assert s["ours_vs_raw_exchange"] == row["ours_delivery_ms"] / row["raw_exchange_ms"]
+    assert row["bound_vs_raw_exchange"] == row["raw_with_gather_ms"] / row["raw_exchange_ms"]
+    assert s["bound_vs_raw_exchange"] >= row["bound_vs_raw_exchange"] > 0
 
 
 def test_bench_tokens_peer_refuses_a_world_without_producers():

@@ -25,7 +25,10 @@ rotating from sample to sample:
   (whose chunking deep-copies the batch's metadata once per micro-batch), micro-batches cut as
   views of the returned packed values;
 - ``raw``: one ``all_to_all_single`` on the same group moving ours' delivered bytes (each
-  learner's received bytes, split evenly over the producers), right after ours' second pass.
+  learner's received bytes, split evenly over the producers), right after ours' second pass;
+  and ``raw_with_gather``: the token round's meta all-gather (its steady-state size), then the
+  same exchange: the least any round pays that learns the batch's layout collectively
+  (``bound_vs_raw_exchange``: its time over the raw exchange's).
 
 Timing: each rank's wall from the barrier before the puts (``*_ms``, end to end: the puts count)
 or from the barrier after them (``*_delivery_ms``: the batch available) to its end (a learner's:
@@ -41,7 +44,8 @@ once).
 Summary: ``speedup_vs_transferqueue`` (its end-to-end time over ours' ``ours_ms``; the smallest
 over the sizes), ``speedup_vs_transferqueue_same_barrier`` (over ``ours_with_barrier_ms``),
 ``delivery_speedup_vs_transferqueue``, the same against ``transferqueue_client``,
-``ours_vs_raw_exchange`` (ours' delivery over the raw exchange; the largest), the checks over
+``ours_vs_raw_exchange`` (ours' delivery over the raw exchange; the largest),
+``bound_vs_raw_exchange`` (the largest), the checks over
 every size and sample, and each size's row.
 """
 
@@ -151,6 +155,21 @@ def _raw(tp, recv: torch.Tensor, send: torch.Tensor, out_splits: list, in_splits
     return time.perf_counter() - t
 
 
+def _raw_with_gather(tp, recv, send, out_splits: list, in_splits: list) -> float:
+    """The bound of any round that learns the batch's layout collectively: one all-gather of a
+    token round's meta row (its size: the meta and 16 table rows, as ``TokenRound._gather``
+    sends in steady state), then the raw exchange, on the same exchange."""
+    from conduit_dist.tokens.round import META_WIDTH
+    from conduit_dist.tokens.select import WIDTH
+
+    row = torch.zeros(META_WIDTH + 16 * WIDTH, dtype=torch.int64)
+    dist.barrier()
+    t = time.perf_counter()
+    tp.ex.all_gather_start(row, -1).wait()
+    tp.ex.all_to_all(recv.view(-1, 1), send.view(-1, 1), out_splits, in_splits, -1, "raw")
+    return time.perf_counter() - t
+
+
 def _raw_buffers(tp, learners: list[int], producers: list[int]):
     """Buffers moving each learner's last-round bytes from the producers (split evenly)."""
     me, world = dist.get_rank(), dist.get_world_size()
@@ -192,7 +211,8 @@ def _size(a, tp, tq, groups: int, first_gid: int, roles) -> tuple[dict, dict]:
 
         def ours(t=t, held=held, d=d) -> None:
             t["ours"], held["ours"] = _ours(tp, d, groups, a.token_budget, split=True)
-            t["raw"] = [_raw(tp, *_raw_buffers(tp, learners, producers))]
+            bufs = _raw_buffers(tp, learners, producers)
+            t["raw"] = [_raw(tp, *bufs), _raw_with_gather(tp, *bufs)]
 
         def direct(t=t, held=held, d=d) -> None:  # the same groups again (consumed by now)
             t["ours_direct"], held["ours_direct"] = _ours(tp, d, groups, a.token_budget, False)
@@ -227,7 +247,7 @@ def _size(a, tp, tq, groups: int, first_gid: int, roles) -> tuple[dict, dict]:
         f"{s}{p}"
         for s in SIDES
         for p in (("",) if s == "ours_direct" else ("", "_put", "_delivery"))
-    ] + ["raw"]
+    ] + ["raw", "raw_gather"]
     ms = {k: statistics.median(w[:, j].tolist()) * 1e3 for j, k in enumerate(phases)}
     return ms, summarise(verdicts, SIDES) if me == 0 else {}
 
@@ -296,7 +316,8 @@ def main(argv: list[str]) -> None:
 def _progress(r: dict) -> None:
     parts = [f"{r['groups']:>4} groups: ours {r['ours_ms']:.1f} ms"]
     parts.append(f"(with the barrier {r['ours_with_barrier_ms']:.1f}, delivery")
-    parts.append(f"{r['ours_delivery_ms']:.1f}, raw {r['raw_exchange_ms']:.1f}),")
+    parts.append(f"{r['ours_delivery_ms']:.1f}, raw {r['raw_exchange_ms']:.1f},")
+    parts.append(f"raw with the meta all-gather {r['raw_with_gather_ms']:.1f}),")
     for n in PEER_SIDES.values():
         parts.append(f"{n} {r[f'{n}_ms']:.1f} ms (delivery {r[f'{n}_delivery_ms']:.1f}),")
     parts.append(f"{r['speedup_vs_transferqueue']:.1f}x")
@@ -315,6 +336,8 @@ def _row(groups: int, size: int, ms: dict, checks: dict) -> dict:
         row[f"delivery_speedup_vs_{n}"] = ms[f"{side}_delivery"] / ms["ours_delivery"]
     row["ours_vs_raw_exchange"] = ms["ours_delivery"] / ms["raw"]
     row["raw_exchange_ms"] = ms["raw"]
+    row["raw_with_gather_ms"] = ms["raw_gather"]
+    row["bound_vs_raw_exchange"] = ms["raw_gather"] / ms["raw"]
     row["ours_ms"] = ms["ours_direct"]
     row["ours_gb_s"] = data / ms["ours_direct"] / 1e6
     row["ours_with_barrier_ms"] = ms["ours"]
@@ -341,6 +364,7 @@ def _report(a, world: int, learners: list[int], producers: list[int], rows: list
         for k in (f"speedup_vs_{n}", f"speedup_vs_{n}_same_barrier", f"delivery_speedup_vs_{n}"):
             summary[k] = min(r[k] for r in rows)
     summary["ours_vs_raw_exchange"] = max(r["ours_vs_raw_exchange"] for r in rows)
+    summary["bound_vs_raw_exchange"] = max(r["bound_vs_raw_exchange"] for r in rows)
     for n in ("ours", *PEER_SIDES.values()):
         summary[f"digests_equal_{n}"] = all(r[f"digests_equal_{n}"] for r in rows)
         summary[f"groups_whole_{n}"] = all(r[f"groups_whole_{n}"] for r in rows)
