@@ -10,6 +10,7 @@ Public API::
     sample = plane.fetch(256)
 """
 
+from conduit_dist.attach import AttachedProducer, attach
 from conduit_dist.collectives import (
     destroy_distributed,
     get_rank,
@@ -40,6 +41,7 @@ from conduit_dist.tiers import Tiers
 from conduit_dist.tokens import MicroBatch, Ragged, TokenPlane, TokenSpec
 
 __all__ = [
+    "AttachedProducer",
     "BandwidthAware",
     "BandwidthModel",
     "CheckpointError",
@@ -74,6 +76,7 @@ __all__ = [
     "Uniform",
     "Windows",
     "WithoutReplacement",
+    "attach",
     "destroy_distributed",
     "get_rank",
     "get_world_size",

@@ -15,11 +15,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from conduit_dist.attach.ingress import Ingress
 from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.versions import check_max_age
 from conduit_dist.plane.options import TransportConfig
 from conduit_dist.tokens.batch import MicroBatch
+from conduit_dist.tokens.attached import TokenTarget
 from conduit_dist.tokens.build import build
 from conduit_dist.tokens.checkpoint import load_shares, save_shard
 from conduit_dist.tokens.closing import Closing
@@ -122,6 +124,7 @@ class TokenPlane:
             lambda: self.version, lambda: self.closed,
         )  # fmt: skip
         self.closing = Closing(self.runner, self.ex, self.store)
+        self.ingress: Ingress | None = None  # open_ingress: producers outside the job
 
     version = property(
         lambda s: s.versions.version,
@@ -346,6 +349,68 @@ class TokenPlane:
 
     # ------------------------------------------------------------------ rounds, state
 
+    # ------------------------------------------------------------------ attached producers
+
+    def open_ingress(
+        self,
+        run_dir: str | None = None,
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        advertise: str | None = None,
+        timeout_s: float | None = None,
+        grace_s: float | None = None,
+        window: int = 64,
+    ) -> str:
+        """Let producers outside the job attach to this rank (``cd.attach``; docs/attach.md).
+
+        Call it on every rank (each opens its own endpoint, written to
+        ``run_dir/ingress-rank<r>.json``): from then on the first learner packs its weights at
+        each ``publish_weights`` (give it the model) and every round broadcasts them, so any
+        ingress serves them. Attached puts are stored on this rank's shard before each round.
+
+        Args:
+            run_dir: where the endpoint file goes (``None``: only the returned endpoint).
+            host, port: where to listen (default: all interfaces, any free port).
+            advertise: the address written in the endpoint (default: the interface that
+                routes to ``MASTER_ADDR``).
+            timeout_s: a producer silent this long is lost (default: the plane's timeout).
+            grace_s: a lost producer not back after this long is dead, its incomplete groups
+                dropped and counted (default: ``timeout_s``).
+            window: puts a producer may have unacknowledged.
+
+        Returns:
+            The endpoint, ``host:port``.
+
+        Raises:
+            ConfigError: if one is open already, on a bad value, or the port cannot be bound.
+        """
+        self._open("open_ingress")
+        if self.ingress is not None:
+            raise ConfigError(f"open_ingress: rank {self.rank} has one open at "
+                              f"{self.ingress.endpoint}")  # fmt: skip
+        self.ingress = Ingress(
+            TokenTarget(self), host=host, port=port, advertise=advertise, run_dir=run_dir,
+            timeout_s=self.ex.timeout.total_seconds() if timeout_s is None else timeout_s,
+            grace_s=grace_s, window=window,
+        )  # fmt: skip
+        self.versions.sends = True  # attached producers pull weights from any ingress
+        self.runner.drain = self.ingress.drain
+        self.engine.on_delivered = self.ingress.delivered
+        return self.ingress.endpoint
+
+    def drain_ingress(self) -> int:
+        """Store what attached producers sent since the last round now (rounds do it first
+        anyway; for a rank that waits between rounds). Returns the puts stored (0: none open)."""
+        self._open("drain_ingress")
+        return 0 if self.ingress is None else self.ingress.drain()
+
+    def ledger(self) -> dict[str, dict[str, object]]:
+        """This rank's experience ledger: per attached producer, puts received, acknowledged,
+        sent again, refused, groups delivered and dropped by id, and its state
+        (``attach/ledger.py``); empty without an ingress."""
+        return {} if self.ingress is None else self.ingress.ledger()
+
     def stats(self) -> dict[str, int]:
         """This shard's counters: groups, sequences and tokens stored, evictions (capacity and
         age), and what this rank received."""
@@ -359,6 +424,7 @@ class TokenPlane:
             "stale_evicted": self.engine.stale_evicted,
             **self.totals,
             **self.closing.stats(),
+            **(self.ingress.totals() if self.ingress is not None else {}),
         }
 
     def state_dict(self) -> dict[str, object]:
@@ -428,6 +494,8 @@ class TokenPlane:
         if self.closed:
             return
         self.closed = True
+        if self.ingress is not None:  # attached producers are told, and stop
+            self.ingress.close()
         self.closing.close(self.version)
 
     def __enter__(self) -> TokenPlane:
@@ -437,6 +505,8 @@ class TokenPlane:
         """Release the plane's group without a closing round (after a failure: the peers'
         next round then fails naming this rank instead of waiting for it)."""
         self.closed = True
+        if self.ingress is not None:
+            self.ingress.close()
         self.closing.abort()
 
     def __exit__(self, *exc) -> None:

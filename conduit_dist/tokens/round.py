@@ -107,6 +107,7 @@ class TokenRound:
         # sections on a device (or the device path rehearsed): their lengths go on the host
         self.lengths_on_host = store.device.type != "cpu" or rehearse
         self.on_enqueued = None  # set by a round launched at a backward (plane.py)
+        self.on_delivered = None  # an open ingress's ledger: (gids held here, removed)
         self.rows_hint = 16  # table rows the meta all-gather carries (see _gather)
         self.stale_evicted = 0
         self.updates: list[tuple[int, int, float]] = []  # (holder, gid, priority) to send
@@ -246,9 +247,11 @@ class TokenRound:
             out = self._deliver(groups, chosen, plan, stats)
             stats.groups = len(chosen)
             stats.oldest_delivered = int(groups.version[chosen].min())
+            mine = groups.table[chosen[groups.rank[chosen] == self.ex.rank], S.GID].tolist()
+            if self.on_delivered is not None:
+                self.on_delivered(mine, self.replay is None)
             if self.replay is None:
-                mine = chosen[groups.rank[chosen] == self.ex.rank]
-                self.store.remove(groups.table[mine, S.GID].tolist())
+                self.store.remove(mine)
         stats.ms = (time.perf_counter() - t0) * 1e3
         self.round += 1
         return out, stats

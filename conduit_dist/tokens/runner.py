@@ -62,6 +62,7 @@ class TokenRunner:
         self.newest, self.closed_by = 0, -1
         self.last: TokenRoundStats | None = None
         self.totals = {"delivered_groups": 0, "wire_bytes": 0, "token_bytes": 0, "rounds": 0}
+        self.drain: Callable[[], int] | None = None  # an open ingress's, before every round
 
     # ------------------------------------------------------------------ running
 
@@ -74,6 +75,8 @@ class TokenRunner:
         """
         if self.closed_by >= 0:
             raise RoundError(f"token plane: rank {self.closed_by} closed it; no further round")
+        if self.drain is not None:  # attached producers' puts join this round
+            self.drain()
         body = self._body(req, version, self.weights.snapshot(), False, None)
         if not self.one_thread:
             return self._taken(*body())
@@ -87,6 +90,8 @@ class TokenRunner:
         Raises:
             RoundError: if the gate waited ``4 * timeout_s`` in vain.
         """
+        if self.drain is not None:  # attached producers' puts join this round
+            self.drain()
         enqueued = threading.Event() if gate else None
         self.ahead.launch(key, self._body(req, version, self.weights.snapshot(), ahead, enqueued))
         if enqueued is None:

@@ -37,8 +37,8 @@ class TokenVersions:
         if self.publisher and self.sends:
             if model is None:
                 raise ConfigError(
-                    "publish_weights: expected the model (producer-only ranks "
-                    "pull its weights), got None"
+                    "publish_weights: expected the model (producer-only ranks or "
+                    "attached producers pull its weights), got None"
                 )
             self.weights.publish(model)
             self.version = self.weights.version

@@ -1,0 +1,412 @@
+"""A plane rank's ingress for producers outside the job (docs/attach.md).
+
+The job's world is fixed by ``torchrun``; a generator started later, on another machine, or
+restarted after a crash cannot join its process group. It attaches to an ingress instead: a
+TCP endpoint one plane rank opens (``open_ingress``), published in a file under a run directory
+(``ingress-rank<r>.json``). Over one connection per producer (frames of ``attach/frames.py``:
+JSON headers and raw tensor bytes, no pickle) it gets the plane's spec and policy version,
+``put``s, pulls weights and leaves. Its data enters the plane through the ingress rank's shard
+(the same checked ``put`` a rank's own producer makes) and from there follows every sampler,
+placement and pacing rule, through the job's own collectives.
+
+Threads: one accepts connections; one per connection reads frames and queues them. Everything
+that touches the plane runs on the plane's own thread in :meth:`Ingress.drain`, which the plane
+calls before each round (and ``flush``/``fetch``): puts are stored, then acknowledged; pulls are
+answered with the current weights (sent by a short-lived thread, so a large model never blocks
+the learner). A put is acknowledged once the shard holds it, and only then (``Account``).
+
+Exactly once: each producer numbers its puts; the ingress remembers the last it stored, so a put
+received again (a reattach after a lost connection re-sends what was not acknowledged) is
+acknowledged without being stored twice. A producer that falls silent for ``timeout_s`` (no
+frame, no heartbeat) or whose connection breaks (a SIGKILL closes its socket at once) is
+``disconnected``; if it does not reattach within ``grace_s`` it is ``dead``: its groups still
+incomplete on this shard are dropped and counted by id; what it put complete and acknowledged
+stays and is delivered as any other group. Learners never wait for it: a round never waits for
+a producer outside the job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from conduit_dist.attach import frames
+from conduit_dist.attach.ledger import Account, totals
+from conduit_dist.errors import ConfigError
+
+log = logging.getLogger("conduit_dist")
+
+
+class Target(Protocol):
+    """What an ingress needs of its plane (``tokens/attached.py``, ``plane/attached.py``)."""
+
+    kind: str  # "tokens" or "rows"
+    rank: int
+
+    def describe(self) -> dict:
+        """The plane's spec as JSON (what a producer must put)."""
+
+    def version(self) -> int:
+        """The policy version producers should generate with now."""
+
+    def store(self, tensors: dict[str, torch.Tensor], version: int | None) -> tuple[int, list]:
+        """Store one put whole on this rank's shard (the plane's own checks): returns its item
+        count and group ids; raises ``SpecError``/``ConfigError`` with nothing stored."""
+
+    def incomplete(self, gids: list[int]) -> list[int]:
+        """Of ``gids``, those still incomplete on this shard."""
+
+    def drop(self, gids: list[int]) -> None:
+        """Remove incomplete groups from this shard."""
+
+    def weights(self) -> tuple[int, torch.Tensor | None]:
+        """The latest published weights buffer (self-describing, flow/weights.py) and its
+        version."""
+
+
+def advertised_host() -> str:
+    """The address peers reach this host by: the interface that routes to ``MASTER_ADDR``
+    (torchrun's rendezvous host; ``127.0.0.1`` on one host), else this host's name."""
+    master = os.environ.get("MASTER_ADDR", "")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, 1))  # no packet is sent: the route is chosen
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostname()
+
+
+@dataclass
+class _Conn:
+    """One producer's current connection."""
+
+    id: int
+    producer: str
+    sock: socket.socket
+    lock: threading.Lock
+
+
+class Ingress:
+    """A TCP endpoint on one plane rank through which attached producers put (module docstring).
+
+    Args:
+        target: the plane's side (``Target``).
+        host: the address to listen on (default all interfaces).
+        port: the port (0: any free one).
+        advertise: the address written in the endpoint (default :func:`advertised_host`).
+        run_dir: where ``ingress-rank<r>.json`` is written (``None``: no file; the endpoint is
+            :attr:`endpoint`).
+        timeout_s: a connection silent this long is lost (producers beat every quarter of it).
+        grace_s: a lost producer that has not reattached after this long is dead (default
+            ``timeout_s``).
+        window: puts a producer may have unacknowledged (its ``put`` waits beyond).
+
+    Raises:
+        ConfigError: on a bad value, or when the port cannot be bound.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        advertise: str | None = None,
+        run_dir: str | None = None,
+        timeout_s: float = 60.0,
+        grace_s: float | None = None,
+        window: int = 64,
+    ) -> None:
+        for name, v in (("timeout_s", timeout_s), ("grace_s", grace_s)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                raise ConfigError(f"ingress {name}: expected a number > 0, got {v!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"ingress window: expected an int >= 1, got {window!r}")
+        self.target, self.timeout_s, self.window = target, float(timeout_s), window
+        self.grace_s = float(timeout_s if grace_s is None else grace_s)
+        try:
+            self._server = socket.create_server((host, port), backlog=64)
+        except OSError as exc:
+            raise ConfigError(
+                f"ingress: rank {target.rank} could not listen on {host}:{port} ({exc.strerror})"
+            ) from exc
+        self.port = self._server.getsockname()[1]
+        self.endpoint = f"{advertise or advertised_host()}:{self.port}"
+        self.accounts: dict[str, Account] = {}
+        self._conns: dict[str, _Conn] = {}
+        self._lost_at: dict[str, float] = {}  # disconnected producer -> when
+        self._origin: dict[int, str] = {}  # group id on this shard -> its attached producer
+        self._events: queue.Queue = queue.Queue()
+        self._ids = itertools.count(1)
+        self._closed = threading.Event()
+        self._weights: tuple[int, bytes] | None = None  # (version, bytes) sent to pullers
+        self.path = None
+        if run_dir is not None:
+            self.path = self._publish(run_dir)
+        self._accepting = threading.Thread(
+            target=self._accept, name=f"conduit-ingress-{target.rank}", daemon=True
+        )
+        self._accepting.start()
+
+    # ------------------------------------------------------------------ threads
+
+    def _publish(self, run_dir: str) -> str:
+        """Write the endpoint file atomically (a producer never reads half of it)."""
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, f"ingress-rank{self.target.rank}.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(
+                {"endpoint": self.endpoint, "rank": self.target.rank, "kind": self.target.kind,
+                 "pid": os.getpid()}, f,
+            )  # fmt: skip
+        os.replace(tmp, path)
+        return path
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """One connection: the hello, then frames until it ends (events for :meth:`drain`)."""
+        sock.settimeout(self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = None
+        try:
+            head, _ = frames.receive(sock)
+            conn = self._hello(sock, head)
+            while not self._closed.is_set():
+                head, tensors = frames.receive(sock)
+                op = head.get("op")
+                if op == "put":
+                    self._events.put(("put", conn, head, tensors))
+                elif op == "pull":
+                    self._events.put(("pull", conn, head, None))
+                elif op == "bye":
+                    self._events.put(("bye", conn, head, None))
+                    return
+                elif op != "beat":
+                    raise frames.FrameError(f"unknown op {op!r}")
+        except (OSError, frames.FrameError, ConfigError) as exc:
+            if conn is not None and not self._closed.is_set():
+                self._events.put(("lost", conn, {"why": f"{type(exc).__name__}: {exc}"}, None))
+            elif conn is None:
+                log.warning("ingress rank %d: a connection failed its hello (%s)",
+                            self.target.rank, exc)  # fmt: skip
+        finally:
+            if conn is None:
+                sock.close()
+
+    def _hello(self, sock: socket.socket, head: dict) -> _Conn:
+        """Register a producer (new, or reattaching by its id) and welcome it."""
+        if head.get("op") != "hello" or head.get("kind") != self.target.kind:
+            raise ConfigError(
+                f"ingress rank {self.target.rank}: expected hello for a {self.target.kind} "
+                f"plane, got op={head.get('op')!r} kind={head.get('kind')!r}"
+            )
+        asked = head.get("producer")
+        pid = str(asked) if asked else f"r{self.target.rank}-p{next(self._ids)}"
+        conn = _Conn(next(self._ids), pid, sock, threading.Lock())
+        self._events.put(("hello", conn, head, None))
+        acct = self.accounts.get(pid)
+        acked = acct.last_seq if acct is not None else 0
+        self._send(conn, {
+            "op": "welcome", "producer": pid, "acked": acked, "spec": self.target.describe(),
+            "version": self.target.version(), "rank": self.target.rank,
+            "timeout_s": self.timeout_s, "window": self.window,
+        })  # fmt: skip
+        return conn
+
+    def _send(self, conn: _Conn, header: dict, tensors=None) -> bool:
+        """Send one frame on ``conn`` (``False``: the connection is gone; its reader says so)."""
+        frame = frames.encode(header, tensors)
+        try:
+            with conn.lock:
+                frames.send(conn.sock, frame)
+            return True
+        except OSError:
+            return False
+
+    # ------------------------------------------------------------------ the plane's thread
+
+    def drain(self) -> int:
+        """Apply what producers sent since the last call (the plane's thread, before a round):
+        store and acknowledge puts, answer pulls, register arrivals and departures, and declare
+        dead those lost for longer than ``grace_s``. Returns the puts stored."""
+        stored = 0
+        while True:
+            try:
+                ev, conn, head, tensors = self._events.get_nowait()
+            except queue.Empty:
+                break
+            current = self._conns.get(conn.producer)
+            if ev == "hello":
+                self._arrive(conn)
+            elif current is None or current.id != conn.id:
+                continue  # a replaced connection's leftovers
+            elif ev == "put":
+                stored += self._put(conn, head, tensors)
+            elif ev == "pull":
+                self._pull(conn, head)
+            elif ev == "bye":
+                self._leave(conn.producer, "closed", "closed with the group incomplete")
+            elif ev == "lost":
+                self._lost(conn, head["why"])
+        now = time.monotonic()
+        for pid, at in list(self._lost_at.items()):
+            if now - at > self.grace_s:
+                self._leave(pid, "dead", f"lost and not back within grace_s={self.grace_s:g}")
+        return stored
+
+    def _arrive(self, conn: _Conn) -> None:
+        pid = conn.producer
+        old = self._conns.get(pid)
+        if old is not None:  # a reattach while the old connection looked alive: replace it
+            _close(old.sock)
+        self._conns[pid] = conn
+        self._lost_at.pop(pid, None)
+        acct = self.accounts.setdefault(pid, Account(pid))
+        acct.state, acct.attaches = "live", acct.attaches + 1
+        log.info("ingress rank %d: producer %s attached (%d time(s))",
+                 self.target.rank, pid, acct.attaches)  # fmt: skip
+
+    def _put(self, conn: _Conn, head: dict, tensors: dict[str, torch.Tensor]) -> int:
+        acct = self.accounts[conn.producer]
+        seq = int(head.get("seq", -1))
+        if seq <= acct.last_seq:  # sent again after a reattach: stored once already
+            acct.duplicates += 1
+            self._send(conn, {"op": "ack", "seq": seq, "version": self.target.version()})
+            return 0
+        if seq != acct.last_seq + 1:
+            self._send(conn, {"op": "refused", "seq": seq, "type": "ConfigError",
+                              "error": f"put {seq} arrived after {acct.last_seq}: puts must "
+                              "arrive in order (reattach re-sends from the last acknowledged)"})
+            _close(conn.sock)  # fmt: skip
+            return 0
+        acct.put += 1
+        version = head.get("version")
+        try:
+            items, gids = self.target.store(tensors, None if version is None else int(version))
+        except (ConfigError, ValueError) as exc:  # SpecError is a ValueError: nothing stored
+            acct.refused += 1
+            acct.last_seq = seq  # refused whole, answered: not expected again
+            self._send(conn, {"op": "refused", "seq": seq, "type": type(exc).__name__,
+                              "error": str(exc)})  # fmt: skip
+            return 0
+        acct.acked += 1
+        acct.items += items
+        for g in gids:
+            if g not in self._origin:
+                acct.groups += 1
+                self._origin[g] = conn.producer
+        acct.last_seq = seq
+        self._send(conn, {"op": "ack", "seq": seq, "version": self.target.version()})
+        return 1
+
+    def _pull(self, conn: _Conn, head: dict) -> None:
+        version, buf = self.target.weights()
+        have = int(head.get("have", 0))
+        if buf is None or version <= have:
+            self._send(conn, {"op": "weights", "version": have})
+            return
+        if self._weights is None or self._weights[0] != version:  # one host copy per version
+            self._weights = (version, buf.detach().cpu().contiguous().numpy().tobytes())
+        data = self._weights[1]
+        payload = {"buf": torch.frombuffer(bytearray(data), dtype=torch.uint8)} if data else {}
+
+        def reply() -> None:  # a model may be large: not on the plane's thread
+            self._send(conn, {"op": "weights", "version": version}, payload)
+
+        threading.Thread(target=reply, daemon=True).start()
+
+    def _lost(self, conn: _Conn, why: str) -> None:
+        pid = conn.producer
+        _close(conn.sock)
+        acct = self.accounts[pid]
+        if acct.state == "live":
+            acct.state = "disconnected"
+            self._lost_at[pid] = time.monotonic()
+            log.warning("ingress rank %d: producer %s lost (%s); dead unless it reattaches "
+                        "within %gs", self.target.rank, pid, why, self.grace_s)  # fmt: skip
+
+    def _leave(self, pid: str, state: str, why: str) -> None:
+        """A producer gone for good: its incomplete groups on this shard dropped, by id."""
+        conn = self._conns.pop(pid, None)
+        if conn is not None:
+            _close(conn.sock)
+        self._lost_at.pop(pid, None)
+        acct = self.accounts[pid]
+        acct.state = state
+        mine = [g for g, p in self._origin.items() if p == pid]
+        gone = self.target.incomplete(mine)
+        if gone:
+            self.target.drop(gone)
+            for g in gone:
+                self._origin.pop(g, None)
+            acct.dropped += gone
+            acct.dropped_why = why
+        log.log(logging.WARNING if state == "dead" else logging.INFO,
+                "ingress rank %d: producer %s %s; %d incomplete group(s) dropped %s",
+                self.target.rank, pid, state, len(gone), gone[:16])  # fmt: skip
+
+    def delivered(self, gids: list[int], removed: bool) -> None:
+        """Count deliveries of attached producers' groups (the plane's round, on this holder);
+        ``removed``: they left the shard (consumed once)."""
+        for g in gids:
+            pid = self._origin.get(g)
+            if pid is not None:
+                self.accounts[pid].delivered += 1
+                if removed:
+                    del self._origin[g]
+
+    def ledger(self) -> dict[str, dict[str, object]]:
+        """Every producer that attached here: its :class:`Account` as a dict."""
+        return {pid: a.as_dict() for pid, a in self.accounts.items()}
+
+    def totals(self) -> dict[str, int]:
+        """The ledger summed over producers (flat numbers for metrics)."""
+        return totals(list(self.accounts.values()))
+
+    def close(self) -> None:
+        """Stop accepting, tell every producer the plane closed, drop the endpoint file."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        _close(self._server)
+        for conn in list(self._conns.values()):
+            self._send(conn, {"op": "closed", "rank": self.target.rank})
+            _close(conn.sock)
+        self._conns.clear()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+Drain = Callable[[], int]

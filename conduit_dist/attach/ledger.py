@@ -1,0 +1,48 @@
+"""The experience ledger: per attached producer, what it put, what a shard acknowledged, what
+was delivered and what was dropped, and why (``Ingress.ledger``, ``stats()["attached"]``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Account:
+    """One attached producer's ledger on its ingress rank.
+
+    ``put``: puts received (resent duplicates not counted); ``acked``: puts a shard holds
+    (acknowledged), with their ``items`` (sequences or rows) and ``groups`` (token planes);
+    ``duplicates``: puts received again after a reattach and acknowledged without storing them
+    twice; ``refused``: puts the plane refused whole (the error went back); ``delivered``:
+    deliveries of its groups to learners (token planes; a replayed group counts each time);
+    ``dropped``: its groups dropped incomplete, by id, and ``dropped_why``; ``state``: ``live``,
+    ``disconnected`` (waiting for a reattach), ``closed`` or ``dead``.
+    """
+
+    producer: str
+    state: str = "live"
+    attaches: int = 0
+    put: int = 0
+    acked: int = 0
+    items: int = 0
+    groups: int = 0
+    duplicates: int = 0
+    refused: int = 0
+    delivered: int = 0
+    dropped: list[int] = field(default_factory=list)
+    dropped_why: str = ""
+    last_seq: int = 0  # the newest put acknowledged (a reattach resends only those after it)
+
+    def as_dict(self) -> dict[str, object]:
+        """A plain dict (for ``stats()``, metrics and W&B)."""
+        return asdict(self)
+
+
+def totals(accounts: list[Account]) -> dict[str, int]:
+    """Sums over producers (flat numbers for metrics)."""
+    keys = ("put", "acked", "items", "groups", "duplicates", "refused", "delivered")
+    out = {f"attached_{k}": sum(getattr(a, k) for a in accounts) for k in keys}
+    out["attached_dropped_groups"] = sum(len(a.dropped) for a in accounts)
+    out["attached_live"] = sum(a.state == "live" for a in accounts)
+    out["attached_dead"] = sum(a.state == "dead" for a in accounts)
+    return out

@@ -1,0 +1,71 @@
+"""A producer outside the job, for the attach tests: ``python attached_producer.py RUN_DIR ID
+INGRESS KIND START COUNT MODE [GROUP_SIZE]`` attaches to the plane's ingress ``INGRESS`` and puts
+groups ``START .. START+COUNT-1`` (tokens: one group a put; rows: one row a put, ``id`` = the
+group id), then flushes and prints one JSON line. ``MODE``: ``whole``, or ``partial`` (then half
+of group ``START+COUNT`` too, prints ``{"ready": ...}`` once acknowledged and waits to be
+killed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+import conduit_dist as cd
+
+MAX_LEN = 96
+
+
+def member(gid: int, m: int) -> dict[str, torch.Tensor]:
+    """Sequence ``m`` of group ``gid``: its content follows from the two ids alone."""
+    gen = torch.Generator().manual_seed(gid * 131 + m)
+    n = int(torch.randint(1, MAX_LEN + 1, (1,), generator=gen))
+    return {
+        "tokens": torch.randint(0, 50_000, (n,), dtype=torch.int32, generator=gen),
+        "logprobs": -torch.rand(n, generator=gen),
+        "loss_mask": torch.rand(n, generator=gen) > 0.3,
+        "reward": torch.rand((), generator=gen),
+    }
+
+
+def group(gid: int, members: range):
+    seqs = [member(gid, m) for m in members]
+    batch = {k: torch.cat([s[k] for s in seqs]) for k in ("tokens", "logprobs", "loss_mask")}
+    batch["reward"] = torch.stack([s["reward"] for s in seqs])
+    batch["group"] = torch.full((len(seqs),), gid, dtype=torch.int64)
+    return batch, torch.tensor([s["tokens"].shape[0] for s in seqs])
+
+
+def row(gid: int) -> dict[str, torch.Tensor]:
+    return {"id": torch.tensor([gid]), "obs": torch.full((1, 3), float(gid))}
+
+
+def main() -> None:
+    run_dir, pid, ingress, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    start, count, mode = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+    size = int(sys.argv[8]) if len(sys.argv) > 8 else 4
+    t0 = time.monotonic()
+    p = cd.attach(run_dir, kind, producer=pid, ingress=ingress, timeout_s=30)
+    attached = time.monotonic() - t0
+    for g in range(start, start + count):
+        if kind == "tokens":
+            p.put(*group(g, range(size)))
+        else:
+            p.put(row(g))
+        time.sleep(0.02)
+    if mode == "partial":
+        if kind == "tokens":
+            p.put(*group(start + count, range(size // 2)))
+        p.flush()
+        print(json.dumps({"ready": p.producer, "acked": count}), flush=True)
+        time.sleep(3600)
+    p.flush()
+    print(json.dumps({"done": p.producer, "acked": count, "attach_s": attached,
+                      "resent": p.resent}), flush=True)  # fmt: skip
+    p.close()
+
+
+if __name__ == "__main__":
+    main()
