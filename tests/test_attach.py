@@ -15,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 from attached_producer import MAX_LEN, member
@@ -138,3 +137,115 @@ def test_attached_producers_join_and_die_and_every_acknowledged_group_arrives_on
     for pid, line in got[0]["done"].items():  # each flushed: every put acknowledged
         assert line is not None and line["done"] == pid and line["acked"] > 0, (pid, line)
     assert got[1]["stats"]["attached_dropped_groups"] == 1
+
+
+def _rows(rank: int, world: int, run_dir: str) -> dict:
+    spec = cd.ExperienceSpec({"id": ((), torch.int64), "obs": ((3,), torch.float32)})
+    transport = cd.TransportConfig(timeout_s=20)
+    plane = cd.DataPlane(spec, 256, sampler="queue", schedule="sync", transport=transport)
+    with plane:
+        plane.open_ingress(run_dir, timeout_s=TIMEOUT_S, grace_s=GRACE_S)
+        dist.barrier()
+        prods: dict[str, Producer] = {}
+        if rank == 0:
+            prods["a"] = Producer(run_dir, "a", 0, "rows", 0, 20)
+            prods["b"] = Producer(run_dir, "b", 1, "rows", 100, 20)
+            prods["d"] = Producer(run_dir, "d", 1, "rows", 300, 10, "partial")
+        seen, killed = [], False
+        deadline = time.monotonic() + 60
+        for step in range(6):  # 60 rows, 5 a learner a step
+            if rank == 0 and step == 1:
+                prods["c"] = Producer(run_dir, "c", 0, "rows", 200, 10)
+            while plane.stored < 10 and time.monotonic() < deadline:  # the same on every rank
+                if rank == 0 and not killed and prods["d"].line() is not None:
+                    os.kill(prods["d"].proc.pid, signal.SIGKILL)
+                    killed = True
+                plane.flush()
+                time.sleep(0.02)
+            seen += plane.fetch(5)["id"].tolist()
+        while True:  # every producer closed or dead, on every rank
+            plane.flush()
+            gone = all(a["state"] in ("closed", "dead") for a in plane.ledger().values())
+            flag = torch.tensor([int(gone or time.monotonic() > deadline)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if flag.item():
+                break
+            time.sleep(0.1)
+        for p in prods.values():
+            p.proc.kill()
+            p.proc.wait()
+        return {"seen": seen, "ledger": plane.ledger(), "killed": killed}
+
+
+def test_attached_row_producers_join_and_die_and_every_acknowledged_row_arrives_once(tmp_path):
+    got = run_ranks(_rows, 2, str(tmp_path), timeout_s=180)
+    seen = collections.Counter(i for r in got.values() for i in r["seen"])
+    rows = [*range(20), *range(100, 120), *range(200, 210), *range(300, 310)]
+    assert sorted(seen) == rows and max(seen.values()) == 1
+    ledger = {pid: a for r in got.values() for pid, a in r["ledger"].items()}
+    assert got[0]["killed"] and ledger["d"]["state"] == "dead" and ledger["d"]["acked"] == 10
+    for pid, n in (("a", 20), ("b", 20), ("c", 10)):
+        assert ledger[pid]["state"] == "closed" and ledger[pid]["items"] == n, ledger[pid]
+
+
+def _one_rank(rank: int, world: int, run_dir: str) -> dict:
+    """One rank; the producer is a thread of it, the rank draining once it reattached."""
+    out: dict = {}
+    with cd.TokenPlane(make_spec(), 256, 256 * MAX_LEN) as tp:
+        endpoint = tp.open_ingress(run_dir, timeout_s=TIMEOUT_S, grace_s=30)
+        model = torch.nn.Linear(3, 2)
+        tp.publish_weights(model)
+
+        def produce() -> None:
+            from attached_producer import group
+
+            p = cd.attach(run_dir, producer="x", timeout_s=20)
+            out["endpoint"] = f"{p.address[0]}:{p.address[1]}"
+            for g in range(4):  # sent, stored by the next drain, acknowledged on a dead socket
+                p.put(*group(g, range(G)))
+            time.sleep(0.5)  # all four read by the ingress
+            p._sock.shutdown(2)  # the network fails: nothing acknowledged seen
+            time.sleep(0.3)
+            p.put(*group(4, range(G)))  # reattaches, sends 1-4 again, then 5
+            reattached.set()  # only now does the rank drain: the first four were never acked
+            bad, lengths = group(5, range(G))
+            p.put({**bad, "tokens": bad["tokens"].float()}, lengths)
+            try:
+                p.flush()
+            except cd.SpecError as exc:
+                out["refused"] = str(exc)
+            fresh = torch.nn.Linear(3, 2)
+            out["pulled"] = p.pull_weights(fresh)
+            out["same"] = all(
+                torch.equal(a, b)
+                for a, b in zip(fresh.state_dict().values(), model.state_dict().values())
+            )
+            out["resent"], out["attaches"] = p.resent, p.attaches
+            p.close()
+
+        reattached = threading.Event()
+        worker = threading.Thread(target=produce)
+        worker.start()
+        reattached.wait(30)
+        while worker.is_alive():
+            tp.drain_ingress()
+            time.sleep(0.01)
+        tp.drain_ingress()
+        out["stored"] = tp.stats()["groups"]
+        out["groups"] = sorted(g for mb in tp.fetch(5, 4096, wait_s=10) for g in _same_as_put(mb))
+        out["ledger"] = tp.ledger()["x"]
+        out["ingress"] = endpoint
+    return out
+
+
+def test_a_reattached_producer_resends_only_what_was_not_acknowledged_and_nothing_twice(
+    tmp_path,
+):
+    got = run_ranks(_one_rank, 1, str(tmp_path), timeout_s=120)[0]
+    assert got["endpoint"] == got["ingress"]
+    assert got["attaches"] == 2 and got["resent"] == 4  # the four it never saw acknowledged
+    led = got["ledger"]
+    assert led["duplicates"] == 4 and led["acked"] == 5 and led["put"] == 6 and led["refused"] == 1
+    assert got["stored"] == 5 and got["groups"] == [0, 1, 2, 3, 4]  # each stored once
+    assert "'tokens'" in got["refused"] and "int32" in got["refused"]  # the field, expected
+    assert got["pulled"] == 1 and got["same"]

@@ -10,6 +10,7 @@ refuses (a ``SpecError`` naming the field) is raised by the next call.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -238,10 +239,8 @@ class AttachedProducer:
             ConnectionError: when no ingress answers within ``timeout_s``.
         """
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.close()
-            except OSError:
-                pass
         self._connect()
 
     # ------------------------------------------------------------------ the producer's API
@@ -365,10 +364,8 @@ class AttachedProducer:
         finally:
             self._closed = True
             sock, self._sock = self._sock, None
-            try:
+            with contextlib.suppress(OSError):
                 sock.close()
-            except OSError:
-                pass
 
     def __enter__(self) -> AttachedProducer:
         return self

@@ -27,6 +27,7 @@ a producer outside the job.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -295,9 +296,16 @@ class Ingress:
             self._send(conn, {"op": "ack", "seq": seq, "version": self.target.version()})
             return 0
         if seq != acct.last_seq + 1:
-            self._send(conn, {"op": "refused", "seq": seq, "type": "ConfigError",
-                              "error": f"put {seq} arrived after {acct.last_seq}: puts must "
-                              "arrive in order (reattach re-sends from the last acknowledged)"})
+            self._send(
+                conn,
+                {
+                    "op": "refused",
+                    "seq": seq,
+                    "type": "ConfigError",
+                    "error": f"put {seq} arrived after {acct.last_seq}: puts must "
+                    "arrive in order (reattach re-sends from the last acknowledged)",
+                },
+            )
             _close(conn.sock)  # fmt: skip
             return 0
         acct.put += 1
@@ -395,17 +403,13 @@ class Ingress:
             _close(conn.sock)
         self._conns.clear()
         if self.path is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 def _close(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
 
 

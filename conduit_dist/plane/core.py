@@ -8,11 +8,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from conduit_dist.attach.ingress import Ingress
 from conduit_dist.checkpoint.plane import Checkpoints
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.ratelimit import RateLimiter
 from conduit_dist.flow.versions import PolicyVersions
 from conduit_dist.placement import Placement
+from conduit_dist.plane.attached import RowTarget
 from conduit_dist.plane.build import assemble, release
 from conduit_dist.plane.consumer import Consumer
 from conduit_dist.plane.options import TransportConfig
@@ -113,6 +115,7 @@ class DataPlane:
         self.shard, self.sampler, self.placement = p.storage, p.sampler, p.placement
         self.topology, self.bandwidth, self.calibration_s = p.topology, p.bandwidth, p.calibration_s
         self._consumer, self._ckpt = Consumer(p, max_policy_age), Checkpoints(p, spec)
+        self.ingress: Ingress | None = None  # open_ingress: producers outside the job
 
     def __len__(self) -> int:
         """:attr:`stored` plus this rank's puts no round has taken yet (at most the capacity): a
@@ -203,12 +206,47 @@ class DataPlane:
     pull_weights = _delegate("_versions", PolicyVersions.pull)
     policy_version = property(lambda s: s._versions.newest, doc="The newest version known.")
 
+    def open_ingress(
+        self,
+        run_dir: str | None = None,
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        advertise: str | None = None,
+        timeout_s: float | None = None,
+        grace_s: float | None = None,
+        window: int = 64,
+    ) -> str:
+        """Let producers outside the job attach to this rank (``cd.attach(run_dir, "rows")``;
+        docs/attach.md): their puts are staged here as this rank's own, before each of this
+        rank's calls, and acknowledged once staged. Arguments, returns and errors as
+        ``TokenPlane.open_ingress`` (each rank that calls it opens its own endpoint)."""
+        self._check_open()
+        if self.ingress is not None:
+            raise ConfigError(
+                f"open_ingress: rank {self.rank} has one open at {self.ingress.endpoint}"
+            )
+        timeout = self._p.exchange.timeout.total_seconds() if timeout_s is None else timeout_s
+        self.ingress = Ingress(
+            RowTarget(self), host=host, port=port, advertise=advertise, run_dir=run_dir,
+            timeout_s=timeout, grace_s=grace_s, window=window,
+        )  # fmt: skip
+        return self.ingress.endpoint
+
+    def ledger(self) -> dict[str, dict[str, object]]:
+        """This rank's experience ledger: per attached producer, puts received, acknowledged,
+        sent again, refused, and its state (``attach/ledger.py``); empty without an ingress."""
+        return {} if self.ingress is None else self.ingress.ledger()
+
     def store_stats(self) -> dict[str, object]:
         """This rank's shard: items and bytes per tier, demotions, evictions (with the items
         dropped at staging, also shown alone), the sampler's and flow control's counters;
         never waits for a running round."""
         c = self._consumer
-        return self._p.store_stats(stale_refused=c.stale_refused, **self._ckpt.counters())
+        attached = self.ingress.totals() if self.ingress is not None else {}
+        return self._p.store_stats(
+            stale_refused=c.stale_refused, **self._ckpt.counters(), **attached
+        )
 
     def export_trace(self, path: str) -> str:
         """Write this rank's timeline as Chrome trace JSON (``trace=True``); returns the path."""
@@ -225,6 +263,8 @@ class DataPlane:
         Collective; safe to call twice."""
         if self._closed:
             return
+        if self.ingress is not None:  # attached producers are told, and stop
+            self.ingress.close()
         failed = self._ckpt.close()  # its thread reads the tiers: let it finish first
         try:
             release(self._p)
@@ -263,4 +303,6 @@ class DataPlane:
             self._ckpt.raise_failure()
         if self._p.stager.in_block:
             raise ConfigError("this call cannot run inside a staged() block: leave the block first")
+        if self.ingress is not None:  # attached producers' puts, staged before this call's
+            self.ingress.drain()
         self._p.clock.check()

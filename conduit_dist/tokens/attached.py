@@ -36,8 +36,7 @@ class TokenTarget:
                 for n, f in spec.ragged.items()
             },
             "fixed": {
-                n: {"dtype": _dtype(f.dtype), "shape": list(f.shape)}
-                for n, f in spec.fixed.items()
+                n: {"dtype": _dtype(f.dtype), "shape": list(f.shape)} for n, f in spec.fixed.items()
             },
             "group": spec.group,
             "group_size": spec.group_size,

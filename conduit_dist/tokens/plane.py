@@ -20,8 +20,8 @@ from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.versions import check_max_age
 from conduit_dist.plane.options import TransportConfig
-from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.attached import TokenTarget
+from conduit_dist.tokens.batch import MicroBatch
 from conduit_dist.tokens.build import build
 from conduit_dist.tokens.checkpoint import load_shares, save_shard
 from conduit_dist.tokens.closing import Closing
@@ -333,11 +333,13 @@ class TokenPlane:
     # ------------------------------------------------------------------ versions and weights
 
     def publish_weights(self, model: nn.Module | None = None) -> int:
-        """Advance the policy version (the first learner); with producer-only ranks, pack
-        ``model``'s weights for the next round's broadcast. Other learners return their count.
+        """Advance the policy version (the first learner); with producer-only ranks or an open
+        ingress, pack ``model``'s weights for the next round's broadcast. Other learners
+        return their count.
 
         Raises:
-            ConfigError: when producer-only ranks exist and no ``model`` is given.
+            ConfigError: when producer-only ranks or an ingress exist and no ``model`` is
+                given.
         """
         self._open("publish_weights")
         return self.versions.publish(model)
@@ -346,8 +348,6 @@ class TokenPlane:
         """Load the newest weights received into ``model`` (producer-only ranks); returns their
         version (unchanged when nothing newer arrived)."""
         return self.versions.pull(model)
-
-    # ------------------------------------------------------------------ rounds, state
 
     # ------------------------------------------------------------------ attached producers
 
