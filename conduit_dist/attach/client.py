@@ -200,7 +200,8 @@ class AttachedProducer:
                         self._weights = (int(head["version"]), tensors.get("buf"))
                     elif op == "closed":
                         self._failure = RoundError(
-                            f"the plane closed (ingress rank {head.get('rank')}); stop putting"
+                            f"the plane closed (ingress rank {head.get('rank')}); stop putting",
+                            round=-1,
                         )
                         self._closed = True
                     self._cv.notify_all()
@@ -228,7 +229,7 @@ class AttachedProducer:
         if failure is not None:
             raise failure
         if self._closed:
-            raise RoundError("the plane closed; stop putting")
+            raise RoundError("the plane closed; stop putting", round=-1)
         if broken:
             self.reattach()
 

@@ -148,7 +148,7 @@ class Ahead:
 
     def _check(self) -> None:
         if self.failed is not None:
-            raise RoundError(f"token plane: {self.failed}; no further round on this rank")
+            raise RoundError(f"token plane: {self.failed}; no further round on this rank", round=-1)
 
     def _late(self):
         """A round outlasted its wait: it may still be running (and change the store), so the

@@ -73,7 +73,8 @@ class TokenLearner:
             if closed_by >= 0:
                 raise RoundError(
                     f"stream: rank {closed_by} closed the plane with {left} of {n} groups "
-                    "undelivered"
+                    "undelivered",
+                    round=self.runner.engine.round,
                 )
             if produce is not None:
                 produce()
@@ -89,7 +90,8 @@ class TokenLearner:
             if left and self.runner.closed_by >= 0:
                 raise RoundError(
                     f"stream: rank {self.runner.closed_by} closed the plane with {left} of "
-                    f"{n} groups undelivered"
+                    f"{n} groups undelivered",
+                    round=self.runner.engine.round,
                 )
 
     def fetch_start(self, n: int, budget: int, stream: bool, next_version: bool) -> None:

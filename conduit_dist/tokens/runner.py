@@ -74,7 +74,10 @@ class TokenRunner:
             RoundError: once a rank closed the plane, or when the round fails.
         """
         if self.closed_by >= 0:
-            raise RoundError(f"token plane: rank {self.closed_by} closed it; no further round")
+            raise RoundError(
+                f"token plane: rank {self.closed_by} closed it; no further round",
+                round=self.engine.round,
+            )
         if self.drain is not None:  # attached producers' puts join this round
             self.drain()
         body = self._body(req, version, self.weights.snapshot(), False, None)

@@ -100,7 +100,8 @@ class Window:
             if bool((counts != group_size).any()):
                 raise RoundError(
                     f"a micro-batch holds groups of {sorted(set(counts.tolist()))} sequences, "
-                    f"expected every group whole ({group_size}): a bug in the token plane"
+                    f"expected every group whole ({group_size}): a bug in the token plane",
+                    round=-1,
                 )
         self._mbs = []
         v = self.v
