@@ -4,6 +4,9 @@ through the conduit_dist data plane.
 torchrun --standalone --nproc_per_node=2 train.py experiment=smoke
 torchrun --standalone --nproc_per_node=2 train.py experiment=cartpole_ppo
 torchrun --standalone --nproc_per_node=2 train.py experiment=grpo
+torchrun --standalone --nproc_per_node=2 train.py experiment=grpo mode=disaggregated \
+    algo.grpo.generators=attached algo.grpo.attach_dir=runs/gen   # then, any time, generators:
+python train.py experiment=grpo algo.grpo.role=generator algo.grpo.attach_dir=runs/gen
 python train.py                       # world size 1
 python train.py device=cuda           # on a GPU (torchrun: one GPU per rank, cuda:<LOCAL_RANK>)
 
@@ -24,6 +27,7 @@ with require("train", "train.py"):  # hydra-core, omegaconf, gymnasium (wandb, t
 
     from conduit_dist.train import setup
     from conduit_dist.train.config import TrainConfig, register, validate
+    from conduit_dist.train.grpo_generator import GRPOGenerator
     from conduit_dist.train.grpo_trainer import GRPOTrainer
     from conduit_dist.train.launch import prepare_hydra_argv
     from conduit_dist.train.metrics import make_logger
@@ -39,6 +43,10 @@ def main(dcfg: DictConfig) -> None:
     """Compose, initialise, build, run, close (also on failure)."""
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
     validate(cfg)
+    if cfg.algo.name == "grpo" and cfg.algo.grpo.role == "generator":  # outside the job
+        summary = GRPOGenerator(cfg).run()
+        log_rank_zero("done: %s", summary)
+        return
     device = setup.device(cfg)  # once, before anything is built: no CUDA here fails now
     run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
     cd.init_distributed(device=device, timeout_s=cfg.plane.timeout_s)

@@ -49,6 +49,9 @@ MAX_LAGS = (0, 1)  # one round is launched ahead at most, so a batch misses one 
 MODES = ("colocated", "disaggregated")
 PLANE_KINDS = ("conduit", "simple")
 ALGOS = ("dqn", "ppo", "grpo")
+# algo.grpo.generators: the job's ranks generate, or processes outside it attach (docs/attach.md)
+GRPO_GENERATORS = ("ranks", "attached")
+GRPO_ROLES = ("job", "generator")  # algo.grpo.role: train.py as the job, or as one generator
 # how learners average gradients: in the data plane's round, or DDP with a GradSync bucket hook
 GRAD_SYNCS = ("auto", "round", "allreduce", "all_to_all")
 SHUFFLES = _SHUFFLES  # algo.ppo.shuffle: cd.WithoutReplacement's shuffles

@@ -221,18 +221,36 @@ def _one_rank(rank: int, world: int, run_dir: str) -> dict:
                 for a, b in zip(fresh.state_dict().values(), model.state_dict().values())
             )
             out["resent"], out["attaches"] = p.resent, p.attaches
+            # a refusal lost with the connection: the re-sent put is refused again, not acked
+            hold.clear()
+            p.put({**bad, "tokens": bad["tokens"].float()}, lengths)
+            time.sleep(0.5)
+            p._sock.shutdown(2)
+            time.sleep(0.3)
+            p.put(*group(6, range(G)))  # reattaches, re-sends both
+            hold.set()
+            try:
+                p.flush()
+            except cd.SpecError as exc:
+                out["refused_again"] = str(exc)
             p.close()
+            # a new process under the same id goes on after what a shard holds
+            q = cd.attach(run_dir, producer="x", timeout_s=20)
+            out["resumed_from"] = q.resumed_from
+            q.put(*group(7, range(G)))
+            q.close()
 
-        reattached = threading.Event()
+        reattached, hold = threading.Event(), threading.Event()
+        hold.set()
         worker = threading.Thread(target=produce)
         worker.start()
         reattached.wait(30)
         while worker.is_alive():
-            tp.drain_ingress()
-            time.sleep(0.01)
+            if hold.wait(0.01):  # the producer holds the drains while it breaks a connection
+                tp.drain_ingress()
         tp.drain_ingress()
         out["stored"] = tp.stats()["groups"]
-        out["groups"] = sorted(g for mb in tp.fetch(5, 4096, wait_s=10) for g in _same_as_put(mb))
+        out["groups"] = sorted(g for mb in tp.fetch(7, 4096, wait_s=10) for g in _same_as_put(mb))
         out["ledger"] = tp.ledger()["x"]
         out["ingress"] = endpoint
     return out
@@ -245,7 +263,9 @@ def test_a_reattached_producer_resends_only_what_was_not_acknowledged_and_nothin
     assert got["endpoint"] == got["ingress"]
     assert got["attaches"] == 2 and got["resent"] == 4  # the four it never saw acknowledged
     led = got["ledger"]
-    assert led["duplicates"] == 4 and led["acked"] == 5 and led["put"] == 6 and led["refused"] == 1
-    assert got["stored"] == 5 and got["groups"] == [0, 1, 2, 3, 4]  # each stored once
+    assert led["duplicates"] == 4 and led["acked"] == 7 and led["put"] == 9 and led["refused"] == 2
+    assert got["stored"] == 7 and got["groups"] == [0, 1, 2, 3, 4, 6, 7]  # each stored once
     assert "'tokens'" in got["refused"] and "int32" in got["refused"]  # the field, expected
+    assert "'tokens'" in got["refused_again"]  # the lost refusal is not taken for an ack
+    assert got["resumed_from"] == 8  # puts 1-8 answered: the new process starts at 9
     assert got["pulled"] == 1 and got["same"]

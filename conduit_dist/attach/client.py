@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import socket
+import struct
 import threading
 import time
 import zlib
@@ -45,6 +46,8 @@ def endpoints(where: str) -> list[tuple[str, int]]:
         )
     elif os.path.isfile(where):
         files = [where]
+    elif where.endswith(".json") or os.sep in where or not where.rpartition(":")[2].isdigit():
+        raise ConfigError(f"attach: {where!r} does not exist yet (is the job up?)")
     else:
         host, _, port = where.rpartition(":")
         if not host or not port.isdigit():
@@ -77,18 +80,29 @@ def attach(
         where: a run directory (its ``ingress-rank<r>.json`` files), one such file, or
             ``host:port``.
         kind: ``"tokens"`` (a ``TokenPlane``: ragged groups) or ``"rows"`` (a ``DataPlane``).
-        producer: this producer's id: give the same one to resume after a restart (the ingress
-            then skips what it stored already); ``None``: the ingress names it.
+        producer: this producer's id (``None``: the ingress names it). A connection lost and
+            re-established by this process re-sends only what was not acknowledged. A new
+            process under an id already used continues the numbering after the puts a shard
+            holds (``resumed_from`` says how many; re-put only what came after them).
         ingress: which of the directory's endpoints (by position; default: one chosen by the
             producer id, so producers spread over the ranks that opened one).
-        timeout_s: connecting, and waiting for acknowledgements, give up after this long.
+        timeout_s: waiting for the run directory's endpoints, connecting, and waiting for
+            acknowledgements give up after this long.
 
     Raises:
         ConfigError: on a bad argument or no endpoint; ConnectionError when none answers.
     """
     if kind not in KINDS:
         raise ConfigError(f"attach kind: expected one of {list(KINDS)}, got {kind!r}")
-    found = endpoints(where)
+    deadline = time.monotonic() + timeout_s
+    while True:  # a generator may start before the job has written its endpoints
+        try:
+            found = endpoints(where)
+            break
+        except (ConfigError, FileNotFoundError, json.JSONDecodeError):
+            if ":" in os.path.basename(where) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     if ingress is None:
         ingress = zlib.crc32((producer or str(os.getpid())).encode()) % len(found)
     if not 0 <= ingress < len(found):
@@ -115,13 +129,15 @@ class AttachedProducer:
         self._seq = 0
         self._unacked: OrderedDict[int, list] = OrderedDict()  # seq -> frame, in order
         self._cv = threading.Condition()
-        self._failure: Exception | None = None  # a refused put, raised by the next call
+        self._failures: list[Exception] = []  # refused puts, raised by the next call
         self._weights: tuple[int, torch.Tensor | None] | None = None
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._broken = True
         self._closed = False
         self.resent = self.attaches = 0
+        self._pulled = 0  # the newest weights version loaded
+        self.resumed_from = 0  # puts of an earlier process under this id that a shard holds
         self._connect()
 
     # ------------------------------------------------------------------ connection
@@ -151,8 +167,18 @@ class AttachedProducer:
         self.version, self.rank = int(head["version"]), int(head["rank"])
         self.window, beat = int(head["window"]), float(head["timeout_s"]) / 4
         acked = int(head["acked"])
-        sock.settimeout(None)
+        refused = {int(k): v for k, v in head.get("refused", {}).items()}
+        sock.settimeout(None)  # reads block (the reader thread); sends time out:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout_s))
         with self._cv:
+            if self.attaches == 0 and self._seq == 0:  # a new process under a known id:
+                self._seq = self.resumed_from = acked  # numbering goes on after its puts
+            lost = [s for s in self._unacked if s in refused]
+            if lost:  # refused while the refusal could not reach us
+                self._failures.append(SpecError(
+                    f"attached put {lost[0]} refused by ingress rank {self.rank}: "
+                    f"{refused[lost[0]]}"
+                ))  # fmt: skip
             for seq in [s for s in self._unacked if s <= acked]:
                 del self._unacked[seq]
             pending = list(self._unacked.values())
@@ -166,6 +192,7 @@ class AttachedProducer:
             self._send(frame)
 
     def _send(self, frame: list) -> None:
+        """Send on the current connection; a failed or timed-out send marks it broken."""
         with self._send_lock:
             sock = self._sock
             try:
@@ -192,17 +219,18 @@ class AttachedProducer:
                     elif op == "refused":
                         self._unacked.pop(int(head["seq"]), None)
                         kind = SpecError if head.get("type") == "SpecError" else ConfigError
-                        self._failure = kind(
+                        self._failures.append(kind(
                             f"attached put {head['seq']} refused by ingress rank {self.rank}: "
                             f"{head.get('error')}"
-                        )
+                        ))  # fmt: skip
                     elif op == "weights":
                         self._weights = (int(head["version"]), tensors.get("buf"))
+                        self.version = max(self.version, int(head.get("current", 0)))
                     elif op == "closed":
-                        self._failure = RoundError(
+                        self._failures.append(RoundError(
                             f"the plane closed (ingress rank {head.get('rank')}); stop putting",
                             round=-1,
-                        )
+                        ))  # fmt: skip
                         self._closed = True
                     self._cv.notify_all()
         except (OSError, frames.FrameError):
@@ -224,10 +252,12 @@ class AttachedProducer:
     def _ready(self) -> None:
         """Raise a failure the ingress reported; reconnect a broken connection."""
         with self._cv:
-            failure, self._failure = self._failure, None
+            failures, self._failures = self._failures, []
             broken = self._broken
-        if failure is not None:
-            raise failure
+        if failures:
+            if len(failures) > 1:
+                failures[0].add_note(f"and {len(failures) - 1} more refusal(s) since")
+            raise failures[0]
         if self._closed:
             raise RoundError("the plane closed; stop putting", round=-1)
         if broken:
@@ -295,7 +325,7 @@ class AttachedProducer:
         """Wait on the condition (held) until ``done()``; a broken connection reattaches."""
         deadline = time.monotonic() + self.timeout_s
         while not done():
-            if self._failure is not None or self._closed:
+            if self._failures or self._closed:
                 return
             if self._broken:
                 self._cv.release()
@@ -339,13 +369,27 @@ class AttachedProducer:
             ``timeout_s``.
         """
         self._ready()
-        have = getattr(self, "_pulled", 0)
-        with self._cv:
-            self._weights = None
-        self._send(frames.encode({"op": "pull", "have": have}))
-        with self._cv:
-            self._wait(lambda: self._weights is not None, "weights")
-            version, buf = self._weights or (have, None)
+        have = self._pulled
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # a pull lost with a broken connection is sent again on the new one
+            with self._cv:
+                self._weights, attach = None, self.attaches
+            self._send(frames.encode({"op": "pull", "have": have}))
+            with self._cv:
+                while (self._weights is None and self.attaches == attach and not self._broken
+                       and not self._failures and not self._closed
+                       and time.monotonic() < deadline):  # fmt: skip
+                    self._cv.wait(0.1)
+                got = self._weights
+            if got is not None:
+                break
+            self._ready()  # a refusal or the plane's close raises; a broken one reattaches
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"attached producer {self.producer}: no weights from ingress rank "
+                    f"{self.rank} within {self.timeout_s:g}s"
+                )
+        version, buf = got
         if buf is not None and version > have:
             ws = WeightsState()
             ws.buf, ws.version = buf, version
@@ -373,3 +417,9 @@ class AttachedProducer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _timeval(seconds: float) -> bytes:
+    """``struct timeval`` for ``SO_SNDTIMEO``."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))

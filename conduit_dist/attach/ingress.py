@@ -36,7 +36,6 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +46,12 @@ from conduit_dist.attach.ledger import Account, totals
 from conduit_dist.errors import ConfigError
 
 log = logging.getLogger("conduit_dist")
+REFUSALS_KEPT = 256  # refused puts remembered per producer (answered again if re-sent)
+
+
+class Retry(Exception):
+    """Raised by a target whose plane cannot take a put now (e.g. a round in flight under
+    ``max_lag=0``): the put stays queued, in order, for the next drain."""
 
 
 class Target(Protocol):
@@ -71,6 +76,9 @@ class Target(Protocol):
     def drop(self, gids: list[int]) -> None:
         """Remove incomplete groups from this shard."""
 
+    def holds(self, gid: int) -> bool:
+        """Whether group ``gid`` is still on this shard (delivered or evicted ones are not)."""
+
     def weights(self) -> tuple[int, torch.Tensor | None]:
         """The latest published weights buffer (self-describing, flow/weights.py) and its
         version."""
@@ -92,12 +100,13 @@ def advertised_host() -> str:
 
 @dataclass
 class _Conn:
-    """One producer's current connection."""
+    """One producer's current connection; frames to it go through ``out`` to its writer
+    thread, so neither the plane's thread nor a reader ever blocks on a slow producer."""
 
     id: int
     producer: str
     sock: socket.socket
-    lock: threading.Lock
+    out: queue.Queue
 
 
 class Ingress:
@@ -110,7 +119,8 @@ class Ingress:
         advertise: the address written in the endpoint (default :func:`advertised_host`).
         run_dir: where ``ingress-rank<r>.json`` is written (``None``: no file; the endpoint is
             :attr:`endpoint`).
-        timeout_s: a connection silent this long is lost (producers beat every quarter of it).
+        timeout_s: a connection silent this long is lost (producers beat every quarter of it);
+            a frame to a producer not sent within it drops the connection.
         grace_s: a lost producer that has not reattached after this long is dead (default
             ``timeout_s``).
         window: puts a producer may have unacknowledged (its ``put`` waits beyond).
@@ -147,13 +157,18 @@ class Ingress:
         self.port = self._server.getsockname()[1]
         self.endpoint = f"{advertise or advertised_host()}:{self.port}"
         self.accounts: dict[str, Account] = {}
+        self._refused: dict[str, dict[int, str]] = {}  # producer -> recent refusals by seq
         self._conns: dict[str, _Conn] = {}
+        self._socks: set[socket.socket] = set()  # every open connection, registered or not
+        self._socks_lock = threading.Lock()
         self._lost_at: dict[str, float] = {}  # disconnected producer -> when
         self._origin: dict[int, str] = {}  # group id on this shard -> its attached producer
         self._events: queue.Queue = queue.Queue()
+        self._deferred: list[tuple] = []  # puts a target could not take yet (Retry), in order
         self._ids = itertools.count(1)
+        self._drains = 0
         self._closed = threading.Event()
-        self._weights: tuple[int, bytes] | None = None  # (version, bytes) sent to pullers
+        self._weights: tuple[int, torch.Tensor] | None = None  # one host copy per version
         self.path = None
         if run_dir is not None:
             self.path = self._publish(run_dir)
@@ -183,11 +198,16 @@ class Ingress:
                 sock, _ = self._server.accept()
             except OSError:  # closed
                 return
+            with self._socks_lock:
+                if self._closed.is_set():
+                    _close(sock)
+                    return
+                self._socks.add(sock)
             threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         """One connection: the hello, then frames until it ends (events for :meth:`drain`)."""
-        sock.settimeout(self.timeout_s)
+        sock.settimeout(self.timeout_s)  # reads (beats come 4x as often) and the writer's sends
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = None
         try:
@@ -196,24 +216,26 @@ class Ingress:
             while not self._closed.is_set():
                 head, tensors = frames.receive(sock)
                 op = head.get("op")
-                if op == "put":
-                    self._events.put(("put", conn, head, tensors))
-                elif op == "pull":
-                    self._events.put(("pull", conn, head, None))
-                elif op == "bye":
-                    self._events.put(("bye", conn, head, None))
-                    return
+                if op in ("put", "pull", "bye"):
+                    self._events.put((op, conn, head, tensors))
+                    if op == "bye":
+                        return
                 elif op != "beat":
                     raise frames.FrameError(f"unknown op {op!r}")
-        except (OSError, frames.FrameError, ConfigError) as exc:
+        except Exception as exc:  # a broken, silent or malformed peer: its connection ends
             if conn is not None and not self._closed.is_set():
                 self._events.put(("lost", conn, {"why": f"{type(exc).__name__}: {exc}"}, None))
-            elif conn is None:
+            elif conn is None and not self._closed.is_set():
                 log.warning("ingress rank %d: a connection failed its hello (%s)",
                             self.target.rank, exc)  # fmt: skip
         finally:
-            if conn is None:
-                sock.close()
+            if conn is None or self._closed.is_set():
+                self._forget(sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        with self._socks_lock:
+            self._socks.discard(sock)
+        _close(sock)
 
     def _hello(self, sock: socket.socket, head: dict) -> _Conn:
         """Register a producer (new, or reattaching by its id) and welcome it."""
@@ -224,44 +246,59 @@ class Ingress:
             )
         asked = head.get("producer")
         pid = str(asked) if asked else f"r{self.target.rank}-p{next(self._ids)}"
-        conn = _Conn(next(self._ids), pid, sock, threading.Lock())
+        conn = _Conn(next(self._ids), pid, sock, queue.Queue())
+        threading.Thread(target=self._write, args=(conn,), daemon=True).start()
         self._events.put(("hello", conn, head, None))
         acct = self.accounts.get(pid)
-        acked = acct.last_seq if acct is not None else 0
         self._send(conn, {
-            "op": "welcome", "producer": pid, "acked": acked, "spec": self.target.describe(),
-            "version": self.target.version(), "rank": self.target.rank,
-            "timeout_s": self.timeout_s, "window": self.window,
+            "op": "welcome", "producer": pid, "acked": acct.last_seq if acct else 0,
+            "refused": {str(k): v for k, v in self._refused.get(pid, {}).items()},
+            "spec": self.target.describe(), "version": self.target.version(),
+            "rank": self.target.rank, "timeout_s": self.timeout_s, "window": self.window,
         })  # fmt: skip
         return conn
 
-    def _send(self, conn: _Conn, header: dict, tensors=None) -> bool:
-        """Send one frame on ``conn`` (``False``: the connection is gone; its reader says so)."""
-        frame = frames.encode(header, tensors)
-        try:
-            with conn.lock:
+    def _send(self, conn: _Conn, header: dict, tensors=None) -> None:
+        """Queue one frame for ``conn``'s writer (never blocks)."""
+        conn.out.put(frames.encode(header, tensors))
+
+    def _write(self, conn: _Conn) -> None:
+        """``conn``'s writer: its frames in order; a send that fails or outlasts ``timeout_s``
+        ends the connection (its reader then reports it lost)."""
+        while True:
+            frame = conn.out.get()
+            if frame is None:
+                return
+            try:
                 frames.send(conn.sock, frame)
-            return True
-        except OSError:
-            return False
+            except OSError:
+                _close(conn.sock)
+                return
 
     # ------------------------------------------------------------------ the plane's thread
 
     def drain(self) -> int:
-        """Apply what producers sent since the last call (the plane's thread, before a round):
-        store and acknowledge puts, answer pulls, register arrivals and departures, and declare
-        dead those lost for longer than ``grace_s``. Returns the puts stored."""
+        """Apply what producers sent since the last call (the plane's thread, before a round,
+        with no round in flight): store and acknowledge puts, answer pulls, register arrivals
+        and departures, and declare dead those lost for longer than ``grace_s``. Returns the
+        puts stored. Nothing once closed."""
+        if self._closed.is_set():
+            return 0
         stored = 0
+        events, self._deferred = self._deferred, []
         while True:
             try:
-                ev, conn, head, tensors = self._events.get_nowait()
+                events.append(self._events.get_nowait())
             except queue.Empty:
                 break
+        for ev, conn, head, tensors in events:
             current = self._conns.get(conn.producer)
             if ev == "hello":
                 self._arrive(conn)
             elif current is None or current.id != conn.id:
                 continue  # a replaced connection's leftovers
+            elif any(d[1].id == conn.id for d in self._deferred):
+                self._deferred.append((ev, conn, head, tensors))  # its order kept
             elif ev == "put":
                 stored += self._put(conn, head, tensors)
             elif ev == "pull":
@@ -274,13 +311,17 @@ class Ingress:
         for pid, at in list(self._lost_at.items()):
             if now - at > self.grace_s:
                 self._leave(pid, "dead", f"lost and not back within grace_s={self.grace_s:g}")
+        self._drains += 1
+        if self._drains % 64 == 0:  # groups evicted meanwhile are no one's any more
+            for g in [g for g in self._origin if not self.target.holds(g)]:
+                del self._origin[g]
         return stored
 
     def _arrive(self, conn: _Conn) -> None:
         pid = conn.producer
         old = self._conns.get(pid)
         if old is not None:  # a reattach while the old connection looked alive: replace it
-            _close(old.sock)
+            self._end(old)
         self._conns[pid] = conn
         self._lost_at.pop(pid, None)
         acct = self.accounts.setdefault(pid, Account(pid))
@@ -288,9 +329,24 @@ class Ingress:
         log.info("ingress rank %d: producer %s attached (%d time(s))",
                  self.target.rank, pid, acct.attaches)  # fmt: skip
 
+    def _end(self, conn: _Conn) -> None:
+        """Close a connection: its writer stops after what is queued, its socket closes."""
+        conn.out.put(None)
+        self._forget(conn.sock)
+
     def _put(self, conn: _Conn, head: dict, tensors: dict[str, torch.Tensor]) -> int:
         acct = self.accounts[conn.producer]
-        seq = int(head.get("seq", -1))
+        refused = self._refused.setdefault(conn.producer, {})
+        try:
+            seq = int(head["seq"])
+            version = None if head.get("version") is None else int(head["version"])
+        except (KeyError, TypeError, ValueError):
+            self._lost(conn, f"a malformed put header {head}")
+            return 0
+        if seq in refused:  # re-sent after a lost refusal: refused again, never stored
+            self._send(conn, {"op": "refused", "seq": seq, "type": "SpecError",
+                              "error": refused[seq]})  # fmt: skip
+            return 0
         if seq <= acct.last_seq:  # sent again after a reattach: stored once already
             acct.duplicates += 1
             self._send(conn, {"op": "ack", "seq": seq, "version": self.target.version()})
@@ -306,18 +362,24 @@ class Ingress:
                     "arrive in order (reattach re-sends from the last acknowledged)",
                 },
             )
-            _close(conn.sock)  # fmt: skip
+            self._lost(conn, f"put {seq} out of order")  # fmt: skip
             return 0
-        acct.put += 1
-        version = head.get("version")
         try:
-            items, gids = self.target.store(tensors, None if version is None else int(version))
-        except (ConfigError, ValueError) as exc:  # SpecError is a ValueError: nothing stored
+            items, gids = self.target.store(tensors, version)
+        except Retry:  # the plane cannot take it now: kept, in order, for the next drain
+            self._deferred.append(("put", conn, head, tensors))
+            return 0
+        except (ConfigError, ValueError, TypeError) as exc:  # refused whole: nothing stored
+            acct.put += 1
             acct.refused += 1
-            acct.last_seq = seq  # refused whole, answered: not expected again
+            acct.last_seq = seq  # answered: numbering goes on after it
+            refused[seq] = f"{type(exc).__name__}: {exc}"
+            while len(refused) > REFUSALS_KEPT:
+                del refused[next(iter(refused))]
             self._send(conn, {"op": "refused", "seq": seq, "type": type(exc).__name__,
                               "error": str(exc)})  # fmt: skip
             return 0
+        acct.put += 1
         acct.acked += 1
         acct.items += items
         for g in gids:
@@ -329,24 +391,25 @@ class Ingress:
         return 1
 
     def _pull(self, conn: _Conn, head: dict) -> None:
+        """Answer a pull: the newest weights if newer than the producer's, else none; always
+        the plane's current version (a waiting producer learns of a new one this way)."""
         version, buf = self.target.weights()
-        have = int(head.get("have", 0))
+        current = self.target.version()
+        try:
+            have = int(head.get("have", 0))
+        except (TypeError, ValueError):
+            have = 0
         if buf is None or version <= have:
-            self._send(conn, {"op": "weights", "version": have})
+            self._send(conn, {"op": "weights", "version": have, "current": current})
             return
         if self._weights is None or self._weights[0] != version:  # one host copy per version
-            self._weights = (version, buf.detach().cpu().contiguous().numpy().tobytes())
-        data = self._weights[1]
-        payload = {"buf": torch.frombuffer(bytearray(data), dtype=torch.uint8)} if data else {}
-
-        def reply() -> None:  # a model may be large: not on the plane's thread
-            self._send(conn, {"op": "weights", "version": version}, payload)
-
-        threading.Thread(target=reply, daemon=True).start()
+            self._weights = (version, buf.detach().to("cpu", copy=True).contiguous())
+        self._send(conn, {"op": "weights", "version": version, "current": current},
+                   {"buf": self._weights[1]})  # fmt: skip
 
     def _lost(self, conn: _Conn, why: str) -> None:
         pid = conn.producer
-        _close(conn.sock)
+        self._end(conn)
         acct = self.accounts[pid]
         if acct.state == "live":
             acct.state = "disconnected"
@@ -358,8 +421,9 @@ class Ingress:
         """A producer gone for good: its incomplete groups on this shard dropped, by id."""
         conn = self._conns.pop(pid, None)
         if conn is not None:
-            _close(conn.sock)
+            self._end(conn)
         self._lost_at.pop(pid, None)
+        self._deferred = [d for d in self._deferred if d[1].producer != pid]
         acct = self.accounts[pid]
         acct.state = state
         mine = [g for g, p in self._origin.items() if p == pid]
@@ -375,8 +439,8 @@ class Ingress:
                 self.target.rank, pid, state, len(gone), gone[:16])  # fmt: skip
 
     def delivered(self, gids: list[int], removed: bool) -> None:
-        """Count deliveries of attached producers' groups (the plane's round, on this holder);
-        ``removed``: they left the shard (consumed once)."""
+        """Count deliveries of attached producers' groups (the plane's round, on this holder;
+        never while :meth:`drain` runs); ``removed``: they left the shard (consumed once)."""
         for g in gids:
             pid = self._origin.get(g)
             if pid is not None:
@@ -393,15 +457,24 @@ class Ingress:
         return totals(list(self.accounts.values()))
 
     def close(self) -> None:
-        """Stop accepting, tell every producer the plane closed, drop the endpoint file."""
+        """Stop accepting, tell every registered producer the plane closed, close every
+        connection (registered or not) and drop the endpoint file. Later drains do nothing."""
         if self._closed.is_set():
             return
         self._closed.set()
         _close(self._server)
-        for conn in list(self._conns.values()):
+        told = list(self._conns.values())
+        for conn in told:
             self._send(conn, {"op": "closed", "rank": self.target.rank})
-            _close(conn.sock)
+            conn.out.put(None)
         self._conns.clear()
+        deadline = time.monotonic() + 1.0  # the writers' last frames, briefly
+        while time.monotonic() < deadline and any(not c.out.empty() for c in told):
+            time.sleep(0.01)
+        with self._socks_lock:
+            socks, self._socks = list(self._socks), set()
+        for sock in socks:
+            _close(sock)
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
@@ -411,6 +484,3 @@ def _close(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
-
-
-Drain = Callable[[], int]

@@ -127,25 +127,31 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
 
     try:
         tp.open_ingress(run_dir, grace_s=5)
+        if rank == 0 and name == "churn":  # every producer the phase needs, imported first
+            need = -(-(a.warmup + a.steps) * a.groups // a.groups_per_producer) + 1
+            for _ in range(need):
+                start(standby=True)
+            deadline = time.monotonic() + 45  # within the other ranks' barrier timeout
+            while time.monotonic() < deadline and not all(p.ready for p in procs):
+                time.sleep(0.05)
         dist.barrier()
         if rank == 0:
+            spare = list(procs)
             for _ in range(a.producers):
-                start()
-            if name == "churn":  # every producer the phase needs, started and imported
-                need = -(-(a.warmup + a.steps) * a.groups // a.groups_per_producer) + 1
-                for _ in range(need):
-                    start(standby=True)
+                if spare:
+                    spare.pop(0).go()
+                else:
+                    start()
+            if name == "churn":
                 threading.Thread(target=keep, daemon=True).start()
-                deadline = time.monotonic() + 120  # the standbys imported, not timed
-                while time.monotonic() < deadline and sum(p.ready for p in procs) < len(procs):
-                    time.sleep(0.05)
-        steps, delivered = [], {}
+        steps, delivered, twice = [], {}, 0
         for i in range(a.warmup + a.steps):
             t = time.monotonic()
             mbs = tp.fetch(a.groups, a.token_budget, wait_s=120)
             got = time.monotonic()
             for mb in mbs:
                 for g in set(mb["group"].tolist()):
+                    twice += g in delivered  # a group delivered twice to this rank
                     delivered[g] = got
             time.sleep(a.compute_ms / 1e3)
             if i >= a.warmup:
@@ -165,7 +171,8 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
             p.proc.kill()
         while not p.lines.empty():
             lines.append(p.lines.get())
-    return {"steps": steps, "delivered": delivered, "lines": lines, "ledger": ledger}
+    return {"steps": steps, "delivered": delivered, "lines": lines, "ledger": ledger,
+            "twice": twice}  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
@@ -184,7 +191,9 @@ def main(argv: list[str]) -> None:
     for t in steps.values():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step: the slowest rank's
     gathered = [None] * world
-    dist.all_gather_object(gathered, {n: (o["delivered"], o["ledger"]) for n, o in out.items()})
+    dist.all_gather_object(
+        gathered, {n: (o["delivered"], o["ledger"], o["twice"]) for n, o in out.items()}
+    )
     if rank == 0:
         _report(a, world, steps, gathered, out)
     cd.destroy_distributed()
@@ -213,7 +222,8 @@ def _report(a, world: int, steps: dict, gathered: list, out: dict) -> None:
             "phase": name, "step_ms": statistics.median(ms.tolist()),
             "step_ms_p90": float(ms.quantile(0.9)), "producers_attached": len(attaches),
             "groups_delivered": len(counts),
-            "delivered_once": all(v == 1 for v in counts.values()),
+            "delivered_once": all(v == 1 for v in counts.values())
+            and not any(d[name][2] for d in gathered),
             "dropped_groups": sum(len(x["dropped"]) for x in ledger.values()),
             "duplicates": sum(x["duplicates"] for x in ledger.values()),
             "acked_puts": sum(x["acked"] for x in ledger.values()),

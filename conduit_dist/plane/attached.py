@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from conduit_dist.attach.ingress import Retry
+from conduit_dist.errors import ConfigError
+
 
 class RowTarget:
     """The ingress target of one ``DataPlane`` rank.
@@ -42,9 +45,15 @@ class RowTarget:
 
         Raises:
             SpecError: naming the field, as ``DataPlane.put``.
+            Retry: with ``max_lag=0`` while the next fetch's round is in flight (the put waits
+                for the next drain).
         """
         p = self.plane._p
         n = p.stager.user_spec.validate(tensors)
+        try:
+            p.stager.check_lag("attached put")
+        except ConfigError:  # max_lag=0 and the next fetch's round in flight: after it
+            raise Retry() from None
         p.stager.put(tensors, False, version)
         p.control.poll()
         return n, []
@@ -55,6 +64,10 @@ class RowTarget:
 
     def drop(self, gids: list[int]) -> None:
         """Nothing to drop (see :meth:`incomplete`)."""
+
+    def holds(self, gid: int) -> bool:
+        """Rows have no groups: none is ever held by id."""
+        return False
 
     def weights(self) -> tuple[int, torch.Tensor | None]:
         """The newest weights this rank holds (published here or broadcast in a round)."""

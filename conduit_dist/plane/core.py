@@ -153,6 +153,7 @@ class DataPlane:
             ConfigError: with ``max_lag=0``, when the next fetch's round is in flight already.
         """
         self._check_open()
+        self._drain()
         if self.rate_limiter is not None:
             self._wait_to_insert(self._p.stager.user_spec.validate(batch))
         self._p.stager.put(batch, donate, version)
@@ -167,7 +168,14 @@ class DataPlane:
             self._wait_to_insert(n)
         return self._p.stager.staged(n, version)
 
-    fetch = _delegate("_consumer", Consumer.fetch)
+    _fetch = _delegate("_consumer", Consumer.fetch)
+
+    @functools.wraps(Consumer.fetch)
+    def fetch(self, *args, **kwargs):
+        self._check_open()
+        self._drain()  # attached producers' puts join this fetch's round
+        return self._fetch(*args, **kwargs)
+
     update_priorities = _delegate("_consumer", Consumer.update_priorities)
 
     def fetch_start(self, batch_size: int, *, reduce: torch.Tensor | None = None) -> None:
@@ -175,6 +183,7 @@ class DataPlane:
         (fused schedule, ``sync``; later puts go to the round after). ``ConfigError`` otherwise,
         on an actor, or when a round is in flight already."""
         self._check_open()
+        self._drain()
         self._consumer.queue_later()
         self._p.control.fetch_start(batch_size, reduce)
 
@@ -182,6 +191,7 @@ class DataPlane:
         """Take part in a round without fetching (actors, once per iteration after ``put``); in
         ``overlap`` mode it runs in the background. ``RoundError`` if a round failed."""
         self._check_open()
+        self._drain()
         self._consumer.queue_later()
         self._p.control.flush()
 
@@ -303,6 +313,9 @@ class DataPlane:
             self._ckpt.raise_failure()
         if self._p.stager.in_block:
             raise ConfigError("this call cannot run inside a staged() block: leave the block first")
-        if self.ingress is not None:  # attached producers' puts, staged before this call's
+
+    def _drain(self) -> None:
+        """Attached producers' puts, staged before this call's (put, flush, fetch)."""
+        if self.ingress is not None:
             self.ingress.drain()
         self._p.clock.check()

@@ -66,9 +66,14 @@ class TokenTarget:
         return [g for g in gids if g in groups and groups[g].complete_at < 0]
 
     def drop(self, gids: list[int]) -> None:
-        """Remove incomplete groups (their producer is gone; the ledger counts them)."""
+        """Remove incomplete groups (their producer is gone; the ledger counts them); members
+        arriving later are dropped too (``GroupStore.evict``'s tombstones)."""
         self.plane.runner.settle()
-        self.plane.store.remove(gids)
+        self.plane.store.evict(gids)
+
+    def holds(self, gid: int) -> bool:
+        """Whether group ``gid`` is on this shard."""
+        return gid in self.plane.store.groups
 
     def weights(self) -> tuple[int, torch.Tensor | None]:
         """The newest weights this rank holds (published here or received in a round)."""

@@ -403,7 +403,10 @@ class TokenPlane:
         """Store what attached producers sent since the last round now (rounds do it first
         anyway; for a rank that waits between rounds). Returns the puts stored (0: none open)."""
         self._open("drain_ingress")
-        return 0 if self.ingress is None else self.ingress.drain()
+        if self.ingress is None:
+            return 0
+        self.runner.settle()  # a round launched ahead has ended: the shard is this thread's
+        return self.ingress.drain()
 
     def ledger(self) -> dict[str, dict[str, object]]:
         """This rank's experience ledger: per attached producer, puts received, acknowledged,

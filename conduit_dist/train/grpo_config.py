@@ -53,6 +53,13 @@ class GRPOSettings:
             (``rl/grpo_eval.py``; split over the learners).
         eval_every: global batches between evaluations (0: the first and the last only).
         eval_seed: the held-out set's own seed (the same set whatever the run's seed).
+        generators: ``ranks`` (the job's producer ranks generate) or ``attached`` (with
+            ``mode=disaggregated``: every rank learns and opens an ingress in ``attach_dir``;
+            generators are processes outside the job, ``role=generator``; docs/attach.md).
+        attach_dir: the run directory of the ingresses (``generators=attached`` and
+            ``role=generator``).
+        role: ``job`` (``torchrun ... train.py``) or ``generator`` (``python train.py ...
+            algo.grpo.role=generator``: one generator attaching to ``attach_dir``).
     """
 
     max_digits: int = 6
@@ -75,6 +82,9 @@ class GRPOSettings:
     eval_prompts: int = 256
     eval_every: int = 500
     eval_seed: int = 1234
+    generators: str = "ranks"
+    attach_dir: str | None = None
+    role: str = "job"
 
     def to_config(self, lr: float, grad_clip: float, seed: int) -> GRPOConfig:
         """The algorithm's config (``rl/grpo.py``) from these settings.
@@ -94,6 +104,30 @@ class GRPOSettings:
         )
 
 
+def check_attach(cfg: TrainConfig) -> None:
+    """Refuse attach settings that do not go together, naming each.
+
+    Raises:
+        ConfigError: naming the field, the expected and the received value.
+    """
+    from conduit_dist import registry
+
+    g = cfg.algo.grpo
+    registry.check_choice("algo.grpo.generators", g.generators, registry.GRPO_GENERATORS)
+    registry.check_choice("algo.grpo.role", g.role, registry.GRPO_ROLES)
+    needs_dir = g.generators == "attached" or g.role == "generator"
+    if needs_dir and not g.attach_dir:
+        raise ConfigError(
+            "algo.grpo.attach_dir: expected the ingresses' run directory with "
+            f"generators=attached or role=generator, got {g.attach_dir!r}"
+        )
+    if g.generators == "attached" and cfg.mode != "disaggregated":
+        raise ConfigError(
+            f"mode: expected disaggregated with algo.grpo.generators=attached (every rank of "
+            f"the job learns, generators attach from outside), got {cfg.mode!r}"
+        )
+
+
 def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:
     """Refuse the settings a GRPO run cannot honour, naming each.
 
@@ -105,6 +139,7 @@ def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:
     Raises:
         ConfigError: naming the field, the expected and the received value.
     """
+    check_attach(cfg)
     g, pc = cfg.algo.grpo, cfg.plane
     positive = ("max_digits", "max_new", "group_size", "prompts_per_step", "epochs")
     sizes = ("token_budget", "gen_groups", "d_model", "n_layers", "n_heads", "eval_prompts")
@@ -128,14 +163,17 @@ def check_grpo(cfg: TrainConfig, world: int, learners: list[int]) -> None:
         raise ConfigError(
             f"algo.grpo.d_model: expected a multiple of n_heads={g.n_heads}, got {g.d_model}"
         )
+    attached = g.generators == "attached"
     producers = world if cfg.mode == "colocated" else world - len(learners)
+    if attached:
+        producers = 0  # outside the job: not paced by the plane's windows
     if g.prompts_per_step < max(len(learners), producers):
         raise ConfigError(
             f"algo.grpo.prompts_per_step: expected >= {max(len(learners), producers)} (a group "
             f"for each of {len(learners)} learners and each of {producers} producers), got "
             f"{g.prompts_per_step}"
         )
-    window = (g.max_policy_age + 1) * (g.prompts_per_step // producers)
+    window = (g.max_policy_age + 1) * (g.prompts_per_step // max(producers, 1))
     if g.gen_groups > window:
         raise ConfigError(
             f"algo.grpo.gen_groups: expected <= {window} (a producer's share of "

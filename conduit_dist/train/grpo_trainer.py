@@ -93,6 +93,7 @@ class GRPOTrainer:
                 f"learners' metrics), got {list(cfg.learner_ranks)}"
             )
         colocated = cfg.mode == "colocated"
+        self.attached = g.generators == "attached"  # generators outside the job (attach)
         self.producers = [r for r in range(self.world) if colocated or r not in self.learners]
         self.is_learner, self.is_producer = self.rank in self.learners, self.rank in self.producers
         self.gcfg = g.to_config(cfg.algo.lr, cfg.algo.max_grad_norm, cfg.seed)
@@ -122,9 +123,10 @@ class GRPOTrainer:
             seqs,
             seqs * lm.max_len,
             learner_ranks=self.learners,
-            producer_ranks=self.producers,
+            # attached generators: every rank's shard takes their puts, none paced by rank
+            producer_ranks=self.learners if self.attached else self.producers,
             max_policy_age=g.max_policy_age,
-            groups_per_batch=g.prompts_per_step,
+            groups_per_batch=None if self.attached else g.prompts_per_step,
             seed=cfg.seed,
             device=self.device,
             transport=TransportConfig(
@@ -135,13 +137,16 @@ class GRPOTrainer:
                 shared_memory=pc.shared_memory,
             ),
         )
+        if self.attached:  # every rank an ingress: generators attach to g.attach_dir
+            self.plane.open_ingress(g.attach_dir)
         # the next global batch's first round launched at the first backward after a take
         # (TokenPlane.attach): plane.schedule overlap or auto; sync: rounds inside stream/fetch
         self.overlap = self.is_learner and pc.schedule != "sync"
         if self.overlap:  # the last module of the loss's path (packed_logprobs calls
             self.plane.attach(self.policy.ln_f)  # TinyLM.hidden, not forward: no hook there)
         self.version = self.steps = self.trained = self.next_gid = 0
-        k = math.ceil(100 / len(self.producers))  # each producer's share of "100 responses"
+        # each producer's share of "100 responses" (attached generators report their own)
+        k = math.ceil(100 / max(len(self.producers), 1))
         self.first: list[float] = []  # the first k rewards this producer scored
         self.last: deque[float] = deque(maxlen=k)
         self.k = k
@@ -308,8 +313,10 @@ class GRPOTrainer:
         colocated = self.cfg.mode == "colocated"
         self.version = self.plane.publish_weights(None if colocated else self.policy)
         self.steps += 1
+        # attached generators: their number is not the job's; the batch's generation time
+        # counts as one generator's
         age, rewards = window.end_step(
-            stats, take, self.produce_s, len(self.producers), g.group_size
+            stats, take, self.produce_s, max(len(self.producers), 1), g.group_size
         )
         self.exposed_s += take.exposed_ms / 1e3
         self.hidden_s += take.hidden_ms / 1e3

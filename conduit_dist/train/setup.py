@@ -40,13 +40,16 @@ def device(cfg: TrainConfig) -> torch.device:
 
 
 def learner_ranks(cfg: TrainConfig, world: int) -> list[int]:
-    """Every rank colocated; ``cfg.learner_ranks`` disaggregated.
+    """Every rank colocated (and with GRPO's generators attached from outside the job);
+    ``cfg.learner_ranks`` disaggregated.
 
     Raises:
         ConfigError: without an actor or a learner, or on ranks outside the world.
     """
     if cfg.mode == "colocated":
         return list(range(world))
+    if cfg.algo.name == "grpo" and cfg.algo.grpo.generators == "attached":
+        return list(range(world))  # generators are outside the job: every rank learns
     learners = sorted(set(cfg.learner_ranks))
     if world < 2 or not learners or len(learners) >= world:
         raise ConfigError(
