@@ -3,7 +3,8 @@ INGRESS KIND START COUNT MODE [GROUP_SIZE]`` attaches to the plane's ingress ``I
 groups ``START .. START+COUNT-1`` (tokens: one group a put; rows: one row a put, ``id`` = the
 group id), then flushes and prints one JSON line. ``MODE``: ``whole``, or ``partial`` (then half
 of group ``START+COUNT`` too, prints ``{"ready": ...}`` once acknowledged and waits to be
-killed)."""
+killed), or ``resume`` (then 3 more once ``RUN_DIR/go2`` exists, and 2 more once ``go3``
+exists: across a job that died and was restored in between)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,28 @@ def main() -> None:
         else:
             p.put(row(g))
         time.sleep(0.02)
+    if mode == "resume":  # the job checkpoints, dies and comes back between the phases
+        import os
+
+        def wait_for(name: str) -> None:
+            while not os.path.exists(os.path.join(run_dir, name)):
+                time.sleep(0.05)
+
+        p.flush()
+        print(json.dumps({"phase": 1}), flush=True)
+        wait_for("go2")
+        for g in range(start + count, start + count + 3):
+            p.put(*group(g, range(size)))
+        p.flush()
+        print(json.dumps({"phase": 2}), flush=True)
+        wait_for("go3")
+        for g in range(start + count + 3, start + count + 5):
+            p.put(*group(g, range(size)))  # the first one reattaches, to the new job
+        p.flush()
+        print(json.dumps({"done": p.producer, "attaches": p.attaches, "resent": p.resent}),
+              flush=True)  # fmt: skip
+        p.close()
+        return
     if mode == "partial":
         if kind == "tokens":
             p.put(*group(start + count, range(size // 2)))

@@ -269,3 +269,64 @@ def test_a_reattached_producer_resends_only_what_was_not_acknowledged_and_nothin
     assert "'tokens'" in got["refused_again"]  # the lost refusal is not taken for an ack
     assert got["resumed_from"] == 8  # puts 1-8 answered: the new process starts at 9
     assert got["pulled"] == 1 and got["same"]
+
+
+def _acked_over_ranks(tp, n: int, timeout: float = 60.0) -> int:
+    """Drain until the ranks' ledgers hold ``n`` acknowledged puts in all (collective)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tp.drain_ingress()
+        t = torch.tensor([sum(a["acked"] for a in tp.ledger().values())])
+        dist.all_reduce(t)
+        if t.item() >= n or time.monotonic() > deadline:
+            return int(t.item())
+        time.sleep(0.05)
+
+
+def _crash(rank: int, world: int, run_dir: str, ckpt: str) -> None:
+    """Two ranks take the producer's first 4 groups, checkpoint, acknowledge 3 more, and die."""
+    tp = cd.TokenPlane(make_spec(), 256, 256 * MAX_LEN, transport=cd.TransportConfig(timeout_s=20))
+    tp.open_ingress(run_dir, timeout_s=TIMEOUT_S, grace_s=60)
+    dist.barrier()
+    assert _acked_over_ranks(tp, 4) == 4
+    tp.checkpoint(ckpt)
+    if rank == 0:
+        Path(run_dir, "go2").touch()
+    assert _acked_over_ranks(tp, 7) == 7
+    os._exit(17)  # the host is lost: no close, no goodbye to the producer
+
+
+def _resume(rank: int, world: int, run_dir: str, ckpt: str) -> dict:
+    """The survivor: restores onto one rank, opens its ingress where the producer looks."""
+    with cd.TokenPlane(make_spec(), 256, 256 * MAX_LEN) as tp:
+        tp.restore(ckpt)
+        tp.open_ingress(run_dir, timeout_s=TIMEOUT_S, grace_s=60)
+        files = sorted(f for f in os.listdir(run_dir) if f.startswith("ingress"))
+        Path(run_dir, "go3").touch()
+        got = sorted(g for mb in tp.fetch(6, 4096, wait_s=60) for g in _same_as_put(mb))
+        deadline = time.monotonic() + 30
+        while tp.ledger().get("r", {}).get("state") != "closed" and time.monotonic() < deadline:
+            tp.drain_ingress()
+            time.sleep(0.05)
+        return {"groups": got, "ledger": tp.ledger(), "files": files}
+
+
+def test_a_lost_job_resumes_from_its_checkpoint_and_the_ledger_counts_what_was_lost(tmp_path):
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    prod = Producer(run_dir, "r", 0, "tokens", 0, 4, "resume")
+    try:
+        run_ranks(_crash, 2, run_dir, ckpt, timeout_s=120, expect_exit={0: 17, 1: 17})
+        got = run_ranks(_resume, 1, run_dir, ckpt, timeout_s=120)[0]
+        lines = [prod.line(timeout=30) for _ in range(3)]
+    finally:
+        prod.proc.kill()
+        prod.proc.wait()
+    assert lines[0] == {"phase": 1} and lines[1] == {"phase": 2}, lines
+    assert lines[2]["done"] == "r" and lines[2]["attaches"] == 2  # it came back by itself
+    assert got["files"] == ["ingress-rank0.json"]  # the dead rank 1's endpoint is gone
+    # the checkpoint's 4 groups and the 2 put after the restart; the 3 acknowledged between the
+    # checkpoint and the loss are gone, and the ledger says so
+    assert got["groups"] == [0, 1, 2, 3, 7, 8]
+    led = got["ledger"]["r"]
+    assert led["lost"] == 3 and "5..7" in led["lost_why"]
+    assert led["acked"] == 6 and led["state"] == "closed" and led["last_seq"] == 9

@@ -107,7 +107,7 @@ def attach(
         ingress = zlib.crc32((producer or str(os.getpid())).encode()) % len(found)
     if not 0 <= ingress < len(found):
         raise ConfigError(f"attach ingress: expected 0..{len(found) - 1}, got {ingress}")
-    return AttachedProducer(found[ingress], kind, producer, timeout_s)
+    return AttachedProducer(found[ingress], kind, producer, timeout_s, where, ingress)
 
 
 class AttachedProducer:
@@ -121,9 +121,12 @@ class AttachedProducer:
     """
 
     def __init__(
-        self, address: tuple[str, int], kind: str, producer: str | None, timeout_s: float
-    ) -> None:
+        self, address: tuple[str, int], kind: str, producer: str | None, timeout_s: float,
+        where: str | None = None, index: int = 0,
+    ) -> None:  # fmt: skip
         self.address, self.kind, self.timeout_s = address, kind, float(timeout_s)
+        self.where, self.index = where, index  # re-read when the ingress is gone
+        self._acked_hi = 0  # the newest put acknowledged (told to a restored ingress)
         self.producer, self.spec, self.version, self.rank = producer, {}, 0, -1
         self.window = 64
         self._seq = 0
@@ -147,7 +150,7 @@ class AttachedProducer:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                sock = socket.create_connection(self.address, timeout=self.timeout_s)
+                sock = socket.create_connection(self.address, timeout=min(self.timeout_s, 5))
                 break
             except OSError as exc:
                 if time.monotonic() > deadline:
@@ -156,9 +159,11 @@ class AttachedProducer:
                         f"within {self.timeout_s:g}s ({exc})"
                     ) from exc
                 time.sleep(0.2)
+                self._resolve()  # a restarted job listens elsewhere
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         frames.send(sock, frames.encode({"op": "hello", "producer": self.producer,
-                                         "kind": self.kind}))  # fmt: skip
+                                         "kind": self.kind,
+                                         "acked_through": self._acked_hi}))  # fmt: skip
         head, _ = frames.receive(sock)
         if head.get("op") != "welcome":
             sock.close()
@@ -191,6 +196,17 @@ class AttachedProducer:
             self.resent += 1
             self._send(frame)
 
+    def _resolve(self) -> None:
+        """Re-read the run directory's endpoints (those a restarted job wrote) and pick this
+        producer's again; the current address stays when none can be read."""
+        if self.where is None:
+            return
+        try:
+            found = endpoints(self.where)
+        except (ConfigError, OSError, ValueError, KeyError):
+            return
+        self.address = found[self.index % len(found)]  # the same rank, or one of fewer
+
     def _send(self, frame: list) -> None:
         """Send on the current connection; a failed or timed-out send marks it broken."""
         with self._send_lock:
@@ -215,6 +231,7 @@ class AttachedProducer:
                 with self._cv:
                     if op == "ack":
                         self._unacked.pop(int(head["seq"]), None)
+                        self._acked_hi = max(self._acked_hi, int(head["seq"]))
                         self.version = max(self.version, int(head.get("version", 0)))
                     elif op == "refused":
                         self._unacked.pop(int(head["seq"]), None)

@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 
 from conduit_dist.attach import frames
-from conduit_dist.attach.ledger import Account, totals
+from conduit_dist.attach.ledger import Account, merge, totals
 from conduit_dist.errors import ConfigError
 
 log = logging.getLogger("conduit_dist")
@@ -294,7 +294,11 @@ class Ingress:
         for ev, conn, head, tensors in events:
             current = self._conns.get(conn.producer)
             if ev == "hello":
-                self._arrive(conn)
+                try:
+                    through = int(head.get("acked_through", 0))
+                except (TypeError, ValueError):
+                    through = 0
+                self._arrive(conn, through)
             elif current is None or current.id != conn.id:
                 continue  # a replaced connection's leftovers
             elif any(d[1].id == conn.id for d in self._deferred):
@@ -317,7 +321,7 @@ class Ingress:
                 del self._origin[g]
         return stored
 
-    def _arrive(self, conn: _Conn) -> None:
+    def _arrive(self, conn: _Conn, acked_through: int) -> None:
         pid = conn.producer
         old = self._conns.get(pid)
         if old is not None:  # a reattach while the old connection looked alive: replace it
@@ -325,6 +329,16 @@ class Ingress:
         self._conns[pid] = conn
         self._lost_at.pop(pid, None)
         acct = self.accounts.setdefault(pid, Account(pid))
+        if acked_through > acct.last_seq:  # acknowledged by a job that died after its checkpoint
+            lost = acked_through - acct.last_seq
+            acct.lost += lost
+            acct.lost_why = (
+                f"puts {acct.last_seq + 1}..{acked_through} were acknowledged after the "
+                "checkpoint this job was restored from and died with the job before it"
+            )
+            log.warning("ingress rank %d: producer %s: %d acknowledged put(s) lost (%s)",
+                        self.target.rank, pid, lost, acct.lost_why)  # fmt: skip
+            acct.last_seq = acked_through
         acct.state, acct.attaches = "live", acct.attaches + 1
         log.info("ingress rank %d: producer %s attached (%d time(s))",
                  self.target.rank, pid, acct.attaches)  # fmt: skip
@@ -448,6 +462,17 @@ class Ingress:
                 if removed:
                     del self._origin[g]
 
+    def state_dict(self) -> dict[str, dict[str, object]]:
+        """The ledger, for the plane's checkpoint (plain values: loads with
+        ``weights_only=True``)."""
+        return self.ledger()
+
+    def restore(self, states: list[dict[str, dict]]) -> None:
+        """Take the ledger of a checkpoint (every old rank's, merged): a producer that
+        reattaches is told its last put stored as of then; what it had acknowledged since is
+        counted lost (``Account.lost``)."""
+        self.accounts = merge(states)
+
     def ledger(self) -> dict[str, dict[str, object]]:
         """Every producer that attached here: its :class:`Account` as a dict."""
         return {pid: a.as_dict() for pid, a in self.accounts.items()}
@@ -478,6 +503,22 @@ class Ingress:
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+def stale_ingress_files(run_dir: str, world: int) -> list[str]:
+    """Remove ``ingress-rank<r>.json`` files of ranks ``>= world`` under ``run_dir`` (an
+    earlier, larger job's: a producer must not try them); returns what was removed."""
+    gone = []
+    if not os.path.isdir(run_dir):
+        return gone
+    for name in os.listdir(run_dir):
+        if name.startswith("ingress-rank") and name.endswith(".json"):
+            r = name[len("ingress-rank") : -len(".json")]
+            if r.isdigit() and int(r) >= world:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(run_dir, name))
+                gone.append(name)
+    return gone
 
 
 def _close(sock: socket.socket) -> None:

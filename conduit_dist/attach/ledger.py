@@ -15,8 +15,11 @@ class Account:
     ``duplicates``: puts received again after a reattach and acknowledged without storing them
     twice; ``refused``: puts the plane refused whole (the error went back); ``delivered``:
     deliveries of its groups to learners (token planes; a replayed group counts each time);
-    ``dropped``: its groups dropped incomplete, by id, and ``dropped_why``; ``state``: ``live``,
-    ``disconnected`` (waiting for a reattach), ``closed`` or ``dead``.
+    ``dropped``: its groups dropped incomplete, by id, and ``dropped_why``; ``lost``: puts a
+    shard had acknowledged after the checkpoint the job was restored from (they died with the
+    job: the producer had let them go), and ``lost_why``; ``state``: ``live``,
+    ``disconnected`` (waiting for a reattach), ``closed``, ``dead`` or ``restored`` (from a
+    checkpoint, not reattached yet).
     """
 
     producer: str
@@ -31,6 +34,8 @@ class Account:
     delivered: int = 0
     dropped: list[int] = field(default_factory=list)
     dropped_why: str = ""
+    lost: int = 0
+    lost_why: str = ""
     last_seq: int = 0  # the newest put acknowledged (a reattach resends only those after it)
 
     def as_dict(self) -> dict[str, object]:
@@ -43,6 +48,24 @@ def totals(accounts: list[Account]) -> dict[str, int]:
     keys = ("put", "acked", "items", "groups", "duplicates", "refused", "delivered")
     out = {f"attached_{k}": sum(getattr(a, k) for a in accounts) for k in keys}
     out["attached_dropped_groups"] = sum(len(a.dropped) for a in accounts)
+    out["attached_lost"] = sum(a.lost for a in accounts)
     out["attached_live"] = sum(a.state == "live" for a in accounts)
     out["attached_dead"] = sum(a.state == "dead" for a in accounts)
+    return out
+
+
+def merge(states: list[dict[str, dict]]) -> dict[str, Account]:
+    """One ledger from every old rank's (a checkpoint's ``ledger`` entries): per producer the
+    counters summed, ``last_seq`` the newest, ``dropped`` joined; state ``restored``."""
+    out: dict[str, Account] = {}
+    for state in states:
+        for pid, d in state.items():
+            a = out.setdefault(pid, Account(pid, state="restored"))
+            for k in ("attaches", "put", "acked", "items", "groups", "duplicates", "refused",
+                      "delivered", "lost"):  # fmt: skip
+                setattr(a, k, getattr(a, k) + int(d.get(k, 0)))
+            a.dropped += [int(g) for g in d.get("dropped", [])]
+            a.dropped_why = a.dropped_why or str(d.get("dropped_why", ""))
+            a.lost_why = a.lost_why or str(d.get("lost_why", ""))
+            a.last_seq = max(a.last_seq, int(d.get("last_seq", 0)))
     return out

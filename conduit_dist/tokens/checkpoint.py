@@ -113,6 +113,7 @@ def load_shares(root: str, rank: int, world: int, plane, ex) -> None:
     started = sum(int(s["started"]) for s in states)
     producers = max(1, plane.pacer.producers)
     plane.pacer.started = -(-started // producers)  # this producer's share, rounded up
+    plane.restore_ledger([s.get("ledger", {}) for s in states])  # attached producers'
     _barrier(ex, 3)
 
 

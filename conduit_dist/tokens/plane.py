@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from conduit_dist.attach.ingress import Ingress
+from conduit_dist.attach.ingress import Ingress, stale_ingress_files
+from conduit_dist.attach.ledger import merge as merge_ledgers
 from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.versions import check_max_age
@@ -125,6 +126,7 @@ class TokenPlane:
         )  # fmt: skip
         self.closing = Closing(self.runner, self.ex, self.store)
         self.ingress: Ingress | None = None  # open_ingress: producers outside the job
+        self._ledgers: list[dict] | None = None  # a restored checkpoint's ledgers (every rank's)
 
     version = property(
         lambda s: s.versions.version,
@@ -389,11 +391,15 @@ class TokenPlane:
         if self.ingress is not None:
             raise ConfigError(f"open_ingress: rank {self.rank} has one open at "
                               f"{self.ingress.endpoint}")  # fmt: skip
+        if run_dir is not None and self.rank == 0:  # a larger earlier job's files
+            stale_ingress_files(run_dir, self.world)
         self.ingress = Ingress(
             TokenTarget(self), host=host, port=port, advertise=advertise, run_dir=run_dir,
             timeout_s=self.ex.timeout.total_seconds() if timeout_s is None else timeout_s,
             grace_s=grace_s, window=window,
         )  # fmt: skip
+        if self._ledgers is not None:  # restored from a checkpoint before it opened
+            self.ingress.restore(self._ledgers)
         self.versions.sends = True  # attached producers pull weights from any ingress
         self.runner.drain = self.ingress.drain
         self.engine.on_delivered = self.ingress.delivered
@@ -445,7 +451,25 @@ class TokenPlane:
             "newest": self.newest,
             "started": self.pacer.started,
             "world": self.world,
+            "ledger": self._ledger_state(),
         }
+
+    def _ledger_state(self) -> dict[str, dict[str, object]]:
+        """The attached producers' ledger for a checkpoint: the open ingress's, else the one
+        restored (carried to the next checkpoint), else empty."""
+        if self.ingress is not None:
+            return self.ingress.state_dict()
+        if self._ledgers is not None:
+            return {pid: a.as_dict() for pid, a in merge_ledgers(self._ledgers).items()}
+        return {}
+
+    def restore_ledger(self, states: list[dict]) -> None:
+        """Take a checkpoint's ledgers (every old rank's; ``restore`` calls it): a producer
+        that reattaches is told its last put stored as of the checkpoint, and what it had
+        acknowledged since is counted lost (docs/attach.md)."""
+        self._ledgers = [dict(s) for s in states]
+        if self.ingress is not None:
+            self.ingress.restore(self._ledgers)
 
     def checkpoint(self, root: str) -> None:
         """Write every rank's buffered, not yet consumed groups under ``root`` (collective).
