@@ -4,7 +4,8 @@ groups ``START .. START+COUNT-1`` (tokens: one group a put; rows: one row a put,
 group id), then flushes and prints one JSON line. ``MODE``: ``whole``, or ``partial`` (then half
 of group ``START+COUNT`` too, prints ``{"ready": ...}`` once acknowledged and waits to be
 killed), or ``resume`` (then 3 more once ``RUN_DIR/go2`` exists, and 2 more once ``go3``
-exists: across a job that died and was restored in between)."""
+exists: across a job that died and was restored in between), or ``stream`` (a group a put,
+each flushed and logged ``{"acked": gid, "seq": ...}``, until killed)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ def main() -> None:
     t0 = time.monotonic()
     p = cd.attach(run_dir, kind, producer=pid, ingress=ingress, timeout_s=30)
     attached = time.monotonic() - t0
+    if mode == "stream":  # groups until killed, one acknowledged put each, logged by id
+        g = start
+        while True:
+            p.put(*group(g, range(size)))
+            p.flush()
+            print(json.dumps({"acked": g, "seq": p._acked_hi, "attaches": p.attaches}),
+                  flush=True)  # fmt: skip
+            g += 1
+            time.sleep(0.05)
     for g in range(start, start + count):
         if kind == "tokens":
             p.put(*group(g, range(size)))

@@ -85,8 +85,11 @@ class Target(Protocol):
 
 
 def advertised_host() -> str:
-    """The address peers reach this host by: the interface that routes to ``MASTER_ADDR``
-    (torchrun's rendezvous host; ``127.0.0.1`` on one host), else this host's name."""
+    """The address peers reach this host by: ``CONDUIT_ADVERTISE_HOST`` if set, else the
+    interface that routes to ``MASTER_ADDR`` (torchrun's rendezvous host; ``127.0.0.1`` on one
+    host), else this host's name."""
+    if os.environ.get("CONDUIT_ADVERTISE_HOST"):
+        return os.environ["CONDUIT_ADVERTISE_HOST"]
     master = os.environ.get("MASTER_ADDR", "")
     if master:
         try:

@@ -44,7 +44,9 @@ class Account:
 
 
 def totals(accounts: list[Account]) -> dict[str, int]:
-    """Sums over producers (flat numbers for metrics)."""
+    """Sums over producers (flat numbers for metrics); accounts restored from a checkpoint whose
+    producer has not reattached here are left out (every rank restores them all)."""
+    accounts = [a for a in accounts if a.state != "restored"]
     keys = ("put", "acked", "items", "groups", "duplicates", "refused", "delivered")
     out = {f"attached_{k}": sum(getattr(a, k) for a in accounts) for k in keys}
     out["attached_dropped_groups"] = sum(len(a.dropped) for a in accounts)

@@ -204,5 +204,54 @@ class EmulatedHosts:
         return [p.read_text() for p in paths]
 
 
+def start_elastic(
+    hosts: EmulatedHosts,
+    args: list[str],
+    nproc_per_node: int,
+    log_dir: str | Path,
+    env: dict[str, str] | None = None,
+    port: int = 29511,
+    max_restarts: int = 3,
+) -> list[subprocess.Popen]:
+    """Start ``python <args>`` under an elastic torchrun on both hosts (``--nnodes=1:2``, the
+    c10d rendezvous on host 0, ``--max-restarts``): a host that is lost (:func:`kill_host`)
+    makes the other restart its ranks on its own. Each host sees the other's name in its
+    ``/etc/hosts`` (c10d resolves hostnames) and advertises its address to attached producers
+    (``CONDUIT_ADVERTISE_HOST``). Returns the two torchrun processes (output in
+    ``log_dir/node<i>.log``); :meth:`EmulatedHosts.__exit__` kills what is left."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    hosts_file = log_dir / "hosts"
+    hosts_file.write_text("127.0.0.1 localhost\n" + "".join(
+        f"{addr} {name}\n" for (_, _, addr), name in zip(hosts.hosts, hosts.names, strict=True)
+    ))  # fmt: skip
+    master = hosts.hosts[0][2]
+    procs = []
+    for node, ((ns, dev, addr), name) in enumerate(zip(hosts.hosts, hosts.names, strict=True)):
+        torchrun = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+            f"--nproc_per_node={nproc_per_node}", f"--max-restarts={max_restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={master}:{port}", "--rdzv-id=elastic",
+            "--rdzv-conf=last_call_timeout=3,join_timeout=120", f"--local-addr={addr}", *args,
+        ]  # fmt: skip
+        inner = (
+            f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts && "
+            f"hostname {shlex.quote(name)} && exec {shlex.join(torchrun)}"
+        )
+        child = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=dev,
+                     CONDUIT_ADVERTISE_HOST=addr)  # fmt: skip
+        with open(log_dir / f"node{node}.log", "w") as log:
+            cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c", inner]
+            procs.append(subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=child, start_new_session=True
+            ))  # fmt: skip
+    return procs
+
+
+def kill_host(hosts: EmulatedHosts, node: int) -> None:
+    """Lose host ``node``: SIGKILL everything running in its namespace (torchrun, its ranks)."""
+    EmulatedHosts._kill_inside(hosts.hosts[node][0])
+
+
 def _tails(paths: list[Path]) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in paths if p.exists())
