@@ -330,3 +330,45 @@ def test_a_lost_job_resumes_from_its_checkpoint_and_the_ledger_counts_what_was_l
     led = got["ledger"]["r"]
     assert led["lost"] == 3 and "5..7" in led["lost_why"]
     assert led["acked"] == 6 and led["state"] == "closed" and led["last_seq"] == 9
+
+
+def _paced(rank: int, world: int, run_dir: str) -> dict:
+    """reserve: 2 groups a version, 1 version ahead; the third waits for a publish."""
+    out: dict = {}
+    with cd.TokenPlane(make_spec(), 64, 64 * MAX_LEN, max_policy_age=1) as tp:
+        tp.open_ingress(run_dir, timeout_s=TIMEOUT_S, groups_per_version=2)
+
+        def produce() -> None:
+            p = cd.attach(run_dir, producer="q", timeout_s=20)
+            out["first"] = [p.reserve(2), p.reserve(2)]  # (0 + 1 + 1) x 2 = 4 at version 0
+            out["left"] = p.allowance()
+            t0 = time.monotonic()
+            out["third"] = p.reserve(1)  # waits for version 1
+            out["waited"] = time.monotonic() - t0
+            try:
+                p.reserve(3)
+            except cd.ConfigError as exc:
+                out["too_many"] = str(exc)
+            p.close()
+
+        worker = threading.Thread(target=produce)
+        worker.start()
+        deadline = time.monotonic() + 30
+        while "left" not in out and time.monotonic() < deadline:
+            tp.drain_ingress()
+            time.sleep(0.01)
+        time.sleep(0.5)
+        tp.publish_weights(torch.nn.Linear(2, 2))
+        tp.flush()  # a round: the version travels
+        while worker.is_alive() and time.monotonic() < deadline:
+            tp.drain_ingress()
+            time.sleep(0.01)
+        worker.join(5)
+    return out
+
+
+def test_reserve_paces_an_attached_producer_by_the_learners_version(tmp_path):
+    got = run_ranks(_paced, 1, str(tmp_path), timeout_s=60)[0]
+    assert got["first"] == [0, 0] and got["left"] == 0
+    assert got["third"] == 1 and got["waited"] >= 0.4  # only once the learners published
+    assert "exceed what one version grants (2" in got["too_many"]

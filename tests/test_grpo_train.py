@@ -134,6 +134,8 @@ def test_learners_with_a_generator_attached_from_outside_the_job(tmp_path):
     gdone = ast.literal_eval(gline.split("done: ", 1)[1])
     assert gdone["groups"] >= 4 * 8 and gdone["versions_seen"] >= 2  # it pulled new weights
     assert not list(gen_dir.glob("ingress-rank*.json"))  # the learners closed their ingresses
+    rows = [r for r in _rows(tmp_path) if "attach/acked" in r]  # the ledger, over both learners
+    assert rows and rows[-1]["attach/acked"] >= 4 * 8 / 2 and rows[-1]["attach/lost"] == 0
 
 
 def test_colocated_fetch_two_epochs_with_kl_and_age_zero(tmp_path):

@@ -140,6 +140,8 @@ class AttachedProducer:
         self._closed = False
         self.resent = self.attaches = 0
         self._pulled = 0  # the newest weights version loaded
+        self._started = 0  # groups reserved (reserve's pacing)
+        self._version_seen = 0  # version answers received
         self.resumed_from = 0  # puts of an earlier process under this id that a shard holds
         self._connect()
 
@@ -240,6 +242,9 @@ class AttachedProducer:
                             f"attached put {head['seq']} refused by ingress rank {self.rank}: "
                             f"{head.get('error')}"
                         ))  # fmt: skip
+                    elif op == "version":
+                        self.version = max(self.version, int(head.get("current", 0)))
+                        self._version_seen += 1
                     elif op == "weights":
                         self._weights = (int(head["version"]), tensors.get("buf"))
                         self.version = max(self.version, int(head.get("current", 0)))
@@ -413,6 +418,70 @@ class AttachedProducer:
             ws.pull(model)
             self._pulled = version
         return max(version, have)
+
+    def _pacing(self) -> tuple[int | None, int | None]:
+        pacing = self.spec.get("pacing") or {}
+        return pacing.get("per_version"), pacing.get("max_age")
+
+    def allowance(self) -> int | None:
+        """Groups :meth:`reserve` grants now without waiting (``None``: not paced): at most
+        ``per_version`` groups a learner version, ``max_age + 1`` versions ahead, as the
+        ingress rank's plane set them (``TokenPlane.open_ingress``)."""
+        per, age = self._pacing()
+        if per is None or age is None:
+            return None
+        return max(0, (self.version + age + 1) * per - self._started)
+
+    def reserve(self, n: int, model: nn.Module | None = None) -> int:
+        """Ask before generating ``n`` groups: waits while they could come out older than the
+        plane's ``max_policy_age`` by the time they are used (never dropped for age then).
+
+        Args:
+            n: groups about to be generated.
+            model: pulled to the newest weights first (and while waiting).
+
+        Returns:
+            The policy version to generate with (``put(..., version=)``).
+
+        Raises:
+            ConfigError: ``n`` < 1 or more than one version's worth; RoundError once the plane
+                closed; TimeoutError when no version comes within ``timeout_s``.
+        """
+        per = self._pacing()[0]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"reserve: expected a group count >= 1, got {n!r}")
+        if per is not None and n > per:
+            raise ConfigError(
+                f"reserve: {n} groups exceed what one version grants ({per}, "
+                "groups_per_version): reserve at most that many at a time"
+            )
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if model is not None:
+                self.pull_weights(model)
+            left = self.allowance()
+            if left is None or left >= n:
+                self._started += n
+                return self._pulled if model is not None else self.version
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"reserve: no new policy version from ingress rank {self.rank} within "
+                    f"{self.timeout_s:g}s ({self._started} groups started, version {self.version})"
+                )
+            time.sleep(0.05)
+            if model is None:
+                self._ask_version()
+
+    def _ask_version(self) -> None:
+        """The plane's current version, asked and waited for (one answer)."""
+        self._ready()
+        with self._cv:
+            seen = self._version_seen
+        self._send(frames.encode({"op": "version"}))
+        with self._cv:
+            end = time.monotonic() + min(self.timeout_s, 5.0)
+            while self._version_seen == seen and not self._broken and time.monotonic() < end:
+                self._cv.wait(0.1)
 
     def close(self) -> None:
         """Wait for every acknowledgement, then leave cleanly (the ingress drops this

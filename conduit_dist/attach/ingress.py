@@ -219,7 +219,9 @@ class Ingress:
             while not self._closed.is_set():
                 head, tensors = frames.receive(sock)
                 op = head.get("op")
-                if op in ("put", "pull", "bye"):
+                if op == "version":  # what the plane's version is now (reserve's wait)
+                    self._send(conn, {"op": "version", "current": self.target.version()})
+                elif op in ("put", "pull", "bye"):
                     self._events.put((op, conn, head, tensors))
                     if op == "bye":
                         return

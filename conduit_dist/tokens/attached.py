@@ -24,8 +24,9 @@ class TokenTarget:
 
     kind = "tokens"
 
-    def __init__(self, plane) -> None:
+    def __init__(self, plane, per_version: int | None = None) -> None:
         self.plane, self.rank = plane, plane.rank
+        self.per_version = per_version  # groups an attached producer may start per version
 
     def describe(self) -> dict:
         """The token spec as JSON: ragged and fixed fields, the group field and size."""
@@ -40,6 +41,9 @@ class TokenTarget:
             },
             "group": spec.group,
             "group_size": spec.group_size,
+            # AttachedProducer.reserve: at most per_version groups a learner version, up to
+            # max_age + 1 versions ahead (None: not paced)
+            "pacing": {"per_version": self.per_version, "max_age": self.plane.engine.max_age},
         }
 
     def version(self) -> int:

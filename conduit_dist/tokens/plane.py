@@ -363,6 +363,7 @@ class TokenPlane:
         timeout_s: float | None = None,
         grace_s: float | None = None,
         window: int = 64,
+        groups_per_version: int | None = None,
     ) -> str:
         """Let producers outside the job attach to this rank (``cd.attach``; docs/attach.md).
 
@@ -380,6 +381,9 @@ class TokenPlane:
             grace_s: a lost producer not back after this long is dead, its incomplete groups
                 dropped and counted (default: ``timeout_s``).
             window: puts a producer may have unacknowledged.
+            groups_per_version: what an attached producer's ``reserve`` grants per learner
+                version, up to ``max_policy_age + 1`` versions ahead (default: the plane's
+                ``groups_per_batch``; ``None`` there too: not paced).
 
         Returns:
             The endpoint, ``host:port``.
@@ -393,8 +397,11 @@ class TokenPlane:
                               f"{self.ingress.endpoint}")  # fmt: skip
         if run_dir is not None and self.rank == 0:  # a larger earlier job's files
             stale_ingress_files(run_dir, self.world)
+        per = self.pacer.per_batch or None if groups_per_version is None else groups_per_version
+        if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
+            raise ConfigError(f"open_ingress groups_per_version: expected an int >= 1, got {per!r}")
         self.ingress = Ingress(
-            TokenTarget(self), host=host, port=port, advertise=advertise, run_dir=run_dir,
+            TokenTarget(self, per), host=host, port=port, advertise=advertise, run_dir=run_dir,
             timeout_s=self.ex.timeout.total_seconds() if timeout_s is None else timeout_s,
             grace_s=grace_s, window=window,
         )  # fmt: skip

@@ -6,11 +6,12 @@ ingress in ``DIR``).
 It builds the same policy and task as the learners (the same seed: the same initial weights,
 version 0), attaches to an ingress, and loops: pull the newest weights when the ingress reports
 a newer version, generate ``gen_groups`` prompt groups on training prompts (never the held-out
-ones), score them and ``put`` them tagged with the version they were generated with. It puts at
-most ``prompts_per_step`` groups per version (a global batch), then waits for the next
-version, so it runs at most a batch ahead of the learners (the plane's ``max_policy_age`` evicts
-and counts anything older: ``dropped_stale`` in the learners' done line). It stops when the
-learners close the plane, and prints its own done line.
+ones), score them and ``put`` them tagged with the version they were generated with, each chunk
+``reserve``d first: the learners' ingresses grant ``prompts_per_step`` groups a version,
+``max_policy_age + 1`` versions ahead, so nothing it puts is dropped for age unless several
+generators together outrun the learners (then the plane evicts and counts it:
+``dropped_stale`` in the learners' done line). It stops when the learners close the plane, and
+prints its own done line.
 """
 
 from __future__ import annotations
@@ -71,19 +72,12 @@ class GRPOGenerator:
         g, start = self.g, time.perf_counter()
         p = cd.attach(g.attach_dir, "tokens", producer=self.producer,
                       timeout_s=self.cfg.plane.timeout_s)  # fmt: skip
-        version, at_version, n_groups, rewards, seen = p.pull_weights(self.policy), 0, 0, [], set()
+        n_groups, rewards, seen = 0, [], set()
         try:
             while True:
-                if p.version > version:  # the ingress saw the learners publish
-                    v = p.pull_weights(self.policy)
-                    if v > version:
-                        version, at_version = v, 0
+                n = min(g.gen_groups, g.prompts_per_step)
+                version = p.reserve(n, self.policy)  # paced by the learners' version
                 seen.add(version)
-                if at_version >= g.prompts_per_step:  # a batch ahead: wait for a version
-                    time.sleep(0.05)
-                    p.pull_weights(self.policy)  # the answer carries the learners' version
-                    continue
-                n = min(g.gen_groups, g.prompts_per_step - at_version)
                 ids = [self.base + n_groups + i for i in range(n)]
                 t0 = time.perf_counter()
                 prompts = self.split.train(n, self.rng)
@@ -94,7 +88,7 @@ class GRPOGenerator:
                 )
                 p.put(batch, lengths, version=version)
                 rewards += batch["reward"].tolist()
-                n_groups, at_version = n_groups + n, at_version + n
+                n_groups += n
         except (RoundError, ConnectionError) as exc:  # the learners closed the plane
             log.info("generator %s: %s", self.producer, exc)
         finally:

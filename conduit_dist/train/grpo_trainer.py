@@ -138,7 +138,7 @@ class GRPOTrainer:
             ),
         )
         if self.attached:  # every rank an ingress: generators attach to g.attach_dir
-            self.plane.open_ingress(g.attach_dir)
+            self.plane.open_ingress(g.attach_dir, groups_per_version=g.prompts_per_step)
         # the next global batch's first round launched at the first backward after a take
         # (TokenPlane.attach): plane.schedule overlap or auto; sync: rounds inside stream/fetch
         self.overlap = self.is_learner and pc.schedule != "sync"
@@ -341,8 +341,21 @@ class GRPOTrainer:
         return target is not None and vals[2] > 0 and vals[1] / vals[2] >= target
 
     def _log(self, window: Window, extra: dict[str, float]) -> None:
-        metrics = {**window.metrics(self), **extra}
+        metrics = {**window.metrics(self), **extra, **self._ledger_metrics()}
         self.logger.log(metrics, int(metrics["train/trained_samples"]), window.histograms())
+
+    def _ledger_metrics(self) -> dict[str, float]:
+        """Attached generators: the ledger's totals over every learner's ingress (``attach/*``:
+        puts acknowledged, groups delivered and dropped, puts lost, generators live; a
+        collective of the learners); nothing otherwise."""
+        if not self.attached:
+            return {}
+        totals = {k: v for k, v in self.plane.stats().items() if k.startswith("attached_")}
+        keys = sorted(totals)
+        vals = [float(totals[k]) for k in keys]
+        if self.group is not None:
+            vals = aggregate_learners(vals, self.group, op="sum")
+        return {f"attach/{k.removeprefix('attached_')}": v for k, v in zip(keys, vals)}
 
     def close(self) -> None:
         """Release the plane: a no-op after ``run`` (which closed it); after a failure an
