@@ -14,22 +14,11 @@ import sys
 import time
 
 import torch
+from test_tokens import MAX_LEN, member  # the test's groups: content follows from the ids
 
 import conduit_dist as cd
 
-MAX_LEN = 96
-
-
-def member(gid: int, m: int) -> dict[str, torch.Tensor]:
-    """Sequence ``m`` of group ``gid``: its content follows from the two ids alone."""
-    gen = torch.Generator().manual_seed(gid * 131 + m)
-    n = int(torch.randint(1, MAX_LEN + 1, (1,), generator=gen))
-    return {
-        "tokens": torch.randint(0, 50_000, (n,), dtype=torch.int32, generator=gen),
-        "logprobs": -torch.rand(n, generator=gen),
-        "loss_mask": torch.rand(n, generator=gen) > 0.3,
-        "reward": torch.rand((), generator=gen),
-    }
+__all__ = ["MAX_LEN", "member"]
 
 
 def group(gid: int, members: range):

@@ -19,24 +19,13 @@ import torch
 import torch.distributed as dist
 from attached_producer import MAX_LEN, member
 from dist_utils import child_env, run_ranks
+from test_tokens import make_spec
 
 import conduit_dist as cd
 
 G = 4
 SCRIPT = str(Path(__file__).with_name("attached_producer.py"))
 TIMEOUT_S, GRACE_S = 5.0, 1.5
-
-
-def make_spec() -> cd.TokenSpec:
-    return cd.TokenSpec(
-        {
-            "tokens": cd.Ragged(torch.int32, MAX_LEN),
-            "logprobs": cd.Ragged(torch.float32, MAX_LEN),
-            "loss_mask": cd.Ragged(torch.bool, MAX_LEN),
-            "reward": ((), torch.float32),
-        },
-        group_size=G,
-    )
 
 
 class Producer:

@@ -28,6 +28,7 @@ from torch import nn
 from conduit_dist.attach import frames
 from conduit_dist.errors import ConfigError, RoundError, SpecError
 from conduit_dist.flow.weights import WeightsState
+from conduit_dist.threads import start_thread
 
 KINDS = ("tokens", "rows")
 
@@ -192,8 +193,8 @@ class AttachedProducer:
             self._sock, self._broken = sock, False
             self._cv.notify_all()
         self.attaches += 1
-        threading.Thread(target=self._read, args=(sock,), daemon=True).start()
-        threading.Thread(target=self._beat, args=(sock, beat), daemon=True).start()
+        start_thread(lambda: self._read(sock), "conduit-attach-read", None)  # host sockets
+        start_thread(lambda: self._beat(sock, beat), "conduit-attach-beat", None)
         for frame in pending:  # what the ingress may not hold: once more, in order
             self.resent += 1
             self._send(frame)

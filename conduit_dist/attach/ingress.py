@@ -44,6 +44,7 @@ import torch
 from conduit_dist.attach import frames
 from conduit_dist.attach.ledger import Account, merge, totals
 from conduit_dist.errors import ConfigError
+from conduit_dist.threads import start_thread
 
 log = logging.getLogger("conduit_dist")
 REFUSALS_KEPT = 256  # refused puts remembered per producer (answered again if re-sent)
@@ -175,10 +176,8 @@ class Ingress:
         self.path = None
         if run_dir is not None:
             self.path = self._publish(run_dir)
-        self._accepting = threading.Thread(
-            target=self._accept, name=f"conduit-ingress-{target.rank}", daemon=True
-        )
-        self._accepting.start()
+        # host sockets only: no CUDA device to set in any of the ingress's threads
+        self._accepting = start_thread(self._accept, f"conduit-ingress-{target.rank}", None)
 
     # ------------------------------------------------------------------ threads
 
@@ -206,7 +205,7 @@ class Ingress:
                     _close(sock)
                     return
                 self._socks.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+            start_thread(lambda sock=sock: self._serve(sock), "conduit-ingress-read", None)
 
     def _serve(self, sock: socket.socket) -> None:
         """One connection: the hello, then frames until it ends (events for :meth:`drain`)."""
@@ -252,7 +251,7 @@ class Ingress:
         asked = head.get("producer")
         pid = str(asked) if asked else f"r{self.target.rank}-p{next(self._ids)}"
         conn = _Conn(next(self._ids), pid, sock, queue.Queue())
-        threading.Thread(target=self._write, args=(conn,), daemon=True).start()
+        start_thread(lambda: self._write(conn), "conduit-ingress-write", None)
         self._events.put(("hello", conn, head, None))
         acct = self.accounts.get(pid)
         self._send(conn, {

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
 from conduit_dist.bench.token_baselines import FIELDS, MAX_LEN
+from conduit_dist.threads import start_thread
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -76,7 +77,7 @@ class _Proc:
         )
         self.started, self.ready = not standby, not standby
         self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        start_thread(self._read, "conduit-bench-attach-read", None)
 
     def go(self) -> None:
         """Let a standby attach now."""
@@ -143,7 +144,7 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
                 else:
                     start()
             if name == "churn":
-                threading.Thread(target=keep, daemon=True).start()
+                start_thread(keep, "conduit-bench-attach-keep", None)
         steps, delivered, twice = [], {}, 0
         for i in range(a.warmup + a.steps):
             t = time.monotonic()
