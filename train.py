@@ -7,6 +7,9 @@ torchrun --standalone --nproc_per_node=2 train.py experiment=grpo
 torchrun --standalone --nproc_per_node=2 train.py experiment=grpo mode=disaggregated \
     algo.grpo.generators=attached algo.grpo.attach_dir=runs/gen   # then, any time, generators:
 python train.py experiment=grpo algo.grpo.role=generator algo.grpo.attach_dir=runs/gen
+torchrun --standalone --nproc_per_node=2 train.py experiment=smoke mode=disaggregated \
+    algo.actors=attached algo.attach_dir=runs/act   # then, any time, DQN actors:
+python train.py experiment=smoke algo.role=actor algo.attach_dir=runs/act
 python train.py                       # world size 1
 python train.py device=cuda           # on a GPU (torchrun: one GPU per rank, cuda:<LOCAL_RANK>)
 
@@ -27,6 +30,7 @@ with require("train", "train.py"):  # hydra-core, omegaconf, gymnasium (wandb, t
 
     from conduit_dist.train import setup
     from conduit_dist.train.config import TrainConfig, register, validate
+    from conduit_dist.train.dqn_actor import DQNActor
     from conduit_dist.train.grpo_generator import GRPOGenerator
     from conduit_dist.train.grpo_trainer import GRPOTrainer
     from conduit_dist.train.launch import prepare_hydra_argv
@@ -45,6 +49,10 @@ def main(dcfg: DictConfig) -> None:
     validate(cfg)
     if cfg.algo.name == "grpo" and cfg.algo.grpo.role == "generator":  # outside the job
         summary = GRPOGenerator(cfg).run()
+        log_rank_zero("done: %s", summary)
+        return
+    if cfg.algo.role == "actor":  # a DQN actor outside the job
+        summary = DQNActor(cfg).run()
         log_rank_zero("done: %s", summary)
         return
     device = setup.device(cfg)  # once, before anything is built: no CUDA here fails now

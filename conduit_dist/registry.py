@@ -52,6 +52,8 @@ ALGOS = ("dqn", "ppo", "grpo")
 # algo.grpo.generators: the job's ranks generate, or processes outside it attach (docs/attach.md)
 GRPO_GENERATORS = ("ranks", "attached")
 GRPO_ROLES = ("job", "generator")  # algo.grpo.role: train.py as the job, or as one generator
+DQN_ACTORS = ("ranks", "attached")  # algo.actors: the job's actor ranks, or processes attached
+DQN_ROLES = ("job", "actor")  # algo.role: train.py as the job, or as one attached DQN actor
 # how learners average gradients: in the data plane's round, or DDP with a GradSync bucket hook
 GRAD_SYNCS = ("auto", "round", "allreduce", "all_to_all")
 SHUFFLES = _SHUFFLES  # algo.ppo.shuffle: cd.WithoutReplacement's shuffles

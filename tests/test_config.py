@@ -27,6 +27,20 @@ from conduit_dist.train.config import AlgoConfig, PlaneConfig, PPOConfig, TrainC
             r"plane.shared_memory: expected one of \['auto', True, False\], got 1",
         ),
         (TrainConfig(plane=PlaneConfig(max_lag=True)), r"plane.max_lag: .* got True"),
+        # DQN actors outside the job: the settings that go with them
+        (TrainConfig(algo=AlgoConfig(actors="remote")), r"algo.actors: expected one of"),
+        (
+            TrainConfig(mode="colocated", algo=AlgoConfig(actors="attached", attach_dir="d")),
+            r"mode: expected 'disaggregated' with attached actors .*got 'colocated'",
+        ),
+        (
+            TrainConfig(mode="disaggregated", algo=AlgoConfig(actors="attached")),
+            r"algo.attach_dir: expected the ingresses' run directory .* got None",
+        ),
+        (
+            TrainConfig(target_return=100.0, algo=AlgoConfig(role="actor", attach_dir="d")),
+            r"target_return: expected None with attached actors \(the returns are the actors'",
+        ),
     ],
 )
 def test_unknown_values_are_errors(cfg, message):

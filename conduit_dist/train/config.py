@@ -205,6 +205,12 @@ class AlgoConfig:
             ``max_grad_norm`` and ``grad_sync`` apply too).
         grpo: GRPO's own settings (``algo=grpo``; there ``lr`` and ``max_grad_norm`` apply
             too; ``train/grpo_config.py``).
+        actors: DQN's actors: ``ranks`` (the job's actor ranks) or ``attached`` (with
+            ``mode=disaggregated``: every rank learns and opens an ingress in ``attach_dir``;
+            actors are processes outside the job, ``role=actor``; docs/attach.md).
+        attach_dir: the ingresses' run directory (``actors=attached`` and ``role=actor``).
+        role: ``job`` (``torchrun ... train.py``) or ``actor`` (``python train.py ...
+            algo.role=actor``: one DQN actor attaching to ``attach_dir``).
     """
 
     name: str = "dqn"
@@ -224,6 +230,9 @@ class AlgoConfig:
     double_dqn: bool = True
     max_grad_norm: float = 10.0
     publish_every: int = 4
+    actors: str = "ranks"
+    attach_dir: str | None = None
+    role: str = "job"
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
 
@@ -361,10 +370,42 @@ def validate(cfg: TrainConfig) -> None:
     for name, ok, expected, got in checks:  # alpha, beta, eps: checked by cd.Prioritized
         if not ok:
             raise ConfigError(f"{name}: expected {expected}, got {got!r}")
+    _check_dqn_attach(cfg)
     if ck.dir is not None and (cfg.plane.kind != "conduit" or cfg.algo.name != "dqn"):
         raise ConfigError(
             f"checkpoint.dir: checkpoints need plane.kind=conduit and algo=dqn, got plane.kind="
             f"{cfg.plane.kind!r}, algo={cfg.algo.name!r} (PPO and GRPO resume are not built yet)"
+        )
+
+
+def _check_dqn_attach(cfg: TrainConfig) -> None:
+    """DQN actors outside the job: the settings that go with them, each refusal naming them.
+
+    Raises:
+        ConfigError: naming the field, the expected and the received value.
+    """
+    a = cfg.algo
+    registry.check_choice("algo.actors", a.actors, registry.DQN_ACTORS)
+    registry.check_choice("algo.role", a.role, registry.DQN_ROLES)
+    attached = a.actors == "attached" or a.role == "actor"
+    if not attached:
+        return
+    wants = [
+        ("algo.name", a.name, "dqn", "attached actors run DQN (GRPO's: algo.grpo.generators)"),
+        ("plane.kind", cfg.plane.kind, "conduit", "they attach to a DataPlane's ingress"),
+        ("checkpoint.dir", cfg.checkpoint.dir, None, "resume with attached actors: not yet"),
+        ("target_return", cfg.target_return, None, "the returns are the actors' own"),
+    ]
+    if a.actors == "attached":
+        wants.append(("mode", cfg.mode, "disaggregated", "every rank of the job learns"))
+    for name, got, expected, why in wants:
+        if got != expected:
+            raise ConfigError(f"{name}: expected {expected!r} with attached actors ({why}), "
+                              f"got {got!r}")  # fmt: skip
+    if not a.attach_dir:
+        raise ConfigError(
+            f"algo.attach_dir: expected the ingresses' run directory with algo.actors=attached "
+            f"or algo.role=actor, got {a.attach_dir!r}"
         )
 
 

@@ -50,6 +50,8 @@ def learner_ranks(cfg: TrainConfig, world: int) -> list[int]:
         return list(range(world))
     if cfg.algo.name == "grpo" and cfg.algo.grpo.generators == "attached":
         return list(range(world))  # generators are outside the job: every rank learns
+    if cfg.algo.name == "dqn" and cfg.algo.actors == "attached":
+        return list(range(world))  # so are the actors
     learners = sorted(set(cfg.learner_ranks))
     if world < 2 or not learners or len(learners) >= world:
         raise ConfigError(

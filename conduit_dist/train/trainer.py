@@ -59,7 +59,10 @@ class Trainer:
                 f"fetches an equal share of the update's batch), got {cfg.algo.batch_size}"
             )
         self.batch_per_learner = cfg.algo.batch_size // len(learners)
-        self.is_actor = cfg.mode == "colocated" or not self.is_learner
+        # actors outside the job (algo.actors=attached): every rank learns; env steps are what
+        # the ranks' ingresses acknowledged, summed (a collective each iteration)
+        self.attached = cfg.algo.name == "dqn" and cfg.algo.actors == "attached"
+        self.is_actor = not self.attached and (cfg.mode == "colocated" or not self.is_learner)
         self.n_actors = self.world if cfg.mode == "colocated" else self.world - len(learners)
         torch.manual_seed(cfg.seed + self.rank)
         self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank)
@@ -95,6 +98,10 @@ class Trainer:
             self.agent.flat.numel() if self.agent.flat is not None else 0,
             self.device,
         )
+        if self.attached:  # window 1: an actor runs one env step ahead of the learners'
+            # iterations at most (each iteration stores what it sent and acknowledges it), the
+            # lockstep an actor rank keeps
+            self.plane.open_ingress(cfg.algo.attach_dir, window=1)
         self.prioritized = setup.sampler_name(cfg) == "prioritized" and self.is_learner
         if isinstance(self.plane, DataPlane) and self.is_learner:
             self.plane.attach(self.agent.learner)
@@ -128,7 +135,8 @@ class Trainer:
         """Train until ``total_env_steps`` or ``target_return``; returns a summary."""
         cfg = self.cfg
         steps_per_iter = cfg.env.num_envs * self.n_actors
-        iters = math.ceil(cfg.total_env_steps / steps_per_iter)
+        # attached actors: as many iterations as it takes (the loop ends on the env steps)
+        iters = 2**62 if self.attached else math.ceil(cfg.total_env_steps / steps_per_iter)
         start, window, it = time.perf_counter(), Window(), 0
         summary = {"return_100": float("nan"), "reached_target": False}
         first = self._resume() + 1
@@ -143,14 +151,17 @@ class Trainer:
                 raise
             if self.resumer is not None:
                 self.resumer.after_iteration(it, self.env_steps, lambda it=it: self._state(it))
-            if it % cfg.logger.log_every == 0 or it == iters:
+            done = self.attached and self.env_steps >= cfg.total_env_steps
+            if it % cfg.logger.log_every == 0 or it == iters or done:
                 summary = {"reached_target": False, **self._log(window)}
                 if window.learning_iterations == window.iterations:
                     self.breakdown.merge(window.breakdown)
-                window = Window()
+                window = Window(env_steps0=self.env_steps)
                 if cfg.target_return is not None and summary["return_100"] >= cfg.target_return:
                     summary["reached_target"] = True
                     break
+            if done:
+                break
         wall = time.perf_counter() - start
         summary.update(env_steps=self.env_steps, wall_s=wall, iterations=it)
         if self.resumer is not None:
@@ -217,7 +228,10 @@ class Trainer:
             bd.lap("env")
             self.plane.put(batch)
             bd.lap("put")
-        self.env_steps += cfg.env.num_envs * self.n_actors
+        if self.attached:  # what every rank's ingress acknowledged (one all_reduce)
+            self.env_steps = self._attached_items()
+        else:
+            self.env_steps += cfg.env.num_envs * self.n_actors
         learning = self.env_steps >= cfg.algo.learning_starts
         learned, exposed_ms, hidden_ms = False, 0.0, 0.0
         for _ in range(cfg.algo.updates_per_iter if learning else 1):
@@ -265,6 +279,8 @@ class Trainer:
                 self.plane.flush()
                 window.add(self.plane.stats, (time.perf_counter() - t0) * 1e3)
                 bd.lap("exposed")
+                if self.attached and not learning:  # waiting for the actors' first steps
+                    time.sleep(0.01)
             bd.add("round_cpu", getattr(self.plane.stats, "cpu_ms", 0.0))
         if cfg.mode == "disaggregated" and not self.is_learner:
             self.policy_version = self.weights.pull(self.plane)
@@ -279,6 +295,16 @@ class Trainer:
         if learning:
             window.learning_iterations += 1
 
+    def _attached_items(self) -> int:
+        """Rows every rank's ingress acknowledged from the attached actors (a collective)."""
+        mine = sum(
+            int(a["items"]) for a in self.plane.ledger().values() if a["state"] != "restored"
+        )
+        t = torch.tensor([mine], dtype=torch.int64)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(t)
+        return int(t.item())
+
     def _update(self, bd: Breakdown) -> None:
         """The optimizer step (and, disaggregated, publishing the weights every few steps)."""
         self.agent.step()
@@ -291,7 +317,7 @@ class Trainer:
         """Aggregate the window over ranks (a collective) and log on rank 0."""
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         returns = list(self.env.returns) if self.env is not None else []
-        recent = returns[-math.ceil(100 / self.n_actors) :]
+        recent = returns[-math.ceil(100 / max(self.n_actors, 1)) :]
         ages = window.policy_ages()
         plane = self.plane if isinstance(self.plane, DataPlane) else None
         links = plane.topology.link_matrix()[self.rank] if plane else np.zeros(1, np.int64)
@@ -312,9 +338,11 @@ class Trainer:
         metrics = {
             "rl/episode_return_100": ret100,
             "rl/episodes": agg["episodes_mean"] * world,
-            "rate/env_steps_per_s": self.cfg.env.num_envs
-            * self.n_actors
-            * window.iterations
+            "rate/env_steps_per_s": (
+                (self.env_steps - window.env_steps0)
+                if self.attached
+                else self.cfg.env.num_envs * self.n_actors * window.iterations
+            )
             / elapsed,
             "rate/learner_steps_per_s": agg["learner_steps_per_s_mean"],
             "train/loss": agg["loss_mean"],

@@ -51,6 +51,7 @@ class Window:
     losses: list[torch.Tensor] = field(default_factory=list)  # 0-d, on the learner's device
     sent: np.ndarray | None = None  # bytes the rounds sent each rank (RoundStats.sent)
     ages: list[torch.Tensor] = field(default_factory=list)  # fetched items' policy ages
+    env_steps0: int = 0  # env steps when the window began (attached actors' rate)
 
     def add(self, stats: RoundStats, wait_ms: float, hidden_ms: float = 0.0) -> None:
         """Record one round's stats, the time the learner waited for it and the time hidden."""
