@@ -126,6 +126,7 @@ def test_learners_with_a_dqn_actor_attached_from_outside_the_job(tmp_path):
     assert acted["versions_seen"] >= 2  # it acted with the learners' newer networks
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["learner_steps"] > 0
+    assert rows[-1]["attach/items"] >= 1600 and rows[-1]["attach/live"] >= 0  # the ledger
 
 
 @pytest.mark.parametrize("plane", ["conduit", "simple"])

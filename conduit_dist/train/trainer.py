@@ -330,6 +330,8 @@ class Trainer:
         }
         store = plane.store_stats() if plane else None
         local.update(store_values(store))
+        attached = sorted(k for k in (store or {}) if k.startswith("attached_"))
+        local.update({k: float(store[k]) for k in attached})  # the ledger, summed below
         agg = aggregate(local)
         world = self.world
         n = agg["ret_n_mean"] * world
@@ -358,6 +360,8 @@ class Trainer:
             **link_metrics(agg, world),  # bytes the rounds sent by link class, all ranks
         }
         metrics.update(phase_metrics(agg))  # path/*_ms_*, the per-iteration breakdown
+        for k in attached:  # attached actors: the ledger over every rank's ingress (attach/*)
+            metrics[f"attach/{k.removeprefix('attached_')}"] = agg[f"{k}_mean"] * world
         self.logger.log(metrics, self.env_steps, window.histograms(ages))
         return {"return_100": ret100, **metrics}
 
