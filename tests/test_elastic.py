@@ -26,7 +26,7 @@ from conduit_dist.bench.hosts import EmulatedHosts, HostsUnavailable, kill_host,
 
 EXAMPLE = ROOT / "examples" / "elastic_tokens.py"
 PRODUCER = ROOT / "tests" / "attached_producer.py"
-STEPS = 40
+STEPS = 20
 
 
 def _rows(run: Path, pattern: str) -> list[dict]:
