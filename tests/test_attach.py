@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from attached_producer import MAX_LEN, member
@@ -285,14 +286,17 @@ def _crash(rank: int, world: int, run_dir: str, ckpt: str) -> None:
     os._exit(17)  # the host is lost: no close, no goodbye to the producer
 
 
-def _resume(rank: int, world: int, run_dir: str, ckpt: str) -> dict:
-    """The survivor: restores onto one rank, opens its ingress where the producer looks."""
+def _resume(rank: int, world: int, run_dir: str, ckpt: str, restore: bool = True) -> dict:
+    """The survivor: restores onto one rank (or starts afresh), opens its ingress where the
+    producer looks."""
     with cd.TokenPlane(make_spec(), 256, 256 * MAX_LEN) as tp:
-        tp.restore(ckpt)
+        if restore:
+            tp.restore(ckpt)
         tp.open_ingress(run_dir, timeout_s=TIMEOUT_S, grace_s=60)
         files = sorted(f for f in os.listdir(run_dir) if f.startswith("ingress"))
         Path(run_dir, "go3").touch()
-        got = sorted(g for mb in tp.fetch(6, 4096, wait_s=60) for g in _same_as_put(mb))
+        n = 6 if restore else 2
+        got = sorted(g for mb in tp.fetch(n, 4096, wait_s=60) for g in _same_as_put(mb))
         deadline = time.monotonic() + 30
         while tp.ledger().get("r", {}).get("state") != "closed" and time.monotonic() < deadline:
             tp.drain_ingress()
@@ -300,12 +304,15 @@ def _resume(rank: int, world: int, run_dir: str, ckpt: str) -> dict:
         return {"groups": got, "ledger": tp.ledger(), "files": files}
 
 
-def test_a_lost_job_resumes_from_its_checkpoint_and_the_ledger_counts_what_was_lost(tmp_path):
+@pytest.mark.parametrize("restore", [True, False], ids=["restored", "afresh"])
+def test_a_lost_job_resumes_from_its_checkpoint_and_the_ledger_counts_what_was_lost(
+    tmp_path, restore
+):
     run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     prod = Producer(run_dir, "r", 0, "tokens", 0, 4, "resume")
     try:
         run_ranks(_crash, 2, run_dir, ckpt, timeout_s=120, expect_exit={0: 17, 1: 17})
-        got = run_ranks(_resume, 1, run_dir, ckpt, timeout_s=120)[0]
+        got = run_ranks(_resume, 1, run_dir, ckpt, restore, timeout_s=120)[0]
         lines = [prod.line(timeout=30) for _ in range(3)]
     finally:
         prod.proc.kill()
@@ -315,9 +322,13 @@ def test_a_lost_job_resumes_from_its_checkpoint_and_the_ledger_counts_what_was_l
     assert got["files"] == ["ingress-rank0.json"]  # the dead rank 1's endpoint is gone
     # the checkpoint's 4 groups and the 2 put after the restart; the 3 acknowledged between the
     # checkpoint and the loss are gone, and the ledger says so
-    assert got["groups"] == [0, 1, 2, 3, 7, 8]
     led = got["ledger"]["r"]
-    assert led["lost"] == 3 and "5..7" in led["lost_why"]
+    if not restore:  # a new job without the old one's ledger: it cannot tell, and says so
+        assert got["groups"] == [7, 8]
+        assert led["unknown"] == 7 and led["lost"] == 0 and led["last_seq"] == 9
+        return
+    assert got["groups"] == [0, 1, 2, 3, 7, 8]
+    assert led["lost"] == 3 and "5..7" in led["lost_why"] and led["unknown"] == 0
     assert led["acked"] == 6 and led["state"] == "closed" and led["last_seq"] == 9
 
 

@@ -332,8 +332,9 @@ class Ingress:
             self._end(old)
         self._conns[pid] = conn
         self._lost_at.pop(pid, None)
+        known = pid in self.accounts
         acct = self.accounts.setdefault(pid, Account(pid))
-        if acked_through > acct.last_seq:  # acknowledged by a job that died after its checkpoint
+        if acked_through > acct.last_seq and known:  # acknowledged after the checkpoint
             lost = acked_through - acct.last_seq
             acct.lost += lost
             acct.lost_why = (
@@ -342,7 +343,14 @@ class Ingress:
             )
             log.warning("ingress rank %d: producer %s: %d acknowledged put(s) lost (%s)",
                         self.target.rank, pid, lost, acct.lost_why)  # fmt: skip
-            acct.last_seq = acked_through
+        elif acked_through > acct.last_seq:  # an earlier job's, whose ledger this one lacks
+            acct.unknown += acked_through - acct.last_seq
+            log.warning(
+                "ingress rank %d: producer %s had %d put(s) acknowledged by an earlier job "
+                "whose ledger this job did not restore: delivered or lost, it cannot tell",
+                self.target.rank, pid, acked_through - acct.last_seq,
+            )  # fmt: skip
+        acct.last_seq = max(acct.last_seq, acked_through)  # numbering goes on after them
         acct.state, acct.attaches = "live", acct.attaches + 1
         log.info("ingress rank %d: producer %s attached (%d time(s))",
                  self.target.rank, pid, acct.attaches)  # fmt: skip

@@ -17,7 +17,9 @@ class Account:
     deliveries of its groups to learners (token planes; a replayed group counts each time);
     ``dropped``: its groups dropped incomplete, by id, and ``dropped_why``; ``lost``: puts a
     shard had acknowledged after the checkpoint the job was restored from (they died with the
-    job: the producer had let them go), and ``lost_why``; ``state``: ``live``,
+    job: the producer had let them go), and ``lost_why``; ``unknown``: puts an earlier job
+    acknowledged whose ledger this job did not restore (no checkpoint of it, e.g. a
+    ``DataPlane``'s): delivered or lost, it cannot tell; ``state``: ``live``,
     ``disconnected`` (waiting for a reattach), ``closed``, ``dead`` or ``restored`` (from a
     checkpoint, not reattached yet).
     """
@@ -36,6 +38,7 @@ class Account:
     dropped_why: str = ""
     lost: int = 0
     lost_why: str = ""
+    unknown: int = 0
     last_seq: int = 0  # the newest put acknowledged (a reattach resends only those after it)
 
     def as_dict(self) -> dict[str, object]:
@@ -51,6 +54,7 @@ def totals(accounts: list[Account]) -> dict[str, int]:
     out = {f"attached_{k}": sum(getattr(a, k) for a in accounts) for k in keys}
     out["attached_dropped_groups"] = sum(len(a.dropped) for a in accounts)
     out["attached_lost"] = sum(a.lost for a in accounts)
+    out["attached_unknown"] = sum(a.unknown for a in accounts)
     out["attached_live"] = sum(a.state == "live" for a in accounts)
     out["attached_dead"] = sum(a.state == "dead" for a in accounts)
     return out
@@ -64,7 +68,7 @@ def merge(states: list[dict[str, dict]]) -> dict[str, Account]:
         for pid, d in state.items():
             a = out.setdefault(pid, Account(pid, state="restored"))
             for k in ("attaches", "put", "acked", "items", "groups", "duplicates", "refused",
-                      "delivered", "lost"):  # fmt: skip
+                      "delivered", "lost", "unknown"):  # fmt: skip
                 setattr(a, k, getattr(a, k) + int(d.get(k, 0)))
             a.dropped += [int(g) for g in d.get("dropped", [])]
             a.dropped_why = a.dropped_why or str(d.get("dropped_why", ""))
