@@ -201,3 +201,34 @@ def needs_native(*names: str) -> None:
     missing = [n for n in names if not hasattr(_native, n)]
     if missing:
         pytest.skip(f"the native extension lacks {', '.join(missing)} (a stale build)")
+
+
+def learners_and_attached(
+    tmp_path: Path, learner_args: list[str], producer_args: list[str], timeout_s: float = 240
+) -> tuple[dict, dict]:
+    """``torchrun --nproc_per_node=2 train.py <learner_args>`` and, started right after it,
+    ``python train.py <producer_args>`` (a producer attaching from outside the job); both must
+    end with status 0. Returns each one's ``done:`` line as a dict (``nan`` read as ``None``)."""
+    import ast
+    import subprocess
+
+    learners = subprocess.Popen(
+        [*TORCHRUN, str(ROOT / "train.py"), *learner_args, f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    producer = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *producer_args,
+         f"hydra.run.dir={tmp_path / 'producer'}"],
+        cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    out, _ = learners.communicate(timeout=timeout_s)
+    assert learners.returncode == 0, out[-4000:]
+    produced = producer.stdout + producer.stderr
+    assert producer.returncode == 0, produced[-4000:]
+
+    def done(text: str) -> dict:
+        line = next(x for x in text.splitlines() if "done: {" in x)
+        return ast.literal_eval(line.split("done: ", 1)[1].replace("nan", "None"))
+
+    return done(out), done(produced)

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from dist_utils import ROOT, run_ranks
+from dist_utils import ROOT, learners_and_attached, run_ranks
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_train import _torchrun
@@ -103,35 +103,16 @@ def test_disaggregated_one_learner_two_generators_keeps_the_age_bound(tmp_path):
 def test_learners_with_a_generator_attached_from_outside_the_job(tmp_path):
     """Two learner ranks open ingresses; a generator started after them (python train.py
     algo.grpo.role=generator) attaches, pulls each version and puts; both end cleanly."""
-    import subprocess
-    import sys
-
-    from dist_utils import child_env
-
     gen_dir = tmp_path / "ingress"
-    learners = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "train.py"), "experiment=grpo", "logger=none", "mode=disaggregated",
-         "algo.grpo.generators=attached", f"algo.grpo.attach_dir={gen_dir}",
-         f"total_env_steps={4 * 128}", "logger.log_every=2", "algo.grpo.wait_s=90",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
+    done, gdone = learners_and_attached(
+        tmp_path,
+        ["experiment=grpo", "logger=none", "mode=disaggregated", "algo.grpo.generators=attached",
+         f"algo.grpo.attach_dir={gen_dir}", f"total_env_steps={4 * 128}", "logger.log_every=2",
+         "algo.grpo.wait_s=90"],
+        ["experiment=grpo", "algo.grpo.role=generator", f"algo.grpo.attach_dir={gen_dir}"],
     )  # fmt: skip
-    gen = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "experiment=grpo", "algo.grpo.role=generator",
-         f"algo.grpo.attach_dir={gen_dir}", f"hydra.run.dir={tmp_path / 'gen'}"],
-        cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    out, _ = learners.communicate(timeout=240)
-    assert learners.returncode == 0, out[-4000:]
-    assert gen.returncode == 0, (gen.stdout + gen.stderr)[-4000:]
-    line = next(x for x in out.splitlines() if "done: {" in x)
-    done = ast.literal_eval(line.split("done: ", 1)[1])
     assert done["steps"] == 4 and done["max_policy_age_seen"] <= 1
     assert done["trained_samples"] == 4 * 128
-    gline = next(x for x in (gen.stdout + gen.stderr).splitlines() if "done: {" in x)
-    gdone = ast.literal_eval(gline.split("done: ", 1)[1])
     assert gdone["groups"] >= 4 * 8 and gdone["versions_seen"] >= 2  # it pulled new weights
     assert not list(gen_dir.glob("ingress-rank*.json"))  # the learners closed their ingresses
     rows = [r for r in _rows(tmp_path) if "attach/acked" in r]  # the ledger, over both learners

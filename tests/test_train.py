@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import ROOT, child_env
+from dist_utils import ROOT, child_env, learners_and_attached
 from wandb_reader import history, summary
 
 
@@ -96,31 +96,14 @@ def test_disaggregated_runs(tmp_path):
 def test_learners_with_a_dqn_actor_attached_from_outside_the_job(tmp_path):
     """Two learner ranks open ingresses; an actor started after them (python train.py
     algo.role=actor) attaches, acts with each newer network and puts; both end cleanly."""
-    import ast
-
     act_dir = tmp_path / "ingress"
-    learners = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "train.py"), "experiment=smoke", "logger=none", "mode=disaggregated",
-         "algo.actors=attached", f"algo.attach_dir={act_dir}", "total_env_steps=1600",
-         "algo.learning_starts=200", "logger.log_every=20", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
+    learned, acted = learners_and_attached(
+        tmp_path,
+        ["experiment=smoke", "logger=none", "mode=disaggregated", "algo.actors=attached",
+         f"algo.attach_dir={act_dir}", "total_env_steps=1600", "algo.learning_starts=200",
+         "logger.log_every=20"],
+        ["experiment=smoke", "algo.role=actor", f"algo.attach_dir={act_dir}"],
     )  # fmt: skip
-    actor = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "experiment=smoke", "algo.role=actor",
-         f"algo.attach_dir={act_dir}", f"hydra.run.dir={tmp_path / 'actor'}"],
-        cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    out, _ = learners.communicate(timeout=180)
-    assert learners.returncode == 0, out[-4000:]
-    assert actor.returncode == 0, (actor.stdout + actor.stderr)[-4000:]
-
-    def done(text: str) -> dict:
-        line = next(x for x in text.splitlines() if "done: {" in x)
-        return ast.literal_eval(line.split("done: ", 1)[1].replace("nan", "None"))
-
-    learned, acted = done(out), done(actor.stdout + actor.stderr)
     assert learned["env_steps"] >= 1600  # every step an attached actor had acknowledged
     assert acted["env_steps"] >= learned["env_steps"] and acted["episodes"] > 0
     assert acted["versions_seen"] >= 2  # it acted with the learners' newer networks
