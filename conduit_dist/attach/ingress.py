@@ -517,6 +517,30 @@ class Ingress:
                 os.unlink(self.path)
 
 
+def open_for(
+    current: Ingress | None,
+    target: Target,
+    world: int,
+    plane_timeout_s: float,
+    run_dir: str | None,
+    timeout_s: float | None,
+    **options,
+) -> Ingress:
+    """What both planes' ``open_ingress`` do: refuse a second ingress on a rank, remove a larger
+    earlier job's endpoint files (rank 0), and open this rank's (``timeout_s``: the plane's
+    collective timeout by default; ``options``: :class:`Ingress`'s others).
+
+    Raises:
+        ConfigError: if ``current`` is open already, or as :class:`Ingress`.
+    """
+    if current is not None:
+        raise ConfigError(f"open_ingress: rank {target.rank} has one open at {current.endpoint}")
+    if run_dir is not None and target.rank == 0:
+        stale_ingress_files(run_dir, world)
+    timeout = plane_timeout_s if timeout_s is None else timeout_s
+    return Ingress(target, run_dir=run_dir, timeout_s=timeout, **options)
+
+
 def stale_ingress_files(run_dir: str, world: int) -> list[str]:
     """Remove ``ingress-rank<r>.json`` files of ranks ``>= world`` under ``run_dir`` (an
     earlier, larger job's: a producer must not try them); returns what was removed."""

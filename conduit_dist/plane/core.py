@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from conduit_dist.attach.ingress import Ingress
+from conduit_dist.attach.ingress import Ingress, open_for
 from conduit_dist.checkpoint.plane import Checkpoints
 from conduit_dist.errors import ConfigError
 from conduit_dist.flow.ratelimit import RateLimiter
@@ -232,14 +232,10 @@ class DataPlane:
         rank's calls, and acknowledged once staged. Arguments, returns and errors as
         ``TokenPlane.open_ingress`` (each rank that calls it opens its own endpoint)."""
         self._check_open()
-        if self.ingress is not None:
-            raise ConfigError(
-                f"open_ingress: rank {self.rank} has one open at {self.ingress.endpoint}"
-            )
-        timeout = self._p.exchange.timeout.total_seconds() if timeout_s is None else timeout_s
-        self.ingress = Ingress(
-            RowTarget(self), host=host, port=port, advertise=advertise, run_dir=run_dir,
-            timeout_s=timeout, grace_s=grace_s, window=window,
+        self.ingress = open_for(
+            self.ingress, RowTarget(self), self.world, self._p.exchange.timeout.total_seconds(),
+            run_dir, timeout_s, host=host, port=port, advertise=advertise, grace_s=grace_s,
+            window=window,
         )  # fmt: skip
         return self.ingress.endpoint
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from conduit_dist.attach.ingress import Ingress, stale_ingress_files
+from conduit_dist.attach.ingress import Ingress, open_for
 from conduit_dist.attach.ledger import merge as merge_ledgers
 from conduit_dist.collectives.dist import resolve_device
 from conduit_dist.errors import ConfigError
@@ -392,18 +392,13 @@ class TokenPlane:
             ConfigError: if one is open already, on a bad value, or the port cannot be bound.
         """
         self._open("open_ingress")
-        if self.ingress is not None:
-            raise ConfigError(f"open_ingress: rank {self.rank} has one open at "
-                              f"{self.ingress.endpoint}")  # fmt: skip
-        if run_dir is not None and self.rank == 0:  # a larger earlier job's files
-            stale_ingress_files(run_dir, self.world)
         per = self.pacer.per_batch or None if groups_per_version is None else groups_per_version
         if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
             raise ConfigError(f"open_ingress groups_per_version: expected an int >= 1, got {per!r}")
-        self.ingress = Ingress(
-            TokenTarget(self, per), host=host, port=port, advertise=advertise, run_dir=run_dir,
-            timeout_s=self.ex.timeout.total_seconds() if timeout_s is None else timeout_s,
-            grace_s=grace_s, window=window,
+        self.ingress = open_for(
+            self.ingress, TokenTarget(self, per), self.world, self.ex.timeout.total_seconds(),
+            run_dir, timeout_s, host=host, port=port, advertise=advertise, grace_s=grace_s,
+            window=window,
         )  # fmt: skip
         if self._ledgers is not None:  # restored from a checkpoint before it opened
             self.ingress.restore(self._ledgers)
