@@ -10,6 +10,7 @@ each flushed and logged ``{"acked": gid, "seq": ...}``, until killed)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -56,7 +57,6 @@ def main() -> None:
             p.put(row(g))
         time.sleep(0.02)
     if mode == "resume":  # the job checkpoints, dies and comes back between the phases
-        import os
 
         def wait_for(name: str) -> None:
             while not os.path.exists(os.path.join(run_dir, name)):

@@ -25,16 +25,19 @@ from conduit_dist.sched import FetchTiming, fetch_timing
 from conduit_dist.tiers import Tiers
 
 
-def _delegate(part: str, method, queue_later: bool = False):
+def _delegate(part: str, method, queue_later: bool = False, drain: bool = False):
     """A ``DataPlane`` method that checks the plane is open, then calls ``method`` on its part
     ``part`` (the part documents it: docstring and signature are ``method``'s), outside
     ``torch.inference_mode`` (a batch fetched in it would otherwise leave inference tensors in
     the pools that later batches are views of, which autograd refuses to save). ``queue_later``:
-    priority updates given on a GPU are queued first (``Consumer.queue_later``)."""
+    priority updates given on a GPU are queued first (``Consumer.queue_later``); ``drain``:
+    attached producers' puts are staged first (they join this call's round)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         self._check_open()
+        if drain:
+            self._drain()
         if queue_later:  # collective calls: a refused update raises at the next fetch
             self._consumer.queue_later(collective=True)
         if torch.is_inference_mode_enabled():  # the plane's pooled buffers and their views
@@ -168,13 +171,7 @@ class DataPlane:
             self._wait_to_insert(n)
         return self._p.stager.staged(n, version)
 
-    _fetch = _delegate("_consumer", Consumer.fetch)
-
-    @functools.wraps(Consumer.fetch)
-    def fetch(self, *args, **kwargs):
-        self._check_open()
-        self._drain()  # attached producers' puts join this fetch's round
-        return self._fetch(*args, **kwargs)
+    fetch = _delegate("_consumer", Consumer.fetch, drain=True)
 
     update_priorities = _delegate("_consumer", Consumer.update_priorities)
 
@@ -309,9 +306,9 @@ class DataPlane:
             self._ckpt.raise_failure()
         if self._p.stager.in_block:
             raise ConfigError("this call cannot run inside a staged() block: leave the block first")
+        self._p.clock.check()
 
     def _drain(self) -> None:
         """Attached producers' puts, staged before this call's (put, flush, fetch)."""
         if self.ingress is not None:
             self.ingress.drain()
-        self._p.clock.check()

@@ -343,9 +343,9 @@ class TokenRound:
             got = self._lengths(lens, n) if world > 1 else lens  # one rank: its own, in order
         # host sections through shared memory land straight in the micro-batches' columns
         learner = me in self.learners
+        mbs = plan[self.learners.index(me)] if learner else []
         landing = None
         if learner and not self.lengths_on_host and self.transport.lands(nbytes):
-            mbs = plan[self.learners.index(me)]
             landing = D.land(self.wire, groups, chosen, holder, mbs, world)
             self.transport.land(landing[1])
         # [bytes, 1] rows: every strategy moves rows of one width (here one byte)
@@ -360,7 +360,6 @@ class TokenRound:
             return []
         if landing is not None:
             return D.landed(self.wire, landing[0], landing[2], groups, chosen, holder, self.device)
-        mbs = plan[self.learners.index(me)]
         return D.cut(self.wire, recv, nbytes[:, me], groups, chosen, holder, mbs, self.device, got)
 
     def _lengths(self, lens: np.ndarray, n: np.ndarray) -> np.ndarray:

@@ -46,12 +46,11 @@ class DQNActor:
         self.cfg = cfg
         self.producer = f"actor-{socket.gethostname()}-{os.getpid()}"
         tag = zlib.crc32(self.producer.encode()) & 0x7FFFFFFF
-        probe = VectorEnv(cfg.env.id, 1, cfg.seed)
-        obs_dim, n_actions = probe.obs_dim, probe.n_actions
-        probe.close()
-        self.env = VectorEnv(cfg.env.id, cfg.env.num_envs, cfg.seed + tag, cfg.algo.n_step > 1)
+        env = self.env = VectorEnv(
+            cfg.env.id, cfg.env.num_envs, cfg.seed + tag, cfg.algo.n_step > 1
+        )
         torch.manual_seed(cfg.seed)  # the learners' initial network: version 0
-        self.agent = DQN(cfg.algo, obs_dim, n_actions, None, False, torch.device("cpu"))
+        self.agent = DQN(cfg.algo, env.obs_dim, env.n_actions, None, False, torch.device("cpu"))
         self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + tag)
 
     def run(self) -> dict[str, object]:

@@ -350,7 +350,7 @@ class GRPOTrainer:
         collective of the learners); nothing otherwise."""
         if not self.attached:
             return {}
-        totals = {k: v for k, v in self.plane.stats().items() if k.startswith("attached_")}
+        totals = self.plane.ingress.totals()
         keys = sorted(totals)
         vals = [float(totals[k]) for k in keys]
         if self.group is not None:

@@ -297,10 +297,7 @@ class Trainer:
 
     def _attached_items(self) -> int:
         """Rows every rank's ingress acknowledged from the attached actors (a collective)."""
-        mine = sum(
-            int(a["items"]) for a in self.plane.ledger().values() if a["state"] != "restored"
-        )
-        t = torch.tensor([mine], dtype=torch.int64)
+        t = torch.tensor([self.plane.ingress.totals()["attached_items"]], dtype=torch.int64)
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(t)
         return int(t.item())
