@@ -10,7 +10,7 @@ from plane_helpers import fill
 from torch import nn
 
 from conduit_dist import SpecError
-from conduit_dist.flow.weights import WeightsSnapshot, WeightsState
+from conduit_dist.flow.weights import WeightsState, parts
 
 PREAMBLE = struct.Struct("<4sII")  # magic, format, header length (the documented wire layout)
 
@@ -175,37 +175,54 @@ def edit_tensor(key: str, value: object) -> Callable[[torch.Tensor], torch.Tenso
 )
 def test_pull_rejects_a_truncated_or_corrupted_buffer(corrupt, words):
     ws = published(fill(nn.Linear(4, 6), 0))
-    ws.buf = corrupt(ws.buf)
+    ws.hold(ws.version, corrupt(ws.buf))
     assert_pull_rejected(ws, fill(nn.Linear(4, 6), 1), words)
 
 
-class Loopback:
-    """An Exchange stand-in: ``broadcast`` fills a receiver's buffer with the sender's bytes."""
-
-    def __init__(self, rank: int, sent: torch.Tensor | None) -> None:
-        self.rank, self.sent, self.calls = rank, sent, 0
-
-    def broadcast(self, buf: torch.Tensor, src: int, round: int) -> None:
-        self.calls += 1
-        if self.rank != src:
-            buf.copy_(self.sent)
-
-
-def test_exchange_carries_the_layout_in_the_broadcast_bytes():
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_learners_parts_put_together_are_the_whole_buffer_byte_for_byte(count):
+    """Each learner packs only its part (tensors straddling a part's edge copied byte range by
+    byte range); the parts side by side are the buffer one publisher packs, padding included,
+    and the part ranges tile it."""
     a = fill(Net(), 0)
-    sender = published(a)
-    snap = sender.snapshot()
-    sender.exchange(Loopback(0, None), 0, snap.version, snap.nbytes, 5, snap)
-    receiver, b = WeightsState(), fill(Net(), 1)
-    ex = Loopback(1, snap.buf)
-    receiver.exchange(ex, 0, snap.version, snap.nbytes, 5, WeightsSnapshot(0, None))
-    assert sender.broadcast == receiver.broadcast == 1 and receiver.version == 1
-    assert receiver.pull(b) == 1
+    whole = published(a).buf
+    assert parts(whole.numel(), count)[-1][1] == whole.numel()
+    stitched = torch.full_like(whole, 0xAB)
+    for i, (lo, hi) in enumerate(parts(whole.numel(), count)):
+        ws = WeightsState()
+        ws.publish(a, part=(i, count))
+        assert ws.whole() == (0, None) and ws.pull(Net()) == 0  # a part is never loaded
+        stitched[lo:hi] = ws.buf[lo:hi]
+    assert torch.equal(stitched, whole)
+    with pytest.raises(SpecError, match=r"part: expected \(index, count\).*got \(2, 2\)"):
+        WeightsState().publish(a, part=(2, 2))
+
+
+def test_in_place_pull_loads_views_of_the_buffer_which_is_not_reused_while_held():
+    from conduit_dist.records.buffers import use_count
+
+    a, b = fill(Net(), 0), fill(Net(), 1)
+    ws = published(a)
+    grad = b.lin.weight.requires_grad
+    assert ws.pull(b, in_place=True) == 1
     assert_same_state(a, b)
-    receiver.exchange(ex, 0, snap.version, snap.nbytes, 6, WeightsSnapshot(0, None))  # not newer
-    assert ex.calls == 1
-    with pytest.raises(SpecError, match="'lin.weight'"):
-        receiver.pull(nn.Linear(2, 2))
+    assert b.lin.weight.untyped_storage().data_ptr() == ws.buf.untyped_storage().data_ptr()
+    assert b.lin.weight.requires_grad == grad and isinstance(b.lin.weight, nn.Parameter)
+    if use_count(torch.zeros(1)) is None:
+        return
+    held = ws.buf.untyped_storage().data_ptr()
+    for v in range(2, 5):  # later versions never go into the buffer b reads
+        fill(a, v)
+        ws.publish(a)
+        assert ws.buf.untyped_storage().data_ptr() != held
+    assert b.lin.weight.untyped_storage().data_ptr() == held
+    torch.testing.assert_close(b.lin.weight, fill(Net(), 0).lin.weight, rtol=0, atol=0)
+
+
+def test_bucket_bytes_must_be_a_positive_multiple_of_eight():
+    for bad in (3, 12, -8):
+        with pytest.raises(SpecError, match=f"bucket_bytes.*multiple of 8, got {bad}"):
+            WeightsState(bucket_bytes=bad)
 
 
 def test_publish_rejects_a_module_without_state():
@@ -273,7 +290,7 @@ def test_weights_buffers_follow_a_layout_change_and_a_receiver_reuses_its_own():
         ws.publish(small)
         buf = receiver._buffers.take(ws.buf.numel())
         buf.copy_(ws.buf)  # the broadcast
-        receiver.buf, receiver.version = buf, v
+        receiver.hold(v, buf)
         del buf
         assert receiver.pull(target) == v
         assert torch.equal(target.weight, small.weight)
@@ -294,13 +311,13 @@ def test_device_weights_read_their_header_once_per_layout_and_check_its_digest()
     for _ in range(3):  # three versions of one layout
         pub.publish(net)
         snap = pub.snapshot()
-        recv.buf, recv.version, recv.head = snap.buf.clone(), snap.version, snap.head
+        recv.hold(snap.version, snap.buf.clone(), snap.head)
         assert recv.pull(copy) == snap.version
         assert torch.equal(copy.weight, net.weight)
         with torch.no_grad():
             net.weight.add_(1.0)
     assert SYNCS.snapshot().get("weights header", 0) == before + 1  # the first pull only
     pub.publish(net)
-    recv.buf, recv.version, recv.head = pub.snapshot().buf.clone(), pub.version, 12345
+    recv.hold(pub.version, pub.snapshot().buf.clone(), 12345)
     with pytest.raises(SpecError, match="differs from the one the publisher announced"):
         recv.pull(copy)

@@ -415,7 +415,7 @@ class AttachedProducer:
         version, buf = got
         if buf is not None and version > have:
             ws = WeightsState()
-            ws.buf, ws.version = buf, version
+            ws.hold(version, buf)
             ws.pull(model)
             self._pulled = version
         return max(version, have)

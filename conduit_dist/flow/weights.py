@@ -1,4 +1,8 @@
-"""Versioned learner weights, packed into one self-describing byte buffer and broadcast in a round.
+"""Versioned learner weights, packed into one self-describing byte buffer and sent in a round.
+
+Learners holding the same weights each pack a part and send it, in buckets, to every receiver
+(:meth:`WeightsState.exchange`): no rank sends the whole model, and a receiver loads a version
+only once every part of it arrived (docs/weights.md).
 
 A published buffer carries its own layout, so a receiver checks names, shapes and dtypes against
 its module before it loads a byte (no pickle)::
@@ -16,9 +20,12 @@ import hashlib
 import json
 import math
 import struct
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
@@ -31,6 +38,10 @@ _MAGIC = b"CDWT"
 _FORMAT = 1
 _PREAMBLE = struct.Struct("<4sII")  # magic, format, header length
 _KEYS = ("dtype", "name", "offset", "shape")
+# the default largest piece of a weights transfer: bench weights on 4 gloo ranks found 16-256
+# MiB alike (docs/benchmarks.md); pieces bound a CUDA receive's in-flight memory and NCCL's
+# per-call size
+BUCKET_BYTES = 64 << 20
 _DTYPES = {  # the names the JSON header uses: the record dtypes, and complex for weights
     str(d).removeprefix("torch."): d for d in (*SUPPORTED, torch.complex64, torch.complex128)
 }
@@ -114,20 +125,54 @@ def _head(entries: dict[str, _Entry]) -> tuple[bytes, int]:
     return head, align(len(head)) + payload
 
 
-def _fill(buf: torch.Tensor, head: bytes, entries: dict[str, _Entry], state) -> None:
-    """Write the header ``head`` (padded with zeros) and ``state``'s values into ``buf`` (on
-    any device: the header goes up from the host, the values are copied where they are)."""
+def _fill(
+    buf: torch.Tensor, head: bytes, entries: dict[str, _Entry], state, lo: int = 0, hi: int = -1
+) -> None:
+    """Write bytes ``[lo, hi)`` of the buffer of ``state`` into ``buf`` (``hi=-1``: to the end):
+    the header ``head`` (padded with zeros) and the tensors' values, each copied where it is
+    (the header goes up from the host). A part (a learner's share of a buffer several send)
+    writes only its bytes: a tensor that straddles a part's edge is copied byte range by byte
+    range, as raw bytes."""
+    hi = buf.numel() if hi < 0 else hi
     start = align(len(head))
-    buf[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    buf[len(head) : start].zero_()
+    if lo < start:  # the preamble, header and its padding
+        raw = torch.frombuffer(bytearray(head.ljust(start, b"\0")), dtype=torch.uint8)
+        buf[lo : min(hi, start)].copy_(raw[lo : min(hi, start)])
     for name, t in state.items():
         e = entries[name]
         at = start + e.offset
-        view = buf[at : at + e.nbytes].view(e.dtype)
-        view.copy_(t.detach().reshape(-1))
         end = align(at + e.nbytes)
-        if end > at + e.nbytes:  # alignment padding: zeros, as a fresh buffer's
-            buf[at + e.nbytes : end].zero_()
+        a, b = max(lo, at), min(hi, end)
+        if a >= b:
+            continue
+        if a == at and b >= at + e.nbytes:  # the whole tensor, in its own dtype
+            buf[at : at + e.nbytes].view(e.dtype).copy_(t.detach().reshape(-1))
+        elif a < at + e.nbytes:  # a byte range of it
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[a : min(b, at + e.nbytes)].copy_(raw[a - at : min(b, at + e.nbytes) - at])
+        if b > at + e.nbytes:  # alignment padding: zeros, as a fresh buffer's
+            buf[max(a, at + e.nbytes) : b].zero_()
+
+
+def parts(nbytes: int, count: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` byte ranges splitting a buffer of ``nbytes`` among ``count`` senders: as
+    equal as ``ALIGN``-byte boundaries allow (the last takes the rest), so each of ``count``
+    learners holding the same weights sends about ``1/count`` of them.
+
+    Example:
+        >>> parts(100, 2)
+        [(0, 48), (48, 100)]
+    """
+    if count < 1:
+        raise ValueError(f"parts: expected count >= 1, got {count}")
+    step = (nbytes // count) // ALIGN * ALIGN
+    edges = [min(i * step, nbytes) for i in range(count)] + [nbytes]
+    return [(edges[i], edges[i + 1]) for i in range(count)]
+
+
+def buckets(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in consecutive ranges of at most ``size`` bytes (none when empty)."""
+    return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
 
 
 class _Buffers:
@@ -158,6 +203,16 @@ class _Buffers:
             return buf
         keep(self._pool, Pooled(buf), self.size)  # a free one of an old size leaves first
         return buf.detach()
+
+    def wait(self, buf: torch.Tensor) -> None:
+        """CUDA: make the current stream wait for ``buf``'s last recorded use (its pack, on
+        the publisher's stream) before it reads it; nothing on the host."""
+        if self.device.type != "cuda":
+            return
+        ptr = buf.untyped_storage().data_ptr()
+        for e in self._pool:
+            if e.released is not None and e.buf.untyped_storage().data_ptr() == ptr:
+                torch.cuda.current_stream(self.device).wait_event(e.released)
 
     def used(self, buf: torch.Tensor) -> None:
         """CUDA: ``buf`` was used on the current stream up to here (a fill, a broadcast, a
@@ -275,6 +330,23 @@ def _differences(mine: dict[str, _Entry], got: dict[str, _Entry]) -> list[str]:
     return out
 
 
+@dataclass
+class Transfer:
+    """What this rank did in the last weights transfer (``WeightsState.last``).
+
+    ``schedule`` is ``"p2p"`` (each owner sends its part to each receiver, bucket by bucket) or
+    ``"broadcast"`` (each owner broadcasts its part to the group: CUDA buffers over gloo, which
+    has no send/recv for them); ``sent``/``received`` count this rank's payload bytes."""
+
+    version: int = 0
+    schedule: str = ""
+    owners: tuple[int, ...] = ()
+    sent: int = 0
+    received: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+
+
 class WeightsState:
     """The publisher's packed weights, or the latest weights received, with their version.
 
@@ -283,6 +355,16 @@ class WeightsState:
     hands over a complete buffer, and a steady publisher or receiver allocates nothing. Each
     buffer describes its own layout (see the module docstring), checked on :meth:`pull`.
 
+    Several learners holding the same weights (data parallel) each pack only their *part* of a
+    version (``publish(module, part=(i, L))``: about ``1/L`` of the bytes) and a round's
+    :meth:`exchange` has every owner send its part to every receiver, in buckets of
+    ``bucket_bytes``: no rank sends the whole model. A version is loadable (:meth:`pull`,
+    :meth:`whole`) only once every part of it is here: never torn.
+
+    Args:
+        device: where the buffers live (``None``: the host).
+        bucket_bytes: the largest piece one send or receive moves (:data:`BUCKET_BYTES`).
+
     Example:
         >>> ws = WeightsState()
         >>> ws.publish(nn.Linear(2, 3))
@@ -290,13 +372,24 @@ class WeightsState:
         1
     """
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, bucket_bytes: int = 0) -> None:
+        bucket_bytes = bucket_bytes or BUCKET_BYTES
+        if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+            raise SpecError(
+                f"weights: bucket_bytes: expected a positive multiple of {ALIGN}, got "
+                f"{bucket_bytes}"
+            )
+        self.bucket_bytes = bucket_bytes
         self.version = 0
-        self.buf: torch.Tensor | None = None
-        self.broadcast = 0  # last version broadcast (the same on every rank)
+        self.buf: torch.Tensor | None = None  # the newest buffer (an owner's: maybe a part)
+        self.part = (0, 1)  # which part of ``buf`` this rank packed (index, count)
+        # the newest complete buffer: (version, buffer, header digest) or None
+        self._whole: tuple[int, torch.Tensor, int] | None = None
+        self.broadcast = 0  # last version sent in a round (the same on every rank)
+        self.last = Transfer()  # this rank's side of the last transfer
         self._decoded: tuple[int, int, _Layout] | None = None  # (version, address, layout)
         # device buffers: every buffer on ``device`` (published from and loaded into modules
-        # there, broadcast by the group's backend for CUDA tensors); a receiver reads a header
+        # there, sent by the group's backend for CUDA tensors); a receiver reads a header
         # to the host only when its digest (carried in the round's meta) is new
         self.device = device
         self._buffers = _Buffers(device=device)
@@ -312,13 +405,34 @@ class WeightsState:
             return WeightsSnapshot(min(self.version, self.broadcast), None)
         return WeightsSnapshot(self.version, self.buf, self.head)
 
-    def publish(self, module: nn.Module) -> None:
+    def whole(self) -> tuple[int, torch.Tensor | None]:
+        """The newest version held complete, and its buffer (``(0, None)``: none yet): what
+        :meth:`pull` loads and an ingress serves, never a part still missing others'."""
+        if self._whole is None:
+            return 0, None
+        return self._whole[0], self._whole[1]
+
+    def publish(self, module: nn.Module, part: tuple[int, int] = (0, 1)) -> None:
         """Pack ``module``'s state (names, shapes, dtypes and values) into a buffer nobody
         holds (not the current one) and bump the version.
 
+        Args:
+            module: the weights.
+            part: ``(index, count)``: pack only bytes :func:`parts` gives ``index`` of
+                ``count`` senders (learners holding the same weights; a round completes the
+                buffer from the others). ``(0, 1)``: the whole buffer.
+
         Raises:
-            SpecError: if the module has no state or a tensor of an unsupported dtype.
+            SpecError: if the module has no state or a tensor of an unsupported dtype, or
+                ``part`` is not an index below a count >= 1.
         """
+        index, count = part
+        if not (isinstance(count, int) and count >= 1 and isinstance(index, int)) or not (
+            0 <= index < count
+        ):
+            raise SpecError(
+                f"weights: part: expected (index, count), 0 <= index < count, got {part}"
+            )
         state = _state(module)
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in state.items())
         if self._head is None or self._head[0] != key:  # the header only when the layout changes
@@ -331,35 +445,99 @@ class WeightsState:
             self._head = (key, head, total, entries, digest)
         _, head, total, entries, digest = self._head
         buf = self._buffers.take(total)
-        _fill(buf, head, entries, state)
+        lo, hi = parts(total, count)[index]
+        _fill(buf, head, entries, state, lo, hi)
         self._buffers.used(buf)
-        self.buf = buf  # complete before it is current
+        self.buf, self.part = buf, (index, count)  # complete (its part) before it is current
         self.head = digest  # 0 on a host plane: receivers read the header in place
         self.version += 1
+        if count == 1:
+            self._whole = (self.version, buf, digest)
 
     def exchange(
-        self, ex: Exchange, src: int, version: int, nbytes: int, r: int, snap, head: int = 0
+        self,
+        ex: Exchange,
+        owners: int | Sequence[int],
+        version: int,
+        nbytes: int,
+        r: int,
+        snap,
+        head: int = 0,
+        receivers: Sequence[int] | None = None,
     ) -> None:
-        """Broadcast from ``src`` if its version is newer than the last broadcast (all ranks).
+        """Send version ``version`` from its owners to its receivers if it is newer than the
+        last one sent (every rank of the group calls it, with the same arguments but ``snap``).
+
+        Each owner holds part ``i`` of ``len(owners)`` (:func:`parts`) and sends it, in buckets
+        of :attr:`bucket_bytes`, to every receiver that is not itself (schedule ``"p2p"``,
+        one batch of sends and receives), or broadcasts it to the group where the backend has
+        no send/recv for the buffer's device (``"broadcast"``: CUDA over gloo). A receiver's
+        buffer becomes its current one, whole, only after every bucket arrived.
 
         Args:
             ex: the plane's collectives.
-            src: the publishing rank.
-            version: ``src``'s version, from the round's meta (the same on every rank).
-            nbytes: the byte count of ``src``'s buffer, from the meta.
+            owners: the ranks that packed the version, in part order (one rank: the whole).
+            version: the owners' version, from the round's meta (the same on every rank).
+            nbytes: the byte count of the buffer, from the meta.
             r: the round number.
-            snap: this rank's :class:`WeightsSnapshot` (the buffer sent when this rank is
-                ``src``).
-            head: ``src``'s header digest, from the meta (device buffers; 0: none).
+            snap: this rank's :class:`WeightsSnapshot` (the part sent when this rank owns
+                one).
+            head: the owners' header digest, from the meta (device buffers; 0: none).
+            receivers: the ranks that load the whole version (default: every rank that is
+                not an owner). An owner among them also receives the others' parts.
         """
         if version <= self.broadcast:
             return
-        buf = snap.buf if ex.rank == src else self._buffers.take(nbytes)
-        ex.broadcast(buf, src, r)
-        self._buffers.used(buf)  # CUDA: the broadcast on the round's stream, before a reuse
+        owners = (owners,) if isinstance(owners, int) else tuple(owners)
+        rank = ex.rank
+        if receivers is None:
+            receivers = [q for q in range(ex.world) if q not in owners]
+        receiving = rank in receivers
+        t0 = time.perf_counter()
+        if rank in owners:
+            buf = snap.buf
+            self._buffers.wait(buf)  # CUDA: its pack, before a send reads it
+        else:
+            buf = self._buffers.take(nbytes)
+        ranges = parts(nbytes, len(owners))
+        schedule = weights_schedule(ex, buf.is_cuda)
+        sent = received = count = 0
+        if schedule == "broadcast":  # every rank takes part; owners receive the others' parts
+            for src, (lo, hi) in zip(owners, ranges):
+                for a, b in buckets(lo, hi, self.bucket_bytes):
+                    ex.broadcast(buf[a:b], src, r)
+                    count += 1
+                    if rank == src:
+                        sent += (b - a) * (ex.world - 1)
+                    else:
+                        received += b - a
+            receiving = receiving or rank in owners
+        else:
+            ops = []
+            for src, (lo, hi) in zip(owners, ranges):
+                if src != rank and not receiving:
+                    continue
+                for a, b in buckets(lo, hi, self.bucket_bytes):
+                    count += 1
+                    if src == rank:
+                        for dst in receivers:
+                            if dst != rank:
+                                ops.append(dist.P2POp(dist.isend, buf[a:b], dst, ex.group))
+                                sent += b - a
+                    else:
+                        ops.append(dist.P2POp(dist.irecv, buf[a:b], src, ex.group))
+                        received += b - a
+            if ops:
+                ex.send_recv(ops, "weights[p2p]", r, buf.is_cuda)
+        self._buffers.used(buf)  # CUDA: the transfer on the round's stream, before a reuse
         self.broadcast = version
-        if ex.rank != src:
-            self.buf, self.version, self.head = buf, version, head
+        self.last = Transfer(
+            version, schedule, owners, sent, received, count, time.perf_counter() - t0
+        )
+        if rank not in owners:
+            self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
+        if receiving or (rank in owners and len(owners) == 1):
+            self._whole = (version, buf, head)
 
     def state_dict(self) -> dict[str, int]:
         """The last version broadcast (the same on every rank; versions are owned by
@@ -370,9 +548,25 @@ class WeightsState:
         """Restore :meth:`state_dict` (a version already broadcast is not sent again)."""
         self.broadcast = int(state["broadcast"])
 
-    def pull(self, module: nn.Module) -> int:
-        """Copy the latest weights into ``module`` after checking their layout against its
-        state_dict; nothing is copied when they differ.
+    def hold(self, version: int, buf: torch.Tensor, head: int = 0) -> None:
+        """Make ``buf``, a whole buffer of ``version`` received outside a round (an attached
+        producer's pull, a test), the current one."""
+        self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
+        self._whole = (version, buf, head)
+
+    def pull(self, module: nn.Module, in_place: bool = False) -> int:
+        """Load the newest whole version into ``module`` after checking their layout against
+        its state_dict; nothing is loaded when they differ.
+
+        Args:
+            module: the module to load (its state_dict's names, shapes and dtypes must be the
+                published ones).
+            in_place: instead of copying, make ``module``'s parameters and buffers views of
+                the received buffer (``load_state_dict(..., assign=True)``; ``requires_grad``
+                kept): no copy per load, for producers that only run the module. The buffer is
+                then never reused while the module holds it (storage use counts); views of a
+                tied weight become two tensors of equal values; an optimizer holding the old
+                parameters no longer sees the module's.
 
         Returns:
             The version loaded (0: none published or received yet).
@@ -381,13 +575,13 @@ class WeightsState:
             SpecError: if the buffer is truncated or corrupted, or its names, shapes or dtypes
                 differ from the module's (each difference listed: name, expected, received).
         """
-        buf, version = self.buf, self.version
-        if version == 0 or buf is None:
+        if self._whole is None:
             return 0
+        version, buf, head = self._whole
         # by version and address: a reused buffer holds a new version, and the layout decoded
         # is always that of the buffer copied from
         if self.device is not None:
-            layout = self._device_layout(buf)
+            layout = self._device_layout(buf, head)
         else:
             key = (version, buf.data_ptr())
             decoded = self._decoded
@@ -405,18 +599,25 @@ class WeightsState:
                 f"bytes) do not match the module's state_dict ({len(mine)} tensors, {mine_bytes} "
                 f"bytes): {'; '.join(diff)}. Is the module the learner's architecture?"
             )
-        with torch.no_grad():
-            for name, t in state.items():
-                e = layout.entries[name]
-                at = layout.start + e.offset
-                t.copy_(buf[at : at + e.nbytes].view(e.dtype).view(e.shape))
+        views = {}
+        for name in state:
+            e = layout.entries[name]
+            at = layout.start + e.offset
+            views[name] = buf[at : at + e.nbytes].view(e.dtype).view(e.shape)
+        if in_place:
+            module.load_state_dict(views, strict=True, assign=True)
+        else:
+            with torch.no_grad():
+                for name, t in state.items():
+                    t.copy_(views[name])
+        del views
         self._buffers.used(buf)
         return version
 
-    def _device_layout(self, buf: torch.Tensor) -> _Layout:
+    def _device_layout(self, buf: torch.Tensor, head: int) -> _Layout:
         """A device buffer's layout: known by its header digest, or read once (its preamble
         and header to the host: a counted sync), checked against the digest."""
-        layout = self._layouts.get(self.head)
+        layout = self._layouts.get(head)
         if layout is not None:
             return layout
         size = buf.numel()
@@ -425,14 +626,21 @@ class WeightsState:
         hlen = _PREAMBLE.unpack(first.numpy().tobytes())[2] if size >= _PREAMBLE.size else 0
         raw = buf[: min(size, _PREAMBLE.size + hlen)].cpu().numpy().tobytes()
         got = head_digest(raw)
-        if self.head and got != self.head:
+        if head and got != head:
             raise SpecError(
                 f"weights: the received header's digest {got:#x} differs from the one the "
-                f"publisher announced, {self.head:#x}: a corrupted or mismatched buffer"
+                f"publisher announced, {head:#x}: a corrupted or mismatched buffer"
             )
         layout = _decode(raw, size)
         self._layouts[got] = layout
         return layout
+
+
+def weights_schedule(ex, cuda: bool) -> str:
+    """How a round moves weights on ``ex``: ``"p2p"`` (sends and receives: gloo for host
+    buffers, NCCL for CUDA ones) or ``"broadcast"`` (CUDA buffers through gloo, which has no
+    send/recv for them; ``Exchange.cuda_backend``)."""
+    return "broadcast" if cuda and getattr(ex, "cuda_backend", "") == "gloo" else "p2p"
 
 
 def head_digest(head: bytes) -> int:

@@ -69,6 +69,5 @@ class RowTarget:
         return False
 
     def weights(self) -> tuple[int, torch.Tensor | None]:
-        """The newest weights this rank holds (published here or broadcast in a round)."""
-        snap = self.plane._p.weights.snapshot()
-        return snap.version, snap.buf
+        """The newest weights this rank holds whole (published here or received in a round)."""
+        return self.plane._p.weights.whole()

@@ -325,7 +325,7 @@ def assemble(
             stored, shard, ex, sampler, placement, moves, (ages, rate_limiter), learners,
             plan, wire_bytes, reduce_numel,
         )  # fmt: skip
-        weights = WeightsState()
+        weights = WeightsState(None, transport.weights_bucket_bytes)
         versions = PolicyVersions(weights, ex.rank, learners)
         sched = Scheduler(mode, engine, weights, device, transport.timeout_s, plan.round_thread)
         undo.callback(sched.close, True)

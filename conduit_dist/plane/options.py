@@ -29,6 +29,9 @@ class TransportConfig:
             (``shm_open.room_for``), else off (logged once, with the reason); ``True``: on, and
             a plane whose ranks do not share ``/dev/shm``, or that lacks that room, is refused;
             ``False``: off.
+        weights_bucket_mb: the largest piece, in MiB, of a weights transfer (each learner's
+            part goes to each receiver in pieces of this size; docs/weights.md). ``None``:
+            ``flow.weights.BUCKET_BYTES``.
 
     Raises:
         ConfigError: on a value outside the allowed ones, naming the field.
@@ -39,6 +42,7 @@ class TransportConfig:
     bandwidth: str | BandwidthModel = "declared"
     bandwidth_cache: str | None = "~/.cache/conduit_dist"
     shared_memory: bool | str = "auto"
+    weights_bucket_mb: float | None = None
 
     def __post_init__(self) -> None:
         t = self.timeout_s
@@ -56,11 +60,27 @@ class TransportConfig:
                 f"transport.shared_memory: expected one of {list(SHARED_MEMORY)}, got "
                 f"{self.shared_memory!r}"
             )
+        mb = self.weights_bucket_mb
+        if mb is not None and (
+            isinstance(mb, bool) or not isinstance(mb, int | float) or not (mb > 0)
+            or self.weights_bucket_bytes < 8
+        ):  # fmt: skip
+            raise ConfigError(
+                f"transport.weights_bucket_mb: expected a number > 0 (at least 8 bytes) or "
+                f"None, got {mb!r}"
+            )
         if self.bandwidth_cache is not None and not isinstance(self.bandwidth_cache, str):
             raise ConfigError(
                 f"transport.bandwidth_cache: expected a directory path or None, got "
                 f"{self.bandwidth_cache!r}"
             )
+
+    @property
+    def weights_bucket_bytes(self) -> int:
+        """``weights_bucket_mb`` in bytes, rounded down to a multiple of 8 (0: the default)."""
+        if self.weights_bucket_mb is None:
+            return 0
+        return int(self.weights_bucket_mb * (1 << 20)) // 8 * 8
 
     @classmethod
     def of(cls, value: TransportConfig | None) -> TransportConfig:

@@ -80,6 +80,6 @@ class TokenTarget:
         return gid in self.plane.store.groups
 
     def weights(self) -> tuple[int, torch.Tensor | None]:
-        """The newest weights this rank holds (published here or received in a round)."""
-        snap = self.plane.weights.snapshot()
-        return snap.version, snap.buf
+        """The newest weights this rank holds whole (published here, or completed in a round
+        from the learners' parts)."""
+        return self.plane.weights.whole()

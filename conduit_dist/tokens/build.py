@@ -98,7 +98,7 @@ def build(
     )  # fmt: skip
     # weights on the plane's device (published from and pulled into modules there, sent by
     # the group's backend for CUDA tensors); rehearsed on CPU planes
-    weights = WeightsState(device if cuda or rehearse else None)
+    weights = WeightsState(device if cuda or rehearse else None, transport.weights_bucket_bytes)
     # where and when rounds run (runner.py): every round on the round thread where its NCCL
     # work must come from one thread (CUDA, or the device path rehearsed)
     runner = TokenRunner(engine, weights, device, transport.timeout_s, cuda or rehearse)

@@ -335,21 +335,32 @@ class TokenPlane:
     # ------------------------------------------------------------------ versions and weights
 
     def publish_weights(self, model: nn.Module | None = None) -> int:
-        """Advance the policy version (the first learner); with producer-only ranks or an open
-        ingress, pack ``model``'s weights for the next round's broadcast. Other learners
-        return their count.
+        """Advance the policy version; with producer-only ranks or an open ingress, pack this
+        learner's part of ``model``'s weights (learner ``i`` of ``L`` packs about ``1/L``),
+        which the next round sends, bucket by bucket, to the ranks that load them. Every
+        learner calls it at the same point (data parallel: the same weights).
+
+        Returns:
+            The new version.
 
         Raises:
             ConfigError: when producer-only ranks or an ingress exist and no ``model`` is
-                given.
+                given; in a round, when the learners' published versions differ.
         """
         self._open("publish_weights")
         return self.versions.publish(model)
 
-    def pull_weights(self, model: nn.Module) -> int:
-        """Load the newest weights received into ``model`` (producer-only ranks); returns their
-        version (unchanged when nothing newer arrived)."""
-        return self.versions.pull(model)
+    def pull_weights(self, model: nn.Module, in_place: bool = False) -> int:
+        """Load the newest weights received whole into ``model`` (producer-only ranks);
+        returns their version (unchanged when nothing newer arrived). A version is loaded
+        only once every learner's part of it arrived.
+
+        Args:
+            model: the module to load.
+            in_place: make ``model``'s tensors views of the received buffer instead of
+                copying (no copy per load; see ``WeightsState.pull``).
+        """
+        return self.versions.pull(model, in_place)
 
     # ------------------------------------------------------------------ attached producers
 
@@ -402,7 +413,9 @@ class TokenPlane:
         )  # fmt: skip
         if self._ledgers is not None:  # restored from a checkpoint before it opened
             self.ingress.restore(self._ledgers)
-        self.versions.sends = True  # attached producers pull weights from any ingress
+        # attached producers pull whole weights from any ingress
+        self.versions.sends = self.versions.serves = True
+        self.engine.serves = True
         self.runner.drain = self.ingress.drain
         self.engine.on_delivered = self.ingress.delivered
         return self.ingress.endpoint

@@ -4,11 +4,12 @@ their holders to their learners, without padding.
 
 Steps (each rank, in the same order):
 
-1. ``meta``: a fixed row (table rows, the learners' request, the first learner's version and
-   weights size, closing, whether a round was launched ahead of the next version) and this
-   rank's group table (complete groups, groups still generating, priority updates; a group's
-   tokens and its integer cost), all-gathered.
-2. ``weights``: the first learner's newer weights, broadcast.
+1. ``meta``: a fixed row (table rows, the learners' request, each learner's version and
+   weights size, closing, whether a round was launched ahead of the next version, whether the
+   rank loads whole weights) and this rank's group table (complete groups, groups still
+   generating, priority updates; a group's tokens and its integer cost), all-gathered.
+2. ``weights``: a newer version, each learner's part sent to the ranks that load it
+   (``flow/weights.py``).
 3. ``select``: stale groups evicted (none when producers pace with ``reserve`` and
    learners publish one version per global batch), then the piece
    (``tokens/select.py``), identical everywhere.
@@ -36,9 +37,10 @@ from conduit_dist.tokens.store import GroupStore
 from conduit_dist.tokens.wire import Wire
 
 # meta row columns (AHEAD: the first learner's round was launched ahead of its next version;
-# WHEAD: its weights header's digest, device weights)
-ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD = range(9)
-META_WIDTH = 9
+# WHEAD: a learner's weights header's digest, device weights; WHOLE: the rank loads whole
+# weights, a producer or a learner serving an ingress)
+ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD, WHOLE = range(10)
+META_WIDTH = 10
 
 
 @dataclass
@@ -108,6 +110,7 @@ class TokenRound:
         self.lengths_on_host = store.device.type != "cpu" or rehearse
         self.on_enqueued = None  # set by a round launched at a backward (plane.py)
         self.on_delivered = None  # an open ingress's ledger: (gids held here, removed)
+        self.serves = False  # an open ingress: this learner loads whole weights too
         self.rows_hint = 16  # table rows the meta all-gather carries (see _gather)
         self.stale_evicted = 0
         self.updates: list[tuple[int, int, float]] = []  # (holder, gid, priority) to send
@@ -151,10 +154,11 @@ class TokenRound:
         row = torch.zeros(META_WIDTH + k * w, dtype=torch.int64)
         row[ROWS], row[WANT], row[BUDGET] = len(table), req.want, req.budget
         row[MIN_PIECE], row[CLOSING] = req.min_piece, int(req.closing)
-        if self.ex.rank == self.learners[0]:
+        if self.ex.rank in self.learners:
             row[VERSION], row[AHEAD] = version, int(ahead)
             fresh = snap.buf is not None and snap.version > weights.broadcast
             row[WBYTES], row[WHEAD] = (snap.nbytes, snap.head) if fresh else (0, 0)
+        row[WHOLE] = int(self.ex.rank not in self.learners or self.serves)
         head = table[:k].reshape(-1)
         row[META_WIDTH : META_WIDTH + head.size] = torch.from_numpy(head)
         got = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
@@ -223,11 +227,8 @@ class TokenRound:
         closing = np.flatnonzero(meta[:, CLOSING])
         stats.closing_rank = int(closing[0]) if len(closing) else -1
         src = self.learners[0]
-        if meta[src, WBYTES]:  # producer-only ranks exist and the first learner published
-            weights.exchange(
-                self.ex, src, stats.newest, int(meta[src, WBYTES]), self.round, snap,
-                int(meta[src, WHEAD]),
-            )  # fmt: skip
+        if meta[src, WBYTES]:  # producer-only ranks or an ingress exist and learners published
+            self._weights(meta, weights, snap)
         # the version the delivered sequences will be used at (one more for a round ahead)
         using = stats.newest + int(meta[src, AHEAD])
         self._apply_updates(updates)
@@ -255,6 +256,21 @@ class TokenRound:
         stats.ms = (time.perf_counter() - t0) * 1e3
         self.round += 1
         return out, stats
+
+    def _weights(self, meta: np.ndarray, weights, snap) -> None:
+        """Send the learners' newer version: each learner's part to every rank that loads
+        whole weights (the learners publish the same versions, data parallel)."""
+        rows = meta[list(self.learners)][:, [VERSION, WBYTES, WHEAD]]
+        if (rows != rows[0]).any():
+            got = {r: tuple(row.tolist()) for r, row in zip(self.learners, rows)}
+            raise ConfigError(
+                f"token round {self.round}: the learners' published weights differ: (version, "
+                f"bytes, header digest) by learner rank {got}; expected the same on every "
+                "learner (each calls publish_weights with the same model at the same point)"
+            )
+        version, nbytes, head = (int(x) for x in rows[0])
+        receivers = np.flatnonzero(meta[:, WHOLE]).tolist()
+        weights.exchange(self.ex, self.learners, version, nbytes, self.round, snap, head, receivers)
 
     def queue_priorities(self, holder: list[int], key: list[int], p: list[float]) -> None:
         """Queue per-sequence priorities for the next round's table: one update per group (its

@@ -1,9 +1,10 @@
 """A token plane rank's policy version and the weights behind it (``TokenVersions``).
 
-The first learner's ``publish_weights`` advances the version and, where producer-only ranks
-exist, packs the model's weights for the next round's broadcast (``flow/weights.py``: device
-buffers on a CUDA plane); the other learners count along; a producer-only rank's version is
-the newest weights it pulled. Pacing, staleness and the rounds read this version.
+Every learner's ``publish_weights`` advances the version and, where producer-only ranks or an
+ingress exist, packs its part of the model's weights (learner ``i`` of ``L``: about ``1/L`` of
+the bytes, ``flow/weights.py``; device buffers on a CUDA plane), which the next round sends to
+the ranks that load them; a producer-only rank's version is the newest weights it pulled.
+Pacing, staleness and the rounds read this version.
 """
 
 from __future__ import annotations
@@ -19,34 +20,44 @@ class TokenVersions:
     Args:
         weights: the plane's ``WeightsState``.
         rank: this rank.
-        learners: the learner ranks (the first one publishes).
+        learners: the learner ranks (each packs its part of a version).
         world: the plane's world size (producer-only ranks: weights are sent).
     """
 
     def __init__(self, weights, rank: int, learners: list[int], world: int) -> None:
         self.weights, self.version = weights, 0
-        self.publisher = rank == learners[0]
+        # which part of a version this rank packs (None: a producer-only rank, packs none)
+        self.part = (learners.index(rank), len(learners)) if rank in learners else None
         self.sends = any(r not in learners for r in range(world))
+        self.serves = False  # an ingress is open: this rank serves whole versions
+
+    @property
+    def wants_whole(self) -> bool:
+        """Whether rounds send this rank every part of a version (producer-only ranks, and a
+        learner whose ingress serves attached producers)."""
+        return self.part is None or self.serves
 
     def publish(self, model: nn.Module | None) -> int:
         """Advance the version (packing ``model`` where weights are sent); returns it.
 
         Raises:
-            ConfigError: when producer-only ranks exist and no ``model`` is given.
+            ConfigError: when producer-only ranks or an ingress exist and a learner gives no
+                ``model``.
         """
-        if self.publisher and self.sends:
+        if self.part is not None and self.sends:
             if model is None:
                 raise ConfigError(
                     "publish_weights: expected the model (producer-only ranks or "
                     "attached producers pull its weights), got None"
                 )
-            self.weights.publish(model)
+            self.weights.publish(model, self.part)
             self.version = self.weights.version
         else:
             self.version += 1
         return self.version
 
-    def pull(self, model: nn.Module) -> int:
-        """Load the newest weights received into ``model``; returns this rank's version."""
-        self.version = max(self.version, self.weights.pull(model))
+    def pull(self, model: nn.Module, in_place: bool = False) -> int:
+        """Load the newest whole weights received into ``model`` (``in_place``: as views of the
+        received buffer, ``WeightsState.pull``); returns this rank's version."""
+        self.version = max(self.version, self.weights.pull(model, in_place))
         return self.version

@@ -1,0 +1,131 @@
+"""Weights from several learners on 3 gloo ranks (learners 0 and 1, producer 2): each learner
+sends its part, bucket by bucket, the producer loads only whole versions, and what every pull
+loads is byte for byte exactly one published version, with buckets smaller than a tensor and
+larger than the model, copied or loaded in place, while publishes race the rounds that send
+the previous version."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from test_tokens import G, group_batch, make_spec
+
+import conduit_dist as cd
+
+STEPS = 6
+
+
+class Policy(torch.nn.Module):
+    """Tensors of several sizes and dtypes (one straddles a part's edge)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(17, 9)
+        self.b = torch.nn.Linear(9, 33, bias=False)
+        self.register_buffer("h", torch.zeros(13, dtype=torch.bfloat16))
+        self.register_buffer("n", torch.zeros((), dtype=torch.int64))
+
+
+def set_version(policy: Policy, v: int) -> None:
+    """Every learner's weights of version ``v`` (data parallel: the same on each)."""
+    gen = torch.Generator().manual_seed(1000 + v)
+    with torch.no_grad():
+        for t in policy.state_dict().values():
+            t.copy_(torch.randint(-999, 999, t.shape, generator=gen).to(t.dtype))
+
+
+def state_digest(policy: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, t in policy.state_dict().items():
+        h.update(k.encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _race(rank: int, world: int, bucket_mb: float, in_place: bool) -> dict[str, object]:
+    transport = cd.TransportConfig(timeout_s=30, weights_bucket_mb=bucket_mb)
+    tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2],
+                       transport=transport)  # fmt: skip
+    policy = Policy()
+    out: dict[str, object] = {}
+    if rank < 2:
+        published = {}
+        set_version(policy, 1)
+        published[tp.publish_weights(policy)] = state_digest(policy)
+        for _ in range(STEPS):
+            tp.fetch_start(2, 400, next_version=False)  # sends the version published so far
+            v = tp.version + 1
+            set_version(policy, v)  # the module changes while that round runs ...
+            published[tp.publish_weights(policy)] = state_digest(policy)  # ... a new version
+            tp.fetch(2, 400)
+        out = {"published": published, "last": tp.weights.last}
+    else:
+        loads, gid = [], 0
+        while True:
+            tp.put(*group_batch([gid, gid + 1]))
+            gid += 2
+            if not tp.flush():
+                break
+            v = tp.pull_weights(policy, in_place=in_place)
+            loads.append((v, state_digest(policy)))
+        out = {"loads": loads, "last": tp.weights.last}
+    tp.close()
+    out["last"] = vars(out["last"])
+    return out
+
+
+@pytest.mark.parametrize(("bucket_mb", "in_place"), [(8 / (1 << 20), False), (4.0, True)])
+def test_every_pull_loads_exactly_one_published_version_never_a_torn_one(bucket_mb, in_place):
+    res = run_ranks(_race, 3, bucket_mb, in_place, timeout_s=150)
+    published = res[0]["published"]
+    assert published == res[1]["published"] and len(published) == STEPS + 1
+    assert len(set(published.values())) == STEPS + 1  # each version's weights differ
+    loads = [(v, d) for v, d in res[2]["loads"] if v > 0]
+    assert len({v for v, _ in loads}) >= STEPS - 1, res[2]["loads"]  # versions arrived
+    for v, d in loads:
+        assert published[v] == d, v  # exactly the version it says, byte for byte
+    model = sum(t.numel() * t.element_size() for t in Policy().state_dict().values())
+    last = {r: res[r]["last"] for r in res}
+    assert last[0]["owners"] == [0, 1] or last[0]["owners"] == (0, 1)
+    for r in (0, 1):  # each learner sent a part, about half, to the producer only
+        assert last[r]["schedule"] == "p2p" and last[r]["received"] == 0
+        assert 0.3 * model < last[r]["sent"] < 0.7 * model + 1024
+    assert last[2]["sent"] == 0 and last[2]["received"] == last[0]["sent"] + last[1]["sent"]
+    if bucket_mb < 1:  # 8-byte buckets: many per tensor
+        assert last[2]["buckets"] > 2 * len(Policy().state_dict())
+    else:
+        assert last[2]["buckets"] == 2  # one per learner's part
+
+
+def _mismatch(rank: int, world: int) -> dict[str, object]:
+    tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2])
+    policy = Policy()
+    if rank < 2:
+        tp.publish_weights(policy)
+        if rank == 1:
+            tp.publish_weights(policy)  # one version more than learner 0
+        try:
+            tp.fetch(2, 400)
+        except cd.ConfigError as exc:
+            return {"error": str(exc)}
+        return {}
+    tp.put(*group_batch([0, 1]))
+    try:
+        tp.flush()
+    except cd.ConfigError as exc:
+        return {"error": str(exc)}
+    return {}
+
+
+def test_learners_publishing_different_versions_is_refused_on_every_rank():
+    res = run_ranks(_mismatch, 3, allow_failure=True)
+    for r in res.values():
+        err = r["error"] if isinstance(r, dict) else r[1]
+        assert "the learners' published weights differ" in err, err
+        assert "expected the same on every learner" in err
+
+
+assert G >= 2  # each put above is two whole groups
