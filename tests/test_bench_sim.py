@@ -79,7 +79,7 @@ def test_bench_sim_validates_out_of_sample_projects_and_plots_from_another_cwd(t
     for name in ("llm-1b", "llm-8b", "llm-70b"):  # hidden behind a step of seconds throughout
         c = cross[name]
         assert c["world"] is None and 0 < c["round_over_backward"] < 1, c
-        assert c["dominant"] == ["broadcast(weights)", "bytes_net"]
+        assert c["dominant"] == ["send(weights)", "bytes_net"]
 
 
 def test_the_json_line_is_printed_before_the_picture_is_drawn(tmp_path, monkeypatch, capsys):

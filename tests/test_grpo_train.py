@@ -67,6 +67,11 @@ def _check_rows(rows: list[dict], bound: int, steps: int = STEPS) -> None:
         assert r["rate/gen_tokens_per_s"] > 0 and r["rate/train_tokens_per_s"] > 0
 
 
+def steps_sent(rows: list[dict]) -> float:
+    """The version a window's last publish had sent by its log (one behind the policy's)."""
+    return rows[-1]["train/policy_version"] - 1
+
+
 def test_colocated_two_ranks_streams_and_logs_to_wandb(tmp_path):
     res = _torchrun(
         tmp_path, "experiment=grpo", "logger=wandb", "logger.mode=offline",
@@ -81,6 +86,7 @@ def test_colocated_two_ranks_streams_and_logs_to_wandb(tmp_path):
     _check_rows(rows, 1)
     assert done["eval_exact_first"] == rows[0]["eval/exact"]
     assert done["eval_exact_last"] == rows[-1]["eval/exact"]
+    assert done["weights_ms_per_version"] == 0  # colocated: no weights move
     run = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     assert len(run) == 1, run
     keys = {k for row in history(glob.glob(os.path.join(run[0], "*.wandb"))[0]) for k in row}
@@ -98,6 +104,10 @@ def test_disaggregated_one_learner_two_generators_keeps_the_age_bound(tmp_path):
     rows = _rows(tmp_path)
     _check_rows(rows, 1)
     assert done["eval_exact_last"] == rows[-1]["eval/exact"]  # rank 0, the only learner
+    # the weights went to the two generators every version, timed: a learner's pack plus the
+    # round's transfer, and the bytes the generators received per second
+    assert done["weights_ms_per_version"] > 0 and done["weights_gbps"] > 0
+    assert rows[-1]["weights/version_sent"] >= steps_sent(rows) and rows[-1]["weights/gbps"] > 0
 
 
 def test_learners_with_a_generator_attached_from_outside_the_job(tmp_path):

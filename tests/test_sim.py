@@ -293,14 +293,15 @@ LLM = TokenWorkload("llm", params_b=1.0, groups_per_learner=3, group_size=4, ste
 
 
 @pytest.mark.parametrize("world", [4, 16])
-def test_a_token_round_delivers_the_planners_balanced_groups_and_broadcasts_the_weights(world):
+def test_a_token_round_delivers_the_planners_balanced_groups_and_sends_the_weights(world):
     topo = load("dgx_h100")
     r = simulate_tokens(topo, world, LLM, seed=1)
     assert r.schedule == "tokens"
     ops = {e.op: e for e in r.exchanges}
-    assert list(ops) == ["all_gather(meta)", "broadcast(weights)", "deliver(tokens)"]
-    # one copy of the weights over each link of the ring from the first learner (bf16)
-    assert sum(ops["broadcast(weights)"].bytes_by_link.values()) == (world - 1) * 2_000_000_000
+    assert list(ops) == ["all_gather(meta)", "send(weights)", "deliver(tokens)"]
+    # as the plane sends them: each learner's part (bf16) to each generator, the whole
+    # version once to each of the world / 2 generators, no learner sending more than its part
+    assert sum(ops["send(weights)"].bytes_by_link.values()) == world // 2 * 2_000_000_000
     # the token bytes: each learner's groups, as the token plane's planner shares them out,
     # sized by its wire layout (the sequences stay with their generators: no self bytes)
     learners = world // 2

@@ -100,6 +100,36 @@ def test_every_pull_loads_exactly_one_published_version_never_a_torn_one(bucket_
         assert last[2]["buckets"] == 2  # one per learner's part
 
 
+def _send_now(rank: int, world: int) -> dict[str, object]:
+    """Learners publish with ``send_now``: the round in the call packs each 64-byte bucket just
+    before sending it; the producer flushes (that round) and pulls."""
+    transport = cd.TransportConfig(timeout_s=30, weights_bucket_mb=64 / (1 << 20))
+    tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2],
+                       transport=transport)  # fmt: skip
+    policy = Policy()
+    if rank < 2:
+        published = {}
+        for v in range(1, STEPS + 1):
+            set_version(policy, v)
+            published[tp.publish_weights(policy, send_now=True)] = state_digest(policy)
+            set_version(policy, 0)  # the module changes once the call returns
+        tp.close()
+        return {"published": published, "whole": tp.weights.whole()[0]}
+    loads = []
+    while tp.flush():
+        loads.append((tp.pull_weights(policy), state_digest(policy)))
+    tp.close()
+    return {"loads": loads}
+
+
+def test_send_now_packs_in_the_round_and_the_producer_loads_every_version_exactly():
+    res = run_ranks(_send_now, 3, timeout_s=120)
+    published = res[0]["published"]
+    assert published == res[1]["published"] and sorted(published) == list(range(1, STEPS + 1))
+    assert res[2]["loads"][:STEPS] == [(v, published[v]) for v in range(1, STEPS + 1)]
+    assert res[0]["whole"] == 0  # a learner holds its part only (no ingress)
+
+
 def _mismatch(rank: int, world: int) -> dict[str, object]:
     tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2])
     policy = Policy()

@@ -495,7 +495,17 @@ class Exchange:
             RoundError: when a send or receive fails or times out (:class:`PhaseError`
                 outside a round).
         """
-        for work in self._launch(lambda: dist.batch_isend_irecv(ops), op, round):
+        self.wait_works(self.send_recv_start(ops, op, round), op, round, cuda)
+
+    def send_recv_start(self, ops: list[dist.P2POp], op: str, round: int) -> list[dist.Work]:
+        """``batch_isend_irecv(ops)`` without waiting: several batches may be in flight (a
+        sender that packs the next piece while the last one moves); wait on them all with
+        :meth:`wait_works`."""
+        return self._launch(lambda: dist.batch_isend_irecv(ops), op, round)
+
+    def wait_works(self, works: list[dist.Work], op: str, round: int, cuda: bool = False) -> None:
+        """Wait on send/recv works as :meth:`send_recv` does (each once, with the timeout)."""
+        for work in works:
             self._wait(work, op, round, cuda, rewaitable=False)
 
     def _launch(self, launch: Callable[[], T], op: str, round: int) -> T:

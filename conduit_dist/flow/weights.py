@@ -21,7 +21,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +58,9 @@ class WeightsSnapshot:
     version: int
     buf: torch.Tensor | None
     head: int = 0  # a device buffer's header digest (WeightsState.head_digest); 0: none
+    # a version published to be packed by the round that sends it (publish(lazy=True)):
+    # pack(lo, hi) writes bytes [lo, hi) of it into ``buf`` from the module; None: packed
+    pack: Callable[[int, int], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -152,6 +155,12 @@ def _fill(
             buf[a : min(b, at + e.nbytes)].copy_(raw[a - at : min(b, at + e.nbytes) - at])
         if b > at + e.nbytes:  # alignment padding: zeros, as a fresh buffer's
             buf[max(a, at + e.nbytes) : b].zero_()
+
+
+def buffer_bytes(module: nn.Module) -> int:
+    """The size of ``module``'s weights buffer (header and payload) as published, packing
+    nothing."""
+    return _head(_entries(_state(module)))[1]
 
 
 def parts(nbytes: int, count: int) -> list[tuple[int, int]]:
@@ -387,6 +396,8 @@ class WeightsState:
         self._whole: tuple[int, torch.Tensor, int] | None = None
         self.broadcast = 0  # last version sent in a round (the same on every rank)
         self.last = Transfer()  # this rank's side of the last transfer
+        # every transfer this rank took part in: count, seconds, payload bytes sent/received
+        self.totals = {"transfers": 0, "seconds": 0.0, "sent": 0, "received": 0}
         self._decoded: tuple[int, int, _Layout] | None = None  # (version, address, layout)
         # device buffers: every buffer on ``device`` (published from and loaded into modules
         # there, sent by the group's backend for CUDA tensors); a receiver reads a header
@@ -397,13 +408,45 @@ class WeightsState:
         self._head: tuple[tuple, bytes, int, dict, int] | None = None
         self.head = 0  # the current buffer's header digest (device buffers; 0: unknown)
         self._layouts: dict[int, _Layout] = {}  # device buffers: decoded layouts by digest
+        # a lazy publish not packed yet: (buffer, header, entries, state, lo, hi)
+        self._pending: tuple | None = None
 
-    def snapshot(self) -> WeightsSnapshot:
+    def snapshot(self, lazy: bool = False) -> WeightsSnapshot:
         """The current version and buffer (taken when a round is prepared); without a buffer
-        (restored, not published since) the last version broadcast: nothing new to send."""
+        (restored, not published since) the last version broadcast: nothing new to send.
+
+        Args:
+            lazy: a lazy publish stays unpacked and the snapshot packs it as it is sent (only
+                for a round run while the module cannot change); otherwise it is packed now.
+        """
         if self.buf is None:
             return WeightsSnapshot(min(self.version, self.broadcast), None)
-        return WeightsSnapshot(self.version, self.buf, self.head)
+        if not lazy:
+            self.settle()
+        pack = self._pack if self._pending is not None else None
+        return WeightsSnapshot(self.version, self.buf, self.head, pack)
+
+    def _pack(self, a: int, b: int) -> None:
+        """Pack bytes ``[a, b)`` of the pending lazy publish (within its part)."""
+        buf, head, entries, state, lo, hi = self._pending
+        _fill(buf, head, entries, state, max(a, lo), min(b, hi))
+
+    def settle(self) -> None:
+        """Pack what a lazy publish left unpacked (its round sent nothing), so the current
+        buffer is whole before the module may change."""
+        if self._pending is None:
+            return
+        buf, head, entries, state, lo, hi = self._pending
+        _fill(buf, head, entries, state, lo, hi)
+        self._packed()
+
+    def _packed(self) -> None:
+        """The pending lazy publish is packed: its buffer is used, and whole if one part."""
+        buf = self._pending[0]
+        self._pending = None
+        self._buffers.used(buf)
+        if self.part[1] == 1:
+            self._whole = (self.version, buf, self.head)
 
     def whole(self) -> tuple[int, torch.Tensor | None]:
         """The newest version held complete, and its buffer (``(0, None)``: none yet): what
@@ -412,7 +455,9 @@ class WeightsState:
             return 0, None
         return self._whole[0], self._whole[1]
 
-    def publish(self, module: nn.Module, part: tuple[int, int] = (0, 1)) -> None:
+    def publish(
+        self, module: nn.Module, part: tuple[int, int] = (0, 1), lazy: bool = False
+    ) -> None:
         """Pack ``module``'s state (names, shapes, dtypes and values) into a buffer nobody
         holds (not the current one) and bump the version.
 
@@ -421,6 +466,10 @@ class WeightsState:
             part: ``(index, count)``: pack only bytes :func:`parts` gives ``index`` of
                 ``count`` senders (learners holding the same weights; a round completes the
                 buffer from the others). ``(0, 1)``: the whole buffer.
+            lazy: pack nothing now: the round that sends this version packs each bucket
+                just before sending it (the pack overlaps the transfer). Only for a caller
+                that runs that round before ``module`` may change, then :meth:`settle`
+                (``TokenPlane.publish_weights(send_now=True)``).
 
         Raises:
             SpecError: if the module has no state or a tensor of an unsupported dtype, or
@@ -444,14 +493,18 @@ class WeightsState:
                 self._layouts[digest] = _decode(head, total)
             self._head = (key, head, total, entries, digest)
         _, head, total, entries, digest = self._head
+        self.settle()  # an earlier lazy publish never sent: packed before it is replaced
         buf = self._buffers.take(total)
         lo, hi = parts(total, count)[index]
-        _fill(buf, head, entries, state, lo, hi)
-        self._buffers.used(buf)
+        if lazy:
+            self._pending = (buf, head, entries, state, lo, hi)
+        else:
+            _fill(buf, head, entries, state, lo, hi)
+            self._buffers.used(buf)
         self.buf, self.part = buf, (index, count)  # complete (its part) before it is current
         self.head = digest  # 0 on a host plane: receivers read the header in place
         self.version += 1
-        if count == 1:
+        if count == 1 and not lazy:
             self._whole = (self.version, buf, digest)
 
     def exchange(
@@ -501,43 +554,75 @@ class WeightsState:
             buf = self._buffers.take(nbytes)
         ranges = parts(nbytes, len(owners))
         schedule = weights_schedule(ex, buf.is_cuda)
-        sent = received = count = 0
+        pack = snap.pack if rank in owners else None
         if schedule == "broadcast":  # every rank takes part; owners receive the others' parts
-            for src, (lo, hi) in zip(owners, ranges):
-                for a, b in buckets(lo, hi, self.bucket_bytes):
-                    ex.broadcast(buf[a:b], src, r)
-                    count += 1
-                    if rank == src:
-                        sent += (b - a) * (ex.world - 1)
-                    else:
-                        received += b - a
+            sent, received, count = self._broadcasts(ex, owners, ranges, buf, pack, r)
             receiving = receiving or rank in owners
         else:
-            ops = []
-            for src, (lo, hi) in zip(owners, ranges):
-                if src != rank and not receiving:
-                    continue
-                for a, b in buckets(lo, hi, self.bucket_bytes):
-                    count += 1
-                    if src == rank:
-                        for dst in receivers:
-                            if dst != rank:
-                                ops.append(dist.P2POp(dist.isend, buf[a:b], dst, ex.group))
-                                sent += b - a
-                    else:
-                        ops.append(dist.P2POp(dist.irecv, buf[a:b], src, ex.group))
-                        received += b - a
-            if ops:
-                ex.send_recv(ops, "weights[p2p]", r, buf.is_cuda)
+            sent, received, count = self._sends(ex, owners, ranges, receivers, buf, pack, r)
+        if pack is not None:
+            self._packed()
         self._buffers.used(buf)  # CUDA: the transfer on the round's stream, before a reuse
         self.broadcast = version
         self.last = Transfer(
             version, schedule, owners, sent, received, count, time.perf_counter() - t0
         )
+        tot = self.totals
+        tot["transfers"] += 1
+        tot["seconds"] += self.last.seconds
+        tot["sent"] += sent
+        tot["received"] += received
         if rank not in owners:
             self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
         if receiving or (rank in owners and len(owners) == 1):
             self._whole = (version, buf, head)
+
+    def _sends(self, ex, owners, ranges, receivers, buf, pack, r) -> tuple[int, int, int]:
+        """The ``"p2p"`` schedule: this rank's receives posted at once; its own part sent to
+        each receiver bucket by bucket, each bucket packed (``pack``) just before its sends
+        start, so packing the next overlaps moving the last. Returns (sent, received, buckets)
+        in payload bytes."""
+        rank, receiving = ex.rank, ex.rank in receivers
+        recvs, mine = [], []
+        count = 0
+        for src, (lo, hi) in zip(owners, ranges):
+            for a, b in buckets(lo, hi, self.bucket_bytes):
+                if src == rank:
+                    mine.append((a, b))
+                    count += 1
+                elif receiving:
+                    recvs.append(dist.P2POp(dist.irecv, buf[a:b], src, ex.group))
+                    count += 1
+        received = sum(op.tensor.numel() for op in recvs)
+        works = ex.send_recv_start(recvs, "weights[p2p]", r) if recvs else []
+        dsts = [d for d in receivers if d != rank] if mine else []
+        sent = 0
+        for a, b in mine:
+            if pack is not None:
+                pack(a, b)
+            if not dsts:
+                continue
+            ops = [dist.P2POp(dist.isend, buf[a:b], d, ex.group) for d in dsts]
+            works += ex.send_recv_start(ops, "weights[p2p]", r)
+            sent += (b - a) * len(dsts)
+        ex.wait_works(works, "weights[p2p]", r, buf.is_cuda)
+        return sent, received, count
+
+    def _broadcasts(self, ex, owners, ranges, buf, pack, r) -> tuple[int, int, int]:
+        """The ``"broadcast"`` schedule: each owner's part broadcast bucket by bucket to the
+        whole group (every rank takes part). Returns (sent, received, buckets)."""
+        sent = received = count = 0
+        for src, (lo, hi) in zip(owners, ranges):
+            for a, b in buckets(lo, hi, self.bucket_bytes):
+                if pack is not None and src == ex.rank:
+                    pack(a, b)
+                ex.broadcast(buf[a:b], src, r)
+                count += 1
+                if src == ex.rank:
+                    sent += (b - a) * (ex.world - 1)
+                else:
+                    received += b - a
+        return sent, received, count
 
     def state_dict(self) -> dict[str, int]:
         """The last version broadcast (the same on every rank; versions are owned by

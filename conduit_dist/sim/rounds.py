@@ -32,6 +32,7 @@ import torch
 
 from conduit_dist.collectives.topology import LINKS
 from conduit_dist.errors import ConfigError
+from conduit_dist.flow.weights import parts
 from conduit_dist.placement.base import PlacementContext
 from conduit_dist.registry import PLACEMENTS, SAMPLERS, check_choice, check_count
 from conduit_dist.rounds.devices import plan_devices
@@ -243,17 +244,25 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
     r.cpu_s = bookkeeping_s(topo, world, len(r.exchanges), w.reduce_numel)
     r.exchanges += tier_reads(topo, w, served * rb, requests * rb)
     if w.weights_bytes:
-        ex = price_exchange("broadcast(weights)", ring(world, w.weights_bytes), links, model, "p2p")
+        # the first learner (rank 0) publishes and sends the whole version to every rank
+        m = weights_matrix(world, w.weights_bytes, [0], range(1, world))
+        ex = price_exchange("send(weights)", m, links, model, "p2p")
         ex.seconds /= w.publish_every
         r.exchanges.append(ex)
     return r
 
 
-def ring(world: int, nbytes: int) -> np.ndarray:
-    """The byte matrix of a pipelined ring broadcast from rank 0: one copy over each of the
-    ``world - 1`` links ``r -> r + 1``."""
+def weights_matrix(
+    world: int, nbytes: int, owners: np.ndarray | list[int], receivers: np.ndarray | list[int]
+) -> np.ndarray:
+    """The byte matrix of the planes' weights transfer (``WeightsState.exchange``, schedule
+    ``"p2p"``): owner ``i`` of ``len(owners)`` sends its part (``flow.weights.parts``) to each
+    receiver other than itself."""
     m = np.zeros((world, world), dtype=np.int64)
-    m[np.arange(world - 1), np.arange(1, world)] = nbytes
+    for src, (lo, hi) in zip(owners, parts(nbytes, len(owners))):
+        for dst in receivers:
+            if dst != src:
+                m[src, dst] += hi - lo
     return m
 
 

@@ -5,8 +5,9 @@ Built with the token plane's own parts, priced by the plane's model (no formula 
 - the round's meta all-gather: each rank's row of ``tokens/round.py`` (``META_WIDTH`` plus its
   group table, ``select.WIDTH`` int64 per group, sized by the plane's power-of-two hint), priced
   as the all-to-all it is;
-- the weights: the first learner's new version to every rank, a ring of one copy per rank (a
-  pipelined broadcast), once per round (one policy version per global batch);
+- the weights: a new version once per round (one policy version per global batch), as the
+  plane sends it: each learner's part (about ``1/L`` of the bytes) to every generator
+  (``WeightsState.exchange``, ``sim.rounds.weights_matrix``);
 - the selection: every learner's ``groups_per_learner`` prompt groups of ``group_size``
   sequences with long-tailed lengths (lognormal, capped), held by the generators in completion
   order, planned over the learners by :func:`conduit_dist.tokens.balance.plan` (token-balanced,
@@ -17,7 +18,7 @@ Built with the token plane's own parts, priced by the plane's model (no formula 
 
 The learner's step (``step_ms``) is what the round can hide behind: the round for the next
 batch runs while the learners train on this one (streaming), so the part over the step is
-exposed. That includes the weights broadcast, which assumes generators may run one version
+exposed. That includes the weights transfer, which assumes generators may run one version
 behind (``max_policy_age >= 1``); strictly on-policy, generators wait for it in full.
 """
 
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from conduit_dist.errors import ConfigError
-from conduit_dist.sim.rounds import SimRound, bookkeeping_s, price_exchange, ring
+from conduit_dist.sim.rounds import SimRound, bookkeeping_s, price_exchange, weights_matrix
 from conduit_dist.sim.topology import SimTopology
 from conduit_dist.tokens import balance
 from conduit_dist.tokens import select as S
@@ -45,7 +46,7 @@ class TokenWorkload:
 
     Attributes:
         name: short name.
-        params_b: model parameters, billions (weights broadcast as bf16: 2 bytes each).
+        params_b: model parameters, billions (weights sent as bf16: 2 bytes each).
         group_size: sequences per prompt group (GRPO's samples per prompt).
         groups_per_learner: prompt groups per learner per step (weak scaling: the global batch
             grows with the learners).
@@ -105,7 +106,7 @@ def simulate_tokens(
     """Simulate one steady-state token round of ``w`` on ``world`` ranks of ``topo``.
 
     Returns:
-        The round (``schedule="tokens"``): meta gather, weights broadcast, token delivery.
+        The round (``schedule="tokens"``): meta gather, weights transfer, token delivery.
 
     Raises:
         ConfigError: a world with no generator.
@@ -129,8 +130,8 @@ def simulate_tokens(
     meta = np.full((world, world), (META_WIDTH + hint * S.WIDTH) * 8, dtype=np.int64)
     np.fill_diagonal(meta, 0)
     r.exchanges.append(price_exchange("all_gather(meta)", meta, links, model, fixed="all_to_all"))
-    weights = ring(world, w.weights_bytes)
-    r.exchanges.append(price_exchange("broadcast(weights)", weights, links, model, fixed="p2p"))
+    weights = weights_matrix(world, w.weights_bytes, learners, producers)  # every learner a part
+    r.exchanges.append(price_exchange("send(weights)", weights, links, model, fixed="p2p"))
     plan = balance.plan(tokens, len(learners), w.token_budget)
     dest = np.empty(n_groups, dtype=np.int64)
     for li, mbs in enumerate(plan):
@@ -143,5 +144,5 @@ def simulate_tokens(
     for a, b in zip(*np.nonzero(n), strict=True):
         nbytes[a, b] = wire.nbytes(int(n[a, b]), int(t[a, b]))
     r.exchanges.append(price_exchange("deliver(tokens)", nbytes, links, model))
-    r.cpu_s = bookkeeping_s(topo, world, 2)  # meta and delivery (weights: a broadcast)
+    r.cpu_s = bookkeeping_s(topo, world, 2)  # meta and delivery (weights: sends alone)
     return r

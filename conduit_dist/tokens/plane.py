@@ -334,21 +334,42 @@ class TokenPlane:
 
     # ------------------------------------------------------------------ versions and weights
 
-    def publish_weights(self, model: nn.Module | None = None) -> int:
+    def publish_weights(self, model: nn.Module | None = None, *, send_now: bool = False) -> int:
         """Advance the policy version; with producer-only ranks or an open ingress, pack this
         learner's part of ``model``'s weights (learner ``i`` of ``L`` packs about ``1/L``),
         which the next round sends, bucket by bucket, to the ranks that load them. Every
         learner calls it at the same point (data parallel: the same weights).
+
+        Args:
+            model: the learner's module (``None``: only where no rank loads weights).
+            send_now: run that round now, in this call (a round asking for no groups, as
+                ``flush``; producers take part in theirs), packing each bucket just before
+                it is sent, so the pack overlaps the transfer: for a learner that waits for
+                its producers' new version anyway (synchronous RL). ``False``: pack now
+                (a snapshot: the module may change at once) and send in the next round.
 
         Returns:
             The new version.
 
         Raises:
             ConfigError: when producer-only ranks or an ingress exist and no ``model`` is
-                given; in a round, when the learners' published versions differ.
+                given; ``send_now`` while a round launched ahead holds the next take; in a
+                round, when the learners' published versions differ.
+            RoundError: ``send_now``, when the round fails or a rank closed the plane.
         """
         self._open("publish_weights")
-        return self.versions.publish(model)
+        if send_now and self.ahead.pending is not None:
+            raise ConfigError(
+                "publish_weights(send_now=True): a round was launched for the next "
+                "fetch/stream and holds its micro-batches; call fetch/stream first"
+            )
+        version = self.versions.publish(model, lazy=send_now)
+        if send_now:
+            try:
+                self.runner.run(Request(), self.version, lazy=True)
+            finally:
+                self.weights.settle()  # packed even when the round sent nothing
+        return version
 
     def pull_weights(self, model: nn.Module, in_place: bool = False) -> int:
         """Load the newest weights received whole into ``model`` (producer-only ranks);

@@ -66,9 +66,11 @@ class TokenRunner:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, req: Request, version: int) -> Result:
+    def run(self, req: Request, version: int, lazy: bool = False) -> Result:
         """Run a round now (inline, or on the round thread, waiting for it), its effects
-        applied and its micro-batches ready on the caller's stream.
+        applied and its micro-batches ready on the caller's stream. ``lazy``: a lazily
+        published version is packed by this round as it sends it (the caller's module
+        cannot change before it returns: ``publish_weights(send_now=True)``).
 
         Raises:
             RoundError: once a rank closed the plane, or when the round fails.
@@ -80,7 +82,7 @@ class TokenRunner:
             )
         if self.drain is not None:  # attached producers' puts join this round
             self.drain()
-        body = self._body(req, version, self.weights.snapshot(), False, None)
+        body = self._body(req, version, self.weights.snapshot(lazy), False, None)
         if not self.one_thread:
             return self._taken(*body())
         self.ahead.launch(("now",), body)

@@ -37,8 +37,9 @@ class TokenVersions:
         learner whose ingress serves attached producers)."""
         return self.part is None or self.serves
 
-    def publish(self, model: nn.Module | None) -> int:
-        """Advance the version (packing ``model`` where weights are sent); returns it.
+    def publish(self, model: nn.Module | None, lazy: bool = False) -> int:
+        """Advance the version (packing ``model`` where weights are sent; ``lazy``: packed by
+        the round that sends it, ``WeightsState.publish``); returns it.
 
         Raises:
             ConfigError: when producer-only ranks or an ingress exist and a learner gives no
@@ -50,7 +51,7 @@ class TokenVersions:
                     "publish_weights: expected the model (producer-only ranks or "
                     "attached producers pull its weights), got None"
                 )
-            self.weights.publish(model, self.part)
+            self.weights.publish(model, self.part, lazy)
             self.version = self.weights.version
         else:
             self.version += 1

@@ -52,6 +52,7 @@ from conduit_dist.train.grpo_window import (
     aggregate_learners,
     per_learner_step,
     summary_values,
+    weights_summary,
 )
 from conduit_dist.train.metrics import Logger, aggregate
 
@@ -74,7 +75,7 @@ class GRPOTrainer:
     DONE_KEYS = (
         "reward_first_100", "reward_100", "wall_s", "max_policy_age_seen", "dropped_stale",
         "trained_samples", "steps", "evicted_groups", "exposed_ms_per_step", "hidden_ms_per_step",
-        "eval_exact_first", "eval_exact_last",
+        "eval_exact_first", "eval_exact_last", "weights_ms_per_version", "weights_gbps",
     )  # fmt: skip
 
     def __init__(
@@ -153,6 +154,7 @@ class GRPOTrainer:
         self.gen_s = self.gen_tokens = 0.0
         self.produce_s = 0.0  # generation inside the current stream (colocated)
         self.exposed_s = self.hidden_s = 0.0  # the plane's measured split, all steps so far
+        self.pack_s = 0.0  # publish_weights calls (a learner packing its part)
         self.max_age = 0
         self.eval_first = self.eval_last = {"exact": 0.0, "reward": 0.0}  # learners' figures
         # this learner's share of the last 100 consumed rewards (the target_return check)
@@ -248,6 +250,9 @@ class GRPOTrainer:
             # backward instead (TokenPlane.last_take, measured; means over the learners)
             "exposed_ms_per_step": per_learner_step(agg, "exposed_s", self),
             "hidden_ms_per_step": per_learner_step(agg, "hidden_s", self),
+            # weights, disaggregated: per version, a learner's pack plus the round's transfer
+            # (the slowest rank's mean), and what the generators received per second
+            **weights_summary(agg),
         }
 
     def _learner_loop(self, start: float) -> None:
@@ -311,7 +316,9 @@ class GRPOTrainer:
                 self.update.accumulate(mb.fields, mb.cu_seqlens, mb.max_seqlen)
             stats = self.update.step()
         colocated = self.cfg.mode == "colocated"
+        t_pub = time.perf_counter()
         self.version = self.plane.publish_weights(None if colocated else self.policy)
+        self.pack_s += time.perf_counter() - t_pub  # the learner's part packed (a snapshot)
         self.steps += 1
         # attached generators: their number is not the job's; the batch's generation time
         # counts as one generator's
@@ -341,8 +348,27 @@ class GRPOTrainer:
         return target is not None and vals[2] > 0 and vals[1] / vals[2] >= target
 
     def _log(self, window: Window, extra: dict[str, float]) -> None:
-        metrics = {**window.metrics(self), **extra, **self._ledger_metrics()}
+        metrics = {
+            **window.metrics(self),
+            **extra,
+            **self._ledger_metrics(),
+            **self._weights_metrics(),
+        }
         self.logger.log(metrics, int(metrics["train/trained_samples"]), window.histograms())
+
+    def _weights_metrics(self) -> dict[str, float]:
+        """This learner's side of the last weights transfer (``weights/*``; none before one):
+        its version, milliseconds, GB/s of its part sent, and the mean pack per publish."""
+        last = self.plane.weights.last
+        if not last.version:
+            return {}
+        moved = last.sent + last.received
+        return {
+            "weights/version_sent": float(last.version),
+            "weights/transfer_ms": last.seconds * 1e3,
+            "weights/gbps": moved / max(last.seconds, 1e-9) / 1e9,
+            "weights/pack_ms": self.pack_s * 1e3 / max(self.steps, 1),
+        }
 
     def _ledger_metrics(self) -> dict[str, float]:
         """Attached generators: the ledger's totals over every learner's ingress (``attach/*``:

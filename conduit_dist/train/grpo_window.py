@@ -193,7 +193,37 @@ def summary_values(tr: GRPOTrainer) -> dict[str, float]:
         "exposed_s": tr.exposed_s, "hidden_s": tr.hidden_s,
         "eval_exact_first": tr.eval_first["exact"], "eval_exact_last": tr.eval_last["exact"],
         "eval_reward_first": tr.eval_first["reward"], "eval_reward_last": tr.eval_last["reward"],
+        **_weights_values(tr),
     }  # fmt: skip
+
+
+def _weights_values(tr: GRPOTrainer) -> dict[str, float]:
+    """This rank's weights figures: its packs (learners), its transfers, what it received."""
+    tot = tr.plane.weights.totals
+    return {
+        "wpack_s": tr.pack_s if tr.is_learner else 0.0,
+        "wversions": float(tr.steps if tr.is_learner else 0),
+        "wxfer_s": tot["seconds"], "wxfers": float(tot["transfers"]),
+        "wrecv_bytes": float(tot["received"]),
+        "wrecv_s": tot["seconds"] if tot["received"] else 0.0,
+    }  # fmt: skip
+
+
+def weights_summary(agg: dict[str, float]) -> dict[str, float]:
+    """The done line's weights figures from :func:`summary_values` aggregated over the ranks:
+    ``weights_ms_per_version`` (a learner's mean pack plus the slowest rank's mean transfer;
+    0 where no weights moved) and ``weights_gbps`` (bytes the generators received over their
+    transfer seconds)."""
+    versions, transfers = agg["wversions_max"], agg["wxfers_max"]
+    if not transfers:
+        return {"weights_ms_per_version": 0.0, "weights_gbps": 0.0}
+    pack = agg["wpack_s_max"] / max(versions, 1.0)
+    xfer = agg["wxfer_s_max"] / transfers
+    gbps = agg["wrecv_bytes_mean"] / max(agg["wrecv_s_mean"], 1e-9) / 1e9
+    return {
+        "weights_ms_per_version": round((pack + xfer) * 1e3, 3),
+        "weights_gbps": round(gbps, 3),
+    }
 
 
 def per_learner_step(agg: dict[str, float], key: str, tr: GRPOTrainer) -> float:
