@@ -159,3 +159,35 @@ def test_learners_publishing_different_versions_is_refused_on_every_rank():
 
 
 assert G >= 2  # each put above is two whole groups
+
+
+def _rows(rank: int, world: int) -> dict[str, object]:
+    """A DataPlane with learners 0 and 1 and actor 2: learner 1 skips a publish once (it falls
+    behind the first learner), and the actor loads every version the first learner sent."""
+    spec = cd.ExperienceSpec({"x": ((2,), torch.float32)})
+    transport = cd.TransportConfig(timeout_s=30, weights_bucket_mb=256 / (1 << 20))
+    plane = cd.DataPlane(spec, 64, learner_ranks=[0, 1], transport=transport)
+    policy = Policy()
+    out: dict[str, object] = {"published": {}, "loads": [], "owners": []}
+    for v in range(1, 5):
+        plane.put({"x": torch.zeros(2, 2)})
+        if rank < 2:
+            if not (rank == 1 and v == 3):  # learner 1 skips version 3 once
+                set_version(policy, v)
+                out["published"][plane.publish_weights(policy)] = state_digest(policy)
+            plane.fetch(2)
+        else:
+            plane.flush()
+            out["loads"].append((plane.pull_weights(policy), state_digest(policy)))
+        out["owners"].append(list(plane._p.weights.last.owners))
+    plane.close()
+    return out
+
+
+def test_data_plane_learners_at_the_first_learners_version_share_the_sending():
+    res = run_ranks(_rows, 3, timeout_s=120)
+    first = res[0]["published"]
+    loads = [(v, d) for v, d in res[2]["loads"] if v]
+    assert loads and all(first[v] == d for v, d in loads)  # the first learner's versions
+    owners = res[2]["owners"]
+    assert [0, 1] in owners and [0] in owners  # both sent, and learner 0 alone while 1 lagged

@@ -58,7 +58,8 @@ class PolicyVersions:
     Args:
         weights: the plane's weights state.
         rank: this rank.
-        learners: the learner ranks (the first one's weights are broadcast).
+        learners: the learner ranks (each packs a version; those at the first learner's
+            version share sending it to the other ranks).
     """
 
     def __init__(self, weights, rank: int = 0, learners: tuple[int, ...] = (0,)) -> None:
@@ -74,9 +75,12 @@ class PolicyVersions:
     def publish(self, module: nn.Module) -> int:
         """Stage ``module``'s weights for the next round's broadcast (``publish_weights``).
 
-        The first learner packs them (one more version); the other learners send nothing: they
-        count their calls (learners publish in step, as under DDP, so that is the version of the
-        weights they hold), logged once. A DDP wrapper is unwrapped.
+        Every learner packs the whole version (a ``DataPlane``'s models are small; the pack is
+        a snapshot); the next round splits the sending among the learners at the first
+        learner's version (each sends its part, ``flow.weights.parts``, to every other rank), so
+        no learner sends the whole model while learners publish in step, as under DDP. A
+        learner behind the first (it skipped a publish) sends nothing and receives the version.
+        A DDP wrapper is unwrapped.
 
         Returns:
             The version this rank's puts carry from now on.
@@ -91,17 +95,8 @@ class PolicyVersions:
                 f"{list(self.learners)} publish, actors pull_weights"
             )
         self.publishes += 1
-        if self.rank == self.learners[0]:
-            self.weights.publish(_unwrap(module))
-            self.tag = self.weights.version
-        else:
-            if self.publishes == 1:
-                log.info(
-                    "publish_weights on rank %d: learner %d sends the weights; this learner "
-                    "sends nothing and counts the version its puts carry (learners publish in "
-                    "step)", self.rank, self.learners[0],
-                )  # fmt: skip
-            self.tag = self.publishes
+        self.weights.publish(_unwrap(module))
+        self.tag = self.weights.version
         return self.tag
 
     def pull(self, module: nn.Module) -> int:

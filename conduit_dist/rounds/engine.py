@@ -57,7 +57,7 @@ class RoundEngine:
         transport: runs each exchange with the strategy the bandwidth model chooses.
         flow: ``(ages, limiter)``: the ``max_policy_age`` guard (``versions.AgeBound``) and the
             rate limiter (or ``None``).
-        learners: the learner ranks (the first publishes weights).
+        learners: the learner ranks (those at the first's version send its weights).
         plan: where tiers, rows and collectives go (``devices.plan_devices``).
         wire_bytes: bytes of a delivered row.
         reduce_numel: float32 elements of a fetch's ``reduce`` payload (0: none).
@@ -73,7 +73,7 @@ class RoundEngine:
         self.rank, self.world = exchange.rank, exchange.world
         self.devices, device = plan, plan.device
         self.device, self.wire_bytes, self.reduce_numel = device, wire_bytes, int(reduce_numel)
-        self.weights_src = learners[0]
+        self.learners = tuple(learners)  # each publishes its part of a version's weights
         self.schedule, self.rows_device = plan.schedule, plan.rows
         rows = self.rows_device
         # a payload all-reduced by the group on its device (device planes), not in the headers
@@ -416,11 +416,14 @@ class RoundEngine:
             self.state.remove(taken)
 
     def broadcast_weights(self, meta: np.ndarray, t: RoundTicket, weights, stats) -> None:
-        """Broadcast the first learner's weights if it published a newer version."""
+        """Send the first learner's newer version if it published one: every learner that holds
+        the same version (each packs it whole) sends a part of it to every rank that does not
+        (``WeightsState.exchange``), so no learner sends it all while learners publish in step."""
         t3 = time.perf_counter()
-        src = self.weights_src
-        version, nbytes = int(meta[src, M.VERSION]), int(meta[src, M.WBYTES])
-        weights.exchange(self.ex, src, version, nbytes, t.round, t.weights)
+        ref = meta[self.learners[0], [M.VERSION, M.WBYTES]]
+        owners = [r for r in self.learners if (meta[r, [M.VERSION, M.WBYTES]] == ref).all()]
+        version, nbytes = int(ref[0]), int(ref[1])
+        weights.exchange(self.ex, owners, version, nbytes, t.round, t.weights)
         stats.mark("weights", t3, time.perf_counter())
 
     def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:

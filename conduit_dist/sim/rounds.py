@@ -70,7 +70,7 @@ class Workload:
             runs on the caller's thread: ``fetch_start``, the main job's early start) or
             ``none`` (a sync round, all exposed).
         reduce_numel: float32 gradients riding in the round (``grad_sync=round``; 0: none).
-        weights_bytes: bytes of the weights the first learner publishes (0: none).
+        weights_bytes: bytes of the weights the learners publish (0: none).
         publish_every: rounds between publishes (the broadcast's cost is spread over them).
     """
 
@@ -244,8 +244,10 @@ def simulate(topo: SimTopology, world: int, w: Workload, seed: int = 0, model=No
     r.cpu_s = bookkeeping_s(topo, world, len(r.exchanges), w.reduce_numel)
     r.exchanges += tier_reads(topo, w, served * rb, requests * rb)
     if w.weights_bytes:
-        # the first learner (rank 0) publishes and sends the whole version to every rank
-        m = weights_matrix(world, w.weights_bytes, [0], range(1, world))
+        # as the DataPlane sends them: each learner's part to every rank that is not one
+        m = weights_matrix(
+            world, w.weights_bytes, np.flatnonzero(learners), np.flatnonzero(~learners)
+        )
         ex = price_exchange("send(weights)", m, links, model, "p2p")
         ex.seconds /= w.publish_every
         r.exchanges.append(ex)
