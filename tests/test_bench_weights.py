@@ -10,7 +10,7 @@ import pytest
 from dist_utils import ROOT, TORCHRUN, bench_line, child_env
 
 
-@pytest.mark.parametrize("extra", [[], ["--copy", "--bucket-mb", "0.25"]])
+@pytest.mark.parametrize("extra", [["--bucket-mb", "0.25"], ["--shared-memory", "--copy"]])
 def test_bench_weights_delivers_equal_digests_from_both_learners(extra):
     cmd = [*[a.replace("--nproc_per_node=2", "--nproc_per_node=4") for a in TORCHRUN], "-m",
            "conduit_dist.bench", "weights", "--gib", "0.004", "--repeats", "2", *extra]  # fmt: skip
@@ -23,14 +23,19 @@ def test_bench_weights_delivers_equal_digests_from_both_learners(extra):
     assert s["digests_equal"] is True
     assert s["busiest_rank_bytes_share_schedule"] == 0.5  # each learner half, to each producer
     assert s["busiest_rank_bytes_share"] <= 0.55
+    shm = "--shared-memory" in extra
+    assert s["bytes_share_source"] == ("packed into /dev/shm" if shm else "sockets")
     paths = {r["path"]: r for r in line["results"]}
     assert set(paths) == {"ours_send_now", "ours_snapshot", "raw_p2p", "raw_broadcast", "current"}
     by_rank = paths["ours_send_now"]["socket_bytes_by_rank"]
-    assert min(by_rank[:2]) > 0.45 * line["model_bytes"] and max(by_rank[2:]) < 65536
+    if not shm:  # the learners' parts crossed the sockets, the producers sent little
+        assert min(by_rank[:2]) > 0.45 * line["model_bytes"] and max(by_rank[2:]) < 65536
     t = {k: r["s"] for k, r in paths.items()}
     assert s["vs_raw"] == round(min(t["raw_p2p"], t["raw_broadcast"]) / t["ours_send_now"], 3)
     assert s["vs_current"] == round(t["current"] / t["ours_send_now"], 3)
     last = paths["ours_send_now"]["last_transfer"]
-    assert last["schedule"] == "p2p" and last["owners"] == [0, 1]
-    if extra:
-        assert line["load"] == "copy" and last["buckets"] >= 8  # 0.25 MiB pieces of ~2 MiB
+    assert last["schedule"] == ("shm" if shm else "p2p") and last["owners"] == [0, 1]
+    if shm:
+        assert line["load"] == "copy" and line["shared_memory"] is True
+    else:  # 0.25 MiB pieces of each learner's ~2 MiB part
+        assert line["load"] == "in_place" and last["sent"] > 0 and last["buckets"] >= 8

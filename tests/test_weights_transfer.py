@@ -45,8 +45,8 @@ def state_digest(policy: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _race(rank: int, world: int, bucket_mb: float, in_place: bool) -> dict[str, object]:
-    transport = cd.TransportConfig(timeout_s=30, weights_bucket_mb=bucket_mb)
+def _race(rank: int, world: int, bucket_mb: float, in_place: bool, shm: bool) -> dict[str, object]:
+    transport = cd.TransportConfig(timeout_s=30, weights_bucket_mb=bucket_mb, shared_memory=shm)
     tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2],
                        transport=transport)  # fmt: skip
     policy = Policy()
@@ -77,9 +77,12 @@ def _race(rank: int, world: int, bucket_mb: float, in_place: bool) -> dict[str, 
     return out
 
 
-@pytest.mark.parametrize(("bucket_mb", "in_place"), [(8 / (1 << 20), False), (4.0, True)])
-def test_every_pull_loads_exactly_one_published_version_never_a_torn_one(bucket_mb, in_place):
-    res = run_ranks(_race, 3, bucket_mb, in_place, timeout_s=150)
+@pytest.mark.parametrize(
+    ("bucket_mb", "in_place", "shm"),
+    [(8 / (1 << 20), False, False), (4.0, True, False), (4.0, False, True), (4.0, True, True)],
+)
+def test_every_pull_loads_exactly_one_published_version_never_a_torn_one(bucket_mb, in_place, shm):
+    res = run_ranks(_race, 3, bucket_mb, in_place, shm, timeout_s=150)
     published = res[0]["published"]
     assert published == res[1]["published"] and len(published) == STEPS + 1
     assert len(set(published.values())) == STEPS + 1  # each version's weights differ
@@ -90,20 +93,24 @@ def test_every_pull_loads_exactly_one_published_version_never_a_torn_one(bucket_
     model = sum(t.numel() * t.element_size() for t in Policy().state_dict().values())
     last = {r: res[r]["last"] for r in res}
     assert last[0]["owners"] == [0, 1] or last[0]["owners"] == (0, 1)
-    for r in (0, 1):  # each learner sent a part, about half, to the producer only
-        assert last[r]["schedule"] == "p2p" and last[r]["received"] == 0
+    schedule = "shm" if shm else "p2p"
+    for r in (0, 1):  # each learner sent (or packed into its file) a part, about half
+        assert last[r]["schedule"] == schedule and last[r]["received"] == 0
         assert 0.3 * model < last[r]["sent"] < 0.7 * model + 1024
     assert last[2]["sent"] == 0 and last[2]["received"] == last[0]["sent"] + last[1]["sent"]
     if bucket_mb < 1:  # 8-byte buckets: many per tensor
         assert last[2]["buckets"] > 2 * len(Policy().state_dict())
-    else:
-        assert last[2]["buckets"] == 2  # one per learner's part
+    else:  # one per learner's part (sent, or copied out of its file)
+        assert last[2]["buckets"] == 2
 
 
-def _send_now(rank: int, world: int) -> dict[str, object]:
+def _send_now(rank: int, world: int, shm: bool) -> dict[str, object]:
     """Learners publish with ``send_now``: the round in the call packs each 64-byte bucket just
-    before sending it; the producer flushes (that round) and pulls."""
-    transport = cd.TransportConfig(timeout_s=30, weights_bucket_mb=64 / (1 << 20))
+    before sending it (shared memory: packed into the learner's file first); the producer
+    flushes (that round) and pulls."""
+    transport = cd.TransportConfig(
+        timeout_s=30, weights_bucket_mb=64 / (1 << 20), shared_memory=shm
+    )
     tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2],
                        transport=transport)  # fmt: skip
     policy = Policy()
@@ -122,8 +129,9 @@ def _send_now(rank: int, world: int) -> dict[str, object]:
     return {"loads": loads}
 
 
-def test_send_now_packs_in_the_round_and_the_producer_loads_every_version_exactly():
-    res = run_ranks(_send_now, 3, timeout_s=120)
+@pytest.mark.parametrize("shm", [False, True])
+def test_send_now_packs_in_the_round_and_the_producer_loads_every_version_exactly(shm):
+    res = run_ranks(_send_now, 3, shm, timeout_s=120)
     published = res[0]["published"]
     assert published == res[1]["published"] and sorted(published) == list(range(1, STEPS + 1))
     assert res[2]["loads"][:STEPS] == [(v, published[v]) for v in range(1, STEPS + 1)]

@@ -18,10 +18,13 @@ new version:
   ranks all-gather a meta row (as a round does), ``dist.broadcast`` the buffer, producers copy
   it into their module.
 
-Bytes each rank wrote to its sockets (``/proc/self/io`` ``wchar``) are measured over ``ours``
-(with ``--shared-memory`` the parts still cross gloo's sockets: weights are not yet moved
-through ``/dev/shm``); ``busiest_rank_bytes_share`` is the largest rank's share of the sum.
-After the timed repeats every producer's loaded weights are digested against the learners'.
+Bytes each rank wrote to its sockets (``/proc/self/io`` ``wchar``) are measured over
+``ours_send_now``; ``busiest_rank_bytes_share`` is the largest rank's share of their sum. With
+``--shared-memory`` (the plane's transport option: each learner packs its part into a file in
+``/dev/shm``, each producer copies the parts out) nothing crosses a socket: the share is then
+of the bytes each rank packed for the others (``WeightsState.last``), and
+``bytes_share_source`` says which. After the timed repeats every producer's loaded weights are
+digested against the learners'.
 
 Summary: ``publish_s`` (median, ours), ``gbps`` (bytes delivered, model size times producers,
 over ``publish_s``), ``vs_raw`` (the faster raw collective's time over ours), ``vs_raw_p2p``,
@@ -270,6 +273,9 @@ def main(argv: list[str]) -> None:
     by_rank = [med(w[0]) for w in wrote]
     sched = [med(w[1]) for w in wrote]
     by_rank_snap = [med(w[2]) for w in wrote]
+    # the sockets where the parts crossed them; the bytes packed for others through /dev/shm
+    over_sockets = sum(by_rank) > 0.01 * nbytes
+    shares, source = (by_rank, "sockets") if over_sockets else (sched, "packed into /dev/shm")
     results = [
         {"path": "ours_send_now", "s": t_now, "samples": now["times"],
          "socket_bytes_by_rank": by_rank, "schedule_bytes_by_rank": sched,
@@ -291,7 +297,8 @@ def main(argv: list[str]) -> None:
         "vs_raw_snapshot": round(t_raw / t_snap, 3),
         "vs_current_snapshot": round(t_cur / t_snap, 3),
         "pack_s_snapshot": round(med(snap["packs"]), 4),
-        "busiest_rank_bytes_share": round(max(by_rank) / max(1, sum(by_rank)), 3),
+        "busiest_rank_bytes_share": round(max(shares) / max(1, sum(shares)), 3),
+        "bytes_share_source": source,
         "busiest_rank_bytes_share_schedule": round(max(sched) / max(1, sum(sched)), 3),
         "digests_equal": len({d for row in digests for d in row}) == 1,
     }

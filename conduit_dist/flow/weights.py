@@ -30,6 +30,7 @@ from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
+from conduit_dist.flow.weight_files import WeightFiles
 from conduit_dist.records.buffers import Pooled, keep, lasting_empty, use_count
 from conduit_dist.records.spec import ALIGN, SUPPORTED, align
 from conduit_dist.syncs import SYNCS
@@ -61,6 +62,7 @@ class WeightsSnapshot:
     # a version published to be packed by the round that sends it (publish(lazy=True)):
     # pack(lo, hi) writes bytes [lo, hi) of it into ``buf`` from the module; None: packed
     pack: Callable[[int, int], None] | None = None
+    slot: int = -1  # the publisher's weights file (shared memory, ``weight_files``); -1: none
 
     @property
     def nbytes(self) -> int:
@@ -410,6 +412,10 @@ class WeightsState:
         self._layouts: dict[int, _Layout] = {}  # device buffers: decoded layouts by digest
         # a lazy publish not packed yet: (buffer, header, entries, state, lo, hi)
         self._pending: tuple | None = None
+        # host weights through /dev/shm (a token plane's shared memory; set by its build):
+        # a learner packs its part into a file of its own, receivers copy the parts out
+        self.files: WeightFiles | None = None
+        self.slot = -1  # the file the current buffer is (shared memory)
 
     def snapshot(self, lazy: bool = False) -> WeightsSnapshot:
         """The current version and buffer (taken when a round is prepared); without a buffer
@@ -424,7 +430,7 @@ class WeightsState:
         if not lazy:
             self.settle()
         pack = self._pack if self._pending is not None else None
-        return WeightsSnapshot(self.version, self.buf, self.head, pack)
+        return WeightsSnapshot(self.version, self.buf, self.head, pack, self.slot)
 
     def _pack(self, a: int, b: int) -> None:
         """Pack bytes ``[a, b)`` of the pending lazy publish (within its part)."""
@@ -494,7 +500,11 @@ class WeightsState:
             self._head = (key, head, total, entries, digest)
         _, head, total, entries, digest = self._head
         self.settle()  # an earlier lazy publish never sent: packed before it is replaced
-        buf = self._buffers.take(total)
+        if self.files is not None:  # packed into a file of this rank's: the pack is the send
+            self.slot, buf = self.files.take(total)
+            lazy = False
+        else:
+            buf = self._buffers.take(total)
         lo, hi = parts(total, count)[index]
         if lazy:
             self._pending = (buf, head, entries, state, lo, hi)
@@ -517,6 +527,7 @@ class WeightsState:
         snap,
         head: int = 0,
         receivers: Sequence[int] | None = None,
+        slots: Sequence[int] = (),
     ) -> None:
         """Send version ``version`` from its owners to its receivers if it is newer than the
         last one sent (every rank of the group calls it, with the same arguments but ``snap``).
@@ -538,6 +549,8 @@ class WeightsState:
             head: the owners' header digest, from the meta (device buffers; 0: none).
             receivers: the ranks that load the whole version (default: every rank that is
                 not an owner). An owner among them also receives the others' parts.
+            slots: each owner's weights file, from the meta (shared memory: schedule
+                ``"shm"``, each receiver copies every part out of its owner's file).
         """
         if version <= self.broadcast:
             return
@@ -553,9 +566,11 @@ class WeightsState:
         else:
             buf = self._buffers.take(nbytes)
         ranges = parts(nbytes, len(owners))
-        schedule = weights_schedule(ex, buf.is_cuda)
+        schedule = "shm" if self.files is not None else weights_schedule(ex, buf.is_cuda)
         pack = snap.pack if rank in owners else None
-        if schedule == "broadcast":  # every rank takes part; owners receive the others' parts
+        if schedule == "shm":
+            sent, received, count = self._files(owners, ranges, receiving, buf, slots, r)
+        elif schedule == "broadcast":  # every rank takes part; owners receive the others' parts
             sent, received, count = self._broadcasts(ex, owners, ranges, buf, pack, r)
             receiving = receiving or rank in owners
         else:
@@ -607,6 +622,27 @@ class WeightsState:
             sent += (b - a) * len(dsts)
         ex.wait_works(works, "weights[p2p]", r, buf.is_cuda)
         return sent, received, count
+
+    def _files(self, owners, ranges, receiving, buf, slots, r) -> tuple[int, int, int]:
+        """The ``"shm"`` schedule: an owner's part is in its file already (packed there);
+        a receiver copies every other owner's part out of that owner's file. Returns (bytes
+        packed for others, received, parts copied)."""
+        files, rank, nbytes = self.files, self.files.rank, buf.numel()
+        sent = received = count = 0
+        for src, slot, (lo, hi) in zip(owners, slots, ranges):
+            if src == rank:
+                files.sent(int(slot), nbytes, r)
+                sent += hi - lo
+            elif receiving:
+                buf[lo:hi].copy_(files.peer(src, int(slot), nbytes)[lo:hi])
+                received += hi - lo
+                count += 1
+        return sent, received, count
+
+    def close(self) -> None:
+        """Remove this rank's weights files (shared memory); nothing otherwise."""
+        if self.files is not None:
+            self.files.close()
 
     def _broadcasts(self, ex, owners, ranges, buf, pack, r) -> tuple[int, int, int]:
         """The ``"broadcast"`` schedule: each owner's part broadcast bucket by bucket to the

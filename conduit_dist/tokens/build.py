@@ -13,6 +13,7 @@ import torch
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.collectives.topology import discover
 from conduit_dist.collectives.transport import Transport
+from conduit_dist.flow.weight_files import WeightFiles
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.plane.build import bandwidth_model, rank_set
 from conduit_dist.plane.options import TransportConfig
@@ -99,6 +100,8 @@ def build(
     # weights on the plane's device (published from and pulled into modules there, sent by
     # the group's backend for CUDA tensors); rehearsed on CPU planes
     weights = WeightsState(device if cuda or rehearse else None, transport.weights_bucket_bytes)
+    if ex.shm is not None and not (cuda or rehearse):  # host weights through /dev/shm too
+        weights.files = WeightFiles(ex.shm.token, ex.rank)
     # where and when rounds run (runner.py): every round on the round thread where its NCCL
     # work must come from one thread (CUDA, or the device path rehearsed)
     runner = TokenRunner(engine, weights, device, transport.timeout_s, cuda or rehearse)

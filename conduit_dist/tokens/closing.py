@@ -48,12 +48,14 @@ class Closing:
             self.runner.close()
             with contextlib.suppress(Exception):  # clean: every rank ran the same exchanges,
                 self.ex.close(drain=clean)  # so a barrier before its shared-memory files go
+            self.runner.weights.close()  # its weights files, once no peer copies from them
 
     def abort(self) -> None:
         """Release the group without a closing round (the peers' next round then fails naming
         this rank instead of waiting for it), then abandon the round thread."""
         with contextlib.suppress(Exception):
             self.ex.close()
+        self.runner.weights.close()
         self.runner.close(wait=False)
 
     def stats(self) -> dict[str, int]:

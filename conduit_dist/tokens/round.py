@@ -39,8 +39,8 @@ from conduit_dist.tokens.wire import Wire
 # meta row columns (AHEAD: the first learner's round was launched ahead of its next version;
 # WHEAD: a learner's weights header's digest, device weights; WHOLE: the rank loads whole
 # weights, a producer or a learner serving an ingress)
-ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD, WHOLE = range(10)
-META_WIDTH = 10
+ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD, WHOLE, WSLOT = range(11)
+META_WIDTH = 11
 
 
 @dataclass
@@ -158,10 +158,13 @@ class TokenRound:
             row[VERSION], row[AHEAD] = version, int(ahead)
             fresh = snap.buf is not None and snap.version > weights.broadcast
             row[WBYTES], row[WHEAD] = (snap.nbytes, snap.head) if fresh else (0, 0)
+            row[WSLOT] = snap.slot
         row[WHOLE] = int(self.ex.rank not in self.learners or self.serves)
         head = table[:k].reshape(-1)
         row[META_WIDTH : META_WIDTH + head.size] = torch.from_numpy(head)
         got = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
+        if weights.files is not None:  # every rank finished the rounds before this one
+            weights.files.gathered = self.round
         meta, tables = got[:, :META_WIDTH], got[:, META_WIDTH:]
         most = int(meta[:, ROWS].max())
         if most > k:  # the rows beyond the hint, in a second gather
@@ -270,7 +273,10 @@ class TokenRound:
             )
         version, nbytes, head = (int(x) for x in rows[0])
         receivers = np.flatnonzero(meta[:, WHOLE]).tolist()
-        weights.exchange(self.ex, self.learners, version, nbytes, self.round, snap, head, receivers)
+        slots = meta[list(self.learners), WSLOT].tolist()
+        weights.exchange(
+            self.ex, self.learners, version, nbytes, self.round, snap, head, receivers, slots
+        )
 
     def queue_priorities(self, holder: list[int], key: list[int], p: list[float]) -> None:
         """Queue per-sequence priorities for the next round's table: one update per group (its
