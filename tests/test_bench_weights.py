@@ -26,12 +26,17 @@ def test_bench_weights_delivers_equal_digests_from_both_learners(extra):
     shm = "--shared-memory" in extra
     assert s["bytes_share_source"] == ("packed into /dev/shm" if shm else "sockets")
     paths = {r["path"]: r for r in line["results"]}
-    assert set(paths) == {"ours_send_now", "ours_snapshot", "raw_p2p", "raw_broadcast", "current"}
+    assert set(paths) == {
+        "ours_send_now", "ours_snapshot", "raw_p2p", "raw_broadcast", "raw_schedule", "current"
+    }  # fmt: skip
     by_rank = paths["ours_send_now"]["socket_bytes_by_rank"]
     if not shm:  # the learners' parts crossed the sockets, the producers sent little
         assert min(by_rank[:2]) > 0.45 * line["model_bytes"] and max(by_rank[2:]) < 65536
     t = {k: r["s"] for k, r in paths.items()}
-    assert s["vs_raw"] == round(min(t["raw_p2p"], t["raw_broadcast"]) / t["ours_send_now"], 3)
+    fastest = min(t["raw_p2p"], t["raw_broadcast"], t["raw_schedule"])
+    assert s["vs_raw"] == round(fastest / t["ours_send_now"], 3)
+    assert s["schedule"] == ("shm" if shm else "p2p")  # one host: no relay
+    assert paths["raw_schedule"]["schedule"] == "p2p"
     assert s["vs_current"] == round(t["current"] / t["ours_send_now"], 3)
     last = paths["ours_send_now"]["last_transfer"]
     assert last["schedule"] == ("shm" if shm else "p2p") and last["owners"] == [0, 1]

@@ -11,9 +11,11 @@ new version:
   round that sends every part to every producer, bucket by bucket); producers ``flush`` (that
   round) then ``pull_weights`` (in place unless ``--copy``). Timed from a barrier to the last
   producer's pull returning (``time.monotonic``: one clock for the processes of a host).
-- ``raw_p2p``: the same schedule on buffers already packed: each learner's part sent to each
-  producer (``batch_isend_irecv``, one message per part and producer), nothing packed, checked
-  or loaded; ``raw_broadcast``: ``dist.broadcast`` of the whole buffer from rank 0.
+- ``raw_p2p``: on buffers already packed, each learner's part sent to each producer
+  (``batch_isend_irecv``, one message per part and producer), nothing packed, checked or
+  loaded; ``raw_broadcast``: ``dist.broadcast`` of the whole buffer from rank 0;
+  ``raw_schedule``: the routes the plane chose (``WeightsState.routes``: the same as
+  ``raw_p2p`` on one host, a relay across hosts), phase by phase, on packed buffers.
 - ``current``: the previous path: rank 0 packs the whole model (``WeightsState.publish``), the
   ranks all-gather a meta row (as a round does), ``dist.broadcast`` the buffer, producers copy
   it into their module.
@@ -26,10 +28,12 @@ of the bytes each rank packed for the others (``WeightsState.last``), and
 ``bytes_share_source`` says which. After the timed repeats every producer's loaded weights are
 digested against the learners'.
 
-Summary: ``publish_s`` (median, ours), ``gbps`` (bytes delivered, model size times producers,
-over ``publish_s``), ``vs_raw`` (the faster raw collective's time over ours), ``vs_raw_p2p``,
-``vs_raw_broadcast``, ``vs_current`` (the previous path's time over ours), ``pack_s`` (a
-learner's ``publish_weights``), ``busiest_rank_bytes_share`` and ``digests_equal``."""
+Summary: ``publish_s`` (median, ours with ``send_now``), ``gbps`` (bytes delivered, model size
+times producers, over ``publish_s``), ``vs_raw`` (the fastest raw path's time over ours),
+``vs_raw_p2p``, ``vs_raw_broadcast``, ``vs_raw_schedule``, ``schedule`` (the plane's),
+``vs_current`` (the previous path's time over ours), the same three for the snapshot way
+(``*_snapshot``, with ``pack_s_snapshot``: a learner's ``publish_weights``),
+``busiest_rank_bytes_share`` and ``digests_equal``."""
 
 from __future__ import annotations
 
@@ -169,16 +173,21 @@ def _ours(a, model: _Model, learners: list[int], producers: list[int], send_now:
         sent.append(tp.weights.last.sent)
     digest = _digest(model)
     last = vars(tp.weights.last)
+    nbytes = buffer_bytes(model)  # the routes the plane's transfers took, for the raw replay
+    schedule, phases = tp.weights.routes(learners, parts(nbytes, len(learners)), producers)
     tp.close()
     return {"times": times[1:], "packs": packs[1:], "wrote": wrote[1:], "sent": sent[1:],
-            "digest": digest, "last": last}  # fmt: skip
+            "digest": digest, "last": last, "routes": (schedule, phases)}  # fmt: skip
 
 
-def _raw(a, nbytes: int, learners: list[int], producers: list[int]) -> dict:
+def _raw(a, nbytes: int, learners: list[int], producers: list[int], routes) -> dict:
+    """The raw collectives on packed buffers: each learner's part to each producer; one
+    broadcast; and the routes the plane chose (``routes``: a relay across hosts), phase by
+    phase."""
     rank = dist.get_rank()
     buf = torch.ones(nbytes, dtype=torch.uint8)
     ranges = parts(nbytes, len(learners))
-    p2p, bcast = [], []
+    p2p, bcast, chosen = [], [], []
     for _ in range(a.repeats + 1):
         dist.barrier()
         t0 = time.monotonic()
@@ -196,7 +205,16 @@ def _raw(a, nbytes: int, learners: list[int], producers: list[int]) -> dict:
         t0 = time.monotonic()
         dist.broadcast(buf, learners[0])
         _span(t0, time.monotonic(), bcast)
-    return {"p2p": p2p[1:], "broadcast": bcast[1:]}
+        dist.barrier()
+        t0 = time.monotonic()
+        for phase in routes[1]:
+            ops = [dist.P2POp(dist.isend if rank == s else dist.irecv, buf[lo:hi],
+                              d if rank == s else s)
+                   for s, d, lo, hi in phase if rank in (s, d)]  # fmt: skip
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+        _span(t0, time.monotonic(), chosen)
+    return {"p2p": p2p[1:], "broadcast": bcast[1:], "schedule": chosen[1:]}
 
 
 def _current(a, model: _Model, learners: list[int]) -> dict:
@@ -256,7 +274,7 @@ def main(argv: list[str]) -> None:
     gc.collect()
     snap = _ours(a, model, learners, producers, False)
     gc.collect()
-    raw = _raw(a, buffer_bytes(model), learners, producers)
+    raw = _raw(a, buffer_bytes(model), learners, producers, now["routes"])
     gc.collect()
     current = _current(a, model, learners)
     digests = [None] * world
@@ -268,8 +286,8 @@ def main(argv: list[str]) -> None:
         return
     med = statistics.median
     t_now, t_snap, t_cur = med(now["times"]), med(snap["times"]), med(current["times"])
-    t_p2p, t_bc = med(raw["p2p"]), med(raw["broadcast"])
-    t_raw = min(t_p2p, t_bc)
+    t_p2p, t_bc, t_sched = med(raw["p2p"]), med(raw["broadcast"]), med(raw["schedule"])
+    t_raw = min(t_p2p, t_bc, t_sched)
     by_rank = [med(w[0]) for w in wrote]
     sched = [med(w[1]) for w in wrote]
     by_rank_snap = [med(w[2]) for w in wrote]
@@ -284,6 +302,8 @@ def main(argv: list[str]) -> None:
          "pack_s": med(snap["packs"]), "socket_bytes_by_rank": by_rank_snap},
         {"path": "raw_p2p", "s": t_p2p, "samples": raw["p2p"]},
         {"path": "raw_broadcast", "s": t_bc, "samples": raw["broadcast"]},
+        {"path": "raw_schedule", "s": t_sched, "samples": raw["schedule"],
+         "schedule": now["routes"][0]},
         {"path": "current", "s": t_cur, "samples": current["times"]},
     ]  # fmt: skip
     summary = {
@@ -292,6 +312,8 @@ def main(argv: list[str]) -> None:
         "vs_raw": round(t_raw / t_now, 3),
         "vs_raw_p2p": round(t_p2p / t_now, 3),
         "vs_raw_broadcast": round(t_bc / t_now, 3),
+        "vs_raw_schedule": round(t_sched / t_now, 3),
+        "schedule": now["routes"][0] if not a.shared_memory else "shm",
         "vs_current": round(t_cur / t_now, 3),
         "publish_s_snapshot": round(t_snap, 4),
         "vs_raw_snapshot": round(t_raw / t_snap, 3),

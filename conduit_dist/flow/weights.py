@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -416,6 +417,9 @@ class WeightsState:
         # a learner packs its part into a file of its own, receivers copy the parts out
         self.files: WeightFiles | None = None
         self.slot = -1  # the file the current buffer is (shared memory)
+        # the plane's transport (its topology and bandwidth model price a relay; set by the
+        # planes' builds); None: every part straight to every receiver
+        self.transport = None
 
     def snapshot(self, lazy: bool = False) -> WeightsSnapshot:
         """The current version and buffer (taken when a round is prepared); without a buffer
@@ -574,7 +578,10 @@ class WeightsState:
             sent, received, count = self._broadcasts(ex, owners, ranges, buf, pack, r)
             receiving = receiving or rank in owners
         else:
-            sent, received, count = self._sends(ex, owners, ranges, receivers, buf, pack, r)
+            schedule, phases = self.routes(owners, ranges, receivers)
+            sent, received, count = self._sends(ex, phases, buf, pack, r)
+            if pack is not None and not any(route[0] == rank for route in phases[0]):
+                pack(*ranges[owners.index(rank)])  # nobody to send to: packed all the same
         if pack is not None:
             self._packed()
         self._buffers.used(buf)  # CUDA: the transfer on the round's stream, before a reuse
@@ -592,36 +599,64 @@ class WeightsState:
         if receiving or (rank in owners and len(owners) == 1):
             self._whole = (version, buf, head)
 
-    def _sends(self, ex, owners, ranges, receivers, buf, pack, r) -> tuple[int, int, int]:
-        """The ``"p2p"`` schedule: this rank's receives posted at once; its own part sent to
-        each receiver bucket by bucket, each bucket packed (``pack``) just before its sends
-        start, so packing the next overlaps moving the last. Returns (sent, received, buckets)
-        in payload bytes."""
-        rank, receiving = ex.rank, ex.rank in receivers
-        recvs, mine = [], []
-        count = 0
-        for src, (lo, hi) in zip(owners, ranges):
-            for a, b in buckets(lo, hi, self.bucket_bytes):
-                if src == rank:
-                    mine.append((a, b))
+    def _sends(self, ex, phases, buf, pack, r) -> tuple[int, int, int]:
+        """The ``"p2p"`` and ``"relay"`` schedules: ``phases`` of routes ``(src, dst, lo, hi)``
+        run one after the other (a relay forwards in the second what it received in the
+        first). In each, this rank's receives are posted at once and its sends go bucket by
+        bucket, an owner's bucket packed (``pack``) just before its sends start, so packing the
+        next overlaps moving the last. Returns (sent, received, buckets) in payload bytes."""
+        rank = ex.rank
+        sent = received = count = 0
+        for phase in phases:
+            recvs, mine = [], {}
+            for src, dst, lo, hi in phase:
+                if dst == rank:
+                    for a, b in buckets(lo, hi, self.bucket_bytes):
+                        recvs.append(dist.P2POp(dist.irecv, buf[a:b], src, ex.group))
+                        received += b - a
+                        count += 1
+                elif src == rank:
+                    mine.setdefault((lo, hi), []).append(dst)
+            works = ex.send_recv_start(recvs, "weights[p2p]", r) if recvs else []
+            for (lo, hi), dsts in mine.items():
+                for a, b in buckets(lo, hi, self.bucket_bytes):
+                    if pack is not None:
+                        pack(a, b)
+                    ops = [dist.P2POp(dist.isend, buf[a:b], d, ex.group) for d in dsts]
+                    works += ex.send_recv_start(ops, "weights[p2p]", r)
+                    sent += (b - a) * len(dsts)
                     count += 1
-                elif receiving:
-                    recvs.append(dist.P2POp(dist.irecv, buf[a:b], src, ex.group))
-                    count += 1
-        received = sum(op.tensor.numel() for op in recvs)
-        works = ex.send_recv_start(recvs, "weights[p2p]", r) if recvs else []
-        dsts = [d for d in receivers if d != rank] if mine else []
-        sent = 0
-        for a, b in mine:
-            if pack is not None:
-                pack(a, b)
-            if not dsts:
-                continue
-            ops = [dist.P2POp(dist.isend, buf[a:b], d, ex.group) for d in dsts]
-            works += ex.send_recv_start(ops, "weights[p2p]", r)
-            sent += (b - a) * len(dsts)
-        ex.wait_works(works, "weights[p2p]", r, buf.is_cuda)
+            ex.wait_works(works, "weights[p2p]", r, buf.is_cuda)
+            pack = None  # packed in the first phase: later ones forward what arrived
         return sent, received, count
+
+    def routes(self, owners, ranges, receivers) -> tuple[str, list[list[tuple]]]:
+        """The sends of a ``"p2p"`` transfer: phases of routes ``(src, dst, lo, hi)``.
+
+        Each owner's part straight to each receiver (``"p2p"``), or, where the bandwidth
+        model prices it cheaper, ``"relay"``: a host with several receivers and no owner gets
+        each part once over its link (owner ``i``'s to its ``i``-th receiver, round robin) and
+        its receivers pass the parts on among themselves (docs/weights.md)."""
+        direct = [
+            (o, d, lo, hi) for o, (lo, hi) in zip(owners, ranges) for d in receivers if d != o
+        ]
+        relay = _relay(owners, ranges, receivers, self.transport)
+        if relay is None:
+            return "p2p", [direct]
+        model, links = self.transport.model, self.transport.links
+        world = len(links)
+        if "p2p" not in model.coef:
+            return "p2p", [direct]
+
+        def price(phase) -> float:
+            m = np.zeros((world, world), dtype=np.int64)
+            for src, dst, lo, hi in phase:
+                m[src, dst] += hi - lo
+            return model.predict("p2p", m, links)
+
+        if sum(price(p) for p in relay) < price(direct):
+            return "relay", relay
+        return "p2p", [direct]
 
     def _files(self, owners, ranges, receiving, buf, slots, r) -> tuple[int, int, int]:
         """The ``"shm"`` schedule: an owner's part is in its file already (packed there);
@@ -755,6 +790,32 @@ class WeightsState:
         layout = _decode(raw, size)
         self._layouts[got] = layout
         return layout
+
+
+def _relay(owners, ranges, receivers, transport) -> list[list[tuple]] | None:
+    """The two phases of a relay (see ``WeightsState._routes``), or ``None`` where no host has
+    two receivers and no owner."""
+    if transport is None:
+        return None
+    host = transport.topo.host_of
+    by_host: dict[int, list[int]] = {}
+    for d in receivers:
+        if d not in owners:
+            by_host.setdefault(host[d], []).append(d)
+    owner_hosts = {host[o] for o in owners}
+    relayed = {h: rs for h, rs in by_host.items() if len(rs) >= 2 and h not in owner_hosts}
+    if not relayed:
+        return None
+    first, second = [], []
+    for i, (o, (lo, hi)) in enumerate(zip(owners, ranges)):
+        for d in receivers:
+            if d != o and (d in owners or host[d] not in relayed):
+                first.append((o, d, lo, hi))  # straight, as without a relay
+        for rs in relayed.values():
+            entry = rs[i % len(rs)]
+            first.append((o, entry, lo, hi))
+            second += [(entry, d, lo, hi) for d in rs if d != entry]
+    return [first, second]
 
 
 def weights_schedule(ex, cuda: bool) -> str:

@@ -326,6 +326,7 @@ def assemble(
             plan, wire_bytes, reduce_numel,
         )  # fmt: skip
         weights = WeightsState(None, transport.weights_bucket_bytes)
+        weights.transport = moves  # its topology and bandwidth model price a relay
         versions = PolicyVersions(weights, ex.rank, learners)
         sched = Scheduler(mode, engine, weights, device, transport.timeout_s, plan.round_thread)
         undo.callback(sched.close, True)

@@ -100,6 +100,7 @@ def build(
     # weights on the plane's device (published from and pulled into modules there, sent by
     # the group's backend for CUDA tensors); rehearsed on CPU planes
     weights = WeightsState(device if cuda or rehearse else None, transport.weights_bucket_bytes)
+    weights.transport = moves  # its topology and bandwidth model price a relay across hosts
     if ex.shm is not None and not (cuda or rehearse):  # host weights through /dev/shm too
         weights.files = WeightFiles(ex.shm.token, ex.rank)
     # where and when rounds run (runner.py): every round on the round thread where its NCCL

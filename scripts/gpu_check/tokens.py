@@ -66,6 +66,48 @@ def put_groups(tp: cd.TokenPlane, gids: list[int], device, watch: SyncWatch) -> 
         tp.put(batch, lengths)
 
 
+def state_digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, t in module.state_dict().items():
+        h.update(k.encode() + t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def weights_check(spec: cd.TokenSpec, rank: int, world: int) -> str:
+    """Weights on the device: at world size 1 a publish loaded in place (views of the device
+    buffer); on 2 ranks learner 0 publishes with ``send_now`` to producer 1 (CUDA over gloo: a
+    broadcast per part), which loads it in place: digests equal. Returns the schedule."""
+    src = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 3)).to(DEVICE)
+    dst = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 3)).to(DEVICE)
+    if world == 1:
+        from conduit_dist.flow.weights import WeightsState
+
+        ws = WeightsState(torch.device(DEVICE) if not DRY else torch.device("cpu"))
+        ws.publish(src)
+        check(ws.pull(dst, in_place=True) == 1, "world size 1: no version loaded")
+        check(ws.buf.device == dst[0].weight.device, f"weights on {ws.buf.device}")
+        check(state_digest(src) == state_digest(dst), "world size 1: loaded weights differ")
+        schedule = "none at world size 1"
+    else:
+        with (
+            rehearsal(DRY),
+            cd.TokenPlane(
+                spec, 16, 4096, learner_ranks=[0], producer_ranks=[1], device=DEVICE
+            ) as tp,
+        ):
+            if rank == 0:
+                tp.publish_weights(src, send_now=True)
+            else:
+                tp.flush()
+                check(tp.pull_weights(dst, in_place=True) == 1, "producer: version 1 not loaded")
+                check(dst[0].weight.device == tp.weights.buf.device, "loaded off the buffer")
+            schedule = tp.weights.last.schedule
+    got = [None] * world
+    dist.all_gather_object(got, state_digest(src if rank == 0 else dst))
+    check(len(set(got)) == 1, f"weights digests differ across ranks: {got}")
+    return schedule
+
+
 def main() -> None:
     cd.init_distributed("cpu" if DRY else "cuda")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,13 +172,14 @@ def main() -> None:
     dist.all_reduce(mine)
     check(int(mine) == STEPS * PER_STEP, f"{int(mine)} groups delivered, {STEPS * PER_STEP} put")
     where = "world size 1, NCCL" if world == 1 else f"{world} ranks sharing the GPU"
+    wsched = weights_check(spec, rank, world)
     ok(
         f"t.tokens{world}",
         f"{where}: {int(mine)} groups byte-identical and whole, micro-batches on {DEVICE}, "
         "arenas on the device, rounds launched at the backward taken (puts before and while "
         f"they ran); host syncs per fetch {fetch_syncs['torch_max']}, per GPU put "
         f"{gpu_syncs['torch_max']} (counted {gpu_syncs['library_max']}), per host put "
-        f"{host_syncs['torch_max']}",
+        f"{host_syncs['torch_max']}; weights ({wsched}) loaded equal from device buffers",
         groups=int(mine), world=world, fetch_syncs=fetch_syncs["torch_max"],
         gpu_put_syncs=gpu_syncs["torch_max"], host_put_syncs=host_syncs["torch_max"],
     )  # fmt: skip
