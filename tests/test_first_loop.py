@@ -4,8 +4,6 @@ arguments, grouped transport settings)."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from dist_utils import run_ranks
@@ -102,20 +100,17 @@ def test_arguments_after_capacity_are_keyword_only_and_transport_is_one_object()
         assert plane._p.exchange.timeout.total_seconds() == 5
 
 
-def _publish_on_second_learner(rank: int, world: int) -> int:
-    logging.getLogger("conduit_dist").setLevel(logging.INFO)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("conduit_dist").addHandler(handler)
+def _publish_on_every_learner(rank: int, world: int) -> tuple[int, int, list[int]]:
     with cd.DataPlane(spec(), capacity_per_rank=10) as plane:
-        version = plane.publish_weights(torch.nn.Linear(2, 2))
+        net = torch.nn.Linear(2, 2)
+        version = plane.publish_weights(net)
         plane.put(make_batch(torch.arange(rank * 10, rank * 10 + 4)))
         plane.fetch(4)
-    said = [m for m in records if "publish_weights" in m]
-    assert (len(said) == 1 and "sends nothing" in said[0]) if rank == 1 else not said, said
-    return version
+        last = plane._p.weights.last
+        pulled = plane.pull_weights(net)  # its own version, whole
+    return version, last.sent + last.received, list(last.owners), pulled
 
 
-def test_publish_on_a_learner_that_sends_nothing_says_so():
-    assert run_ranks(_publish_on_second_learner, 2) == {0: 1, 1: 1}
+def test_every_learner_holds_its_version_and_without_actors_nothing_moves():
+    res = run_ranks(_publish_on_every_learner, 2)
+    assert res == {0: (1, 0, [0, 1], 1), 1: (1, 0, [0, 1], 1)}

@@ -94,7 +94,7 @@ def test_report_skips_plots_the_run_did_not_log_and_names_a_missing_file(tmp_pat
     f.close()
     written, skipped = report(str(tmp_path))
     assert [os.path.basename(p) for p in written] == ["return.png", "path_time.png"]
-    assert len(skipped) == 5 and all(s.startswith("skipped ") for s in skipped)
+    assert len(skipped) == 6 and all(s.startswith("skipped ") for s in skipped)
     assert any("path/bytes_{self,host,net}" in s for s in skipped)
     assert any("reward.png: the run logged no rl/reward" in s for s in skipped)
     rows, _ = read_run(str(tmp_path))

@@ -120,6 +120,20 @@ def _plot_policy_age(rows: Rows, info: dict[str, Any], out: str) -> str | None:
     return _save(fig, out, "policy_age.png")
 
 
+def _plot_weights(rows: Rows, info: dict[str, Any], out: str) -> str | None:
+    kp, kt = "weights/pack_ms", "weights/transfer_ms"
+    if not _has(rows, kp, kt):
+        return None
+    fig, ax = _figure("Weights published per version (the logging learner)", "ms", xlabel(info))
+    x, pack = series(rows, kp)
+    _, xfer = series(rows, kt)
+    ax.stackplot(x, pack, xfer, labels=["pack (publish_weights)", "transfer (its round)"],
+                 colors=["tab:orange", "tab:blue"], alpha=0.8)  # fmt: skip
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right")
+    return _save(fig, out, "weights.png")
+
+
 def _plot_path_time(rows: Rows, info: dict[str, Any], out: str) -> str | None:
     ke, kh = "path/exposed_ms_mean", "path/hidden_ms_mean"
     if not _has(rows, ke, kh):
@@ -181,6 +195,7 @@ PLOTS = (
     ("tokens.png", _plot_tokens, "rate/gen_tokens_per_s and rate/train_tokens_per_s"),
     ("policy_age.png", _plot_policy_age, "rl/reward and path/policy_age_{mean,max}"),
     ("path_time.png", _plot_path_time, "path/exposed_ms_mean and path/hidden_ms_mean"),
+    ("weights.png", _plot_weights, "weights/pack_ms and weights/transfer_ms"),
     ("link_bytes.png", _plot_link_bytes, "path/bytes_{self,host,net}"),
     ("store_tiers.png", _plot_store_tiers, "store/tier<i>_<kind>_bytes"),
 )

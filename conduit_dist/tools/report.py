@@ -11,7 +11,9 @@ Agg backend (the ``[report]`` extra), into ``RUN_DIR/plots`` (or ``--out``):
   (one per iteration for DQN) vs env steps, stacked;
 - ``link_bytes.png``: bytes the rounds sent per link class (``self`` / ``host`` / ``net``),
   cumulative, vs env steps;
-- ``store_tiers.png``: the store's bytes per tier (mean over shards) vs env steps.
+- ``store_tiers.png``: the store's bytes per tier (mean over shards) vs env steps;
+- ``weights.png`` (GRPO, disaggregated): the logging learner's pack and its round's transfer of
+  the weights, milliseconds per version, vs trained responses.
 
 A plot whose metrics the run did not log (e.g. PPO has no tiers) is skipped, saying so.
 """
