@@ -40,9 +40,9 @@ _MAGIC = b"CDWT"
 _FORMAT = 1
 _PREAMBLE = struct.Struct("<4sII")  # magic, format, header length
 _KEYS = ("dtype", "name", "offset", "shape")
-# the default largest piece of a weights transfer: bench weights on 4 gloo ranks found 16-256
-# MiB alike (docs/benchmarks.md); pieces bound a CUDA receive's in-flight memory and NCCL's
-# per-call size
+# the default largest piece of a weights transfer: on 2 shared cores (bench weights, loopback)
+# larger pieces only interleave less with the pack (nothing overlaps there); across a link the
+# pack hides behind 64 MiB pieces (docs/benchmarks.md), which also bound NCCL's per-call size
 BUCKET_BYTES = 64 << 20
 _DTYPES = {  # the names the JSON header uses: the record dtypes, and complex for weights
     str(d).removeprefix("torch."): d for d in (*SUPPORTED, torch.complex64, torch.complex128)
