@@ -100,7 +100,7 @@ def test_arguments_after_capacity_are_keyword_only_and_transport_is_one_object()
         assert plane._p.exchange.timeout.total_seconds() == 5
 
 
-def _publish_on_every_learner(rank: int, world: int) -> tuple[int, int, list[int]]:
+def _publish_on_every_learner(rank: int, world: int) -> tuple[int, int, list[int], int]:
     with cd.DataPlane(spec(), capacity_per_rank=10) as plane:
         net = torch.nn.Linear(2, 2)
         version = plane.publish_weights(net)

@@ -321,3 +321,56 @@ def test_device_weights_read_their_header_once_per_layout_and_check_its_digest()
     recv.hold(pub.version, pub.snapshot().buf.clone(), 12345)
     with pytest.raises(SpecError, match="differs from the one the publisher announced"):
         recv.pull(copy)
+
+
+class _Transport:
+    """What ``WeightsState.routes`` reads of a plane's transport: its topology, link classes
+    and bandwidth models (declared: a fast host link, a slow network one)."""
+
+    def __init__(self, hosts: list[str], net_gbps: float = 1.0) -> None:
+        from conduit_dist.collectives.model import BandwidthModel
+        from conduit_dist.collectives.topology import Topology
+
+        self.topo = Topology.from_hosts(hosts)
+        self.links = self.topo.link_matrix()
+        self.model = BandwidthModel.declared(20e-6, {"self": 50.0, "host": 20.0, "net": net_gbps})
+        self.device_model = self.model
+
+
+def _delivered(phases, receivers) -> dict[int, set[tuple[int, int]]]:
+    """The parts each receiver ends up holding, following the routes phase by phase (a rank
+    forwards only a part it held before the phase)."""
+    held: dict[int, set[tuple[int, int]]] = {r: set() for r in receivers}
+    for phase in phases:
+        arrived: dict[int, set[tuple[int, int]]] = {r: set() for r in receivers}
+        for src, dst, lo, hi in phase:
+            if src in held:
+                assert (lo, hi) in held[src], (src, lo, hi)
+            arrived[dst].add((lo, hi))
+        for r in receivers:
+            held[r] |= arrived[r]
+    return held
+
+
+def test_routes_relay_each_part_once_over_a_slow_link_and_go_straight_on_one_host():
+    ws, nbytes = WeightsState(), 64 << 20  # priced, not moved: large enough for bytes to count
+    ranges = parts(nbytes, 2)
+    ws.transport = _Transport(["a", "a", "b", "b"])  # learners on a, producers on b
+    schedule, phases = ws.routes([0, 1], ranges, [2, 3])
+    assert schedule == "relay" and len(phases) == 2
+    first, second = phases
+    assert sorted(first) == [(0, 2, *ranges[0]), (1, 3, *ranges[1])]  # each part once
+    assert sorted(second) == [(2, 3, *ranges[0]), (3, 2, *ranges[1])]  # passed on inside b
+    assert all(h == set(ranges) for h in _delivered(phases, [2, 3]).values())
+    link = ws.transport.links
+    over_net = sum(hi - lo for p in phases for s, d, lo, hi in p if link[s, d] == link[0, 2])
+    assert over_net == nbytes  # the model once over the link (direct: twice)
+
+    ws.transport = _Transport(["a"] * 4)  # one host: nothing to relay
+    assert ws.routes([0, 1], ranges, [2, 3]) == (
+        "p2p", [[(0, 2, *ranges[0]), (0, 3, *ranges[0]), (1, 2, *ranges[1]), (1, 3, *ranges[1])]]
+    )  # fmt: skip
+    ws.transport = _Transport(["a", "b", "a", "b"])  # an owner on every host: straight
+    assert ws.routes([0, 1], ranges, [2, 3])[0] == "p2p"
+    ws.transport = None  # no transport known: straight
+    assert ws.routes([0, 1], ranges, [2, 3])[0] == "p2p"

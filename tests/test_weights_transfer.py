@@ -14,6 +14,7 @@ from dist_utils import run_ranks
 from test_tokens import G, group_batch, make_spec
 
 import conduit_dist as cd
+from conduit_dist.flow.weights import WeightsState
 
 STEPS = 6
 
@@ -166,9 +167,6 @@ def test_learners_publishing_different_versions_is_refused_on_every_rank():
         assert "expected the same on every learner" in err
 
 
-assert G >= 2  # each put above is two whole groups
-
-
 def _rows(rank: int, world: int) -> dict[str, object]:
     """A DataPlane with learners 0 and 1 and actor 2: learner 1 skips a publish once (it falls
     behind the first learner), and the actor loads every version the first learner sent."""
@@ -199,3 +197,39 @@ def test_data_plane_learners_at_the_first_learners_version_share_the_sending():
     assert loads and all(first[v] == d for v, d in loads)  # the first learner's versions
     owners = res[2]["owners"]
     assert [0, 1] in owners and [0] in owners  # both sent, and learner 0 alone while 1 lagged
+
+
+def _serving(rank: int, world: int, run_dir: str, shm: bool) -> dict[int, object]:
+    """Every rank opens an ingress: learners serve whole versions, so each receives the other
+    learner's part (a rank both sending and receiving in one transfer)."""
+    transport = cd.TransportConfig(timeout_s=30, shared_memory=shm)
+    tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2],
+                       transport=transport)  # fmt: skip
+    tp.open_ingress(run_dir)
+    policy, out = Policy(), {}
+    for v in range(1, 4):
+        if rank < 2:
+            set_version(policy, v)
+            tp.publish_weights(policy)
+            tp.fetch(2, 400)
+            version, buf = tp.weights.whole()
+            ref = WeightsState()
+            ref.publish(policy)
+            out[v] = (version, buf is not None and torch.equal(buf[: ref.buf.numel()], ref.buf))
+        else:
+            tp.put(*group_batch([2 * v, 2 * v + 1]))
+            tp.flush()
+    out["schedule"] = tp.weights.last.schedule
+    tp.close()
+    return out
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_learners_serving_an_ingress_hold_every_version_whole(tmp_path, shm):
+    res = run_ranks(_serving, 3, str(tmp_path), shm, timeout_s=120)
+    for r in (0, 1):
+        assert res[r]["schedule"] == ("shm" if shm else "p2p")
+        assert [res[r][v] for v in (1, 2, 3)] == [(1, True), (2, True), (3, True)]
+
+
+assert G >= 2  # each put above is two whole groups

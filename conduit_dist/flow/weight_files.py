@@ -4,12 +4,16 @@ of its own, and a round's receivers copy every learner's part out of those files
 crosses a socket, and the pack is the whole of the sender's transfer.
 
 A learner's files are named ``conduit-<token>-w<rank>-<slot>-<bytes>`` (the token the plane's
-shared memory agreed at start-up), sized like the whole buffer but sparse: only the learner's
-part is ever written, so only its pages are allocated. A file is packed again only when nothing
-on its owner holds it (its publish, a round's snapshot: storage use counts) and no receiver can
-still be copying from it: the round that last sent it is older than the newest round whose meta
-its owner gathered (every rank had finished that round's predecessors by then). Files are
-removed at the plane's close or at interpreter exit; receivers open them without ``O_CREAT``.
+shared memory agreed at start-up), sized like the whole buffer but sparse: the learner packs only
+its part (a learner serving an ingress also copies the others' parts in), so only those pages
+are allocated. Without storage use counts (an old torch) a file is never packed again: each
+version gets a new one. Files of an old layout's size stay until the plane closes.
+
+A file is packed again only when nothing on its owner holds it (its publish, a round's
+snapshot: storage use counts) and no receiver can still be copying from it: the round that last
+sent it is older than the newest round whose meta its owner gathered (every rank had finished
+that round's predecessors by then). Files are removed at the plane's close or at interpreter
+exit; receivers open them without ``O_CREAT``.
 """
 
 from __future__ import annotations
@@ -88,7 +92,10 @@ class WeightFiles:
         """
         with self._lock:
             for f in self._mine:
-                if f.nbytes == nbytes and f.pooled.free() and f.sent < self.gathered:
+                if (
+                    f.nbytes == nbytes and f.pooled.idle is not None  # use counts known
+                    and f.pooled.free() and f.sent < self.gathered
+                ):  # fmt: skip
                     return f.slot, f.pooled.buf.detach()
             slot = max((f.slot for f in self._mine), default=-1) + 1
             path = self.path(self.rank, slot, nbytes)

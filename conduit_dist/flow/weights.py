@@ -16,10 +16,12 @@ its module before it loads a byte (no pickle)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,7 +69,7 @@ class WeightsSnapshot:
 
     @property
     def nbytes(self) -> int:
-        """Bytes to broadcast (header and payload)."""
+        """Bytes of the whole buffer (header and payload)."""
         return 0 if self.buf is None else self.buf.numel()
 
 
@@ -160,6 +162,12 @@ def _fill(
             buf[max(a, at + e.nbytes) : b].zero_()
 
 
+def _pack_part(pending: tuple, a: int, b: int) -> None:
+    """Pack bytes ``[a, b)`` of a lazy publish ``pending`` (clipped to its part)."""
+    buf, head, entries, state, lo, hi = pending
+    _fill(buf, head, entries, state, max(a, lo), min(b, hi))
+
+
 def buffer_bytes(module: nn.Module) -> int:
     """The size of ``module``'s weights buffer (header and payload) as published, packing
     nothing."""
@@ -216,25 +224,29 @@ class _Buffers:
         keep(self._pool, Pooled(buf), self.size)  # a free one of an old size leaves first
         return buf.detach()
 
+    def _entry(self, buf: torch.Tensor) -> Pooled | None:
+        """The pooled buffer ``buf`` is a tensor on (``None``: not one of the pool's)."""
+        ptr = buf.untyped_storage().data_ptr()
+        return next((e for e in self._pool if e.buf.untyped_storage().data_ptr() == ptr), None)
+
     def wait(self, buf: torch.Tensor) -> None:
         """CUDA: make the current stream wait for ``buf``'s last recorded use (its pack, on
-        the publisher's stream) before it reads it; nothing on the host."""
+        the publisher's stream; a transfer, on the round's) before it reads it; nothing on the
+        host."""
         if self.device.type != "cuda":
             return
-        ptr = buf.untyped_storage().data_ptr()
-        for e in self._pool:
-            if e.released is not None and e.buf.untyped_storage().data_ptr() == ptr:
-                torch.cuda.current_stream(self.device).wait_event(e.released)
+        e = self._entry(buf)
+        if e is not None and e.released is not None:
+            torch.cuda.current_stream(self.device).wait_event(e.released)
 
     def used(self, buf: torch.Tensor) -> None:
-        """CUDA: ``buf`` was used on the current stream up to here (a fill, a broadcast, a
+        """CUDA: ``buf`` was used on the current stream up to here (a fill, a transfer, a
         pull's copies); the next :meth:`take` of its storage waits for that on the device."""
         if self.device.type != "cuda":
             return
-        ptr = buf.untyped_storage().data_ptr()
-        for e in self._pool:
-            if e.buf.untyped_storage().data_ptr() == ptr:
-                e.released = torch.cuda.current_stream(self.device).record_event()
+        e = self._entry(buf)
+        if e is not None:
+            e.released = torch.cuda.current_stream(self.device).record_event()
 
 
 def _corrupt(what: str) -> SpecError:
@@ -346,9 +358,13 @@ def _differences(mine: dict[str, _Entry], got: dict[str, _Entry]) -> list[str]:
 class Transfer:
     """What this rank did in the last weights transfer (``WeightsState.last``).
 
-    ``schedule`` is ``"p2p"`` (each owner sends its part to each receiver, bucket by bucket) or
+    ``schedule`` is ``"p2p"`` (each owner sends its part to each receiver, bucket by bucket),
+    ``"relay"`` (across hosts: each part over a host's link once, then passed on inside it),
     ``"broadcast"`` (each owner broadcasts its part to the group: CUDA buffers over gloo, which
-    has no send/recv for them); ``sent``/``received`` count this rank's payload bytes."""
+    has no send/recv for them) or ``"shm"`` (one host: owners pack into ``/dev/shm`` files,
+    receivers copy the parts out). ``sent``/``received`` count this rank's payload bytes (under
+    ``"shm"``, ``sent`` is what it packed for the others); ``buckets`` the messages (or parts
+    copied) it took part in."""
 
     version: int = 0
     schedule: str = ""
@@ -363,8 +379,9 @@ class WeightsState:
     """The publisher's packed weights, or the latest weights received, with their version.
 
     A new version goes into another buffer, never the current one: a buffer is written only when
-    nobody holds it (:class:`_Buffers`), so a round running on another thread always reads or
-    hands over a complete buffer, and a steady publisher or receiver allocates nothing. Each
+    nobody holds it (:class:`_Buffers`), so a round running on another thread reads or hands
+    over a complete buffer (or, for a lazy publish, packs each piece just before sending it
+    while the caller waits), and a steady publisher or receiver allocates nothing. Each
     buffer describes its own layout (see the module docstring), checked on :meth:`pull`.
 
     Several learners holding the same weights (data parallel) each pack only their *part* of a
@@ -413,6 +430,9 @@ class WeightsState:
         self._layouts: dict[int, _Layout] = {}  # device buffers: decoded layouts by digest
         # a lazy publish not packed yet: (buffer, header, entries, state, lo, hi)
         self._pending: tuple | None = None
+        # publish (the caller's thread) and a round's exchange (the plane's) both make
+        # versions current: under this lock, and only ever forward
+        self._lock = threading.Lock()
         # host weights through /dev/shm (a token plane's shared memory; set by its build):
         # a learner packs its part into a file of its own, receivers copy the parts out
         self.files: WeightFiles | None = None
@@ -433,37 +453,46 @@ class WeightsState:
             return WeightsSnapshot(min(self.version, self.broadcast), None)
         if not lazy:
             self.settle()
-        pack = self._pack if self._pending is not None else None
+        pending = self._pending
+        pack = None if pending is None else functools.partial(_pack_part, pending)
         return WeightsSnapshot(self.version, self.buf, self.head, pack, self.slot)
-
-    def _pack(self, a: int, b: int) -> None:
-        """Pack bytes ``[a, b)`` of the pending lazy publish (within its part)."""
-        buf, head, entries, state, lo, hi = self._pending
-        _fill(buf, head, entries, state, max(a, lo), min(b, hi))
 
     def settle(self) -> None:
         """Pack what a lazy publish left unpacked (its round sent nothing), so the current
         buffer is whole before the module may change."""
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return
-        buf, head, entries, state, lo, hi = self._pending
-        _fill(buf, head, entries, state, lo, hi)
-        self._packed()
+        _pack_part(pending, pending[4], pending[5])
+        self._packed(pending[0])
 
-    def _packed(self) -> None:
-        """The pending lazy publish is packed: its buffer is used, and whole if one part."""
-        buf = self._pending[0]
-        self._pending = None
-        self._buffers.used(buf)
-        if self.part[1] == 1:
-            self._whole = (self.version, buf, self.head)
+    def _packed(self, buf: torch.Tensor) -> None:
+        """The lazy publish into ``buf`` is packed (nothing if another one is pending now):
+        its buffer is used, and whole if one part."""
+        with self._lock:
+            pending = self._pending
+            if pending is None or pending[0] is not buf:
+                return
+            self._pending = None
+            self._buffers.used(buf)
+            if self.part[1] == 1:
+                self._hold_whole(self.version, buf, self.head)
+
+    def _hold_whole(self, version: int, buf: torch.Tensor, head: int) -> None:
+        """``buf`` holds ``version`` whole: the newest one held, unless a newer one is (the
+        caller holds :attr:`_lock`; a round finishing late never moves it back)."""
+        if self._whole is None or version > self._whole[0]:
+            self._whole = (version, buf, head)
 
     def whole(self) -> tuple[int, torch.Tensor | None]:
         """The newest version held complete, and its buffer (``(0, None)``: none yet): what
-        :meth:`pull` loads and an ingress serves, never a part still missing others'."""
-        if self._whole is None:
+        :meth:`pull` loads and an ingress serves, never a part still missing others'. CUDA:
+        the caller's stream waits for the transfer that filled it (on the device)."""
+        got = self._whole
+        if got is None:
             return 0, None
-        return self._whole[0], self._whole[1]
+        self._buffers.wait(got[1])
+        return got[0], got[1]
 
     def publish(
         self, module: nn.Module, part: tuple[int, int] = (0, 1), lazy: bool = False
@@ -515,11 +544,12 @@ class WeightsState:
         else:
             _fill(buf, head, entries, state, lo, hi)
             self._buffers.used(buf)
-        self.buf, self.part = buf, (index, count)  # complete (its part) before it is current
-        self.head = digest  # 0 on a host plane: receivers read the header in place
-        self.version += 1
-        if count == 1 and not lazy:
-            self._whole = (self.version, buf, digest)
+        with self._lock:
+            self.buf, self.part = buf, (index, count)  # complete (its part) before current
+            self.head = digest  # 0 on a host plane: receivers read the header in place
+            self.version += 1
+            if count == 1 and not lazy:
+                self._hold_whole(self.version, buf, digest)
 
     def exchange(
         self,
@@ -537,10 +567,13 @@ class WeightsState:
         last one sent (every rank of the group calls it, with the same arguments but ``snap``).
 
         Each owner holds part ``i`` of ``len(owners)`` (:func:`parts`) and sends it, in buckets
-        of :attr:`bucket_bytes`, to every receiver that is not itself (schedule ``"p2p"``,
-        one batch of sends and receives), or broadcasts it to the group where the backend has
-        no send/recv for the buffer's device (``"broadcast"``: CUDA over gloo). A receiver's
-        buffer becomes its current one, whole, only after every bucket arrived.
+        of :attr:`bucket_bytes`, to every receiver that is not itself (``"p2p"``, or a
+        ``"relay"`` across hosts where the bandwidth model prices it cheaper: :meth:`routes`,
+        run step by step by ``_sends``), or broadcasts it to the group where the backend has no
+        send/recv for the buffer's device (``"broadcast"``: CUDA over gloo), or, with weights
+        files (``"shm"``), receivers copy the parts out of the owners' files. A receiver's
+        buffer becomes its current one, whole, only after every bucket arrived, and only if it
+        is newer than what the rank holds.
 
         Args:
             ex: the plane's collectives.
@@ -564,13 +597,17 @@ class WeightsState:
             receivers = [q for q in range(ex.world) if q not in owners]
         receiving = rank in receivers
         t0 = time.perf_counter()
+        cuda = self.device is not None and self.device.type == "cuda"
+        schedule = "shm" if self.files is not None else weights_schedule(ex, cuda)
         if rank in owners:
             buf = snap.buf
             self._buffers.wait(buf)  # CUDA: its pack, before a send reads it
-        else:
+        elif receiving or schedule == "broadcast":  # a broadcast: every rank takes part
             buf = self._buffers.take(nbytes)
+        else:  # nothing to send or receive here
+            self.broadcast = version
+            return
         ranges = parts(nbytes, len(owners))
-        schedule = "shm" if self.files is not None else weights_schedule(ex, buf.is_cuda)
         pack = snap.pack if rank in owners else None
         if schedule == "shm":
             sent, received, count = self._files(owners, ranges, receiving, buf, slots, r)
@@ -578,12 +615,12 @@ class WeightsState:
             sent, received, count = self._broadcasts(ex, owners, ranges, buf, pack, r)
             receiving = receiving or rank in owners
         else:
-            schedule, phases = self.routes(owners, ranges, receivers)
+            schedule, phases = self.routes(owners, ranges, receivers, cuda)
             sent, received, count = self._sends(ex, phases, buf, pack, r)
             if pack is not None and not any(route[0] == rank for route in phases[0]):
                 pack(*ranges[owners.index(rank)])  # nobody to send to: packed all the same
         if pack is not None:
-            self._packed()
+            self._packed(buf)
         self._buffers.used(buf)  # CUDA: the transfer on the round's stream, before a reuse
         self.broadcast = version
         self.last = Transfer(
@@ -594,59 +631,71 @@ class WeightsState:
         tot["seconds"] += self.last.seconds
         tot["sent"] += sent
         tot["received"] += received
-        if rank not in owners:
-            self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
-        if receiving or (rank in owners and len(owners) == 1):
-            self._whole = (version, buf, head)
+        with self._lock:  # a publish on the caller's thread may have moved on meanwhile
+            if rank not in owners and receiving and version > self.version:
+                self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
+                self.slot = -1
+            if receiving or (rank in owners and len(owners) == 1):
+                self._hold_whole(version, buf, head)
 
     def _sends(self, ex, phases, buf, pack, r) -> tuple[int, int, int]:
         """The ``"p2p"`` and ``"relay"`` schedules: ``phases`` of routes ``(src, dst, lo, hi)``
-        run one after the other (a relay forwards in the second what it received in the
-        first). In each, this rank's receives are posted at once and its sends go bucket by
-        bucket, an owner's bucket packed (``pack``) just before its sends start, so packing the
-        next overlaps moving the last. Returns (sent, received, buckets) in payload bytes."""
-        rank = ex.rank
+        (the same list on every rank) run one after the other, a relay forwarding in the second
+        what arrived in the first. A phase goes in steps: step ``k`` is one batch of this
+        rank's receives and sends of every route's ``k``-th bucket, so each batch's sends and
+        receives are matched within the same step on both sides (NCCL runs a rank's batches in
+        order: two ranks sending to each other in separate batches could each wait on the
+        other's), and an owner's ``k``-th bucket is packed (``pack``) just before its step, the
+        pack of the next overlapping the last one's transfer. Returns (sent, received,
+        buckets) in payload bytes."""
+        rank, size = ex.rank, self.bucket_bytes
         sent = received = count = 0
         for phase in phases:
-            recvs, mine = [], {}
-            for src, dst, lo, hi in phase:
-                if dst == rank:
-                    for a, b in buckets(lo, hi, self.bucket_bytes):
-                        recvs.append(dist.P2POp(dist.irecv, buf[a:b], src, ex.group))
+            mine = [route for route in phase if rank in (route[0], route[1])]
+            steps = max((-(-(hi - lo) // size) for _, _, lo, hi in phase), default=0)
+            works, packed = [], set()
+            for k in range(steps):
+                ops = []
+                for src, dst, lo, hi in mine:
+                    a = lo + k * size
+                    if a >= hi:
+                        continue
+                    b = min(a + size, hi)
+                    if dst == rank:
+                        ops.append(dist.P2POp(dist.irecv, buf[a:b], src, ex.group))
                         received += b - a
-                        count += 1
-                elif src == rank:
-                    mine.setdefault((lo, hi), []).append(dst)
-            works = ex.send_recv_start(recvs, "weights[p2p]", r) if recvs else []
-            for (lo, hi), dsts in mine.items():
-                for a, b in buckets(lo, hi, self.bucket_bytes):
-                    if pack is not None:
-                        pack(a, b)
-                    ops = [dist.P2POp(dist.isend, buf[a:b], d, ex.group) for d in dsts]
-                    works += ex.send_recv_start(ops, "weights[p2p]", r)
-                    sent += (b - a) * len(dsts)
+                    else:
+                        if pack is not None and a not in packed:
+                            pack(a, b)
+                            packed.add(a)
+                        ops.append(dist.P2POp(dist.isend, buf[a:b], dst, ex.group))
+                        sent += b - a
                     count += 1
+                if ops:
+                    works += ex.send_recv_start(ops, "weights[p2p]", r)
             ex.wait_works(works, "weights[p2p]", r, buf.is_cuda)
             pack = None  # packed in the first phase: later ones forward what arrived
         return sent, received, count
 
-    def routes(self, owners, ranges, receivers) -> tuple[str, list[list[tuple]]]:
+    def routes(
+        self, owners, ranges, receivers, cuda: bool = False
+    ) -> tuple[str, list[list[tuple]]]:
         """The sends of a ``"p2p"`` transfer: phases of routes ``(src, dst, lo, hi)``.
 
         Each owner's part straight to each receiver (``"p2p"``), or, where the bandwidth
         model prices it cheaper, ``"relay"``: a host with several receivers and no owner gets
         each part once over its link (owner ``i``'s to its ``i``-th receiver, round robin) and
-        its receivers pass the parts on among themselves (docs/weights.md)."""
+        its receivers pass the parts on among themselves (docs/weights.md). ``cuda``: priced
+        by the plane's model of device transfers."""
         direct = [
             (o, d, lo, hi) for o, (lo, hi) in zip(owners, ranges) for d in receivers if d != o
         ]
         relay = _relay(owners, ranges, receivers, self.transport)
         if relay is None:
             return "p2p", [direct]
-        model, links = self.transport.model, self.transport.links
+        t = self.transport
+        model, links = (t.device_model if cuda else t.model), t.links
         world = len(links)
-        if "p2p" not in model.coef:
-            return "p2p", [direct]
 
         def price(phase) -> float:
             m = np.zeros((world, world), dtype=np.int64)
@@ -707,8 +756,9 @@ class WeightsState:
     def hold(self, version: int, buf: torch.Tensor, head: int = 0) -> None:
         """Make ``buf``, a whole buffer of ``version`` received outside a round (an attached
         producer's pull, a test), the current one."""
-        self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
-        self._whole = (version, buf, head)
+        with self._lock:
+            self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
+            self._whole = (version, buf, head)
 
     def pull(self, module: nn.Module, in_place: bool = False) -> int:
         """Load the newest whole version into ``module`` after checking their layout against
@@ -731,9 +781,11 @@ class WeightsState:
             SpecError: if the buffer is truncated or corrupted, or its names, shapes or dtypes
                 differ from the module's (each difference listed: name, expected, received).
         """
-        if self._whole is None:
+        got = self._whole
+        if got is None:
             return 0
-        version, buf, head = self._whole
+        version, buf, head = got
+        self._buffers.wait(buf)  # CUDA: after the round's transfer into it, on the device
         # by version and address: a reused buffer holds a new version, and the layout decoded
         # is always that of the buffer copied from
         if self.device is not None:
@@ -793,8 +845,8 @@ class WeightsState:
 
 
 def _relay(owners, ranges, receivers, transport) -> list[list[tuple]] | None:
-    """The two phases of a relay (see ``WeightsState._routes``), or ``None`` where no host has
-    two receivers and no owner."""
+    """The two phases of a relay (see :meth:`WeightsState.routes`), or ``None`` where no host
+    has two receivers and no owner."""
     if transport is None:
         return None
     host = transport.topo.host_of

@@ -62,11 +62,11 @@ class TransportConfig:
             )
         mb = self.weights_bucket_mb
         if mb is not None and (
-            isinstance(mb, bool) or not isinstance(mb, int | float) or not (mb > 0)
-            or self.weights_bucket_bytes < 8
+            isinstance(mb, bool) or not isinstance(mb, int | float)
+            or not (mb > 0 and math.isfinite(mb)) or self.weights_bucket_bytes < 8
         ):  # fmt: skip
             raise ConfigError(
-                f"transport.weights_bucket_mb: expected a number > 0 (at least 8 bytes) or "
+                f"transport.weights_bucket_mb: expected a finite number > 0 (at least 8 bytes) or "
                 f"None, got {mb!r}"
             )
         if self.bandwidth_cache is not None and not isinstance(self.bandwidth_cache, str):

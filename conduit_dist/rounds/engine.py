@@ -423,7 +423,12 @@ class RoundEngine:
         ref = meta[self.learners[0], [M.VERSION, M.WBYTES]]
         owners = [r for r in self.learners if (meta[r, [M.VERSION, M.WBYTES]] == ref).all()]
         version, nbytes = int(ref[0]), int(ref[1])
-        weights.exchange(self.ex, owners, version, nbytes, t.round, t.weights)
+        # every other rank, but a learner already past that version (it published more)
+        receivers = [
+            r for r in range(self.world)
+            if r not in owners and not (r in self.learners and meta[r, M.VERSION] > version)
+        ]  # fmt: skip
+        weights.exchange(self.ex, owners, version, nbytes, t.round, t.weights, 0, receivers)
         stats.mark("weights", t3, time.perf_counter())
 
     def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:
