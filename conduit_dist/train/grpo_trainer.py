@@ -358,16 +358,18 @@ class GRPOTrainer:
 
     def _weights_metrics(self) -> dict[str, float]:
         """This learner's side of the last weights transfer (``weights/*``; none before one):
-        its version, milliseconds, GB/s of its part sent, and the mean pack per publish."""
+        its version, milliseconds, the mean pack per publish, and GB/s of what it moved over
+        its pack and transfer together (through ``/dev/shm`` the pack is the move)."""
         last = self.plane.weights.last
         if not last.version:
             return {}
+        pack_s = self.pack_s / max(self.steps, 1)
         moved = last.sent + last.received
         return {
             "weights/version_sent": float(last.version),
             "weights/transfer_ms": last.seconds * 1e3,
-            "weights/gbps": moved / max(last.seconds, 1e-9) / 1e9,
-            "weights/pack_ms": self.pack_s * 1e3 / max(self.steps, 1),
+            "weights/gbps": moved / max(pack_s + last.seconds, 1e-9) / 1e9,
+            "weights/pack_ms": pack_s * 1e3,
         }
 
     def _ledger_metrics(self) -> dict[str, float]:
