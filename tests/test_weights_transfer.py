@@ -233,3 +233,24 @@ def test_learners_serving_an_ingress_hold_every_version_whole(tmp_path, shm):
 
 
 assert G >= 2  # each put above is two whole groups
+
+
+def _fsdp(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    fully_shard(model, mesh=mesh)
+    try:
+        WeightsState().publish(model)
+    except cd.SpecError as exc:
+        return str(exc)
+    return "published"
+
+
+def test_a_sharded_model_is_refused_naming_its_first_dtensor_not_gathered_silently():
+    res = run_ranks(_fsdp, 2)
+    for msg in res.values():
+        assert "'0.weight' is a DTensor sharded as (Shard(dim=0),)" in msg, msg
+        assert "full_state_dict=True" in msg

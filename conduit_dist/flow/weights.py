@@ -109,6 +109,14 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
             raise SpecError(
                 f"weights: state {name!r}: expected a tensor of dtype {sorted(_DTYPES)}, got {got}"
             )
+        if hasattr(t, "placements") and hasattr(t, "to_local"):  # a DTensor (FSDP2, TP)
+            raise SpecError(
+                f"weights: state {name!r} is a DTensor sharded as {tuple(t.placements)}: "
+                "sending each learner's shard is not supported yet (docs/weights.md); publish "
+                "an unsharded module, e.g. one loaded from torch.distributed.checkpoint."
+                "state_dict.get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True))"
+            )
     return state
 
 
