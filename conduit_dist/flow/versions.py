@@ -79,8 +79,8 @@ class PolicyVersions:
         a snapshot); the next round splits the sending among the learners at the first
         learner's version (each sends its part, ``flow.weights.parts``, to every other rank), so
         no learner sends the whole model while learners publish in step, as under DDP. A
-        learner behind the first (it skipped a publish) sends nothing and receives the version.
-        A DDP wrapper is unwrapped.
+        learner behind the first (it skipped a publish) sends nothing and receives the version;
+        one ahead of it neither sends nor receives it. A DDP wrapper is unwrapped.
 
         Returns:
             The version this rank's puts carry from now on.

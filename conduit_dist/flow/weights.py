@@ -210,32 +210,36 @@ class _Buffers:
 
     On CUDA, "nobody holds it" is the host's view: a broadcast or a pull's copies may still run
     on the device. Each device use ends with :meth:`used` (an event on the stream that used it),
-    and :meth:`take` makes the taker's stream wait for the buffer's last one (on the device)."""
+    and :meth:`take` makes the taker's stream wait for the buffer's last one (on the device).
+    The pool is used from two threads (a publish, a round receiving): under its own lock."""
 
     def __init__(self, size: int = 3, device: torch.device | None = None) -> None:
         self._pool: list[Pooled] = []
         self.size = size
         self.device = device if device is not None else torch.device("cpu")
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A ``uint8 [nbytes]`` buffer nobody else references (contents undefined): a distinct
         tensor on a pooled storage, so that while it (the current buffer, a snapshot, a pull's
         reference) lives, the storage's use count says so."""
-        for e in self._pool:
-            if e.buf.shape[0] == nbytes and e.free():
-                if e.released is not None:  # its last device use, before the taker's writes
-                    torch.cuda.current_stream(self.device).wait_event(e.released)
-                return e.buf.detach()
-        buf = lasting_empty(nbytes, dtype=torch.uint8, device=self.device)
-        if use_count(buf) is None:
-            return buf
-        keep(self._pool, Pooled(buf), self.size)  # a free one of an old size leaves first
-        return buf.detach()
+        with self._lock:
+            for e in self._pool:
+                if e.buf.shape[0] == nbytes and e.free():
+                    if e.released is not None:  # its last device use, before the taker's writes
+                        torch.cuda.current_stream(self.device).wait_event(e.released)
+                    return e.buf.detach()
+            buf = lasting_empty(nbytes, dtype=torch.uint8, device=self.device)
+            if use_count(buf) is None:
+                return buf
+            keep(self._pool, Pooled(buf), self.size)  # a free one of an old size leaves first
+            return buf.detach()
 
     def _entry(self, buf: torch.Tensor) -> Pooled | None:
         """The pooled buffer ``buf`` is a tensor on (``None``: not one of the pool's)."""
         ptr = buf.untyped_storage().data_ptr()
-        return next((e for e in self._pool if e.buf.untyped_storage().data_ptr() == ptr), None)
+        with self._lock:
+            return next((e for e in self._pool if e.buf.untyped_storage().data_ptr() == ptr), None)
 
     def wait(self, buf: torch.Tensor) -> None:
         """CUDA: make the current stream wait for ``buf``'s last recorded use (its pack, on
@@ -457,13 +461,14 @@ class WeightsState:
             lazy: a lazy publish stays unpacked and the snapshot packs it as it is sent (only
                 for a round run while the module cannot change); otherwise it is packed now.
         """
-        if self.buf is None:
-            return WeightsSnapshot(min(self.version, self.broadcast), None)
         if not lazy:
             self.settle()
-        pending = self._pending
-        pack = None if pending is None else functools.partial(_pack_part, pending)
-        return WeightsSnapshot(self.version, self.buf, self.head, pack, self.slot)
+        with self._lock:  # a round finishing on the plane's thread may be moving them
+            if self.buf is None:
+                return WeightsSnapshot(min(self.version, self.broadcast), None)
+            pending = self._pending
+            pack = None if pending is None else functools.partial(_pack_part, pending)
+            return WeightsSnapshot(self.version, self.buf, self.head, pack, self.slot)
 
     def settle(self) -> None:
         """Pack what a lazy publish left unpacked (its round sent nothing), so the current
@@ -547,12 +552,12 @@ class WeightsState:
         else:
             buf = self._buffers.take(total)
         lo, hi = parts(total, count)[index]
-        if lazy:
-            self._pending = (buf, head, entries, state, lo, hi)
-        else:
+        if not lazy:
             _fill(buf, head, entries, state, lo, hi)
             self._buffers.used(buf)
         with self._lock:
+            if lazy:
+                self._pending = (buf, head, entries, state, lo, hi)
             self.buf, self.part = buf, (index, count)  # complete (its part) before current
             self.head = digest  # 0 on a host plane: receivers read the header in place
             self.version += 1
@@ -763,7 +768,8 @@ class WeightsState:
 
     def hold(self, version: int, buf: torch.Tensor, head: int = 0) -> None:
         """Make ``buf``, a whole buffer of ``version`` received outside a round (an attached
-        producer's pull, a test), the current one."""
+        producer's pull, a test), the current one: it replaces what is held, whatever its
+        version (not for a state a plane's rounds also move)."""
         with self._lock:
             self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
             self._whole = (version, buf, head)

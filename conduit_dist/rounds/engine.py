@@ -417,8 +417,9 @@ class RoundEngine:
 
     def broadcast_weights(self, meta: np.ndarray, t: RoundTicket, weights, stats) -> None:
         """Send the first learner's newer version if it published one: every learner that holds
-        the same version (each packs it whole) sends a part of it to every rank that does not
-        (``WeightsState.exchange``), so no learner sends it all while learners publish in step."""
+        the same version (each packs it whole) sends a part of it to every rank that does not,
+        except learners already past it (``WeightsState.exchange``), so no learner sends it all
+        while learners publish in step."""
         t3 = time.perf_counter()
         ref = meta[self.learners[0], [M.VERSION, M.WBYTES]]
         owners = [r for r in self.learners if (meta[r, [M.VERSION, M.WBYTES]] == ref).all()]

@@ -5,6 +5,7 @@ plane")."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,12 +18,15 @@ from conduit_dist.flow.weight_files import WeightFiles
 from conduit_dist.flow.weights import WeightsState
 from conduit_dist.plane.build import bandwidth_model, rank_set
 from conduit_dist.plane.options import TransportConfig
+from conduit_dist.records.buffers import use_count
 from conduit_dist.rounds.devices import rehearsing
 from conduit_dist.tokens.pacing import Pacer
 from conduit_dist.tokens.round import TokenRound
 from conduit_dist.tokens.runner import TokenRunner
 from conduit_dist.tokens.spec import TokenSpec
 from conduit_dist.tokens.store import GroupStore
+
+log = logging.getLogger("conduit_dist")
 
 _ids = itertools.count()
 
@@ -102,7 +106,13 @@ def build(
     weights = WeightsState(device if cuda or rehearse else None, transport.weights_bucket_bytes)
     weights.transport = moves  # its topology and bandwidth model price a relay across hosts
     if ex.shm is not None and not (cuda or rehearse):  # host weights through /dev/shm too
-        weights.files = WeightFiles(ex.shm.token, ex.rank)
+        if use_count(torch.zeros(1)) is not None:
+            weights.files = WeightFiles(ex.shm.token, ex.rank)
+        else:  # without use counts no file could ever be reused: /dev/shm would fill up
+            log.warning(
+                "token plane: this torch exposes no storage use counts: host weights go over "
+                "the group, not through /dev/shm (a file per version would fill it)"
+            )
     # where and when rounds run (runner.py): every round on the round thread where its NCCL
     # work must come from one thread (CUDA, or the device path rehearsed)
     runner = TokenRunner(engine, weights, device, transport.timeout_s, cuda or rehearse)
