@@ -27,6 +27,10 @@ from conduit_dist.train.config import AlgoConfig, PlaneConfig, PPOConfig, TrainC
             r"plane.shared_memory: expected one of \['auto', True, False\], got 1",
         ),
         (TrainConfig(plane=PlaneConfig(max_lag=True)), r"plane.max_lag: .* got True"),
+        (
+            TrainConfig(plane=PlaneConfig(weights_bucket_mb=0.0)),
+            r"plane.weights_bucket_mb: expected a finite number > 0 or null, got 0.0",
+        ),
         # DQN actors outside the job: the settings that go with them
         (TrainConfig(algo=AlgoConfig(actors="remote")), r"algo.actors: expected one of"),
         (

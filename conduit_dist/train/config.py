@@ -7,6 +7,7 @@ plain dataclasses; only :func:`register` imports Hydra (the ``[train]`` extra).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,8 @@ class PlaneConfig:
         shared_memory: host rows between the ranks through ``/dev/shm`` instead of gloo's
             sockets: ``auto`` (the default: on where every rank is on one host with room in
             ``/dev/shm``), ``true`` (required) or ``false``.
+        weights_bucket_mb: the largest piece of a weights transfer, MiB (``null``: the
+            library's 64; ``TransportConfig.weights_bucket_mb``, docs/weights.md).
     """
 
     kind: str = "conduit"
@@ -112,6 +115,7 @@ class PlaneConfig:
     latency_us: float = 150.0
     gbps: dict[str, float] = field(default_factory=lambda: {"self": 8.0, "host": 1.5, "net": 0.1})
     shared_memory: Any = "auto"  # auto | true | false (registry.SHARED_MEMORY)
+    weights_bucket_mb: float | None = None
 
 
 @dataclass
@@ -357,6 +361,12 @@ def validate(cfg: TrainConfig) -> None:
         ("logger.log_every", cfg.logger.log_every >= 1, ">= 1", cfg.logger.log_every),
         ("algo.tau", 0 < cfg.algo.tau <= 1, "in (0, 1]", cfg.algo.tau),
         ("algo.n_step", cfg.algo.n_step >= 1, ">= 1", cfg.algo.n_step),
+        (
+            "plane.weights_bucket_mb",
+            cfg.plane.weights_bucket_mb is None or 0 < cfg.plane.weights_bucket_mb < math.inf,
+            "a finite number > 0 or null",
+            cfg.plane.weights_bucket_mb,
+        ),
         ("plane.prioritized.beta_end", 0 <= pr.beta_end <= 1, "in [0, 1]", pr.beta_end),
         ("algo.ppo.num_steps", cfg.algo.ppo.num_steps >= 1, ">= 1", cfg.algo.ppo.num_steps),
         ("algo.ppo.epochs", cfg.algo.ppo.epochs >= 1, ">= 1", cfg.algo.ppo.epochs),

@@ -136,6 +136,7 @@ class GRPOTrainer:
                 setup.bandwidth(cfg),
                 pc.bandwidth_cache,
                 shared_memory=pc.shared_memory,
+                weights_bucket_mb=pc.weights_bucket_mb,
             ),
         )
         if self.attached:  # every rank an ingress: generators attach to g.attach_dir

@@ -363,6 +363,7 @@ def build_plane(
             bandwidth=bandwidth(cfg),
             bandwidth_cache=pc.bandwidth_cache,
             shared_memory=pc.shared_memory,
+            weights_bucket_mb=pc.weights_bucket_mb,
         ),
         trace=pc.trace_dir is not None,
         reduce_numel=reduce_numel,
