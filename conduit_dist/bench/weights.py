@@ -52,7 +52,8 @@ from torch import nn
 
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
-from conduit_dist.flow.weights import WeightsState, buffer_bytes, parts
+from conduit_dist.flow.weights import WeightsState, parts
+from conduit_dist.flow.weights_format import buffer_bytes
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -4,23 +4,13 @@ Learners holding the same weights each pack a part and send it, in buckets, to e
 (:meth:`WeightsState.exchange`): no rank sends the whole model, and a receiver loads a version
 only once every part of it arrived (docs/weights.md).
 
-A published buffer carries its own layout, so a receiver checks names, shapes and dtypes against
-its module before it loads a byte (no pickle)::
-
-    preamble  12 bytes, little-endian: magic b"CDWT", format (uint32, 1), header length H (uint32)
-    header    H bytes of UTF-8 JSON: {"payload_bytes": P, "tensors": [
-                  {"name": "0.weight", "dtype": "float32", "shape": [4, 3], "offset": 0}, ...]}
-    padding   zeros up to the next multiple of 8
-    payload   P bytes: each tensor's values, C order, at its offset (a multiple of 8)
+A published buffer carries its own layout (``flow/weights_format.py``), so a receiver checks
+names, shapes and dtypes against its module before it loads a byte (no pickle).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import math
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,25 +24,26 @@ from torch import nn
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
 from conduit_dist.flow.weight_files import WeightFiles
+from conduit_dist.flow.weights_format import (
+    PREAMBLE,
+    Layout,
+    checked_state,
+    decode,
+    differences,
+    entries_of,
+    fill,
+    head_digest,
+    header_of,
+    pack_part,
+)
 from conduit_dist.records.buffers import Pooled, keep, lasting_empty, use_count
-from conduit_dist.records.spec import ALIGN, SUPPORTED, align
+from conduit_dist.records.spec import ALIGN
 from conduit_dist.syncs import SYNCS
 
-_MAGIC = b"CDWT"
-_FORMAT = 1
-_PREAMBLE = struct.Struct("<4sII")  # magic, format, header length
-_KEYS = ("dtype", "name", "offset", "shape")
 # the default largest piece of a weights transfer: on 2 shared cores (bench weights, loopback)
 # larger pieces only interleave less with the pack (nothing overlaps there); across a link the
 # pack hides behind 64 MiB pieces (docs/benchmarks.md), which also bound NCCL's per-call size
 BUCKET_BYTES = 64 << 20
-_DTYPES = {  # the names the JSON header uses: the record dtypes, and complex for weights
-    str(d).removeprefix("torch."): d for d in (*SUPPORTED, torch.complex64, torch.complex128)
-}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -71,115 +62,6 @@ class WeightsSnapshot:
     def nbytes(self) -> int:
         """Bytes of the whole buffer (header and payload)."""
         return 0 if self.buf is None else self.buf.numel()
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor of a weights buffer: where its values sit in the payload."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def describe(self) -> str:
-        return f"{list(self.shape)} {self.dtype}"
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """The tensors of a buffer by name, and where its payload starts."""
-
-    entries: dict[str, _Entry]
-    start: int
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s state_dict, checked: tensors of a supported dtype only."""
-    state = module.state_dict()
-    if not state:
-        raise SpecError("weights: expected a module with parameters or buffers, got none")
-    for name, t in state.items():
-        if not isinstance(t, torch.Tensor) or _dtype_name(t.dtype) not in _DTYPES:
-            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise SpecError(
-                f"weights: state {name!r}: expected a tensor of dtype {sorted(_DTYPES)}, got {got}"
-            )
-        if hasattr(t, "placements") and hasattr(t, "to_local"):  # a DTensor (FSDP2, TP)
-            raise SpecError(
-                f"weights: state {name!r} is a DTensor sharded as {tuple(t.placements)}: "
-                "sending each learner's shard is not supported yet (docs/weights.md); publish "
-                "an unsharded module, e.g. one loaded from torch.distributed.checkpoint."
-                "state_dict.get_model_state_dict(model, options=StateDictOptions("
-                "full_state_dict=True))"
-            )
-    return state
-
-
-def _entries(state: dict[str, torch.Tensor]) -> dict[str, _Entry]:
-    """The layout ``state`` packs to: each tensor at the next 8-byte aligned offset."""
-    out, off = {}, 0
-    for name, t in state.items():
-        out[name] = _Entry(name, t.dtype, tuple(t.shape), off)
-        off = align(off + out[name].nbytes)
-    return out
-
-
-def _head(entries: dict[str, _Entry]) -> tuple[bytes, int]:
-    """The preamble and JSON header of a buffer of ``entries``, and the payload's start."""
-    payload = max((align(e.offset + e.nbytes) for e in entries.values()), default=0)
-    tensors = [
-        {"name": n, "dtype": _dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset}
-        for n, e in entries.items()
-    ]
-    header = json.dumps({"payload_bytes": payload, "tensors": tensors}).encode()
-    head = _PREAMBLE.pack(_MAGIC, _FORMAT, len(header)) + header
-    return head, align(len(head)) + payload
-
-
-def _fill(
-    buf: torch.Tensor, head: bytes, entries: dict[str, _Entry], state, lo: int = 0, hi: int = -1
-) -> None:
-    """Write bytes ``[lo, hi)`` of the buffer of ``state`` into ``buf`` (``hi=-1``: to the end):
-    the header ``head`` (padded with zeros) and the tensors' values, each copied where it is
-    (the header goes up from the host). A part (a learner's share of a buffer several send)
-    writes only its bytes: a tensor that straddles a part's edge is copied byte range by byte
-    range, as raw bytes."""
-    hi = buf.numel() if hi < 0 else hi
-    start = align(len(head))
-    if lo < start:  # the preamble, header and its padding
-        raw = torch.frombuffer(bytearray(head.ljust(start, b"\0")), dtype=torch.uint8)
-        buf[lo : min(hi, start)].copy_(raw[lo : min(hi, start)])
-    for name, t in state.items():
-        e = entries[name]
-        at = start + e.offset
-        end = align(at + e.nbytes)
-        a, b = max(lo, at), min(hi, end)
-        if a >= b:
-            continue
-        if a == at and b >= at + e.nbytes:  # the whole tensor, in its own dtype
-            buf[at : at + e.nbytes].view(e.dtype).copy_(t.detach().reshape(-1))
-        elif a < at + e.nbytes:  # a byte range of it
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buf[a : min(b, at + e.nbytes)].copy_(raw[a - at : min(b, at + e.nbytes) - at])
-        if b > at + e.nbytes:  # alignment padding: zeros, as a fresh buffer's
-            buf[max(a, at + e.nbytes) : b].zero_()
-
-
-def _pack_part(pending: tuple, a: int, b: int) -> None:
-    """Pack bytes ``[a, b)`` of a lazy publish ``pending`` (clipped to its part)."""
-    buf, head, entries, state, lo, hi = pending
-    _fill(buf, head, entries, state, max(a, lo), min(b, hi))
-
-
-def buffer_bytes(module: nn.Module) -> int:
-    """The size of ``module``'s weights buffer (header and payload) as published, packing
-    nothing."""
-    return _head(_entries(_state(module)))[1]
 
 
 def parts(nbytes: int, count: int) -> list[tuple[int, int]]:
@@ -261,111 +143,6 @@ class _Buffers:
             e.released = torch.cuda.current_stream(self.device).record_event()
 
 
-def _corrupt(what: str) -> SpecError:
-    return SpecError(f"weights: corrupted header: {what}")
-
-
-def _entry(i: int, d: object, payload: int) -> _Entry:
-    """Check one JSON tensor description against the payload size."""
-    if not isinstance(d, dict) or sorted(d) != list(_KEYS):
-        got = sorted(d) if isinstance(d, dict) else type(d).__name__
-        raise _corrupt(f"tensor {i}: expected keys {list(_KEYS)}, got {got}")
-    name, dtype, shape, off = d["name"], d["dtype"], d["shape"], d["offset"]
-    if not isinstance(name, str):
-        raise _corrupt(f"tensor {i}: expected a string name, got {name!r}")
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise _corrupt(f"tensor {name!r}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-        raise _corrupt(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
-    if type(off) is not int or off < 0 or off % ALIGN:
-        raise _corrupt(f"tensor {name!r}: offset must be an int multiple of {ALIGN}, got {off!r}")
-    e = _Entry(name, _DTYPES[dtype], tuple(shape), off)
-    if e.offset + e.nbytes > payload:
-        raise _corrupt(
-            f"tensor {name!r} lies outside the payload: bytes [{off}, {off + e.nbytes}) "
-            f"of {payload}"
-        )
-    return e
-
-
-def _decode(buf: torch.Tensor | bytes, size: int | None = None) -> _Layout:
-    """Read and check the layout of a weights buffer (not the payload's values).
-
-    Args:
-        buf: a host buffer, or the first bytes of one (its preamble and header at least: a
-            device buffer's header read to the host, a publisher's header).
-        size: the whole buffer's size in bytes, with ``bytes`` (its payload is not read).
-    """
-    if isinstance(buf, torch.Tensor):
-        size = buf.numel()
-        host = buf
-
-        def read(a: int, b: int) -> bytes:
-            return host[a:b].numpy().tobytes()
-    else:
-        raw_all = bytes(buf)
-
-        def read(a: int, b: int) -> bytes:
-            return raw_all[a:b]
-
-    if size < _PREAMBLE.size:
-        raise SpecError(
-            f"weights: truncated buffer: expected at least the {_PREAMBLE.size}-byte preamble, "
-            f"got {size} bytes"
-        )
-    raw = read(0, _PREAMBLE.size)
-    magic, fmt, hlen = _PREAMBLE.unpack(raw)
-    if magic != _MAGIC:
-        raise SpecError(
-            f"weights: not a conduit_dist weights buffer: expected magic {_MAGIC!r}, got {magic!r}"
-        )
-    if fmt != _FORMAT:
-        raise SpecError(f"weights: expected buffer format {_FORMAT}, got format {fmt}")
-    if _PREAMBLE.size + hlen > size:
-        raise SpecError(
-            f"weights: truncated buffer: the header needs bytes [{_PREAMBLE.size}, "
-            f"{_PREAMBLE.size + hlen}), got {size} bytes"
-        )
-    try:
-        header = json.loads(read(_PREAMBLE.size, _PREAMBLE.size + hlen))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise _corrupt(f"expected UTF-8 JSON, got {e}") from e
-    if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
-        got = type(header.get("tensors") if isinstance(header, dict) else header).__name__
-        raise _corrupt(f"expected an object with a list 'tensors', got {got}")
-    payload, start = header.get("payload_bytes"), align(_PREAMBLE.size + hlen)
-    if type(payload) is not int or payload < 0:
-        raise _corrupt(f"expected an int 'payload_bytes' >= 0, got {payload!r}")
-    if start + payload != size:
-        raise SpecError(
-            f"weights: {'truncated ' if start + payload > size else ''}payload: the header "
-            f"describes {payload} bytes from byte {start}, the buffer holds {size - start} bytes"
-        )
-    entries = {}
-    for i, d in enumerate(header["tensors"]):
-        e = _entry(i, d, payload)
-        if e.name in entries:
-            raise _corrupt(f"tensor {e.name!r} is listed twice")
-        entries[e.name] = e
-    return _Layout(entries, start)
-
-
-def _differences(mine: dict[str, _Entry], got: dict[str, _Entry]) -> list[str]:
-    """What differs between the module's layout and a buffer's, one phrase per difference."""
-    out = [
-        f"{n!r}: expected {e.describe()}, received {got[n].describe()}"
-        for n, e in mine.items()
-        if n in got and (e.shape, e.dtype) != (got[n].shape, got[n].dtype)
-    ]
-    missing = [n for n in mine if n not in got]
-    extra = [n for n in got if n not in mine]
-    if missing:
-        out.append(f"missing from the published weights: {missing}")
-    if extra:
-        out.append(f"unexpected (not in the module): {extra}")
-    return out
-
-
 @dataclass
 class Transfer:
     """What this rank did in the last weights transfer (``WeightsState.last``).
@@ -430,7 +207,7 @@ class WeightsState:
         self.last = Transfer()  # this rank's side of the last transfer
         # every transfer this rank took part in: count, seconds, payload bytes sent/received
         self.totals = {"transfers": 0, "seconds": 0.0, "sent": 0, "received": 0}
-        self._decoded: tuple[int, int, _Layout] | None = None  # (version, address, layout)
+        self._decoded: tuple[int, int, Layout] | None = None  # (version, address, layout)
         # device buffers: every buffer on ``device`` (published from and loaded into modules
         # there, sent by the group's backend for CUDA tensors); a receiver reads a header
         # to the host only when its digest (carried in the round's meta) is new
@@ -439,7 +216,7 @@ class WeightsState:
         # publish's last layout: (key, header, total bytes, entries, header digest or 0)
         self._head: tuple[tuple, bytes, int, dict, int] | None = None
         self.head = 0  # the current buffer's header digest (device buffers; 0: unknown)
-        self._layouts: dict[int, _Layout] = {}  # device buffers: decoded layouts by digest
+        self._layouts: dict[int, Layout] = {}  # device buffers: decoded layouts by digest
         # a lazy publish not packed yet: (buffer, header, entries, state, lo, hi)
         self._pending: tuple | None = None
         # publish (the caller's thread) and a round's exchange (the plane's) both make
@@ -467,7 +244,7 @@ class WeightsState:
             if self.buf is None:
                 return WeightsSnapshot(min(self.version, self.broadcast), None)
             pending = self._pending
-            pack = None if pending is None else functools.partial(_pack_part, pending)
+            pack = None if pending is None else functools.partial(pack_part, pending)
             return WeightsSnapshot(self.version, self.buf, self.head, pack, self.slot)
 
     def settle(self) -> None:
@@ -476,7 +253,7 @@ class WeightsState:
         pending = self._pending
         if pending is None:
             return
-        _pack_part(pending, pending[4], pending[5])
+        pack_part(pending, pending[4], pending[5])
         self._packed(pending[0])
 
     def _packed(self, buf: torch.Tensor) -> None:
@@ -534,15 +311,15 @@ class WeightsState:
             raise SpecError(
                 f"weights: part: expected (index, count), 0 <= index < count, got {part}"
             )
-        state = _state(module)
+        state = checked_state(module)
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in state.items())
         if self._head is None or self._head[0] != key:  # the header only when the layout changes
-            entries = _entries(state)
-            head, total = _head(entries)
+            entries = entries_of(state)
+            head, total = header_of(entries)
             digest = 0
             if self.device is not None:  # its digest, and its layout known without a read
                 digest = head_digest(head)
-                self._layouts[digest] = _decode(head, total)
+                self._layouts[digest] = decode(head, total)
             self._head = (key, head, total, entries, digest)
         _, head, total, entries, digest = self._head
         self.settle()  # an earlier lazy publish never sent: packed before it is replaced
@@ -553,7 +330,7 @@ class WeightsState:
             buf = self._buffers.take(total)
         lo, hi = parts(total, count)[index]
         if not lazy:
-            _fill(buf, head, entries, state, lo, hi)
+            fill(buf, head, entries, state, lo, hi)
             self._buffers.used(buf)
         with self._lock:
             if lazy:
@@ -808,11 +585,11 @@ class WeightsState:
             key = (version, buf.data_ptr())
             decoded = self._decoded
             if decoded is None or decoded[:2] != key:
-                decoded = self._decoded = (*key, _decode(buf))
+                decoded = self._decoded = (*key, decode(buf))
             layout = decoded[2]
-        state = _state(module)
-        mine = _entries(state)
-        diff = _differences(mine, layout.entries)
+        state = checked_state(module)
+        mine = entries_of(state)
+        diff = differences(mine, layout.entries)
         if diff:
             mine_bytes = sum(e.nbytes for e in mine.values())
             got_bytes = sum(e.nbytes for e in layout.entries.values())
@@ -836,24 +613,24 @@ class WeightsState:
         self._buffers.used(buf)
         return version
 
-    def _device_layout(self, buf: torch.Tensor, head: int) -> _Layout:
+    def _device_layout(self, buf: torch.Tensor, head: int) -> Layout:
         """A device buffer's layout: known by its header digest, or read once (its preamble
         and header to the host: a counted sync), checked against the digest."""
         layout = self._layouts.get(head)
         if layout is not None:
             return layout
         size = buf.numel()
-        first = buf[: min(size, _PREAMBLE.size)].cpu()
+        first = buf[: min(size, PREAMBLE.size)].cpu()
         SYNCS.add("weights header")
-        hlen = _PREAMBLE.unpack(first.numpy().tobytes())[2] if size >= _PREAMBLE.size else 0
-        raw = buf[: min(size, _PREAMBLE.size + hlen)].cpu().numpy().tobytes()
+        hlen = PREAMBLE.unpack(first.numpy().tobytes())[2] if size >= PREAMBLE.size else 0
+        raw = buf[: min(size, PREAMBLE.size + hlen)].cpu().numpy().tobytes()
         got = head_digest(raw)
         if head and got != head:
             raise SpecError(
                 f"weights: the received header's digest {got:#x} differs from the one the "
                 f"publisher announced, {head:#x}: a corrupted or mismatched buffer"
             )
-        layout = _decode(raw, size)
+        layout = decode(raw, size)
         self._layouts[got] = layout
         return layout
 
@@ -889,9 +666,3 @@ def weights_schedule(ex, cuda: bool) -> str:
     buffers, NCCL for CUDA ones) or ``"broadcast"`` (CUDA buffers through gloo, which has no
     send/recv for them; ``Exchange.cuda_backend``)."""
     return "broadcast" if cuda and getattr(ex, "cuda_backend", "") == "gloo" else "p2p"
-
-
-def head_digest(head: bytes) -> int:
-    """A weights header's 63-bit digest (blake2b; carried in a round's meta as an int64), so a
-    receiver of a device buffer reads the header only when it is new."""
-    return int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "little") >> 1
