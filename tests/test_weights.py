@@ -355,8 +355,9 @@ def _delivered(phases, receivers) -> dict[int, set[tuple[int, int]]]:
 def test_routes_relay_each_part_once_over_a_slow_link_and_go_straight_on_one_host():
     ws, nbytes = WeightsState(), 64 << 20  # priced, not moved: large enough for bytes to count
     ranges = parts(nbytes, 2)
+    owned = [[r] for r in ranges]  # one range per owner (a sharded state: several)
     ws.transport = _Transport(["a", "a", "b", "b"])  # learners on a, producers on b
-    schedule, phases = ws.routes([0, 1], ranges, [2, 3])
+    schedule, phases = ws.routes([0, 1], owned, [2, 3])
     assert schedule == "relay" and len(phases) == 2
     first, second = phases
     assert sorted(first) == [(0, 2, *ranges[0]), (1, 3, *ranges[1])]  # each part once
@@ -367,10 +368,55 @@ def test_routes_relay_each_part_once_over_a_slow_link_and_go_straight_on_one_hos
     assert over_net == nbytes  # the model once over the link (direct: twice)
 
     ws.transport = _Transport(["a"] * 4)  # one host: nothing to relay
-    assert ws.routes([0, 1], ranges, [2, 3]) == (
+    assert ws.routes([0, 1], owned, [2, 3]) == (
         "p2p", [[(0, 2, *ranges[0]), (0, 3, *ranges[0]), (1, 2, *ranges[1]), (1, 3, *ranges[1])]]
     )  # fmt: skip
     ws.transport = _Transport(["a", "b", "a", "b"])  # an owner on every host: straight
-    assert ws.routes([0, 1], ranges, [2, 3])[0] == "p2p"
+    assert ws.routes([0, 1], owned, [2, 3])[0] == "p2p"
     ws.transport = None  # no transport known: straight
-    assert ws.routes([0, 1], ranges, [2, 3])[0] == "p2p"
+    assert ws.routes([0, 1], owned, [2, 3])[0] == "p2p"
+
+
+def test_routes_relay_every_range_of_a_sharded_state_once_over_the_slow_link():
+    ws, mb = WeightsState(), 1 << 20
+    shards = [[(0, 8 * mb), (16 * mb, 24 * mb)], [(8 * mb, 16 * mb), (24 * mb, 40 * mb)]]
+    ws.transport = _Transport(["a", "a", "b", "b"])
+    schedule, phases = ws.routes([0, 1], shards, [2, 3])
+    assert schedule == "relay"
+    held = _delivered(phases, [2, 3])
+    assert all(h == {r for rs in shards for r in rs} for h in held.values())
+    link = ws.transport.links
+    over_net = sum(hi - lo for p in phases for s, d, lo, hi in p if link[s, d] == link[0, 2])
+    assert over_net == 40 * mb
+
+
+@pytest.mark.parametrize(
+    ("ranges", "words"),
+    [
+        ([[[0, 8]], [[16, 24]]], "after byte 8"),  # a gap
+        ([[[0, 16]], [[8, 24]]], "after byte 16"),  # an overlap
+        ([[[0, 8]], [[8, 16]]], "cover 16 of the 24-byte payload"),  # short
+        ([[[0, 8], [8, 16]]], "one list of ranges per holder"),
+        ([[[0, 8]], [[8, "24"]]], "expected [[lo, hi], ...] per holder"),
+    ],
+)
+def test_a_sharded_header_must_cover_its_payload_once_between_its_holders(ranges, words):
+    from conduit_dist.flow.weights_format import (
+        Shards,
+        decode,
+        entries_of,
+        header_of,
+    )
+
+    entries = entries_of({"a": torch.zeros(2, 3, dtype=torch.float32)})  # 24 payload bytes
+    good = Shards((0, 1), (((0, 16),), ((16, 24),)))
+    head, total = header_of(entries, good)
+    assert decode(head, total).shards == good
+    desc = json.loads(head[12:])
+    desc["shards"]["ranges"] = ranges
+    raw = json.dumps(desc).encode()
+    bad = struct.pack("<4sII", b"CDWT", 1, len(raw)) + raw
+    size = -(-len(bad) // 8) * 8 + 24
+    with pytest.raises(SpecError, match="corrupted header: shards") as e:
+        decode(bad, size)
+    assert words in str(e.value)

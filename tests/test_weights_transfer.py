@@ -235,13 +235,121 @@ def test_learners_serving_an_ingress_hold_every_version_whole(tmp_path, shm):
 assert G >= 2  # each put above is two whole groups
 
 
-def _fsdp(rank: int, world: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
+def set_sharded(policy: torch.nn.Module, v: int) -> None:
+    """``set_version`` on a sharded module: each rank writes its rows (``torch.chunk``'s split,
+    FSDP2's) of the same full tensors."""
+    gen = torch.Generator().manual_seed(1000 + v)
+    with torch.no_grad():
+        for t in policy.state_dict().values():
+            full = torch.randint(-999, 999, t.shape, generator=gen).to(t.dtype)
+            if hasattr(t, "to_local"):
+                mesh = t.device_mesh
+                full = torch.chunk(full, mesh.size(), dim=0)[mesh.get_coordinate()[0]]
+                t = t.to_local()
+            t.copy_(full)
+
+
+def _fsdp(rank: int, world: int, shm: bool, plane: str, run_dir: str | None) -> dict[str, object]:
+    """Learners 0 and 1 hold an FSDP2 ``fully_shard`` policy (Shard(0) DTensors, plain
+    buffers); producer 2 an unsharded one. Each learner sends only what it holds. With
+    ``run_dir``, learners serve an ingress (each also receives the other's shards) and then
+    pull the whole version into a second sharded module (each copies its rows)."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = DeviceMesh("cpu", [0, 1])  # every rank builds it (a collective); 2 holds no shard
+    transport = cd.TransportConfig(timeout_s=30, weights_bucket_mb=64 / (1 << 20),
+                                   shared_memory=shm)  # fmt: skip
+    if plane == "tokens":
+        tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2],
+                           transport=transport)  # fmt: skip
+        if run_dir is not None:
+            tp.open_ingress(run_dir)
+    else:
+        spec = cd.ExperienceSpec({"x": ((2,), torch.float32)})
+        tp = cd.DataPlane(spec, 64, learner_ranks=[0, 1], transport=transport)
+    policy = Policy()
+    out: dict[str, object] = {"loads": []}
+    if rank < 2:
+        fully_shard(policy, mesh=mesh)
+    for v in range(1, 4):
+        if plane != "tokens":
+            tp.put({"x": torch.zeros(2, 2)})
+        if rank < 2:
+            set_sharded(policy, v)
+            tp.publish_weights(policy)
+            if plane == "tokens":
+                tp.fetch(2, 400)
+            else:
+                tp.fetch(2)
+        else:
+            if plane == "tokens":
+                tp.put(*group_batch([2 * v, 2 * v + 1]))
+            tp.flush()
+            out["loads"].append((tp.pull_weights(policy), state_digest(policy)))
+        weights = tp.weights if plane == "tokens" else tp._p.weights
+        out["last"] = dict(vars(weights.last))
+    if run_dir is not None and rank < 2:  # the whole version, copied into a sharded module
+        other = Policy()
+        fully_shard(other, mesh=mesh)
+        out["pulled"] = tp.pull_weights(other)
+        set_sharded(policy, out["pulled"])
+        out["rows_equal"] = all(
+            torch.equal(a.to_local(), b.to_local()) if hasattr(a, "to_local") else torch.equal(a, b)
+            for a, b in zip(other.state_dict().values(), policy.state_dict().values())
+        )
+        try:
+            tp.pull_weights(other, in_place=True)
+        except cd.SpecError as exc:
+            out["in_place"] = str(exc)
+    tp.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("shm", "plane", "serve"),
+    [
+        (False, "tokens", False),
+        (True, "tokens", True),
+        (False, "tokens", True),
+        (False, "rows", False),
+    ],
+)
+def test_a_sharded_fsdp2_model_is_sent_shard_by_shard_and_loads_whole(tmp_path, shm, plane, serve):
+    res = run_ranks(_fsdp, 3, shm, plane, str(tmp_path) if serve else None, timeout_s=120)
+    ref = Policy()
+    expected = []
+    for v in range(1, 4):
+        set_version(ref, v)
+        expected.append((v, state_digest(ref)))
+    loads = res[2]["loads"]
+    if plane != "tokens":  # a DataPlane round sends what was published before it started
+        assert loads[0][0] == 0
+        loads = loads[1:]
+        expected = expected[: len(loads)]
+    assert loads == expected  # the whole model, byte for byte, every version
+    params = sum(p.numel() * p.element_size() for p in ref.parameters())
+    sent = {r: res[r]["last"]["sent"] / (2 if serve and not shm else 1) for r in (0, 1)}
+    for r in (0, 1):  # each learner sent what it holds: its rows, about half the parameters
+        last = res[r]["last"]
+        assert list(last["owners"]) == [0, 1]
+        assert 0.3 * params < sent[r] < 0.7 * params + 1024, (r, last, params)
+        if serve:  # it also received the other's shards, and loads its rows of the whole
+            assert last["received"] == sent[1 - r]
+            assert res[r]["pulled"] == 3 and res[r]["rows_equal"]
+            assert "pull(in_place=True) into a sharded module" in res[r]["in_place"]
+        else:
+            assert last["received"] == 0
+    assert res[2]["last"]["received"] == sent[0] + sent[1]
+
+
+def _fsdp_refused(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     mesh = init_device_mesh("cpu", (world,))
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
-    fully_shard(model, mesh=mesh)
+    model = torch.nn.Linear(6, 4)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(1)]))
     try:
         WeightsState().publish(model)
     except cd.SpecError as exc:
@@ -249,8 +357,8 @@ def _fsdp(rank: int, world: int) -> str:
     return "published"
 
 
-def test_a_sharded_model_is_refused_naming_its_first_dtensor_not_gathered_silently():
-    res = run_ranks(_fsdp, 2)
+def test_a_state_sharded_other_than_by_rows_is_refused_naming_the_tensor():
+    res = run_ranks(_fsdp_refused, 2)
     for msg in res.values():
-        assert "'0.weight' is a DTensor sharded as (Shard(dim=0),)" in msg, msg
-        assert "full_state_dict=True" in msg
+        assert "'weight' is a DTensor placed as (Shard(dim=1),)" in msg, msg
+        assert "expected Shard(0)" in msg

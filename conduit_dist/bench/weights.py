@@ -175,7 +175,8 @@ def _ours(a, model: _Model, learners: list[int], producers: list[int], send_now:
     digest = _digest(model)
     last = vars(tp.weights.last)
     nbytes = buffer_bytes(model)  # the routes the plane's transfers took, for the raw replay
-    schedule, phases = tp.weights.routes(learners, parts(nbytes, len(learners)), producers)
+    owned = [[p] for p in parts(nbytes, len(learners))]
+    schedule, phases = tp.weights.routes(learners, owned, producers)
     tp.close()
     return {"times": times[1:], "packs": packs[1:], "wrote": wrote[1:], "sent": sent[1:],
             "digest": digest, "last": last, "routes": (schedule, phases)}  # fmt: skip

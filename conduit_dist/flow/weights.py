@@ -32,9 +32,13 @@ from conduit_dist.flow.weights_format import (
     differences,
     entries_of,
     fill,
+    fill_shards,
     head_digest,
     header_of,
+    is_dtensor,
+    local_rows,
     pack_part,
+    shards_of,
 )
 from conduit_dist.records.buffers import Pooled, keep, lasting_empty, use_count
 from conduit_dist.records.spec import ALIGN
@@ -57,6 +61,9 @@ class WeightsSnapshot:
     # pack(lo, hi) writes bytes [lo, hi) of it into ``buf`` from the module; None: packed
     pack: Callable[[int, int], None] | None = None
     slot: int = -1  # the publisher's weights file (shared memory, ``weight_files``); -1: none
+    # a sharded state's buffer (FSDP2): the bytes of its header (and padding), which the
+    # round sends first (receivers learn who sends what from it); 0: not sharded
+    shard_head: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -226,6 +233,7 @@ class WeightsState:
         # a learner packs its part into a file of its own, receivers copy the parts out
         self.files: WeightFiles | None = None
         self.slot = -1  # the file the current buffer is (shared memory)
+        self.shard_head = 0  # a sharded buffer's header bytes (WeightsSnapshot.shard_head)
         # the plane's transport (its topology and bandwidth model price a relay; set by the
         # planes' builds); None: every part straight to every receiver
         self.transport = None
@@ -245,7 +253,9 @@ class WeightsState:
                 return WeightsSnapshot(min(self.version, self.broadcast), None)
             pending = self._pending
             pack = None if pending is None else functools.partial(pack_part, pending)
-            return WeightsSnapshot(self.version, self.buf, self.head, pack, self.slot)
+            return WeightsSnapshot(
+                self.version, self.buf, self.head, pack, self.slot, self.shard_head
+            )
 
     def settle(self) -> None:
         """Pack what a lazy publish left unpacked (its round sent nothing), so the current
@@ -312,31 +322,40 @@ class WeightsState:
                 f"weights: part: expected (index, count), 0 <= index < count, got {part}"
             )
         state = checked_state(module)
-        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in state.items())
+        key = tuple((n, t.dtype, tuple(t.shape), _placed(t)) for n, t in state.items())
         if self._head is None or self._head[0] != key:  # the header only when the layout changes
             entries = entries_of(state)
-            head, total = header_of(entries)
+            shards = shards_of(state, entries)
+            head, total = header_of(entries, shards)
             digest = 0
             if self.device is not None:  # its digest, and its layout known without a read
                 digest = head_digest(head)
                 self._layouts[digest] = decode(head, total)
-            self._head = (key, head, total, entries, digest)
-        _, head, total, entries, digest = self._head
+            self._head = (key, head, total, entries, digest, shards)
+        _, head, total, entries, digest, shards = self._head
+        if shards is not None:  # sharded (FSDP2): this rank packs what it holds, never lazily
+            part, lazy = _holder(shards), False
+            index, count = part
         self.settle()  # an earlier lazy publish never sent: packed before it is replaced
         if self.files is not None:  # packed into a file of this rank's: the pack is the send
             self.slot, buf = self.files.take(total)
             lazy = False
         else:
             buf = self._buffers.take(total)
-        lo, hi = parts(total, count)[index]
-        if not lazy:
-            fill(buf, head, entries, state, lo, hi)
+        if shards is not None:
+            fill_shards(buf, head, entries, state, shards.ranges[index], 0, total)
             self._buffers.used(buf)
+        else:
+            lo, hi = parts(total, count)[index]
+            if not lazy:
+                fill(buf, head, entries, state, lo, hi)
+                self._buffers.used(buf)
         with self._lock:
             if lazy:
                 self._pending = (buf, head, entries, state, lo, hi)
             self.buf, self.part = buf, (index, count)  # complete (its part) before current
             self.head = digest  # 0 on a host plane: receivers read the header in place
+            self.shard_head = 0 if shards is None else len(head) + (-len(head)) % ALIGN
             self.version += 1
             if count == 1 and not lazy:
                 self._hold_whole(self.version, buf, digest)
@@ -352,6 +371,7 @@ class WeightsState:
         head: int = 0,
         receivers: Sequence[int] | None = None,
         slots: Sequence[int] = (),
+        shard_head: int = 0,
     ) -> None:
         """Send version ``version`` from its owners to its receivers if it is newer than the
         last one sent (every rank of the group calls it, with the same arguments but ``snap``).
@@ -378,6 +398,12 @@ class WeightsState:
                 not an owner). An owner among them also receives the others' parts.
             slots: each owner's weights file, from the meta (shared memory: schedule
                 ``"shm"``, each receiver copies every part out of its owner's file).
+            shard_head: a sharded state's header bytes, from the meta (0: not sharded). The
+                first owner sends the header first; every rank taking part reads from it which
+                bytes each owner holds (its ``"shards"``) instead of :func:`parts`.
+
+        Raises:
+            SpecError: if a sharded state's holders are not the owners.
         """
         if version <= self.broadcast:
             return
@@ -397,7 +423,10 @@ class WeightsState:
         else:  # nothing to send or receive here
             self.broadcast = version
             return
-        ranges = parts(nbytes, len(owners))
+        if shard_head:
+            ranges = self._shard_ranges(ex, owners, receivers, buf, shard_head, slots, r)
+        else:
+            ranges = [[p] for p in parts(nbytes, len(owners))]
         pack = snap.pack if rank in owners else None
         if schedule == "shm":
             sent, received, count = self._files(owners, ranges, receiving, buf, slots, r)
@@ -408,7 +437,8 @@ class WeightsState:
             schedule, phases = self.routes(owners, ranges, receivers, cuda)
             sent, received, count = self._sends(ex, phases, buf, pack, r)
             if pack is not None and not any(route[0] == rank for route in phases[0]):
-                pack(*ranges[owners.index(rank)])  # nobody to send to: packed all the same
+                for lo, hi in ranges[owners.index(rank)]:  # nobody to send to: packed all the same
+                    pack(lo, hi)
         if pack is not None:
             self._packed(buf)
         self._buffers.used(buf)  # CUDA: the transfer on the round's stream, before a reuse
@@ -467,6 +497,51 @@ class WeightsState:
             pack = None  # packed in the first phase: later ones forward what arrived
         return sent, received, count
 
+    def _shard_ranges(self, ex, owners, receivers, buf, head, slots, r) -> list[list[tuple]]:
+        """A sharded state's header to every receiver (from the first owner, by the round's
+        schedule), and from it each owner's byte ranges (:class:`~conduit_dist.flow.
+        weights_format.Shards`: holders are global ranks, owners the group's)."""
+        rank, src = ex.rank, owners[0]
+        if self.files is not None:  # shm: out of the first owner's file
+            if rank not in owners:
+                buf[:head].copy_(self.files.peer(src, int(slots[0]), buf.numel())[:head])
+        elif weights_schedule(ex, buf.is_cuda) == "broadcast":
+            ex.broadcast(buf[:head], src, r)
+        else:
+            ops = [
+                dist.P2POp(dist.isend, buf[:head], d, ex.group)
+                for d in receivers
+                if rank == src and d not in owners
+            ]
+            if rank not in owners:
+                ops.append(dist.P2POp(dist.irecv, buf[:head], src, ex.group))
+            if ops:
+                ex.wait_works(
+                    ex.send_recv_start(ops, "weights[header]", r), "weights[header]", r,
+                    buf.is_cuda,
+                )  # fmt: skip
+        raw = buf[:head]
+        if raw.is_cuda:
+            raw = raw.cpu()
+            SYNCS.add("weights header")
+        shards = decode(raw.numpy().tobytes(), buf.numel()).shards
+        if shards is None:
+            raise SpecError(
+                f"weights: round {r}: the meta announced a sharded state, the first owner's "
+                f"header (rank {src}) has no shards: a corrupted or mismatched buffer"
+            )
+        group = [dist.get_group_rank(ex.group, g) if ex.group is not None else g
+                 for g in shards.holders]  # fmt: skip
+        if sorted(group) != sorted(owners):
+            raise SpecError(
+                f"weights: round {r}: the state is sharded over ranks {group} (group ranks), "
+                f"the learners sending it are {list(owners)}: expected the same ranks (every "
+                "holder of a shard publishes the same version at the same point)"
+            )
+        start = head
+        return [[(start + lo, start + hi) for lo, hi in shards.ranges[group.index(o)]]
+                for o in owners]  # fmt: skip
+
     def routes(
         self, owners, ranges, receivers, cuda: bool = False
     ) -> tuple[str, list[list[tuple]]]:
@@ -475,10 +550,15 @@ class WeightsState:
         Each owner's part straight to each receiver (``"p2p"``), or, where the bandwidth
         model prices it cheaper, ``"relay"``: a host with several receivers and no owner gets
         each part once over its link (owner ``i``'s to its ``i``-th receiver, round robin) and
-        its receivers pass the parts on among themselves (docs/weights.md). ``cuda``: priced
-        by the plane's model of device transfers."""
+        its receivers pass the parts on among themselves (docs/weights.md). ``ranges``: each
+        owner's ``[lo, hi)`` byte ranges (one per owner from :func:`parts`; a sharded
+        state's own). ``cuda``: priced by the plane's model of device transfers."""
         direct = [
-            (o, d, lo, hi) for o, (lo, hi) in zip(owners, ranges) for d in receivers if d != o
+            (o, d, lo, hi)
+            for o, rs in zip(owners, ranges)
+            for lo, hi in rs
+            for d in receivers
+            if d != o
         ]
         relay = _relay(owners, ranges, receivers, self.transport)
         if relay is None:
@@ -503,13 +583,15 @@ class WeightsState:
         packed for others, received, parts copied)."""
         files, rank, nbytes = self.files, self.files.rank, buf.numel()
         sent = received = count = 0
-        for src, slot, (lo, hi) in zip(owners, slots, ranges):
+        for src, slot, rs in zip(owners, slots, ranges):
             if src == rank:
                 files.sent(int(slot), nbytes, r)
-                sent += hi - lo
+                sent += sum(hi - lo for lo, hi in rs)
             elif receiving:
-                buf[lo:hi].copy_(files.peer(src, int(slot), nbytes)[lo:hi])
-                received += hi - lo
+                peer = files.peer(src, int(slot), nbytes)
+                for lo, hi in rs:
+                    buf[lo:hi].copy_(peer[lo:hi])
+                    received += hi - lo
                 count += 1
         return sent, received, count
 
@@ -522,8 +604,8 @@ class WeightsState:
         """The ``"broadcast"`` schedule: each owner's part broadcast bucket by bucket to the
         whole group (every rank takes part). Returns (sent, received, buckets)."""
         sent = received = count = 0
-        for src, (lo, hi) in zip(owners, ranges):
-            for a, b in buckets(lo, hi, self.bucket_bytes):
+        for src, rs in zip(owners, ranges):
+            for a, b in (piece for lo, hi in rs for piece in buckets(lo, hi, self.bucket_bytes)):
                 if pack is not None and src == ex.rank:
                     pack(a, b)
                 ex.broadcast(buf[a:b], src, r)
@@ -598,6 +680,13 @@ class WeightsState:
                 f"bytes) do not match the module's state_dict ({len(mine)} tensors, {mine_bytes} "
                 f"bytes): {'; '.join(diff)}. Is the module the learner's architecture?"
             )
+        sharded = [n for n, t in state.items() if is_dtensor(t)]
+        if in_place and sharded:
+            raise SpecError(
+                f"weights: pull(in_place=True) into a sharded module ({sharded[0]!r} is a "
+                "DTensor): expected an unsharded one; pull(in_place=False) copies this rank's "
+                "rows into its shards"
+            )
         views = {}
         for name in state:
             e = layout.entries[name]
@@ -608,7 +697,12 @@ class WeightsState:
         else:
             with torch.no_grad():
                 for name, t in state.items():
-                    t.copy_(views[name])
+                    if is_dtensor(t):  # this rank's rows of it (or all, replicated)
+                        local, r0 = local_rows(name, t, mine[name])
+                        got = views[name]
+                        local.copy_(got if local.dim() == 0 else got[r0 : r0 + local.shape[0]])
+                    else:
+                        t.copy_(views[name])
         del views
         self._buffers.used(buf)
         return version
@@ -635,6 +729,29 @@ class WeightsState:
         return layout
 
 
+def _placed(t) -> tuple:
+    """What of a state tensor's placement its buffer's layout depends on (a DTensor's mesh
+    ranks and placements; nothing for a plain tensor)."""
+    if not is_dtensor(t):
+        return ()
+    return (tuple(t.device_mesh.mesh.reshape(-1).tolist()), str(tuple(t.placements)))
+
+
+def _holder(shards) -> tuple[int, int]:
+    """This process's ``(index, count)`` among a sharded state's holders.
+
+    Raises:
+        SpecError: if this rank holds none of its shards.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank not in shards.holders:
+        raise SpecError(
+            f"weights: rank {rank} publishes a state sharded over ranks "
+            f"{list(shards.holders)}: expected it to be one of them"
+        )
+    return shards.holders.index(rank), len(shards.holders)
+
+
 def _relay(owners, ranges, receivers, transport) -> list[list[tuple]] | None:
     """The two phases of a relay (see :meth:`WeightsState.routes`), or ``None`` where no host
     has two receivers and no owner."""
@@ -650,14 +767,15 @@ def _relay(owners, ranges, receivers, transport) -> list[list[tuple]] | None:
     if not relayed:
         return None
     first, second = [], []
-    for i, (o, (lo, hi)) in enumerate(zip(owners, ranges)):
-        for d in receivers:
-            if d != o and (d in owners or host[d] not in relayed):
-                first.append((o, d, lo, hi))  # straight, as without a relay
-        for rs in relayed.values():
-            entry = rs[i % len(rs)]
-            first.append((o, entry, lo, hi))
-            second += [(entry, d, lo, hi) for d in rs if d != entry]
+    for i, (o, pieces) in enumerate(zip(owners, ranges)):
+        for lo, hi in pieces:
+            for d in receivers:
+                if d != o and (d in owners or host[d] not in relayed):
+                    first.append((o, d, lo, hi))  # straight, as without a relay
+            for rs in relayed.values():
+                entry = rs[i % len(rs)]
+                first.append((o, entry, lo, hi))
+                second += [(entry, d, lo, hi) for d in rs if d != entry]
     return [first, second]
 
 

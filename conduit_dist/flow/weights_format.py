@@ -9,6 +9,13 @@ module before it loads a byte (no pickle)::
                   {"name": "0.weight", "dtype": "float32", "shape": [4, 3], "offset": 0}, ...]}
     padding   zeros up to the next multiple of 8
     payload   P bytes: each tensor's values, C order, at its offset (a multiple of 8)
+
+A sharded state (FSDP2 ``fully_shard``: DTensors ``Shard(0)`` on a 1-D mesh) keeps that layout,
+the unsharded tensors' (global shapes), and its header adds ``"shards": {"holders": [global
+ranks, mesh order], "ranges": [[[lo, hi], ...] per holder]}``: the payload bytes each holder
+packs (its rows of each sharded tensor, as ``torch.chunk`` splits them, and a share of the
+unsharded ones), so each learner sends only what it holds and a receiver knows who sends what
+from the header alone.
 """
 
 from __future__ import annotations
@@ -57,11 +64,53 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Shards:
+    """Who packs which payload bytes of a sharded state's buffer.
+
+    Attributes:
+        holders: the global ranks holding the shards, in mesh order.
+        ranges: per holder, the ``[lo, hi)`` payload byte ranges it packs (together, the
+            whole payload, each byte once).
+    """
+
+    holders: tuple[int, ...]
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclass(frozen=True)
 class Layout:
-    """The tensors of a buffer by name, and where its payload starts."""
+    """The tensors of a buffer by name, where its payload starts, and its shards (``None``:
+    one packer wrote it whole, or any split of it)."""
 
     entries: dict[str, Entry]
     start: int
+    shards: Shards | None = None
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2, tensor parallel): a sharded tensor's local part."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def _sharded_rows(name: str, t) -> bool:
+    """Whether DTensor ``t`` is sharded along rows (``Shard(0)``; ``False``: replicated);
+    anything else, or a mesh of more than one dimension, is refused by name."""
+    placements = tuple(t.placements)
+    if t.device_mesh.ndim != 1 or len(placements) != 1:
+        raise SpecError(
+            f"weights: state {name!r} is a DTensor on a {t.device_mesh.ndim}-D mesh placed as "
+            f"{placements}: expected a 1-D mesh (FSDP2 fully_shard) with Shard(0) or "
+            "Replicate(); publish a full state_dict for other layouts (docs/weights.md)"
+        )
+    p = placements[0]
+    if p.is_replicate():
+        return False
+    if p.is_shard() and getattr(p, "dim", None) == 0:
+        return True
+    raise SpecError(
+        f"weights: state {name!r} is a DTensor placed as {placements}: expected Shard(0) "
+        "(FSDP2 fully_shard) or Replicate(); publish a full state_dict for other layouts"
+    )
 
 
 def checked_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -75,15 +124,89 @@ def checked_state(module: nn.Module) -> dict[str, torch.Tensor]:
             raise SpecError(
                 f"weights: state {name!r}: expected a tensor of dtype {sorted(DTYPES)}, got {got}"
             )
-        if hasattr(t, "placements") and hasattr(t, "to_local"):  # a DTensor (FSDP2, TP)
-            raise SpecError(
-                f"weights: state {name!r} is a DTensor sharded as {tuple(t.placements)}: "
-                "sending each learner's shard is not supported yet (docs/weights.md); publish "
-                "an unsharded module, e.g. one loaded from torch.distributed.checkpoint."
-                "state_dict.get_model_state_dict(model, options=StateDictOptions("
-                "full_state_dict=True))"
-            )
+        if is_dtensor(t):  # FSDP2: sent shard by shard (Shards), checked here
+            _sharded_rows(name, t)
     return state
+
+
+def shards_of(state: dict[str, torch.Tensor], entries: dict[str, Entry]) -> Shards | None:
+    """Which payload bytes each holder of a sharded ``state`` packs (``None``: no DTensor in
+    it): its rows of every ``Shard(0)`` tensor, split as ``torch.chunk`` splits them (FSDP2's
+    split; alignment padding goes with the last rows), and each unsharded or replicated tensor
+    whole to the holder with the fewest bytes so far.
+
+    Raises:
+        SpecError: if the DTensors lie on different meshes.
+    """
+    holders: tuple[int, ...] | None = None
+    for name, t in state.items():
+        if is_dtensor(t):
+            ranks = tuple(t.device_mesh.mesh.reshape(-1).tolist())
+            if holders is not None and ranks != holders:
+                raise SpecError(
+                    f"weights: state {name!r} is sharded over ranks {list(ranks)}, an earlier "
+                    f"tensor over {list(holders)}: expected one mesh for the whole state"
+                )
+            holders = ranks
+    if holders is None:
+        return None
+    count = len(holders)
+    load = [0] * count
+    got: list[list[tuple[int, int]]] = [[] for _ in holders]
+    for name, t in state.items():
+        e = entries[name]
+        at, end = e.offset, align(e.offset + e.nbytes)
+        if at == end:
+            continue
+        if is_dtensor(t) and _sharded_rows(name, t):
+            n = e.shape[0]
+            row, chunk = e.nbytes // n, -(-n // count)
+            for c in range(count):
+                r0, r1 = min(c * chunk, n), min((c + 1) * chunk, n)
+                if r0 < r1:
+                    got[c].append((at + r0 * row, end if r1 == n else at + r1 * row))
+                    load[c] += (r1 - r0) * row
+        else:
+            c = min(range(count), key=lambda i: (load[i], i))
+            got[c].append((at, end))
+            load[c] += end - at
+    return Shards(holders, tuple(tuple(_merged(rs)) for rs in got))
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted, adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def local_rows(name: str, t, e: Entry) -> tuple[torch.Tensor, int]:
+    """A state tensor's local values and the first row they hold: a ``Shard(0)`` DTensor's
+    rows (where ``torch.chunk`` puts this rank's), or a whole tensor (row 0).
+
+    Raises:
+        SpecError: if a shard holds other rows than ``torch.chunk`` gives its mesh coordinate.
+    """
+    if not is_dtensor(t):
+        return t.detach(), 0
+    local = t.to_local().detach()
+    if not _sharded_rows(name, t):
+        return local, 0
+    n, count = e.shape[0], t.device_mesh.size()
+    c = t.device_mesh.get_coordinate()[0]
+    chunk = -(-n // count)
+    r0, r1 = min(c * chunk, n), min((c + 1) * chunk, n)
+    if tuple(local.shape) != (r1 - r0, *e.shape[1:]):
+        raise SpecError(
+            f"weights: state {name!r}: mesh coordinate {c} of {count} holds a shard of shape "
+            f"{list(local.shape)}, expected rows [{r0}, {r1}) of {list(e.shape)} (torch.chunk's "
+            "split, as FSDP2 shards)"
+        )
+    return local, r0
 
 
 def entries_of(state: dict[str, torch.Tensor]) -> dict[str, Entry]:
@@ -95,14 +218,19 @@ def entries_of(state: dict[str, torch.Tensor]) -> dict[str, Entry]:
     return out
 
 
-def header_of(entries: dict[str, Entry]) -> tuple[bytes, int]:
-    """The preamble and JSON header of a buffer of ``entries``, and the payload's start."""
+def header_of(entries: dict[str, Entry], shards: Shards | None = None) -> tuple[bytes, int]:
+    """The preamble and JSON header of a buffer of ``entries`` (and ``shards``: who packs
+    what), and the buffer's whole size."""
     payload = max((align(e.offset + e.nbytes) for e in entries.values()), default=0)
     tensors = [
         {"name": n, "dtype": dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset}
         for n, e in entries.items()
     ]
-    header = json.dumps({"payload_bytes": payload, "tensors": tensors}).encode()
+    desc: dict[str, object] = {"payload_bytes": payload, "tensors": tensors}
+    if shards is not None:
+        ranges = [[list(r) for r in rs] for rs in shards.ranges]
+        desc["shards"] = {"holders": list(shards.holders), "ranges": ranges}
+    header = json.dumps(desc).encode()
     head = PREAMBLE.pack(MAGIC, FORMAT, len(header)) + header
     return head, align(len(head)) + payload
 
@@ -134,6 +262,34 @@ def fill(
             buf[a : min(b, at + e.nbytes)].copy_(raw[a - at : min(b, at + e.nbytes) - at])
         if b > at + e.nbytes:  # alignment padding: zeros, as a fresh buffer's
             buf[max(a, at + e.nbytes) : b].zero_()
+
+
+def fill_shards(
+    buf: torch.Tensor, head: bytes, entries: dict[str, Entry], state, mine, lo: int, hi: int
+) -> None:
+    """Write the header and this holder's payload ranges ``mine`` (:class:`Shards`) of a
+    sharded ``state``'s buffer, clipped to bytes ``[lo, hi)``: each tensor's local rows at
+    their global offset, as raw bytes, and its alignment padding as zeros."""
+    start = align(len(head))
+    if lo < start:
+        raw = torch.frombuffer(bytearray(head.ljust(start, b"\0")), dtype=torch.uint8)
+        buf[lo : min(hi, start)].copy_(raw[lo : min(hi, start)])
+    spans = [(start + a, start + b) for a, b in mine]
+    for name, t in state.items():
+        e = entries[name]
+        at, end = start + e.offset, start + align(e.offset + e.nbytes)
+        for a, b in spans:  # the parts of this tensor's bytes that are this holder's
+            a, b = max(a, at, lo), min(b, end, hi)
+            if a >= b:
+                continue
+            local, r0 = local_rows(name, t, e)
+            raw = local.contiguous().reshape(-1).view(torch.uint8)
+            first = at + r0 * (e.nbytes // e.shape[0] if r0 else 0)  # where ``raw`` goes
+            last = first + raw.numel()
+            if a < last:
+                buf[a : min(b, last)].copy_(raw[a - first : min(b, last) - first])
+            if b > last:  # alignment padding
+                buf[max(a, last) : b].zero_()
 
 
 def pack_part(pending: tuple, a: int, b: int) -> None:
@@ -234,7 +390,43 @@ def decode(buf: torch.Tensor | bytes, size: int | None = None) -> Layout:
         if e.name in entries:
             raise _corrupt(f"tensor {e.name!r} is listed twice")
         entries[e.name] = e
-    return Layout(entries, start)
+    shards = _shards(header["shards"], payload) if "shards" in header else None
+    return Layout(entries, start, shards)
+
+
+def _shards(d: object, payload: int) -> Shards:
+    """Check a header's ``"shards"``: distinct holder ranks, each with ``[lo, hi)`` ranges,
+    together covering the payload once."""
+    if not isinstance(d, dict) or sorted(d) != ["holders", "ranges"]:
+        raise _corrupt(f"shards: expected keys ['holders', 'ranges'], got {d!r:.200}")
+    holders, ranges = d["holders"], d["ranges"]
+    if (
+        not isinstance(holders, list)
+        or not holders
+        or not all(type(h) is int and h >= 0 for h in holders)
+        or len(set(holders)) != len(holders)
+    ):
+        raise _corrupt(f"shards: expected distinct ranks >= 0, got holders {holders!r:.200}")
+    if not isinstance(ranges, list) or len(ranges) != len(holders):
+        raise _corrupt(f"shards: expected one list of ranges per holder ({len(holders)})")
+    got = []
+    for rs in ranges:
+        if not isinstance(rs, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in rs
+        ):
+            raise _corrupt(f"shards: expected [[lo, hi], ...] per holder, got {rs!r:.200}")
+        got.append(tuple((lo, hi) for lo, hi in rs))
+    edge = 0
+    for lo, hi in sorted(r for rs in got for r in rs):
+        if lo != edge or hi <= lo:
+            raise _corrupt(
+                f"shards: the ranges must cover the {payload}-byte payload once, in pieces "
+                f"[lo, hi) with lo < hi; got [{lo}, {hi}) after byte {edge}"
+            )
+        edge = hi
+    if edge != payload:
+        raise _corrupt(f"shards: the ranges cover {edge} of the {payload}-byte payload")
+    return Shards(tuple(holders), tuple(got))
 
 
 def differences(mine: dict[str, Entry], got: dict[str, Entry]) -> list[str]:

@@ -267,7 +267,7 @@ class RoundEngine:
         w = t.weights
         self.layout.fill(
             row, n_in, t.request, w.version, w.nbytes, stale, self.storage.size,
-            t.reduce is not None, sampler, routed,
+            t.reduce is not None, sampler, routed, w.shard_head,
         )  # fmt: skip
         return self._row
 
@@ -286,8 +286,9 @@ class RoundEngine:
         staged = t.count + t.direct
         payload = self.allreduce and t.reduce is not None  # all-reduced: said here, not later
         self.layout.fill(
-            self._row[0], staged, t.request, w.version, w.nbytes, stale, 0, payload, (), routes
-        )
+            self._row[0], staged, t.request, w.version, w.nbytes, stale, 0, payload, (), routes,
+            w.shard_head,
+        )  # fmt: skip
         pending = self.ex.all_gather_start(self._meta_t, t.round)
         try:
             self.ex.arrive(t.round)
@@ -421,15 +422,18 @@ class RoundEngine:
         except learners already past it (``WeightsState.exchange``), so no learner sends it all
         while learners publish in step."""
         t3 = time.perf_counter()
-        ref = meta[self.learners[0], [M.VERSION, M.WBYTES]]
-        owners = [r for r in self.learners if (meta[r, [M.VERSION, M.WBYTES]] == ref).all()]
-        version, nbytes = int(ref[0]), int(ref[1])
+        cols = [M.VERSION, M.WBYTES, M.WSHARD]
+        ref = meta[self.learners[0], cols]
+        owners = [r for r in self.learners if (meta[r, cols] == ref).all()]
+        version, nbytes, sharded = int(ref[0]), int(ref[1]), int(ref[2])
         # every other rank, but a learner already past that version (it published more)
         receivers = [
             r for r in range(self.world)
             if r not in owners and not (r in self.learners and meta[r, M.VERSION] > version)
         ]  # fmt: skip
-        weights.exchange(self.ex, owners, version, nbytes, t.round, t.weights, 0, receivers)
+        weights.exchange(
+            self.ex, owners, version, nbytes, t.round, t.weights, 0, receivers, (), sharded
+        )
         stats.mark("weights", t3, time.perf_counter())
 
     def _after(self, stats: RoundStats, cpu0: float) -> RoundStats:

@@ -22,8 +22,9 @@ WBYTES = 3  # bytes of those weights
 STALE = 4  # items this shard evicted as too old at round start (max_policy_age)
 SIZE = 5  # this shard's items once the round's items are in
 PAYLOAD = 6  # a learner's reduce payload follows in the header exchange
-BASE = 7  # then: the sampler's values (ReportsMeta), then per-destination counts (Streams)
-NAMES = ("staged", "request", "version", "wbytes", "stale", "size", "payload")
+WSHARD = 7  # a sharded (FSDP2) weights buffer's header bytes (0: not sharded)
+BASE = 8  # then: the sampler's values (ReportsMeta), then per-destination counts (Streams)
+NAMES = ("staged", "request", "version", "wbytes", "stale", "size", "payload", "wshard")
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,10 @@ class MetaLayout:
         payload: bool,
         sampler=(),
         routed: np.ndarray | None = None,
+        wshard: int = 0,
     ) -> None:
         """Write one rank's row in place (the columns in :data:`NAMES` order)."""
-        row[:BASE] = (staged, request, version, wbytes, stale, size, payload)
+        row[:BASE] = (staged, request, version, wbytes, stale, size, payload, wshard)
         if self.sampler_width:  # unused in a general round's first exchange: zeros
             row[BASE : BASE + self.sampler_width] = sampler if len(sampler) else 0
         if self.routes:

@@ -40,7 +40,8 @@ from conduit_dist.tokens.wire import Wire
 # WHEAD: a learner's weights header's digest, device weights; WHOLE: the rank loads whole
 # weights, a producer or a learner serving an ingress)
 ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD, WHOLE, WSLOT = range(11)
-META_WIDTH = 11
+WSHARD = 11  # a learner's sharded (FSDP2) weights: its header's bytes (0: not sharded)
+META_WIDTH = 12
 
 
 @dataclass
@@ -158,6 +159,7 @@ class TokenRound:
             row[VERSION], row[AHEAD] = version, int(ahead)
             fresh = snap.buf is not None and snap.version > weights.broadcast
             row[WBYTES], row[WHEAD] = (snap.nbytes, snap.head) if fresh else (0, 0)
+            row[WSHARD] = snap.shard_head if fresh else 0
             row[WSLOT] = snap.slot
         row[WHOLE] = int(self.ex.rank not in self.learners or self.serves)
         head = table[:k].reshape(-1)
@@ -263,20 +265,22 @@ class TokenRound:
     def _weights(self, meta: np.ndarray, weights, snap) -> None:
         """Send the learners' newer version: each learner's part to every rank that loads
         whole weights (the learners publish the same versions, data parallel)."""
-        rows = meta[list(self.learners)][:, [VERSION, WBYTES, WHEAD]]
+        rows = meta[list(self.learners)][:, [VERSION, WBYTES, WHEAD, WSHARD]]
         if (rows != rows[0]).any():
             got = {r: tuple(row.tolist()) for r, row in zip(self.learners, rows)}
             raise ConfigError(
                 f"token round {self.round}: the learners' published weights differ: (version, "
-                f"bytes, header digest) by learner rank {got}; expected the same on every "
-                "learner (each calls publish_weights with the same model at the same point)"
+                f"bytes, header digest, sharded header bytes) by learner rank {got}; expected "
+                "the same on every learner (each calls publish_weights with the same model at "
+                "the same point)"
             )
-        version, nbytes, head = (int(x) for x in rows[0])
+        version, nbytes, head, sharded = (int(x) for x in rows[0])
         receivers = np.flatnonzero(meta[:, WHOLE]).tolist()
         slots = meta[list(self.learners), WSLOT].tolist()
         weights.exchange(
-            self.ex, self.learners, version, nbytes, self.round, snap, head, receivers, slots
-        )
+            self.ex, self.learners, version, nbytes, self.round, snap, head, receivers, slots,
+            sharded,
+        )  # fmt: skip
 
     def queue_priorities(self, holder: list[int], key: list[int], p: list[float]) -> None:
         """Queue per-sequence priorities for the next round's table: one update per group (its
