@@ -9,6 +9,7 @@ extras:
 - ``[report]``: matplotlib (``python -m conduit_dist.report``);
 - ``[torchrl]``: torchrl, tensordict (``conduit_dist.integrations.torchrl``,
   ``examples/torchrl_dqn.py`` with ``[train]``);
+- ``[rllib]``: ray[rllib] (``conduit_dist.integrations.rllib``, ``examples/rllib_dqn.py``);
 - ``[bench]``: all of the above and scipy (``python -m conduit_dist.bench``);
 - ``[dev]``: all of the above and the test and lint tools (``scripts/run_tests.sh``).
 

@@ -1,0 +1,610 @@
+"""RLlib's replay buffer, backed by the plane: select it by configuration, nothing of RLlib
+patched (``pip install conduit_dist[rllib]``; docs/rllib.md).
+
+RLlib's off-policy algorithms on its current API stack (DQN, SAC) take their buffer from
+``config.training(replay_buffer_config={"type": <class>, ...})`` and call its episode-based
+``add`` / ``sample`` / ``update_priorities`` / ``get_state`` / ``set_state``. The two classes here
+are those extension points (subclasses of RLlib's episode buffers, as its ``validate`` and its
+priority update require), with the store, the draws and the priorities in a
+:class:`~conduit_dist.DataPlane`::
+
+    from conduit_dist.integrations.rllib import PRIORITIZED
+
+    config.training(
+        replay_buffer_config={"type": PRIORITIZED,  # the class's dotted path
+                              "capacity": 50_000, "alpha": 0.6, "beta": 0.4, "n_step": (2, 5)},
+        n_step=(2, 5),
+    )
+
+``"type"`` is the class's dotted path (:data:`PRIORITIZED`, :data:`UNIFORM`), a form RLlib's
+``from_config`` imports: RLlib 2.60's ``Algorithm`` tests the type by name (``"EpisodeReplayBuffer"
+in type``), which a class object fails.
+
+What is stored: one row per environment step (``obs``, ``next_obs``, ``action``, ``reward``, the
+episode's ``terminated``/``truncated`` on its last step), each episode a stream of its own
+(chunks of one episode continue it), and after an episode's last step ``max_n - 1`` padding
+rows, so that every step of an episode starts a window of ``max_n`` rows that never crosses into
+another episode (``Windows(length=max_n)``). A sample draws windows from the plane, exact: with
+probability ``(p + eps)^alpha / sum`` (``alpha=0``: uniform) over the steps whose window is
+complete, i.i.d. RLlib's n-step (an int, or a ``(lo, hi)`` range drawn per item, ``hi``
+exclusive) is applied to each drawn window; a draw whose n steps run past its episode's end is
+rejected and drawn again, as RLlib's own buffer does, so the accepted items are distributed as
+RLlib's (``docs/rllib.md`` says where the two differ). Each item comes back as RLlib's: a
+1-step ``SingleAgentEpisode`` ``(o_t, a_t, sum_k gamma^k r_(t+k), o_(t+n))`` with
+``extra_model_outputs["weights"]`` (importance weights, ``(m_i / m_min)^-beta``) and
+``["n_step"]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit_dist.errors import ConfigError, EmptyStoreError, SpecError
+from conduit_dist.extras import require
+
+with require("rllib", "conduit_dist.integrations.rllib"):
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+    from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
+        PrioritizedEpisodeReplayBuffer,
+    )
+
+PRIORITIZED = "conduit_dist.integrations.rllib.ConduitPrioritizedEpisodeReplayBuffer"
+UNIFORM = "conduit_dist.integrations.rllib.ConduitEpisodeReplayBuffer"
+
+_DTYPES = {  # numpy dtypes of observations and actions the rows keep
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+def _max_n(n_step: int | Sequence[int]) -> int:
+    """The longest n a buffer configured with ``n_step`` serves (a ``(lo, hi)`` range: hi - 1).
+
+    Raises:
+        ConfigError: on anything but an int >= 1 or a range ``lo < hi`` with ``lo >= 1``.
+    """
+    if isinstance(n_step, bool) or not isinstance(n_step, (int, tuple, list)):
+        raise ConfigError(
+            f"replay_buffer_config['n_step']: expected an int >= 1 or a (lo, hi) range, got "
+            f"{n_step!r}"
+        )
+    if isinstance(n_step, int):
+        if n_step < 1:
+            raise ConfigError(f"replay_buffer_config['n_step']: expected >= 1, got {n_step}")
+        return n_step
+    if (
+        len(n_step) != 2
+        or not all(isinstance(v, int) for v in n_step)
+        or not (1 <= n_step[0] < n_step[1])
+    ):
+        raise ConfigError(
+            "replay_buffer_config['n_step']: expected a range (lo, hi) of ints, 1 <= lo < hi "
+            f"(hi exclusive, as RLlib draws it), got {n_step!r}"
+        )
+    return n_step[1] - 1
+
+
+def _field(name: str, value: np.ndarray) -> tuple[tuple[int, ...], torch.dtype]:
+    """A row field's per-step shape and dtype from a chunk's ``[n, ...]`` array.
+
+    Raises:
+        SpecError: on a dtype the rows cannot keep (naming the field).
+    """
+    dtype = _DTYPES.get(value.dtype)
+    if dtype is None:
+        raise SpecError(
+            f"rllib buffer: episode {name}s of dtype {value.dtype}: expected one of "
+            f"{sorted(str(d) for d in _DTYPES)} (a Box or Discrete space; flatten dict and "
+            "tuple spaces with RLlib's connectors first)"
+        )
+    return tuple(value.shape[1:]), dtype
+
+
+class _PlaneRows:
+    """What both buffers share: episodes to rows, the plane, windows to RLlib's items."""
+
+    def __init__(
+        self,
+        capacity: int,
+        alpha: float,
+        n_step: int | Sequence[int],
+        seed: int,
+        eps: float,
+    ) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ConfigError(
+                f"replay_buffer_config['capacity']: expected an int >= 1, got {capacity!r}"
+            )
+        self.capacity = capacity
+        self.alpha = float(alpha)
+        self.eps = float(eps)
+        self.max_n = _max_n(n_step)
+        self.seed = int(seed)
+        self.plane = None  # built at the first add (the spaces come with the episodes)
+        self.spec_desc: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self.spaces = (None, None)
+        self.eids: dict[str, int] = {}  # open episodes' streams
+        self.next_eid = 0
+        self.last_index: torch.Tensor | None = None  # the last sample's accepted items
+        self.staged = False  # rows put since the plane's last round
+        self.steps_added = 0
+        self.steps_stored = 0  # environment steps (not padding) stored, evictions aside
+        self.samples = 0  # sample calls: with the seed, they fix each call's n draws
+
+    # -- building -------------------------------------------------------------------------
+
+    def _build(self, desc: dict[str, tuple[tuple[int, ...], str]]) -> None:
+        import conduit_dist as cd
+
+        fields = {name: (shape, getattr(torch, dt)) for name, (shape, dt) in desc.items()}
+        spec = cd.ExperienceSpec(fields)
+        windows = None  # n_step=1: single items
+        if self.max_n > 1:
+            windows = cd.Windows(length=self.max_n, done="link_end", stream="eid")
+        sampler = cd.Prioritized(alpha=self.alpha, beta=0.0, eps=self.eps, sequence=windows)
+        self.plane = cd.DataPlane(
+            spec, self.capacity, seed=self.seed, sampler=sampler, schedule="sync", max_lag=0
+        )
+        self.spec_desc = desc
+
+    def _describe(self, obs: np.ndarray, actions: np.ndarray) -> dict:
+        obs_shape, obs_dt = _field("observation", obs)
+        act_shape, act_dt = _field("action", actions)
+        return {
+            "obs": (obs_shape, str(obs_dt).removeprefix("torch.")),
+            "next_obs": (obs_shape, str(obs_dt).removeprefix("torch.")),
+            "action": (act_shape, str(act_dt).removeprefix("torch.")),
+            "reward": ((), "float32"),
+            "terminated": ((), "bool"),
+            "truncated": ((), "bool"),
+            "link_end": ((), "bool"),
+            "pad": ((), "bool"),
+            "eid": ((), "int64"),
+            "t": ((), "int64"),
+        }
+
+    # -- add --------------------------------------------------------------------------------
+
+    def add(self, episodes: Sequence) -> int:
+        """Put each episode chunk's steps as rows (and an ended episode's padding); returns the
+        environment steps added.
+
+        Raises:
+            SpecError: on a chunk whose observations or actions differ from the first one's
+                (shape or dtype; nothing of the call is stored), or an unsupported dtype.
+        """
+        batches = []
+        for eps in episodes:
+            n = len(eps)
+            if n == 0:
+                continue
+            obs = np.asarray(eps.get_observations(slice(0, n + 1)))
+            actions = np.asarray(eps.get_actions(slice(0, n)))
+            rewards = np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float32)
+            desc = self._describe(obs, actions)
+            if self.spec_desc is None:
+                self.spaces = (eps.observation_space, eps.action_space)
+                self._build(desc)
+            elif desc != self.spec_desc:
+                diff = {
+                    k: (self.spec_desc[k], v) for k, v in desc.items() if self.spec_desc[k] != v
+                }
+                raise SpecError(
+                    f"rllib buffer: episode {eps.id_!r}: (expected, received) (shape, dtype) "
+                    f"by field: {diff}; nothing of this add was stored"
+                )
+            batches.append((eps, n, obs, actions, rewards))
+        added = 0
+        for eps, n, obs, actions, rewards in batches:
+            done = bool(eps.is_terminated or eps.is_truncated)
+            eid = self.eids.get(eps.id_)
+            if eid is None:
+                eid = self.eids[eps.id_] = self.next_eid
+                self.next_eid += 1
+            pad = self.max_n - 1 if done else 0
+            rows = n + pad
+            last = np.zeros(rows, dtype=bool)
+            term, trunc = last.copy(), last.copy()
+            term[n - 1], trunc[n - 1] = bool(eps.is_terminated), bool(eps.is_truncated)
+            if done:
+                last[-1] = True
+            obs_rows = np.concatenate([obs[:n], np.repeat(obs[n:], pad, axis=0)])
+            next_rows = np.concatenate([obs[1:], np.repeat(obs[n:], pad, axis=0)])
+            act_rows = np.concatenate([actions, np.zeros((pad, *actions.shape[1:]), actions.dtype)])
+            self.plane.put({
+                "obs": torch.from_numpy(obs_rows),
+                "next_obs": torch.from_numpy(next_rows),
+                "action": torch.from_numpy(act_rows),
+                "reward": torch.from_numpy(np.concatenate([rewards, np.zeros(pad, np.float32)])),
+                "terminated": torch.from_numpy(term),
+                "truncated": torch.from_numpy(trunc),
+                "link_end": torch.from_numpy(last),
+                "pad": torch.from_numpy(np.arange(rows) >= n),
+                "eid": torch.full((rows,), eid, dtype=torch.int64),
+                "t": torch.arange(eps.t_started, eps.t_started + rows, dtype=torch.int64),
+            })  # fmt: skip
+            if done:
+                del self.eids[eps.id_]
+            added += n
+            self.staged = True
+        self.steps_added += added
+        self.steps_stored = min(self.steps_stored + added, self.capacity)
+        return added
+
+    # -- sample -----------------------------------------------------------------------------
+
+    def sample(
+        self, count: int, n_step: int | Sequence[int] | None, gamma: float, beta: float | None
+    ) -> tuple[list, int]:
+        """``count`` items as RLlib's 1-step episodes, and the draws rejected.
+
+        Raises:
+            ConfigError: if ``n_step`` asks for more steps than the buffer was built for, or
+                ``count`` is not an int >= 1.
+            EmptyStoreError: if no window is complete yet (the plane's).
+        """
+        if self.plane is None:
+            raise EmptyStoreError("rllib buffer: sample before any add: nothing is stored")
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"rllib buffer: sample: expected num_items >= 1, got {count!r}")
+        n_step = 1 if n_step is None else n_step
+        want = _max_n(n_step)
+        if want > self.max_n:
+            raise ConfigError(
+                f"rllib buffer: sample(n_step={n_step!r}) needs windows of {want} steps, the "
+                f"buffer keeps {self.max_n}: set replay_buffer_config['n_step'] to the "
+                "algorithm's n_step"
+            )
+        sampler = self.plane.sampler
+        sampler.beta = 0.0 if beta is None else float(beta)
+        parts, need, rejected, drawn = [], count, 0, 0
+        rng = np.random.default_rng([self.seed, self.samples])
+        self.samples += 1
+        while need > 0:
+            ask = need if drawn == 0 else math.ceil(need * drawn / max(drawn - rejected, 1)) + 4
+            # with replacement, as RLlib's buffers draw, even from fewer items than asked for
+            batch = self.plane.fetch(min(ask, 8 * count), oversample=True)
+            self.staged = False
+            if self.max_n == 1:  # single items: as windows of one
+                batch = {k: v if k.startswith("_") else v.unsqueeze(1) for k, v in batch.items()}
+            size = batch["_index"].shape[0]
+            if isinstance(n_step, int):
+                ns = np.full(size, n_step, dtype=np.int64)
+            else:  # drawn per item, from a stream fixed by (seed, sample call, draw)
+                ns = rng.integers(n_step[0], n_step[1], size=size)
+            pad = batch["pad"].numpy()
+            ok = ~pad[np.arange(size), ns - 1]  # the n steps stay inside the episode
+            drawn += size
+            rejected += int(size - ok.sum())
+            keep = np.flatnonzero(ok)[:need]
+            if len(keep):
+                parts.append((batch, ns, keep))
+                need -= len(keep)
+        items, index = [], []
+        for batch, ns, keep in parts:
+            items += self._episodes(batch, ns, keep, gamma)
+            index.append(batch["_index"][torch.from_numpy(keep)])
+        self.last_index = torch.cat(index)
+        return items, rejected
+
+    def _episodes(self, batch, ns: np.ndarray, keep: np.ndarray, gamma: float) -> list:
+        """RLlib's 1-step episodes of the kept windows (n-step applied)."""
+        k = torch.from_numpy(keep)
+        n = ns[keep]
+        at = np.arange(len(keep))
+        rewards = batch["reward"][k].numpy().astype(np.float64)  # [b, max_n]
+        disc = gamma ** np.arange(rewards.shape[1], dtype=np.float64)
+        mask = np.arange(rewards.shape[1])[None, :] < n[:, None]
+        ret = (rewards * disc * mask).sum(axis=1)
+        obs = batch["obs"][k][:, 0].numpy()
+        nxt = batch["next_obs"][k].numpy()[at, n - 1]
+        act = batch["action"][k][:, 0].numpy()
+        term = batch["terminated"][k].numpy()[at, n - 1]
+        trunc = batch["truncated"][k].numpy()[at, n - 1]
+        t0 = batch["t"][k][:, 0].numpy()
+        w = batch["_weight"][k].numpy()
+        obs_space, act_space = self.spaces
+        return [
+            SingleAgentEpisode(
+                observations=[obs[i], nxt[i]],
+                observation_space=obs_space,
+                actions=[act[i]],
+                action_space=act_space,
+                rewards=[float(ret[i])],
+                terminated=bool(term[i]),
+                truncated=bool(trunc[i]),
+                extra_model_outputs={"weights": [float(w[i])], "n_step": [int(n[i])]},
+                len_lookback_buffer=0,
+                t_started=int(t0[i]),
+            )
+            for i in range(len(keep))
+        ]
+
+    def update(self, priorities) -> None:
+        """The last sample's accepted items' new priorities (queued to the plane).
+
+        Raises:
+            SpecError: on a count other than the last sample's, or a negative or non-finite
+                priority (naming the first).
+        """
+        if self.last_index is None:
+            raise SpecError("rllib buffer: update_priorities before any sample")
+        p = torch.as_tensor(np.asarray(priorities, dtype=np.float64)).reshape(-1)
+        if p.numel() != self.last_index.numel():
+            raise SpecError(
+                f"rllib buffer: update_priorities: expected {self.last_index.numel()} priorities "
+                f"(the last sample's items), got {p.numel()}"
+            )
+        bad = torch.nonzero(~torch.isfinite(p) | (p < 0)).reshape(-1)
+        if len(bad):
+            i = int(bad[0])
+            raise SpecError(
+                f"rllib buffer: update_priorities: expected finite priorities >= 0, got "
+                f"{float(p[i])} at item {i}"
+            )
+        self.plane.update_priorities(self.last_index, p)
+        self.last_index = None
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything to restore: the plane's store (tensors) and the open episodes' streams."""
+        if self.staged:  # rows put since the last round: a round stores them first
+            self.plane.flush()
+            self.plane.wait()
+            self.staged = False
+        return {
+            "format": 1,
+            "spec": None if self.spec_desc is None else {
+                k: [list(s), d] for k, (s, d) in self.spec_desc.items()
+            },
+            "plane": None if self.plane is None else self.plane.state_dict(),
+            "eids": list(self.eids.items()),
+            "next_eid": self.next_eid,
+            "max_n": self.max_n,
+            "alpha": self.alpha,
+            "steps_added": self.steps_added,
+            "steps_stored": self.steps_stored,
+            "samples": self.samples,
+            "last_index": self.last_index,
+        }  # fmt: skip
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` into a buffer built with the same settings.
+
+        Raises:
+            ConfigError: on another format, alpha or n-step range (naming them).
+        """
+        for key, mine in (("format", 1), ("max_n", self.max_n), ("alpha", self.alpha)):
+            if state.get(key) != mine:
+                raise ConfigError(
+                    f"rllib buffer: set_state: the state's {key} is {state.get(key)!r}, this "
+                    f"buffer's {mine!r}: restore into a buffer with the same replay_buffer_config"
+                )
+        if state["spec"] is not None:
+            desc = {k: (tuple(s), d) for k, (s, d) in state["spec"].items()}
+            if self.plane is None:
+                self._build(desc)
+            elif desc != self.spec_desc:
+                raise ConfigError(
+                    f"rllib buffer: set_state: the state's rows {desc} differ from this "
+                    f"buffer's {self.spec_desc}"
+                )
+            self.plane.load_state_dict(state["plane"])
+        self.eids = dict(state["eids"])
+        self.next_eid = int(state["next_eid"])
+        self.steps_added = int(state["steps_added"])
+        self.steps_stored = int(state["steps_stored"])
+        self.samples = int(state["samples"])
+        self.last_index = state["last_index"]
+        self.staged = False
+
+
+class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
+    """RLlib's uniform episode buffer, on the plane (``alpha=0``: every complete window as
+    likely; importance weights 1). See the module docstring.
+
+    Args:
+        capacity: rows kept (environment steps and each ended episode's ``max_n - 1``
+            padding rows); the oldest go first.
+        batch_size_B: items a ``sample()`` without ``num_items`` returns.
+        batch_length_T: 1 (sequences for stateful modules are not served).
+        n_step: the algorithm's ``n_step`` (an int or RLlib's ``(lo, hi)`` range): the
+            windows the rows are kept for. A sample asking for more is refused.
+        seed: the plane's draws and the per-item n draws.
+        eps: added to every priority.
+        kwargs: RLlib's other buffer settings (``metrics_num_episodes_for_smoothing``; the
+            prioritized ``alpha``/``beta`` DQN's config keeps are ignored here, as RLlib's
+            uniform buffer ignores them).
+
+    Raises:
+        ConfigError: on a bad capacity, ``n_step`` or ``batch_length_T``.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 10000,
+        *,
+        batch_size_B: int = 16,
+        batch_length_T: int = 1,
+        n_step: int | Sequence[int] = 1,
+        seed: int = 0,
+        eps: float = 1e-6,
+        **kwargs,
+    ) -> None:
+        # RLlib's DQN config keeps its prioritized defaults (alpha, beta) when only "type" is
+        # set; a uniform buffer ignores them, as RLlib's EpisodeReplayBuffer does
+        EpisodeReplayBuffer.__init__(
+            self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
+            **{k: v for k, v in kwargs.items() if k == "metrics_num_episodes_for_smoothing"},
+        )  # fmt: skip
+        _one_step(batch_length_T)
+        self._rows = _PlaneRows(capacity, 0.0, n_step, seed, eps)
+
+    @property
+    def plane(self):
+        """The :class:`~conduit_dist.DataPlane` holding the rows (``None`` before any add)."""
+        return self._rows.plane
+
+    def __len__(self) -> int:
+        return self._rows.steps_stored
+
+    def add(self, episodes, weight: float | None = None) -> None:
+        """Store episodes (or chunks of them) from RLlib's env runners.
+
+        Args:
+            episodes: a ``SingleAgentEpisode`` or a list of them.
+            weight: refused unless ``None`` (new items enter at the largest priority so far,
+                the plane's rule).
+
+        Raises:
+            SpecError: on observations or actions that differ from the first episode's, or
+                a ``weight``.
+        """
+        if weight is not None:
+            raise SpecError(
+                f"rllib buffer: add(weight={weight!r}): expected None (new steps enter with the "
+                "largest priority so far)"
+            )
+        eps = episodes if isinstance(episodes, (list, tuple)) else [episodes]
+        added = self._rows.add(eps)
+        self._num_timesteps = len(self)
+        self._num_timesteps_added = self._rows.steps_added
+        self.metrics.log_value("num_env_steps_added", added, reduce="sum")
+
+    def sample(
+        self,
+        num_items: int | None = None,
+        *,
+        batch_size_B: int | None = None,
+        batch_length_T: int | None = None,
+        n_step: int | Sequence[int] | None = None,
+        beta: float | None = 0.0,
+        gamma: float = 0.99,
+        include_infos: bool = False,
+        include_extra_model_outputs: bool = False,
+        **kwargs,
+    ) -> list:
+        """``num_items`` transitions as RLlib's 1-step ``SingleAgentEpisode``s, n-step applied
+        (``extra_model_outputs``: ``"weights"``, ``"n_step"``).
+
+        Raises:
+            ConfigError: on sequences (``batch_length_T > 1``), infos or extra model outputs
+                asked for (not kept), or an ``n_step`` beyond the configured one.
+        """
+        if num_items is not None and batch_size_B is not None:
+            raise ConfigError("rllib buffer: sample: give num_items or batch_size_B, not both")
+        _one_step(batch_length_T)
+        if include_infos or include_extra_model_outputs:
+            raise ConfigError(
+                "rllib buffer: sample(include_infos/include_extra_model_outputs=True): the "
+                "rows keep observations, actions, rewards and episode ends only"
+            )
+        count = num_items or batch_size_B or self.batch_size_B
+        items, rejected = self._rows.sample(count, n_step, gamma, beta if self._alpha_on else 0.0)
+        self.sampled_timesteps += count
+        self.metrics.log_value("num_env_steps_sampled", count, reduce="sum")
+        self.metrics.log_value("num_resamples", rejected, reduce="sum")
+        return items
+
+    @property
+    def _alpha_on(self) -> bool:
+        return self._rows.alpha > 0
+
+    def get_state(self) -> dict[str, Any]:
+        """The buffer's state for RLlib's checkpoints: the plane's store (tensors, ints,
+        dicts; what ``torch.load(weights_only=True)`` reads) and the open episodes."""
+        return {"conduit": self._rows.state(), "sampled_timesteps": self.sampled_timesteps}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`get_state` (a buffer built with the same configuration).
+
+        Raises:
+            ConfigError: on a state of another buffer kind or configuration.
+        """
+        if "conduit" not in state:
+            raise ConfigError(
+                f"rllib buffer: set_state: expected a conduit buffer's state (key 'conduit'), "
+                f"got keys {sorted(state)} (RLlib's own buffer's state does not load here)"
+            )
+        self._rows.load(state["conduit"])
+        self.sampled_timesteps = int(state["sampled_timesteps"])
+        self._num_timesteps = len(self)
+        self._num_timesteps_added = self._rows.steps_added
+
+
+class ConduitPrioritizedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
+    """RLlib's prioritized episode buffer, on the plane: draws with probability
+    ``(p + eps)^alpha / sum`` over complete windows, exact, and ``update_priorities`` for the
+    last sample's items (RLlib's DQN calls it after each update). See the module docstring and
+    :class:`ConduitEpisodeReplayBuffer` for the arguments.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 10000,
+        *,
+        batch_size_B: int = 16,
+        batch_length_T: int = 1,
+        alpha: float = 1.0,
+        n_step: int | Sequence[int] = 1,
+        seed: int = 0,
+        eps: float = 1e-6,
+        **kwargs,
+    ) -> None:
+        # RLlib's own segment trees are not built: the plane holds the priorities
+        EpisodeReplayBuffer.__init__(
+            self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
+            **{k: v for k, v in kwargs.items() if k == "metrics_num_episodes_for_smoothing"},
+        )  # fmt: skip
+        _one_step(batch_length_T)
+        if not isinstance(alpha, (int, float)) or alpha < 0:
+            raise ConfigError(
+                f"replay_buffer_config['alpha']: expected a number >= 0, got {alpha!r}"
+            )
+        self._alpha = float(alpha)
+        self._rows = _PlaneRows(capacity, alpha, n_step, seed, eps)
+        self._last_sampled_indices = []
+
+    plane = ConduitEpisodeReplayBuffer.plane
+    __len__ = ConduitEpisodeReplayBuffer.__len__
+    add = ConduitEpisodeReplayBuffer.add
+    sample = ConduitEpisodeReplayBuffer.sample
+    _alpha_on = ConduitEpisodeReplayBuffer._alpha_on
+    get_state = ConduitEpisodeReplayBuffer.get_state
+    set_state = ConduitEpisodeReplayBuffer.set_state
+
+    def update_priorities(self, priorities, module_id: str | None = None) -> None:
+        """New priorities (RLlib's TD errors) for the last sample's items, in its order.
+
+        Raises:
+            SpecError: on another count than the last sample's, a negative or non-finite
+                priority, or no sample before.
+        """
+        self._rows.update(priorities)
+
+
+def _one_step(batch_length_T: int | None) -> None:
+    """Refuse sequences: the rows serve 1-step transitions (n-step applied).
+
+    Raises:
+        ConfigError: on ``batch_length_T > 1``.
+    """
+    if batch_length_T not in (None, 0, 1):
+        raise ConfigError(
+            f"rllib buffer: batch_length_T={batch_length_T!r}: expected 1 (transitions; "
+            "sequences for stateful modules are not served by this buffer)"
+        )
