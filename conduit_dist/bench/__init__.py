@@ -7,5 +7,5 @@ line last, with a ``summary`` object of ratios.
 BENCHES = (
     "store", "ingest", "latency", "strategies", "placement", "scaling", "rounds", "per",
     "sequences", "ppo", "checkpoint", "tokens", "remote", "sim", "attach",
-    "weights",
+    "weights", "rllib",
 )  # fmt: skip

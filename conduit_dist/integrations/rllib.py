@@ -143,6 +143,7 @@ class _PlaneRows:
         self.steps_added = 0
         self.steps_stored = 0  # environment steps (not padding) stored, evictions aside
         self.samples = 0  # sample calls: with the seed, they fix each call's n draws
+        self.accepted = 1.0  # the share of draws accepted (n steps inside the episode), smoothed
 
     # -- building -------------------------------------------------------------------------
 
@@ -270,11 +271,13 @@ class _PlaneRows:
             )
         sampler = self.plane.sampler
         sampler.beta = 0.0 if beta is None else float(beta)
-        parts, need, rejected, drawn = [], count, 0, 0
+        parts, need, rejected = [], count, 0
         rng = np.random.default_rng([self.seed, self.samples])
         self.samples += 1
         while need > 0:
-            ask = need if drawn == 0 else math.ceil(need * drawn / max(drawn - rejected, 1)) + 4
+            # enough draws that the accepted ones usually fill the batch in one round: the
+            # share accepted so far (draws past the batch are dropped; the rest stay i.i.d.)
+            ask = math.ceil(need / self.accepted * 1.1) + 2
             # with replacement, as RLlib's buffers draw, even from fewer items than asked for
             batch = self.plane.fetch(min(ask, 8 * count), oversample=True)
             self.staged = False
@@ -287,8 +290,8 @@ class _PlaneRows:
                 ns = rng.integers(n_step[0], n_step[1], size=size)
             pad = batch["pad"].numpy()
             ok = ~pad[np.arange(size), ns - 1]  # the n steps stay inside the episode
-            drawn += size
             rejected += int(size - ok.sum())
+            self.accepted = max(0.05, 0.9 * self.accepted + 0.1 * float(ok.mean()))
             keep = np.flatnonzero(ok)[:need]
             if len(keep):
                 parts.append((batch, ns, keep))
@@ -379,6 +382,7 @@ class _PlaneRows:
             "steps_added": self.steps_added,
             "steps_stored": self.steps_stored,
             "samples": self.samples,
+            "accepted": self.accepted,
             "last_index": self.last_index,
         }  # fmt: skip
 
@@ -409,6 +413,7 @@ class _PlaneRows:
         self.steps_added = int(state["steps_added"])
         self.steps_stored = int(state["steps_stored"])
         self.samples = int(state["samples"])
+        self.accepted = float(state["accepted"])
         self.last_index = state["last_index"]
         self.staged = False
 
