@@ -6,7 +6,7 @@ plane's (``conduit_dist.integrations.rllib``). Nothing else of RLlib changes.
     python examples/rllib_dqn.py --buffer rllib --seed 0
 
 It trains until the mean return over RLlib's smoothing window (100 episodes) reaches
-``--stop-reward`` (450, the tuned example's) or ``--stop-timesteps`` env steps (200,000) pass,
+``--stop-reward`` (450, the tuned example's) or ``--env-steps`` env steps (200,000) pass,
 and prints one JSON line last: the buffer, the seed, the env steps at which the target was first
 reached (``null``: not reached), the best mean return and the buffer's time per training step.
 """
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--buffer", default="conduit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-reward", type=float, default=450.0)
-    ap.add_argument("--stop-timesteps", type=int, default=200_000)
+    ap.add_argument("--env-steps", type=int, default=200_000)
     ap.add_argument("--num-learners", type=int, default=0)
     args = ap.parse_args()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -78,7 +78,7 @@ def main() -> None:
     algo = config_for(args.buffer, args.seed, args.num_learners).build_algo()
     reached, best, steps, t0 = None, float("-inf"), 0, time.time()
     timers: dict[str, float] = {}
-    while steps < args.stop_timesteps:
+    while steps < args.env_steps:
         r = algo.train()
         env = r["env_runners"]
         steps = int(env.get("num_env_steps_sampled_lifetime", 0))

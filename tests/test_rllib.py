@@ -198,6 +198,9 @@ def test_bad_input_is_refused_by_name_and_nothing_is_stored():
         buffer.update_priorities(np.ones(3))
     with pytest.raises(cd.SpecError, match="expected finite priorities >= 0, got -1.0 at item 2"):
         buffer.update_priorities(np.array([1.0, 1.0, -1.0, 1.0]))
+    with pytest.raises(cd.SpecError, match="expected SingleAgentEpisode chunks, got dict"):
+        buffer.add([episode(8, 3, "terminated"), {"obs": 1}])
+    assert len(buffer) == before
     with pytest.raises(cd.SpecError, match=r"add\(weight=0.5\): expected None"):
         buffer.add([episode(9, 3, "terminated")], weight=0.5)
     for bad, match in (
@@ -247,3 +250,16 @@ def test_rllibs_dqn_trains_with_the_buffer_selected_by_configuration():
         algo.stop()
     finally:
         ray.shutdown()
+
+
+def test_the_example_runs_rllibs_tuned_dqn_with_the_planes_buffer():
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "examples/rllib_dqn.py", "--buffer", "conduit", "--env-steps", "1000"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["buffer"] == "conduit" and line["env_steps"] >= 1000
+    assert line["steps_to_target"] is None and line["best_return_mean"] > 0

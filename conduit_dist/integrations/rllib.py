@@ -189,6 +189,12 @@ class _PlaneRows:
         """
         batches = []
         for eps in episodes:
+            if not isinstance(eps, SingleAgentEpisode):
+                raise SpecError(
+                    f"rllib buffer: add: expected SingleAgentEpisode chunks, got "
+                    f"{type(eps).__name__} (multi-agent episodes are not served by this buffer; "
+                    "nothing of this add was stored)"
+                )
             n = len(eps)
             if n == 0:
                 continue
@@ -452,12 +458,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     ) -> None:
         # RLlib's DQN config keeps its prioritized defaults (alpha, beta) when only "type" is
         # set; a uniform buffer ignores them, as RLlib's EpisodeReplayBuffer does
-        EpisodeReplayBuffer.__init__(
-            self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
-            **{k: v for k, v in kwargs.items() if k == "metrics_num_episodes_for_smoothing"},
-        )  # fmt: skip
-        _one_step(batch_length_T)
-        self._rows = _PlaneRows(capacity, 0.0, n_step, seed, eps)
+        _setup(self, capacity, batch_size_B, batch_length_T, 0.0, n_step, seed, eps, kwargs)
 
     @property
     def plane(self):
@@ -571,17 +572,8 @@ class ConduitPrioritizedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         **kwargs,
     ) -> None:
         # RLlib's own segment trees are not built: the plane holds the priorities
-        EpisodeReplayBuffer.__init__(
-            self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
-            **{k: v for k, v in kwargs.items() if k == "metrics_num_episodes_for_smoothing"},
-        )  # fmt: skip
-        _one_step(batch_length_T)
-        if not isinstance(alpha, (int, float)) or alpha < 0:
-            raise ConfigError(
-                f"replay_buffer_config['alpha']: expected a number >= 0, got {alpha!r}"
-            )
+        _setup(self, capacity, batch_size_B, batch_length_T, alpha, n_step, seed, eps, kwargs)
         self._alpha = float(alpha)
-        self._rows = _PlaneRows(capacity, alpha, n_step, seed, eps)
         self._last_sampled_indices = []
 
     plane = ConduitEpisodeReplayBuffer.plane
@@ -600,6 +592,23 @@ class ConduitPrioritizedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                 priority, or no sample before.
         """
         self._rows.update(priorities)
+
+
+def _setup(buf, capacity, batch_size_B, batch_length_T, alpha, n_step, seed, eps, kwargs) -> None:
+    """What both buffers' constructors do: RLlib's base buffer (its counters and metrics; no
+    episode store used), the checks, and the plane's rows.
+
+    Raises:
+        ConfigError: on a bad ``batch_length_T``, ``alpha``, ``capacity`` or ``n_step``.
+    """
+    EpisodeReplayBuffer.__init__(
+        buf, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
+        **{k: v for k, v in kwargs.items() if k == "metrics_num_episodes_for_smoothing"},
+    )  # fmt: skip
+    _one_step(batch_length_T)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
+        raise ConfigError(f"replay_buffer_config['alpha']: expected a number >= 0, got {alpha!r}")
+    buf._rows = _PlaneRows(capacity, alpha, n_step, seed, eps)
 
 
 def _one_step(batch_length_T: int | None) -> None:
