@@ -10,7 +10,9 @@ import pytest
 from dist_utils import ROOT, TORCHRUN, bench_line, child_env
 
 
-@pytest.mark.parametrize("extra", [["--bucket-mb", "0.25"], ["--shared-memory", "--copy"]])
+@pytest.mark.parametrize(
+    "extra", [["--bucket-mb", "0.25"], ["--shared-memory", "--copy"], ["--fsdp"]]
+)
 def test_bench_weights_delivers_equal_digests_from_both_learners(extra):
     cmd = [*[a.replace("--nproc_per_node=2", "--nproc_per_node=4") for a in TORCHRUN], "-m",
            "conduit_dist.bench", "weights", "--gib", "0.004", "--repeats", "2", *extra]  # fmt: skip

@@ -25,8 +25,10 @@ Bytes each rank wrote to its sockets (``/proc/self/io`` ``wchar``) are measured 
 ``--shared-memory`` (the plane's transport option: each learner packs its part into a file in
 ``/dev/shm``, each producer copies the parts out) nothing crosses a socket: the share is then
 of the bytes each rank packed for the others (``WeightsState.last``), and
-``bytes_share_source`` says which. After the timed repeats every producer's loaded weights are
-digested against the learners'.
+``bytes_share_source`` says which. With ``--fsdp`` the learners hold the model sharded (FSDP2
+``fully_shard`` over the learner ranks: each its rows of every tensor) and each sends what it
+holds; the previous path still packs an unsharded copy on rank 0. After the timed repeats
+every producer's loaded weights are digested against the learners'.
 
 Summary: ``publish_s`` (median, ours with ``send_now``), ``gbps`` (bytes delivered, model size
 times producers, over ``publish_s``), ``vs_raw`` (the fastest raw path's time over ours),
@@ -65,6 +67,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=number(float, 0, strict=True), default=None)
     p.add_argument("--shared-memory", action="store_true", help="the plane's transport option")
     p.add_argument("--copy", action="store_true", help="producers copy (default: in place)")
+    p.add_argument(
+        "--fsdp", action="store_true",
+        help="learners hold the model sharded (FSDP2 fully_shard over the learner ranks)",
+    )  # fmt: skip
     p.add_argument("--timeout-s", type=number(float, 1), default=300.0)
     p.add_argument(
         "--emulated-hosts",
@@ -110,8 +116,12 @@ class _Model(nn.Module):
 
 
 def _digest(module: nn.Module) -> str:
+    """The module's state digest; a sharded one's whole tensors (a collective among the
+    learners, which all call it in the same order)."""
     h = hashlib.blake2b(digest_size=16)
     for k, t in module.state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
         h.update(k.encode())
         h.update(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
@@ -272,13 +282,23 @@ def main(argv: list[str]) -> None:
     model = _Model(a.gib, a.tensors)
     model.set_version(0)
     nbytes = sum(p.numel() * 2 for p in model.ps)
+    plain = model  # the previous path packs an unsharded model on one rank
+    if a.fsdp:  # each learner holds its rows of every tensor: the plane sends shard by shard
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh("cpu", learners)  # built on every rank (a collective)
+        if rank in learners:
+            model = _Model(a.gib, a.tensors)
+            fully_shard(model, mesh=mesh)
+            model.set_version(0)
     now = _ours(a, model, learners, producers, True)
     gc.collect()
     snap = _ours(a, model, learners, producers, False)
     gc.collect()
     raw = _raw(a, buffer_bytes(model), learners, producers, now["routes"])
     gc.collect()
-    current = _current(a, model, learners)
+    current = _current(a, plain, learners)
     digests = [None] * world
     dist.all_gather_object(digests, (now["digest"], snap["digest"], current["digest"]))
     wrote = [None] * world
@@ -329,6 +349,6 @@ def main(argv: list[str]) -> None:
     emit(
         "weights", results, summary, learners=len(learners), producers=len(producers),
         model_bytes=nbytes, tensors=a.tensors, bucket_mb=a.bucket_mb,
-        shared_memory=a.shared_memory, load="copy" if a.copy else "in_place",
+        shared_memory=a.shared_memory, load="copy" if a.copy else "in_place", fsdp=a.fsdp,
     )  # fmt: skip
     dist.destroy_process_group()
