@@ -362,3 +362,58 @@ def test_a_state_sharded_other_than_by_rows_is_refused_naming_the_tensor():
     for msg in res.values():
         assert "'weight' is a DTensor placed as (Shard(dim=1),)" in msg, msg
         assert "expected Shard(0)" in msg
+
+
+def _in_files(rank: int, world: int) -> dict[str, object]:
+    """Shared memory: the producer loads version 1 in place (views of the learners' files),
+    then stops pulling while the learners publish 6 more; its module must still hold version 1
+    byte for byte (no file it views is packed again). Then it pulls the newest."""
+    transport = cd.TransportConfig(timeout_s=30, shared_memory=True)
+    tp = cd.TokenPlane(make_spec(), 64, 16_384, learner_ranks=[0, 1], producer_ranks=[2],
+                       transport=transport)  # fmt: skip
+    policy = Policy()
+    out: dict[str, object] = {}
+    for v in range(1, 8):
+        if rank < 2:
+            set_version(policy, v)
+            tp.publish_weights(policy)
+            tp.fetch(2, 400)
+        else:
+            tp.put(*group_batch([2 * v, 2 * v + 1]))
+            tp.flush()
+            if v == 1:
+                out["pulled"] = tp.pull_weights(policy, in_place=True)
+                files = [tp.weights.files.peer(s, 0, tp.weights.whole()[1].numel()) for s in (0, 1)]
+                spans = [(f.data_ptr(), f.data_ptr() + f.numel()) for f in files]
+                inside = [
+                    any(a <= t.data_ptr() < b for a, b in spans)
+                    for t in policy.state_dict().values()
+                ]
+                out["views_files"] = sum(inside) >= len(inside) - 1  # a straddler is copied
+                out["held"] = tp.weights.held()
+    if rank == 2:
+        out["kept"] = state_digest(policy)
+        out["newest"] = tp.pull_weights(policy, in_place=True)
+        out["after"] = state_digest(policy)
+        out["last"] = dict(vars(tp.weights.last))
+    else:
+        out["slots"] = len(tp.weights.files._mine)
+    tp.close()
+    return out
+
+
+def test_producers_read_learners_files_in_place_and_no_file_they_view_is_packed_again():
+    res = run_ranks(_in_files, 3, timeout_s=120)
+    ref = Policy()
+    set_version(ref, 1)
+    first = state_digest(ref)
+    set_version(ref, 7)
+    newest = state_digest(ref)
+    p = res[2]
+    assert p["pulled"] == 1 and p["views_files"] and p["held"] == (1, 0, 1)
+    assert p["kept"] == first  # 6 versions later, the views still hold version 1
+    assert p["newest"] == 7 and p["after"] == newest
+    assert p["last"]["schedule"] == "shm" and p["last"]["buckets"] == 2
+    assert p["last"]["received"] > 0 and p["last"]["sent"] == 0
+    for r in (0, 1):  # version 1's file stayed held, the others were packed again
+        assert 3 <= res[r]["slots"] <= 4, res[r]

@@ -9,11 +9,18 @@ its part (a learner serving an ingress also copies the others' parts in), so onl
 are allocated. Without storage use counts (an old torch) a file is never packed again: each
 version gets a new one. Files of an old layout's size stay until the plane closes.
 
-A file is packed again only when nothing on its owner holds it (its publish, a round's
-snapshot: storage use counts) and no receiver can still be copying from it: the round that last
-sent it is older than the newest round whose meta its owner gathered (every rank had finished
-that round's predecessors by then). Files are removed at the plane's close or at interpreter
-exit; receivers open them without ``O_CREAT``.
+Receivers that only load whole weights (producers) do not copy the parts out: they read them in
+place (``WeightsState`` holds the version as :class:`InFiles`, a ``pull`` copies or views
+straight out of the learners' files), so each round's meta carries the versions each rank still
+reads from files (``held``: the one it holds whole, the one it is pulling, the one its module
+views). A file is packed again only when nothing on its owner holds
+it (its publish, a round's snapshot: storage use counts), no receiver can still be reading the
+round that sent it (that round is older than the newest round whose meta its owner gathered:
+every rank had finished that round's predecessors by then), and no rank reported reading the
+version in it in that meta (a rank starts reading a version only while it holds it whole, which
+it reports from the round after the one that sent it). Files are removed at the plane's close
+or at interpreter exit (mappings elsewhere stay valid); receivers open them without
+``O_CREAT``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import mmap
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,12 +42,46 @@ from conduit_dist.records.buffers import Pooled
 
 class _File:
     """One of a learner's files, mapped: its slot, size, the mapping (pooled: its use count
-    tells whether anything on this rank holds it) and the last round that sent it."""
+    tells whether anything on this rank holds it), the last round that sent it and the version
+    packed into it."""
 
-    __slots__ = ("nbytes", "pooled", "sent", "slot")
+    __slots__ = ("nbytes", "pooled", "sent", "slot", "version")
 
     def __init__(self, slot: int, nbytes: int, pooled: Pooled) -> None:
-        self.slot, self.nbytes, self.pooled, self.sent = slot, nbytes, pooled, -1
+        self.slot, self.nbytes, self.pooled, self.sent, self.version = slot, nbytes, pooled, -1, 0
+
+
+@dataclass(frozen=True)
+class InFiles:
+    """A whole version a receiver reads in place: each owner's byte ranges in that owner's
+    mapped file (every file is the whole buffer's size; the first owner's holds the header)."""
+
+    nbytes: int
+    pieces: tuple[tuple[int, int, torch.Tensor], ...]  # (lo, hi, the owner's file)
+
+    def head(self) -> torch.Tensor:
+        """A file holding the header (the first owner's), the whole buffer's size."""
+        return self.pieces[0][2]
+
+    def span(self, lo: int, hi: int) -> torch.Tensor | None:
+        """Bytes ``[lo, hi)`` as a view of the one file holding all of them (``None``: they
+        straddle owners)."""
+        for a, b, f in self.pieces:
+            if a <= lo and hi <= b:
+                return f[lo:hi]
+        return None
+
+    def read(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy bytes ``[lo, hi)`` into ``out`` (``hi - lo`` bytes), piece by piece."""
+        for a, b, f in self.pieces:
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                out[x - lo : y - lo].copy_(f[x:y])
+
+    def whole(self, out: torch.Tensor) -> torch.Tensor:
+        """The buffer, copied into ``out`` (``nbytes``)."""
+        self.read(0, self.nbytes, out)
+        return out
 
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -77,15 +119,18 @@ class WeightFiles:
         self._owned: list[str] = []
         weakref.finalize(self, _remove, self._owned)
         self.gathered = 0  # the newest round whose meta this rank gathered
+        # the versions any rank reported reading from files in that meta
+        self.held: set[int] = set()
         self._lock = threading.Lock()  # publishes (the caller's thread) and rounds (the plane's)
 
     def path(self, rank: int, slot: int, nbytes: int) -> str:
         """The file of ``rank``'s ``slot`` holding buffers of ``nbytes``."""
         return os.path.join(SHM_DIR, f"conduit-{self.token}-w{rank}-{slot}-{nbytes}")
 
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """A file of ``nbytes`` to pack a new version into: one nobody holds or reads, else a
-        new one. Returns its slot and a tensor on its mapping (holding it while it lives).
+    def take(self, nbytes: int, version: int) -> tuple[int, torch.Tensor]:
+        """A file of ``nbytes`` to pack ``version`` into: one nobody holds or reads (on this
+        rank, in a round, or in place on a receiver), else a new one. Returns its slot and a
+        tensor on its mapping (holding it while it lives).
 
         Raises:
             ConfigError: if ``/dev/shm`` cannot hold a new file.
@@ -95,7 +140,9 @@ class WeightFiles:
                 if (
                     f.nbytes == nbytes and f.pooled.idle is not None  # use counts known
                     and f.pooled.free() and f.sent < self.gathered
+                    and f.version not in self.held
                 ):  # fmt: skip
+                    f.version = version
                     return f.slot, f.pooled.buf.detach()
             slot = max((f.slot for f in self._mine), default=-1) + 1
             path = self.path(self.rank, slot, nbytes)
@@ -109,8 +156,15 @@ class WeightFiles:
                 ) from exc
             self._owned.append(path)
             f = _File(slot, nbytes, Pooled(buf))
+            f.version = version
             self._mine.append(f)
             return slot, buf.detach()
+
+    def gathered_at(self, round: int, held: set[int]) -> None:
+        """Round ``round``'s meta is here: every rank finished the rounds before it, and
+        ``held`` are the versions ranks reported reading in place."""
+        with self._lock:
+            self.gathered, self.held = round, held
 
     def sent(self, slot: int, nbytes: int, round: int) -> None:
         """``round`` sends this rank's file ``slot``: not packed again before every rank has

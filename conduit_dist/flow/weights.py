@@ -23,7 +23,7 @@ from torch import nn
 
 from conduit_dist.collectives.exchange import Exchange
 from conduit_dist.errors import SpecError
-from conduit_dist.flow.weight_files import WeightFiles
+from conduit_dist.flow.weight_files import InFiles, WeightFiles
 from conduit_dist.flow.weights_format import (
     PREAMBLE,
     Layout,
@@ -234,6 +234,9 @@ class WeightsState:
         self.files: WeightFiles | None = None
         self.slot = -1  # the file the current buffer is (shared memory)
         self.shard_head = 0  # a sharded buffer's header bytes (WeightsSnapshot.shard_head)
+        # read in place from other ranks' files (shared memory): the versions this rank holds
+        # whole there, is pulling, and its module views since its last in-place pull (0: none)
+        self._whole_files = self._pulling = self._viewing = 0
         # the plane's transport (its topology and bandwidth model price a relay; set by the
         # planes' builds); None: every part straight to every receiver
         self.transport = None
@@ -283,6 +286,7 @@ class WeightsState:
         caller holds :attr:`_lock`; a round finishing late never moves it back)."""
         if self._whole is None or version > self._whole[0]:
             self._whole = (version, buf, head)
+            self._whole_files = version if isinstance(buf, InFiles) else 0
 
     def whole(self) -> tuple[int, torch.Tensor | None]:
         """The newest version held complete, and its buffer (``(0, None)``: none yet): what
@@ -291,6 +295,8 @@ class WeightsState:
         got = self._whole
         if got is None:
             return 0, None
+        if isinstance(got[1], InFiles):  # read in place: a copy, for whoever needs one buffer
+            return got[0], got[1].whole(self._buffers.take(got[1].nbytes))
         self._buffers.wait(got[1])
         return got[0], got[1]
 
@@ -338,7 +344,7 @@ class WeightsState:
             index, count = part
         self.settle()  # an earlier lazy publish never sent: packed before it is replaced
         if self.files is not None:  # packed into a file of this rank's: the pack is the send
-            self.slot, buf = self.files.take(total)
+            self.slot, buf = self.files.take(total, self.version + 1)
             lazy = False
         else:
             buf = self._buffers.take(total)
@@ -418,17 +424,22 @@ class WeightsState:
         if rank in owners:
             buf = snap.buf
             self._buffers.wait(buf)  # CUDA: its pack, before a send reads it
+        elif schedule == "shm" and receiving:  # read in place: the owners' files, no copy
+            buf = None
         elif receiving or schedule == "broadcast":  # a broadcast: every rank takes part
             buf = self._buffers.take(nbytes)
         else:  # nothing to send or receive here
             self.broadcast = version
             return
         if shard_head:
-            ranges = self._shard_ranges(ex, owners, receivers, buf, shard_head, slots, r)
+            ranges = self._shard_ranges(ex, owners, receivers, buf, shard_head, slots, r, nbytes)
         else:
             ranges = [[p] for p in parts(nbytes, len(owners))]
         pack = snap.pack if rank in owners else None
-        if schedule == "shm":
+        if schedule == "shm" and buf is None:  # a receiver reads the owners' files in place
+            buf, received, count = self._in_files(owners, ranges, slots, nbytes)
+            sent = 0
+        elif schedule == "shm":
             sent, received, count = self._files(owners, ranges, receiving, buf, slots, r)
         elif schedule == "broadcast":  # every rank takes part; owners receive the others' parts
             sent, received, count = self._broadcasts(ex, owners, ranges, buf, pack, r)
@@ -441,7 +452,8 @@ class WeightsState:
                     pack(lo, hi)
         if pack is not None:
             self._packed(buf)
-        self._buffers.used(buf)  # CUDA: the transfer on the round's stream, before a reuse
+        if not isinstance(buf, InFiles):
+            self._buffers.used(buf)  # CUDA: the transfer on the round's stream, before a reuse
         self.broadcast = version
         self.last = Transfer(
             version, schedule, owners, sent, received, count, time.perf_counter() - t0
@@ -453,7 +465,8 @@ class WeightsState:
         tot["received"] += received
         with self._lock:  # a publish on the caller's thread may have moved on meanwhile
             if rank not in owners and receiving and version > self.version:
-                self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
+                self.buf = None if isinstance(buf, InFiles) else buf  # nothing to send from
+                self.version, self.head, self.part = version, head, (0, 1)
                 self.slot = -1
             if receiving or (rank in owners and len(owners) == 1):
                 self._hold_whole(version, buf, head)
@@ -497,14 +510,17 @@ class WeightsState:
             pack = None  # packed in the first phase: later ones forward what arrived
         return sent, received, count
 
-    def _shard_ranges(self, ex, owners, receivers, buf, head, slots, r) -> list[list[tuple]]:
+    def _shard_ranges(
+        self, ex, owners, receivers, buf, head, slots, r, nbytes
+    ) -> list[list[tuple]]:
         """A sharded state's header to every receiver (from the first owner, by the round's
         schedule), and from it each owner's byte ranges (:class:`~conduit_dist.flow.
         weights_format.Shards`: holders are global ranks, owners the group's)."""
         rank, src = ex.rank, owners[0]
-        if self.files is not None:  # shm: out of the first owner's file
-            if rank not in owners:
-                buf[:head].copy_(self.files.peer(src, int(slots[0]), buf.numel())[:head])
+        if buf is None:  # shm, read in place: the header in the first owner's file
+            buf = self.files.peer(src, int(slots[0]), nbytes)
+        elif self.files is not None:  # shm, an owner: its own file holds the header
+            pass
         elif weights_schedule(ex, buf.is_cuda) == "broadcast":
             ex.broadcast(buf[:head], src, r)
         else:
@@ -524,7 +540,7 @@ class WeightsState:
         if raw.is_cuda:
             raw = raw.cpu()
             SYNCS.add("weights header")
-        shards = decode(raw.numpy().tobytes(), buf.numel()).shards
+        shards = decode(raw.numpy().tobytes(), nbytes).shards
         if shards is None:
             raise SpecError(
                 f"weights: round {r}: the meta announced a sharded state, the first owner's "
@@ -595,6 +611,29 @@ class WeightsState:
                 count += 1
         return sent, received, count
 
+    def _in_files(self, owners, ranges, slots, nbytes) -> tuple[InFiles, int, int]:
+        """The ``"shm"`` schedule on a receiver that is no owner: the version is read in place,
+        each owner's ranges in its file (copied or viewed by ``pull``, nothing here). Returns
+        it, the bytes it holds and the owners' files mapped."""
+        files = self.files
+        pieces = []
+        for src, slot, rs in zip(owners, slots, ranges):
+            peer = files.peer(src, int(slot), nbytes)
+            pieces += [(lo, hi, peer) for lo, hi in rs]
+        pieces.sort(key=lambda p: p[0])
+        held = sum(hi - lo for lo, hi, _ in pieces)  # the owners' parts (no header alone)
+        if pieces and pieces[0][0] > 0:  # the header (sharded: every owner writes it)
+            pieces.insert(0, (0, pieces[0][0], files.peer(owners[0], int(slots[0]), nbytes)))
+        return InFiles(nbytes, tuple(pieces)), held, len(owners)
+
+    def held(self) -> tuple[int, int, int]:
+        """The versions this rank reads from other ranks' weights files: held whole, being
+        pulled, and viewed by the module its last ``pull(in_place=True)`` loaded (0: none).
+        Each round's meta carries them, and no learner packs a file of those versions again
+        (``WeightFiles.take``)."""
+        with self._lock:
+            return self._whole_files, self._pulling, self._viewing
+
     def close(self) -> None:
         """Remove this rank's weights files (shared memory); nothing otherwise."""
         if self.files is not None:
@@ -632,6 +671,7 @@ class WeightsState:
         with self._lock:
             self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
             self._whole = (version, buf, head)
+            self._whole_files = 0
 
     def pull(self, module: nn.Module, in_place: bool = False) -> int:
         """Load the newest whole version into ``module`` after checking their layout against
@@ -645,7 +685,10 @@ class WeightsState:
                 kept): no copy per load, for producers that only run the module. The buffer is
                 then never reused while the module holds it (storage use counts); views of a
                 tied weight become two tensors of equal values; an optimizer holding the old
-                parameters no longer sees the module's.
+                parameters no longer sees the module's. Read in place from the learners'
+                ``/dev/shm`` files (shared memory), the views are of those files (a tensor
+                straddling two learners' parts is copied), which no learner packs again
+                until this rank's next pull (:meth:`held`).
 
         Returns:
             The version loaded (0: none published or received yet).
@@ -654,20 +697,39 @@ class WeightsState:
             SpecError: if the buffer is truncated or corrupted, or its names, shapes or dtypes
                 differ from the module's (each difference listed: name, expected, received).
         """
-        got = self._whole
-        if got is None:
-            return 0
-        version, buf, head = got
-        self._buffers.wait(buf)  # CUDA: after the round's transfer into it, on the device
+        with self._lock:  # the version read, and (in place from files) held while it is
+            got = self._whole
+            if got is None:
+                return 0
+            version, buf, head = got
+            files = isinstance(buf, InFiles)
+            if files:
+                self._pulling = version
+        try:
+            self._load(module, version, buf, head, in_place)
+            with self._lock:  # what the module views from here on (files: held)
+                self._viewing = version if files and in_place else 0
+        finally:
+            if files:
+                with self._lock:
+                    self._pulling = 0
+        return version
+
+    def _load(self, module: nn.Module, version: int, buf, head: int, in_place: bool) -> None:
+        """``pull``'s check and load of ``buf`` (a buffer, or :class:`InFiles`: copied or
+        viewed straight out of the owners' files, a tensor straddling two owners copied)."""
+        files = isinstance(buf, InFiles)
+        if not files:
+            self._buffers.wait(buf)  # CUDA: after the round's transfer into it, on the device
         # by version and address: a reused buffer holds a new version, and the layout decoded
         # is always that of the buffer copied from
         if self.device is not None:
             layout = self._device_layout(buf, head)
         else:
-            key = (version, buf.data_ptr())
+            key = (version, id(buf) if files else buf.data_ptr())
             decoded = self._decoded
             if decoded is None or decoded[:2] != key:
-                decoded = self._decoded = (*key, decode(buf))
+                decoded = self._decoded = (*key, decode(buf.head() if files else buf))
             layout = decoded[2]
         state = checked_state(module)
         mine = entries_of(state)
@@ -691,7 +753,14 @@ class WeightsState:
         for name in state:
             e = layout.entries[name]
             at = layout.start + e.offset
-            views[name] = buf[at : at + e.nbytes].view(e.dtype).view(e.shape)
+            if files:  # in the one owner's file holding it, else copied from two
+                raw = buf.span(at, at + e.nbytes)
+                if raw is None:
+                    raw = torch.empty(e.nbytes, dtype=torch.uint8)
+                    buf.read(at, at + e.nbytes, raw)
+            else:
+                raw = buf[at : at + e.nbytes]
+            views[name] = raw.view(e.dtype).view(e.shape)
         if in_place:
             module.load_state_dict(views, strict=True, assign=True)
         else:
@@ -704,8 +773,8 @@ class WeightsState:
                     else:
                         t.copy_(views[name])
         del views
-        self._buffers.used(buf)
-        return version
+        if not files:
+            self._buffers.used(buf)
 
     def _device_layout(self, buf: torch.Tensor, head: int) -> Layout:
         """A device buffer's layout: known by its header digest, or read once (its preamble

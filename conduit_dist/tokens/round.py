@@ -41,7 +41,10 @@ from conduit_dist.tokens.wire import Wire
 # weights, a producer or a learner serving an ingress)
 ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD, WHOLE, WSLOT = range(11)
 WSHARD = 11  # a learner's sharded (FSDP2) weights: its header's bytes (0: not sharded)
-META_WIDTH = 12
+# the weights versions the rank reads in place from learners' files: held whole, being pulled,
+# viewed by its module (0: none)
+WHELD, WPULL, WVIEW = 12, 13, 14
+META_WIDTH = 15
 
 
 @dataclass
@@ -162,11 +165,14 @@ class TokenRound:
             row[WSHARD] = snap.shard_head if fresh else 0
             row[WSLOT] = snap.slot
         row[WHOLE] = int(self.ex.rank not in self.learners or self.serves)
+        if weights.files is not None:
+            row[WHELD], row[WPULL], row[WVIEW] = weights.held()
         head = table[:k].reshape(-1)
         row[META_WIDTH : META_WIDTH + head.size] = torch.from_numpy(head)
         got = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
         if weights.files is not None:  # every rank finished the rounds before this one
-            weights.files.gathered = self.round
+            held = got[:, [WHELD, WPULL, WVIEW]]
+            weights.files.gathered_at(self.round, {int(v) for v in held[held > 0]})
         meta, tables = got[:, :META_WIDTH], got[:, META_WIDTH:]
         most = int(meta[:, ROWS].max())
         if most > k:  # the rows beyond the hint, in a second gather
