@@ -96,7 +96,7 @@ def draws(buffer, rounds: int, size: int, n_step, beta: float = 0.0):
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.7])
-def test_draws_are_exact_over_steps_and_n_with_rllibs_rejection_at_episode_ends(alpha):
+def test_draws_are_exact_over_steps_and_n_as_rllibs_buffers_end_episodes(alpha):
     kind = ConduitPrioritizedEpisodeReplayBuffer if alpha else ConduitEpisodeReplayBuffer
     kw = {"alpha": alpha} if alpha else {}
     buffer = kind(capacity=1000, n_step=(2, 5), seed=3, eps=0.0, **kw)
@@ -111,7 +111,7 @@ def test_draws_are_exact_over_steps_and_n_with_rllibs_rejection_at_episode_ends(
             keys = [tuple(int(v) for v in it.get_observations()[0][:2]) for it in items]
             buffer.update_priorities(np.array([priority(*k) for k in keys]))
             seen |= set(keys)
-            if seen == set(valid):
+            if seen == accepted:
                 break
         assert seen == accepted
     got = draws(buffer, 40, 500, (2, 5), beta=0.5)
@@ -120,9 +120,19 @@ def test_draws_are_exact_over_steps_and_n_with_rllibs_rejection_at_episode_ends(
         check_item(item, eid, t, n, lengths)
     for eid, t, n, _, _ in got:
         counts[(eid, t, n)] = counts.get((eid, t, n), 0) + 1
-    cells = [(e, t, n) for e, t in valid for n in (2, 3, 4) if t + n <= lengths[e][0]]
+    # prioritized: a draw whose n steps run past its episode's end is drawn again (RLlib's
+    # prioritized buffer); uniform: n is cut at the episode's end (RLlib's uniform buffer)
+    mass: dict[tuple[int, int, int], float] = {}
+    for e, t in valid:
+        m = priority(e, t) ** alpha if alpha else 1.0
+        for n in (2, 3, 4):
+            left = lengths[e][0] - t
+            if alpha and n > left:
+                continue
+            cell = (e, t, min(n, left))
+            mass[cell] = mass.get(cell, 0.0) + m / 3
+    cells = sorted(mass)
     assert set(counts) <= set(cells)  # never past an episode's end, never a padding row
-    mass = {(e, t, n): (priority(e, t) ** alpha if alpha else 1.0) for e, t, n in cells}
     total = sum(mass.values())
     expected = np.array([len(got) * mass[c] / total for c in cells])
     observed = np.array([counts.get(c, 0) for c in cells])
@@ -203,6 +213,10 @@ def test_bad_input_is_refused_by_name_and_nothing_is_stored():
     assert len(buffer) == before
     with pytest.raises(cd.SpecError, match=r"add\(weight=0.5\): expected None"):
         buffer.add([episode(9, 3, "terminated")], weight=0.5)
+    short = ConduitPrioritizedEpisodeReplayBuffer(capacity=100, alpha=0.6, n_step=5)
+    short.add([episode(0, 2, "terminated"), episode(1, 3, "terminated")])
+    with pytest.raises(cd.EmptyStoreError, match="episodes are shorter than n_step"):
+        short.sample(num_items=4, n_step=5)
     for bad, match in (
         ({"capacity": 0}, r"\['capacity'\]: expected an int >= 1, got 0"),
         ({"n_step": (3, 3)}, r"\['n_step'\]: expected a range \(lo, hi\)"),

@@ -383,19 +383,35 @@ def _in_files(rank: int, world: int) -> dict[str, object]:
             tp.flush()
             if v == 1:
                 out["pulled"] = tp.pull_weights(policy, in_place=True)
-                files = [tp.weights.files.peer(s, 0, tp.weights.whole()[1].numel()) for s in (0, 1)]
-                spans = [(f.data_ptr(), f.data_ptr() + f.numel()) for f in files]
+                spans = []  # the learners' weights files mapped here (/proc/self/maps)
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        if "-w0-" in line or "-w1-" in line:
+                            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+                            spans.append((a, b))
                 inside = [
                     any(a <= t.data_ptr() < b for a, b in spans)
                     for t in policy.state_dict().values()
                 ]
                 out["views_files"] = sum(inside) >= len(inside) - 1  # a straddler is copied
                 out["held"] = tp.weights.held()
+                scratch = Policy()  # a module loaded in place writes to its own pages only
+                tp.pull_weights(scratch, in_place=True)
+                with torch.no_grad():
+                    for t in scratch.state_dict().values():
+                        t.zero_()
+                check = Policy()
+                tp.pull_weights(check)  # copied out of the learners' files: still version 1
+                out["files_intact"] = state_digest(check)
+                del scratch  # (while it lives, version 1 counts as viewed)
     if rank == 2:
         out["kept"] = state_digest(policy)
         out["newest"] = tp.pull_weights(policy, in_place=True)
         out["after"] = state_digest(policy)
         out["last"] = dict(vars(tp.weights.last))
+        tp.pull_weights(policy)  # a copy over views of files: tensors of its own instead
+        out["held_after_copy"] = tp.weights.held()
+        out["after_copy"] = state_digest(policy)
     else:
         out["slots"] = len(tp.weights.files._mine)
     tp.close()
@@ -410,10 +426,12 @@ def test_producers_read_learners_files_in_place_and_no_file_they_view_is_packed_
     set_version(ref, 7)
     newest = state_digest(ref)
     p = res[2]
-    assert p["pulled"] == 1 and p["views_files"] and p["held"] == (1, 0, 1)
+    assert p["pulled"] == 1 and p["views_files"] and p["held"] == (1, 0, 1, 1)
+    assert p["files_intact"] == first
     assert p["kept"] == first  # 6 versions later, the views still hold version 1
     assert p["newest"] == 7 and p["after"] == newest
     assert p["last"]["schedule"] == "shm" and p["last"]["buckets"] == 2
     assert p["last"]["received"] > 0 and p["last"]["sent"] == 0
+    assert p["held_after_copy"] == (7, 0, 0, 0) and p["after_copy"] == newest
     for r in (0, 1):  # version 1's file stayed held, the others were packed again
         assert 3 <= res[r]["slots"] <= 4, res[r]

@@ -9,7 +9,9 @@ TD errors. Both buffers are filled to ``--capacity`` (50,000, the tuned CartPole
 the same CartPole episodes first, so eviction runs in the timed steps (``--fill 0``: from empty,
 no eviction, the first 50,000 steps of a run); the timed blocks
 alternate between the two (``median_times``), so the machine's drift hits both alike. Batches
-of 32 (the tuned example's) and 256.
+of 32 (the tuned example's) and 256. Beside them, the floor: building ``B`` of RLlib's 1-step
+``SingleAgentEpisode`` objects from ready arrays, which any buffer behind these calls does per
+sample (``bound_speedup_b*``: RLlib's step over that floor, the most any such buffer could gain).
 """
 
 from __future__ import annotations
@@ -91,6 +93,28 @@ class _Stepper:
         s["steps"] += 1
 
 
+class _Floor:
+    """What both buffers' ``sample`` must do at least: build ``b`` of RLlib's 1-step
+    ``SingleAgentEpisode`` objects (with the spaces, as both pass them) from ready arrays."""
+
+    def __init__(self, b: int, chunk) -> None:
+        self.b = b
+        self.obs = np.asarray(chunk.get_observations(slice(0, 2)))
+        self.spaces = (chunk.observation_space, chunk.action_space)
+
+    def step(self) -> None:
+        from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+        o, s = self.obs, self.spaces
+        for i in range(self.b):
+            SingleAgentEpisode(
+                observations=[o[0], o[1]], observation_space=s[0], actions=[i % 2],
+                action_space=s[1], rewards=[1.0], terminated=False, truncated=False,
+                extra_model_outputs={"weights": [1.0], "n_step": [2]}, len_lookback_buffer=0,
+                t_started=i,
+            )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m conduit_dist.bench rllib", description=__doc__)
     p.add_argument("--capacity", type=number(int, 100), default=50_000)
@@ -132,9 +156,10 @@ def main(argv: list[str] | None = None) -> None:
             if fill:
                 buf.add(fill)
 
-        times = median_times(
-            {k: st.step for k, st in steppers.items()}, min_time=a.min_time, repeats=a.repeats
-        )
+        fns = {k: st.step for k, st in steppers.items()}
+        fns["floor"] = _Floor(b, steps[0][0]).step
+        times = median_times(fns, min_time=a.min_time, repeats=a.repeats)
+        floor = times.pop("floor")
         for name, sec in times.items():
             s = steppers[name].spent
             results.append({
@@ -143,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
                 "steps_timed": s["steps"],
             })  # fmt: skip
         summary[f"speedup_b{b}"] = times["rllib"] / times["conduit"]
+        # no buffer returning RLlib's episode objects can beat this: RLlib's step over the
+        # objects' construction alone
+        summary[f"floor_ms_b{b}"] = floor * 1e3
+        summary[f"bound_speedup_b{b}"] = times["rllib"] / floor
         print(
             f"batch {b}: rllib {times['rllib'] * 1e3:.3f} ms, conduit "
             f"{times['conduit'] * 1e3:.3f} ms per training step",

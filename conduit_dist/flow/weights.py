@@ -236,7 +236,12 @@ class WeightsState:
         self.shard_head = 0  # a sharded buffer's header bytes (WeightsSnapshot.shard_head)
         # read in place from other ranks' files (shared memory): the versions this rank holds
         # whole there, is pulling, and its module views since its last in-place pull (0: none)
-        self._whole_files = self._pulling = self._viewing = 0
+        self._whole_files = self._pulling = 0
+        # modules loaded in place from files: (version, the mappings' pooled use counts)
+        self._views: list[tuple[int, list[Pooled]]] = []
+        self._read_lock = threading.Lock()  # reads of files: one at a time (_pulling)
+        self._copy: tuple[int, torch.Tensor] | None = None  # whole()'s copy of InFiles
+        self._shards_known: tuple[bytes, object] | None = None  # (header, its shards)
         # the plane's transport (its topology and bandwidth model price a relay; set by the
         # planes' builds); None: every part straight to every receiver
         self.transport = None
@@ -295,10 +300,35 @@ class WeightsState:
         got = self._whole
         if got is None:
             return 0, None
-        if isinstance(got[1], InFiles):  # read in place: a copy, for whoever needs one buffer
-            return got[0], got[1].whole(self._buffers.take(got[1].nbytes))
+        if isinstance(got[1], InFiles):  # read in place: one copy per version, when asked
+            return self._reading(lambda v, files, head: self._copied(v, files))
         self._buffers.wait(got[1])
         return got[0], got[1]
+
+    def _copied(self, version: int, files: InFiles) -> tuple[int, torch.Tensor]:
+        """``files`` copied into one buffer, once per version (``whole()`` on a receiver that
+        reads in place: an ingress serving attached producers asks every round)."""
+        kept = self._copy
+        if kept is None or kept[0] != version:
+            kept = self._copy = (version, files.whole(self._buffers.take(files.nbytes)))
+        return kept
+
+    def _reading(self, read):
+        """Run ``read(version, buf, head)`` on the newest whole version, held (reported in the
+        meta, ``held``) while it runs if it is read in place from files; one such read at a
+        time (``_pulling`` is one version)."""
+        with self._read_lock:
+            with self._lock:
+                version, buf, head = self._whole
+                files = isinstance(buf, InFiles)
+                if files:
+                    self._pulling = version
+            try:
+                return read(version, buf, head)
+            finally:
+                if files:
+                    with self._lock:
+                        self._pulling = 0
 
     def publish(
         self, module: nn.Module, part: tuple[int, int] = (0, 1), lazy: bool = False
@@ -540,14 +570,24 @@ class WeightsState:
         if raw.is_cuda:
             raw = raw.cpu()
             SYNCS.add("weights header")
-        shards = decode(raw.numpy().tobytes(), nbytes).shards
+        head_bytes = raw.numpy().tobytes()
+        known = self._shards_known  # the last header's shards: decoded once per layout
+        if known is None or known[0] != head_bytes:
+            known = self._shards_known = (head_bytes, decode(head_bytes, nbytes).shards)
+        shards = known[1]
         if shards is None:
             raise SpecError(
                 f"weights: round {r}: the meta announced a sharded state, the first owner's "
                 f"header (rank {src}) has no shards: a corrupted or mismatched buffer"
             )
-        group = [dist.get_group_rank(ex.group, g) if ex.group is not None else g
-                 for g in shards.holders]  # fmt: skip
+        try:
+            group = [dist.get_group_rank(ex.group, g) if ex.group is not None else g
+                     for g in shards.holders]  # fmt: skip
+        except (ValueError, RuntimeError) as exc:
+            raise SpecError(
+                f"weights: round {r}: the state is sharded over global ranks "
+                f"{list(shards.holders)}, not all in the plane's group: {exc}"
+            ) from exc
         if sorted(group) != sorted(owners):
             raise SpecError(
                 f"weights: round {r}: the state is sharded over ranks {group} (group ranks), "
@@ -619,20 +659,27 @@ class WeightsState:
         pieces = []
         for src, slot, rs in zip(owners, slots, ranges):
             peer = files.peer(src, int(slot), nbytes)
-            pieces += [(lo, hi, peer) for lo, hi in rs]
+            pieces += [(lo, hi, peer, (src, int(slot))) for lo, hi in rs]
         pieces.sort(key=lambda p: p[0])
-        held = sum(hi - lo for lo, hi, _ in pieces)  # the owners' parts (no header alone)
+        held = sum(p[1] - p[0] for p in pieces)  # the owners' parts (no header alone)
         if pieces and pieces[0][0] > 0:  # the header (sharded: every owner writes it)
-            pieces.insert(0, (0, pieces[0][0], files.peer(owners[0], int(slots[0]), nbytes)))
-        return InFiles(nbytes, tuple(pieces)), held, len(owners)
+            first = (owners[0], int(slots[0]))
+            pieces.insert(0, (0, pieces[0][0], files.peer(*first, nbytes), first))
+        got = InFiles(nbytes, tuple(p[:3] for p in pieces), tuple(p[3] for p in pieces))
+        return got, held, len(owners)
 
-    def held(self) -> tuple[int, int, int]:
+    def held(self) -> tuple[int, int, int, int]:
         """The versions this rank reads from other ranks' weights files: held whole, being
-        pulled, and viewed by the module its last ``pull(in_place=True)`` loaded (0: none).
-        Each round's meta carries them, and no learner packs a file of those versions again
-        (``WeightFiles.take``)."""
+        pulled, and the oldest and newest viewed by modules ``pull(in_place=True)`` loaded
+        (while a tensor on one of those mappings lives: storage use counts); 0: none. Each
+        round's meta carries them, and no learner packs a file of those versions (or between
+        the oldest and newest viewed) again (``WeightFiles.take``)."""
         with self._lock:
-            return self._whole_files, self._pulling, self._viewing
+            self._views = [(v, bases) for v, bases in self._views
+                           if not all(p.free() for p in bases)]  # fmt: skip
+            viewed = [v for v, _ in self._views]
+            lo, hi = (min(viewed), max(viewed)) if viewed else (0, 0)
+            return self._whole_files, self._pulling, lo, hi
 
     def close(self) -> None:
         """Remove this rank's weights files (shared memory); nothing otherwise."""
@@ -697,23 +744,14 @@ class WeightsState:
             SpecError: if the buffer is truncated or corrupted, or its names, shapes or dtypes
                 differ from the module's (each difference listed: name, expected, received).
         """
-        with self._lock:  # the version read, and (in place from files) held while it is
-            got = self._whole
-            if got is None:
-                return 0
-            version, buf, head = got
-            files = isinstance(buf, InFiles)
-            if files:
-                self._pulling = version
-        try:
+        if self._whole is None:
+            return 0
+
+        def read(version: int, buf, head: int) -> int:
             self._load(module, version, buf, head, in_place)
-            with self._lock:  # what the module views from here on (files: held)
-                self._viewing = version if files and in_place else 0
-        finally:
-            if files:
-                with self._lock:
-                    self._pulling = 0
-        return version
+            return version
+
+        return self._reading(read)
 
     def _load(self, module: nn.Module, version: int, buf, head: int, in_place: bool) -> None:
         """``pull``'s check and load of ``buf`` (a buffer, or :class:`InFiles`: copied or
@@ -749,6 +787,12 @@ class WeightsState:
                 "DTensor): expected an unsharded one; pull(in_place=False) copies this rank's "
                 "rows into its shards"
             )
+        bases = []
+        if files and in_place:  # copy-on-write mappings: the module's writes stay its own
+            buf = buf.private(self.files)
+            # each mapping's use count, before any view of it: a version is viewed while a
+            # tensor on one of its mappings lives (held() reports it)
+            bases = [Pooled(f) for f in {id(f): f for _, _, f in buf.pieces}.values()]
         views = {}
         for name in state:
             e = layout.entries[name]
@@ -761,6 +805,10 @@ class WeightsState:
             else:
                 raw = buf[at : at + e.nbytes]
             views[name] = raw.view(e.dtype).view(e.shape)
+        with self._lock:  # the mappings modules loaded in place view (a copy replaces them)
+            spans = [(p.buf.data_ptr(), p.buf.data_ptr() + p.buf.numel())
+                     for _, bases in self._views for p in bases]  # fmt: skip
+        fresh = {}
         if in_place:
             module.load_state_dict(views, strict=True, assign=True)
         else:
@@ -770,9 +818,16 @@ class WeightsState:
                         local, r0 = local_rows(name, t, mine[name])
                         got = views[name]
                         local.copy_(got if local.dim() == 0 else got[r0 : r0 + local.shape[0]])
+                    elif any(a <= t.data_ptr() < b for a, b in spans):
+                        fresh[name] = views[name].clone()  # a file's view: a tensor of its own
                     else:
                         t.copy_(views[name])
+            if fresh:
+                module.load_state_dict(fresh, strict=False, assign=True)
         del views
+        if bases:
+            with self._lock:  # the versions modules view from here on (held, WVIEW)
+                self._views.append((version, bases))
         if not files:
             self._buffers.used(buf)
 

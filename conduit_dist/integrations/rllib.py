@@ -54,6 +54,8 @@ with require("rllib", "conduit_dist.integrations.rllib"):
         PrioritizedEpisodeReplayBuffer,
     )
 
+_MAX_DRAWS = 64  # rounds of draws a sample takes at most (each adds what was accepted)
+
 PRIORITIZED = "conduit_dist.integrations.rllib.ConduitPrioritizedEpisodeReplayBuffer"
 UNIFORM = "conduit_dist.integrations.rllib.ConduitEpisodeReplayBuffer"
 
@@ -123,6 +125,7 @@ class _PlaneRows:
         n_step: int | Sequence[int],
         seed: int,
         eps: float,
+        uniform: bool = False,
     ) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ConfigError(
@@ -144,6 +147,8 @@ class _PlaneRows:
         self.steps_stored = 0  # environment steps (not padding) stored, evictions aside
         self.samples = 0  # sample calls: with the seed, they fix each call's n draws
         self.accepted = 1.0  # the share of draws accepted (n steps inside the episode), smoothed
+        # RLlib's uniform buffer cuts n at the episode's end; its prioritized one rejects
+        self.cut_short = alpha == 0 and uniform
 
     # -- building -------------------------------------------------------------------------
 
@@ -280,7 +285,9 @@ class _PlaneRows:
         parts, need, rejected = [], count, 0
         rng = np.random.default_rng([self.seed, self.samples])
         self.samples += 1
-        while need > 0:
+        for _ in range(_MAX_DRAWS):
+            if need == 0:
+                break
             # enough draws that the accepted ones usually fill the batch in one round: the
             # share accepted so far (draws past the batch are dropped; the rest stay i.i.d.)
             ask = math.ceil(need / self.accepted * 1.1) + 2
@@ -295,6 +302,8 @@ class _PlaneRows:
             else:  # drawn per item, from a stream fixed by (seed, sample call, draw)
                 ns = rng.integers(n_step[0], n_step[1], size=size)
             pad = batch["pad"].numpy()
+            if self.cut_short:  # RLlib's uniform buffer: n cut at the episode's end
+                ns = np.minimum(ns, (~pad).sum(axis=1))  # padding only trails the episode
             ok = ~pad[np.arange(size), ns - 1]  # the n steps stay inside the episode
             rejected += int(size - ok.sum())
             self.accepted = max(0.05, 0.9 * self.accepted + 0.1 * float(ok.mean()))
@@ -302,6 +311,12 @@ class _PlaneRows:
             if len(keep):
                 parts.append((batch, ns, keep))
                 need -= len(keep)
+        else:
+            raise EmptyStoreError(
+                f"rllib buffer: sample(num_items={count}, n_step={n_step!r}): {count - need} "
+                f"of {count} items accepted after {_MAX_DRAWS} rounds of draws; every draw "
+                "ran past its episode's end: the stored episodes are shorter than n_step"
+            )
         items, index = [], []
         for batch, ns, keep in parts:
             items += self._episodes(batch, ns, keep, gamma)
@@ -458,7 +473,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     ) -> None:
         # RLlib's DQN config keeps its prioritized defaults (alpha, beta) when only "type" is
         # set; a uniform buffer ignores them, as RLlib's EpisodeReplayBuffer does
-        _setup(self, capacity, batch_size_B, batch_length_T, 0.0, n_step, seed, eps, kwargs)
+        _setup(self, capacity, batch_size_B, batch_length_T, 0.0, n_step, seed, eps, kwargs, True)
 
     @property
     def plane(self):
@@ -594,7 +609,9 @@ class ConduitPrioritizedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         self._rows.update(priorities)
 
 
-def _setup(buf, capacity, batch_size_B, batch_length_T, alpha, n_step, seed, eps, kwargs) -> None:
+def _setup(
+    buf, capacity, batch_size_B, batch_length_T, alpha, n_step, seed, eps, kwargs, uniform=False
+) -> None:
     """What both buffers' constructors do: RLlib's base buffer (its counters and metrics; no
     episode store used), the checks, and the plane's rows.
 
@@ -608,7 +625,7 @@ def _setup(buf, capacity, batch_size_B, batch_length_T, alpha, n_step, seed, eps
     _one_step(batch_length_T)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
         raise ConfigError(f"replay_buffer_config['alpha']: expected a number >= 0, got {alpha!r}")
-    buf._rows = _PlaneRows(capacity, alpha, n_step, seed, eps)
+    buf._rows = _PlaneRows(capacity, alpha, n_step, seed, eps, uniform=alpha == 0 and uniform)
 
 
 def _one_step(batch_length_T: int | None) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from conduit_dist.errors import SpecError
 from conduit_dist.rounds import meta as M
 from conduit_dist.rounds.delivery import Delivery
 from conduit_dist.rounds.devices import DevicePlan
@@ -426,6 +427,14 @@ class RoundEngine:
         ref = meta[self.learners[0], cols]
         owners = [r for r in self.learners if (meta[r, cols] == ref).all()]
         version, nbytes, sharded = int(ref[0]), int(ref[1]), int(ref[2])
+        if sharded and len(owners) != len(self.learners):  # the same meta: raised on every rank
+            behind = [r for r in self.learners if r not in owners]
+            raise SpecError(
+                f"round {t.round}: the learners publish a sharded (FSDP2) state, but learner "
+                f"ranks {behind} published another version than learner {self.learners[0]} "
+                f"({version}): expected every holder of a shard to publish each version at "
+                "the same point (no shard can be left out of a version)"
+            )
         # every other rank, but a learner already past that version (it published more)
         receivers = [
             r for r in range(self.world)

@@ -42,9 +42,9 @@ from conduit_dist.tokens.wire import Wire
 ROWS, WANT, BUDGET, MIN_PIECE, VERSION, WBYTES, CLOSING, AHEAD, WHEAD, WHOLE, WSLOT = range(11)
 WSHARD = 11  # a learner's sharded (FSDP2) weights: its header's bytes (0: not sharded)
 # the weights versions the rank reads in place from learners' files: held whole, being pulled,
-# viewed by its module (0: none)
-WHELD, WPULL, WVIEW = 12, 13, 14
-META_WIDTH = 15
+# the oldest and newest its modules view (0: none)
+WHELD, WPULL, WVIEW, WVIEWHI = 12, 13, 14, 15
+META_WIDTH = 16
 
 
 @dataclass
@@ -166,13 +166,17 @@ class TokenRound:
             row[WSLOT] = snap.slot
         row[WHOLE] = int(self.ex.rank not in self.learners or self.serves)
         if weights.files is not None:
-            row[WHELD], row[WPULL], row[WVIEW] = weights.held()
+            row[WHELD], row[WPULL], row[WVIEW], row[WVIEWHI] = weights.held()
         head = table[:k].reshape(-1)
         row[META_WIDTH : META_WIDTH + head.size] = torch.from_numpy(head)
         got = self.ex.all_gather_start(row, self.round).wait().numpy().copy()
         if weights.files is not None:  # every rank finished the rounds before this one
-            held = got[:, [WHELD, WPULL, WVIEW]]
-            weights.files.gathered_at(self.round, {int(v) for v in held[held > 0]})
+            held = got[:, [WHELD, WPULL]]
+            views = got[:, [WVIEW, WVIEWHI]]
+            weights.files.gathered_at(
+                self.round, {int(v) for v in held[held > 0]},
+                [(int(a), int(b)) for a, b in views[views[:, 0] > 0].tolist()],
+            )  # fmt: skip
         meta, tables = got[:, :META_WIDTH], got[:, META_WIDTH:]
         most = int(meta[:, ROWS].max())
         if most > k:  # the rows beyond the hint, in a second gather
