@@ -435,3 +435,38 @@ def test_producers_read_learners_files_in_place_and_no_file_they_view_is_packed_
     assert p["held_after_copy"] == (7, 0, 0, 0) and p["after_copy"] == newest
     for r in (0, 1):  # version 1's file stayed held, the others were packed again
         assert 3 <= res[r]["slots"] <= 4, res[r]
+
+
+def _fsdp_lag(rank: int, world: int) -> str:
+    """A DataPlane whose learners hold a sharded policy; learner 1 skips a publish."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    spec = cd.ExperienceSpec({"x": ((2,), torch.float32)})
+    plane = cd.DataPlane(spec, 64, learner_ranks=[0, 1],
+                         transport=cd.TransportConfig(timeout_s=20))  # fmt: skip
+    policy = Policy()
+    if rank < 2:
+        fully_shard(policy, mesh=mesh)
+    try:
+        for v in range(1, 4):
+            plane.put({"x": torch.zeros(2, 2)})
+            if rank < 2:
+                if not (rank == 1 and v == 2):
+                    set_sharded(policy, v)
+                    plane.publish_weights(policy)
+                plane.fetch(2)
+            else:
+                plane.flush()
+    except (cd.SpecError, cd.RoundError) as exc:
+        return str(exc)
+    finally:
+        plane.close()
+    return "no error"
+
+
+def test_a_data_plane_learner_out_of_step_with_a_sharded_state_is_refused_on_every_rank():
+    res = run_ranks(_fsdp_lag, 3, timeout_s=120)
+    for r, msg in res.items():
+        assert "learner ranks [1] published another version than learner 0" in msg, (r, msg)
