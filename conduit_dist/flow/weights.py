@@ -788,6 +788,11 @@ class WeightsState:
                 "rows into its shards"
             )
         bases = []
+        if files and layout.shards is not None:
+            # a sharded publish: every tensor's rows lie in several files, so no view of one
+            # file holds a tensor: one copy into a pooled buffer (kept for this version, and
+            # never reused while a module views it), loaded from as a received buffer is
+            buf, files = self._copied(version, buf)[1], False
         if files and in_place:  # copy-on-write mappings: the module's writes stay its own
             buf = buf.private(self.files)
             # each mapping's use count, before any view of it: a version is viewed while a
