@@ -54,6 +54,7 @@ with require("rllib", "conduit_dist.integrations.rllib"):
         PrioritizedEpisodeReplayBuffer,
     )
 
+_COLUMNS = ("reward", "obs", "next_obs", "action", "terminated", "truncated", "t")
 _MAX_DRAWS = 64  # rounds of draws a sample takes at most (each adds what was accepted)
 
 PRIORITIZED = "conduit_dist.integrations.rllib.ConduitPrioritizedEpisodeReplayBuffer"
@@ -321,40 +322,41 @@ class _PlaneRows:
         for batch, ns, keep in parts:
             items += self._episodes(batch, ns, keep, gamma)
             index.append(batch["_index"][torch.from_numpy(keep)])
-        self.last_index = torch.cat(index)
+        self.last_index = index[0] if len(index) == 1 else torch.cat(index)
         return items, rejected
 
     def _episodes(self, batch, ns: np.ndarray, keep: np.ndarray, gamma: float) -> list:
         """RLlib's 1-step episodes of the kept windows (n-step applied)."""
-        k = torch.from_numpy(keep)
+        col = {k: batch[k].numpy()[keep] for k in _COLUMNS}  # [b, max_n, ...] each
         n = ns[keep]
-        at = np.arange(len(keep))
-        rewards = batch["reward"][k].numpy().astype(np.float64)  # [b, max_n]
+        at, last = np.arange(len(keep)), n - 1
+        rewards = col["reward"].astype(np.float64)
         disc = gamma ** np.arange(rewards.shape[1], dtype=np.float64)
         mask = np.arange(rewards.shape[1])[None, :] < n[:, None]
-        ret = (rewards * disc * mask).sum(axis=1)
-        obs = batch["obs"][k][:, 0].numpy()
-        nxt = batch["next_obs"][k].numpy()[at, n - 1]
-        act = batch["action"][k][:, 0].numpy()
-        term = batch["terminated"][k].numpy()[at, n - 1]
-        trunc = batch["truncated"][k].numpy()[at, n - 1]
-        t0 = batch["t"][k][:, 0].numpy()
-        w = batch["_weight"][k].numpy()
+        ret = (rewards * disc * mask).sum(axis=1).tolist()
+        term = col["terminated"][at, last].tolist()
+        trunc = col["truncated"][at, last].tolist()
+        t0 = col["t"][:, 0].tolist()
+        w = batch["_weight"].numpy()[keep].tolist()
         obs_space, act_space = self.spaces
+        rows = zip(
+            col["obs"][:, 0], col["next_obs"][at, last], col["action"][:, 0], ret, term, trunc,
+            w, n.tolist(), t0,
+        )  # fmt: skip
         return [
             SingleAgentEpisode(
-                observations=[obs[i], nxt[i]],
+                observations=[o, x],
                 observation_space=obs_space,
-                actions=[act[i]],
+                actions=[a],
                 action_space=act_space,
-                rewards=[float(ret[i])],
-                terminated=bool(term[i]),
-                truncated=bool(trunc[i]),
-                extra_model_outputs={"weights": [float(w[i])], "n_step": [int(n[i])]},
+                rewards=[r],
+                terminated=te,
+                truncated=tr,
+                extra_model_outputs={"weights": [wi], "n_step": [ni]},
                 len_lookback_buffer=0,
-                t_started=int(t0[i]),
+                t_started=ti,
             )
-            for i in range(len(keep))
+            for o, x, a, r, te, tr, wi, ni, ti in rows
         ]
 
     def update(self, priorities) -> None:
@@ -366,20 +368,19 @@ class _PlaneRows:
         """
         if self.last_index is None:
             raise SpecError("rllib buffer: update_priorities before any sample")
-        p = torch.as_tensor(np.asarray(priorities, dtype=np.float64)).reshape(-1)
-        if p.numel() != self.last_index.numel():
+        p = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if p.size != self.last_index.numel():
             raise SpecError(
                 f"rllib buffer: update_priorities: expected {self.last_index.numel()} priorities "
-                f"(the last sample's items), got {p.numel()}"
+                f"(the last sample's items), got {p.size}"
             )
-        bad = torch.nonzero(~torch.isfinite(p) | (p < 0)).reshape(-1)
-        if len(bad):
-            i = int(bad[0])
+        if not (np.isfinite(p).all() and (p >= 0).all()):
+            i = int(np.flatnonzero(~np.isfinite(p) | (p < 0))[0])
             raise SpecError(
                 f"rllib buffer: update_priorities: expected finite priorities >= 0, got "
                 f"{float(p[i])} at item {i}"
             )
-        self.plane.update_priorities(self.last_index, p)
+        self.plane.update_priorities(self.last_index, torch.from_numpy(p))
         self.last_index = None
 
     # -- state ------------------------------------------------------------------------------
@@ -538,7 +539,8 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         items, rejected = self._rows.sample(count, n_step, gamma, beta if self._alpha_on else 0.0)
         self.sampled_timesteps += count
         self.metrics.log_value("num_env_steps_sampled", count, reduce="sum")
-        self.metrics.log_value("num_resamples", rejected, reduce="sum")
+        if rejected:
+            self.metrics.log_value("num_resamples", rejected, reduce="sum")
         return items
 
     @property
