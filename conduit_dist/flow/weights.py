@@ -733,9 +733,10 @@ class WeightsState:
                 then never reused while the module holds it (storage use counts); views of a
                 tied weight become two tensors of equal values; an optimizer holding the old
                 parameters no longer sees the module's. Read in place from the learners'
-                ``/dev/shm`` files (shared memory), the views are of those files (a tensor
-                straddling two learners' parts is copied), which no learner packs again
-                until this rank's next pull (:meth:`held`).
+                ``/dev/shm`` files (shared memory), the views are of fresh copy-on-write
+                mappings of those files (a write stays this rank's; a tensor straddling two
+                learners' parts is copied; a sharded publish is copied once), and no learner
+                packs those files again while a tensor on them lives (:meth:`held`).
 
         Returns:
             The version loaded (0: none published or received yet).
