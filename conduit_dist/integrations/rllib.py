@@ -287,8 +287,6 @@ class _PlaneRows:
         rng = np.random.default_rng([self.seed, self.samples])
         self.samples += 1
         for _ in range(_MAX_DRAWS):
-            if need == 0:
-                break
             # enough draws that the accepted ones usually fill the batch in one round: the
             # share accepted so far (draws past the batch are dropped; the rest stay i.i.d.)
             ask = math.ceil(need / self.accepted * 1.1) + 2
@@ -312,7 +310,9 @@ class _PlaneRows:
             if len(keep):
                 parts.append((batch, ns, keep))
                 need -= len(keep)
-        else:
+            if need == 0:
+                break
+        if need:
             raise EmptyStoreError(
                 f"rllib buffer: sample(num_items={count}, n_step={n_step!r}): {count - need} "
                 f"of {count} items accepted after {_MAX_DRAWS} rounds of draws; every draw "
