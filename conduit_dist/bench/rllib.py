@@ -98,16 +98,17 @@ class _Floor:
     ``SingleAgentEpisode`` objects (with the spaces, as both pass them) from ready arrays."""
 
     def __init__(self, b: int, chunk) -> None:
+        from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+        self.episode = SingleAgentEpisode
         self.b = b
         self.obs = np.asarray(chunk.get_observations(slice(0, 2)))
         self.spaces = (chunk.observation_space, chunk.action_space)
 
     def step(self) -> None:
-        from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-
         o, s = self.obs, self.spaces
         for i in range(self.b):
-            SingleAgentEpisode(
+            self.episode(
                 observations=[o[0], o[1]], observation_space=s[0], actions=[i % 2],
                 action_space=s[1], rewards=[1.0], terminated=False, truncated=False,
                 extra_model_outputs={"weights": [1.0], "n_step": [2]}, len_lookback_buffer=0,

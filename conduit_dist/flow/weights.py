@@ -379,7 +379,7 @@ class WeightsState:
         else:
             buf = self._buffers.take(total)
         if shards is not None:
-            fill_shards(buf, head, entries, state, shards.ranges[index], 0, total)
+            fill_shards(buf, head, entries, state, shards.ranges[index])
             self._buffers.used(buf)
         else:
             lo, hi = parts(total, count)[index]
@@ -547,10 +547,9 @@ class WeightsState:
         schedule), and from it each owner's byte ranges (:class:`~conduit_dist.flow.
         weights_format.Shards`: holders are global ranks, owners the group's)."""
         rank, src = ex.rank, owners[0]
-        if buf is None:  # shm, read in place: the header in the first owner's file
-            buf = self.files.peer(src, int(slots[0]), nbytes)
-        elif self.files is not None:  # shm, an owner: its own file holds the header
-            pass
+        if self.files is not None:  # shm: an owner's file holds the header; a receiver reads
+            if buf is None:  # the first owner's in place
+                buf = self.files.peer(src, int(slots[0]), nbytes)
         elif weights_schedule(ex, buf.is_cuda) == "broadcast":
             ex.broadcast(buf[:head], src, r)
         else:
@@ -661,12 +660,12 @@ class WeightsState:
             peer = files.peer(src, int(slot), nbytes)
             pieces += [(lo, hi, peer, (src, int(slot))) for lo, hi in rs]
         pieces.sort(key=lambda p: p[0])
-        held = sum(p[1] - p[0] for p in pieces)  # the owners' parts (no header alone)
+        parts_bytes = sum(p[1] - p[0] for p in pieces)  # the owners' parts (no header alone)
         if pieces and pieces[0][0] > 0:  # the header (sharded: every owner writes it)
             first = (owners[0], int(slots[0]))
             pieces.insert(0, (0, pieces[0][0], files.peer(*first, nbytes), first))
         got = InFiles(nbytes, tuple(p[:3] for p in pieces), tuple(p[3] for p in pieces))
-        return got, held, len(owners)
+        return got, parts_bytes, len(owners)
 
     def held(self) -> tuple[int, int, int, int]:
         """The versions this rank reads from other ranks' weights files: held whole, being

@@ -20,6 +20,7 @@ from the header alone.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -264,22 +265,22 @@ def fill(
             buf[max(a, at + e.nbytes) : b].zero_()
 
 
-def fill_shards(
-    buf: torch.Tensor, head: bytes, entries: dict[str, Entry], state, mine, lo: int, hi: int
-) -> None:
-    """Write the header and this holder's payload ranges ``mine`` (:class:`Shards`) of a
-    sharded ``state``'s buffer, clipped to bytes ``[lo, hi)``: each tensor's local rows at
-    their global offset, as raw bytes, and its alignment padding as zeros."""
+def fill_shards(buf: torch.Tensor, head: bytes, entries: dict[str, Entry], state, mine) -> None:
+    """Write the header and this holder's payload ranges ``mine`` (:class:`Shards`, sorted) of
+    a sharded ``state``'s buffer: each tensor's local rows at their global offset, as raw bytes,
+    and its alignment padding as zeros."""
     start = align(len(head))
-    if lo < start:
-        raw = torch.frombuffer(bytearray(head.ljust(start, b"\0")), dtype=torch.uint8)
-        buf[lo : min(hi, start)].copy_(raw[lo : min(hi, start)])
+    buf[:start].copy_(torch.frombuffer(bytearray(head.ljust(start, b"\0")), dtype=torch.uint8))
     spans = [(start + a, start + b) for a, b in mine]
+    starts = [a for a, _ in spans]
     for name, t in state.items():
         e = entries[name]
         at, end = start + e.offset, start + align(e.offset + e.nbytes)
-        for a, b in spans:  # the parts of this tensor's bytes that are this holder's
-            a, b = max(a, at, lo), min(b, end, hi)
+        k = max(0, bisect.bisect_right(starts, at) - 1)  # the first span that may hold it
+        for a, b in spans[k:]:  # the parts of this tensor's bytes that are this holder's
+            if a >= end:
+                break
+            a, b = max(a, at), min(b, end)
             if a >= b:
                 continue
             local, r0 = local_rows(name, t, e)

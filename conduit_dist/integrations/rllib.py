@@ -440,41 +440,9 @@ class _PlaneRows:
         self.staged = False
 
 
-class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
-    """RLlib's uniform episode buffer, on the plane (``alpha=0``: every complete window as
-    likely; importance weights 1). See the module docstring.
-
-    Args:
-        capacity: rows kept (environment steps and each ended episode's ``max_n - 1``
-            padding rows); the oldest go first.
-        batch_size_B: items a ``sample()`` without ``num_items`` returns.
-        batch_length_T: 1 (sequences for stateful modules are not served).
-        n_step: the algorithm's ``n_step`` (an int or RLlib's ``(lo, hi)`` range): the
-            windows the rows are kept for. A sample asking for more is refused.
-        seed: the plane's draws and the per-item n draws.
-        eps: added to every priority.
-        kwargs: RLlib's other buffer settings (``metrics_num_episodes_for_smoothing``; the
-            prioritized ``alpha``/``beta`` DQN's config keeps are ignored here, as RLlib's
-            uniform buffer ignores them).
-
-    Raises:
-        ConfigError: on a bad capacity, ``n_step`` or ``batch_length_T``.
-    """
-
-    def __init__(
-        self,
-        capacity: int = 10000,
-        *,
-        batch_size_B: int = 16,
-        batch_length_T: int = 1,
-        n_step: int | Sequence[int] = 1,
-        seed: int = 0,
-        eps: float = 1e-6,
-        **kwargs,
-    ) -> None:
-        # RLlib's DQN config keeps its prioritized defaults (alpha, beta) when only "type" is
-        # set; a uniform buffer ignores them, as RLlib's EpisodeReplayBuffer does
-        _setup(self, capacity, batch_size_B, batch_length_T, 0.0, n_step, seed, eps, kwargs, True)
+class _OnPlane:
+    """What both buffers do the same way, on the plane's rows (``self._rows``, set by
+    :func:`_setup`): RLlib's ``add``, ``sample``, ``get_state``/``set_state`` and ``len``."""
 
     @property
     def plane(self):
@@ -536,16 +504,12 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 "rows keep observations, actions, rewards and episode ends only"
             )
         count = num_items or batch_size_B or self.batch_size_B
-        items, rejected = self._rows.sample(count, n_step, gamma, beta if self._alpha_on else 0.0)
+        items, rejected = self._rows.sample(count, n_step, gamma, beta)  # alpha=0: weights 1
         self.sampled_timesteps += count
         self.metrics.log_value("num_env_steps_sampled", count, reduce="sum")
         if rejected:
             self.metrics.log_value("num_resamples", rejected, reduce="sum")
         return items
-
-    @property
-    def _alpha_on(self) -> bool:
-        return self._rows.alpha > 0
 
     def get_state(self) -> dict[str, Any]:
         """The buffer's state for RLlib's checkpoints: the plane's store (tensors, ints,
@@ -569,7 +533,44 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._num_timesteps_added = self._rows.steps_added
 
 
-class ConduitPrioritizedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
+class ConduitEpisodeReplayBuffer(_OnPlane, EpisodeReplayBuffer):
+    """RLlib's uniform episode buffer, on the plane (``alpha=0``: every complete window as
+    likely; importance weights 1). See the module docstring.
+
+    Args:
+        capacity: rows kept (environment steps and each ended episode's ``max_n - 1``
+            padding rows); the oldest go first.
+        batch_size_B: items a ``sample()`` without ``num_items`` returns.
+        batch_length_T: 1 (sequences for stateful modules are not served).
+        n_step: the algorithm's ``n_step`` (an int or RLlib's ``(lo, hi)`` range): the
+            windows the rows are kept for. A sample asking for more is refused.
+        seed: the plane's draws and the per-item n draws.
+        eps: added to every priority.
+        kwargs: RLlib's other buffer settings (``metrics_num_episodes_for_smoothing``; the
+            prioritized ``alpha``/``beta`` DQN's config keeps are ignored here, as RLlib's
+            uniform buffer ignores them).
+
+    Raises:
+        ConfigError: on a bad capacity, ``n_step`` or ``batch_length_T``.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 10000,
+        *,
+        batch_size_B: int = 16,
+        batch_length_T: int = 1,
+        n_step: int | Sequence[int] = 1,
+        seed: int = 0,
+        eps: float = 1e-6,
+        **kwargs,
+    ) -> None:
+        # RLlib's DQN config keeps its prioritized defaults (alpha, beta) when only "type" is
+        # set; a uniform buffer ignores them, as RLlib's EpisodeReplayBuffer does
+        _setup(self, capacity, batch_size_B, batch_length_T, 0.0, n_step, seed, eps, kwargs, True)
+
+
+class ConduitPrioritizedEpisodeReplayBuffer(_OnPlane, PrioritizedEpisodeReplayBuffer):
     """RLlib's prioritized episode buffer, on the plane: draws with probability
     ``(p + eps)^alpha / sum`` over complete windows, exact, and ``update_priorities`` for the
     last sample's items (RLlib's DQN calls it after each update). See the module docstring and
@@ -592,14 +593,6 @@ class ConduitPrioritizedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         _setup(self, capacity, batch_size_B, batch_length_T, alpha, n_step, seed, eps, kwargs)
         self._alpha = float(alpha)
         self._last_sampled_indices = []
-
-    plane = ConduitEpisodeReplayBuffer.plane
-    __len__ = ConduitEpisodeReplayBuffer.__len__
-    add = ConduitEpisodeReplayBuffer.add
-    sample = ConduitEpisodeReplayBuffer.sample
-    _alpha_on = ConduitEpisodeReplayBuffer._alpha_on
-    get_state = ConduitEpisodeReplayBuffer.get_state
-    set_state = ConduitEpisodeReplayBuffer.set_state
 
     def update_priorities(self, priorities, module_id: str | None = None) -> None:
         """New priorities (RLlib's TD errors) for the last sample's items, in its order.
