@@ -110,6 +110,9 @@ def _landing(rank: int, world: int) -> dict[str, object]:
     except Exception as exc:
         refused = str(exc)
     landed = ex.shm.landed
+    # both refused their own runs before arriving; the peer may still be mapping this rank's
+    # file of exchange 0 (a rank closing here would remove it under the peer)
+    torch.distributed.barrier()
     ex.close()
     return {"same": dest.tolist() == expect, "untouched": not out.any().item(),
             "refused": refused, "landed": landed}  # fmt: skip
@@ -120,6 +123,35 @@ def test_land_copies_each_sources_rows_run_by_run_and_refuses_runs_past_a_block(
         assert got["same"] and got["untouched"], (rank, got)
         assert "landing run" in got["refused"] and "outside its 12-byte block" in got["refused"]
         assert got["landed"] >= 1
+
+
+def _closed_after_arriving(rank: int, world: int) -> str:
+    """Rank 1 arrives at an exchange that made its file, then closes before rank 0 maps it:
+    rank 0's wait names rank 1 and why, not a bare missing path."""
+    from conduit_dist.collectives.exchange import Exchange
+
+    ex = Exchange(30, name="gone", shared_memory=True)
+    inp = torch.full((world, 4), rank, dtype=torch.uint8)
+    out = torch.zeros(world, 4, dtype=torch.uint8)
+    work = ex.shm.start(out, inp, [], [])  # the first exchange makes each rank's file
+    said = ""
+    if rank == 1:
+        ex.close()
+        torch.distributed.barrier()
+    else:
+        torch.distributed.barrier()  # rank 1 has closed: its file is gone
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            said = str(exc)
+        ex.close()
+    return said
+
+
+def test_a_peer_closing_before_its_file_is_mapped_is_named():
+    said = run_ranks(_closed_after_arriving, 2)[0]
+    assert "rank 1's file of generation 1 was removed before this rank mapped it" in said, said
+    assert "closed its plane or exited" in said
 
 
 def _batches(rank: int, world: int, placement: str, strategy: str) -> dict[bool, list]:

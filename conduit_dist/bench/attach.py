@@ -76,6 +76,7 @@ class _Proc:
             cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, env=env
         )
         self.started, self.ready = not standby, not standby
+        self.attached = False  # its attach line was read
         self.lines: queue.Queue = queue.Queue()
         start_thread(self._read, "conduit-bench-attach-read", None)
 
@@ -92,7 +93,15 @@ class _Proc:
                 if "standby" in got:
                     self.ready = True
                 else:
+                    self.attached = self.attached or "attach_t0" in got
                     self.lines.put(got)
+
+
+def _wait_for(procs: list[_Proc], flag: str, deadline: float) -> None:
+    """Wait until every producer's ``flag`` is set, or the ``deadline`` (``time.monotonic``)
+    passed: a late producer is reported by the phase's counts, not waited for past it."""
+    while time.monotonic() < deadline and not all(getattr(p, flag) for p in procs):
+        time.sleep(0.05)
 
 
 def _phase(a, name: str, run_dir: str, base: int) -> dict:
@@ -128,23 +137,23 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
 
     try:
         tp.open_ingress(run_dir, grace_s=5)
-        if rank == 0 and name == "churn":  # every producer the phase needs, imported first
-            need = -(-(a.warmup + a.steps) * a.groups // a.groups_per_producer) + 1
+        if rank == 0:  # every producer the phase needs, imported first
+            need = a.producers
+            if name == "churn":
+                need = -(-(a.warmup + a.steps) * a.groups // a.groups_per_producer) + 1
             for _ in range(need):
                 start(standby=True)
             deadline = time.monotonic() + 45  # within the other ranks' barrier timeout
-            while time.monotonic() < deadline and not all(p.ready for p in procs):
-                time.sleep(0.05)
+            _wait_for(procs, "ready", deadline)
+            if name == "fixed":  # attached before the first step (the welcome needs no round)
+                for p in procs:
+                    p.go()
+                _wait_for(procs, "attached", deadline)
         dist.barrier()
-        if rank == 0:
-            spare = list(procs)
-            for _ in range(a.producers):
-                if spare:
-                    spare.pop(0).go()
-                else:
-                    start()
-            if name == "churn":
-                start_thread(keep, "conduit-bench-attach-keep", None)
+        if rank == 0 and name == "churn":
+            for p in procs[: a.producers]:
+                p.go()
+            start_thread(keep, "conduit-bench-attach-keep", None)
         steps, delivered, twice = [], {}, 0
         for i in range(a.warmup + a.steps):
             t = time.monotonic()

@@ -285,7 +285,14 @@ class SharedMemory:
         size, its address and its halves' headers."""
         got = self._peers.get(p)
         if got is None or got[0] != gen:
-            fd = os.open(self.path(p, gen), os.O_RDWR)  # never created here: the peer's own
+            try:  # never created here: the peer's own
+                fd = os.open(self.path(p, gen), os.O_RDWR)
+            except FileNotFoundError as exc:
+                raise RuntimeError(
+                    f"shared-memory all_to_all on rank {self.rank}: rank {p}'s file of "
+                    f"generation {gen} was removed before this rank mapped it (rank {p} closed "
+                    "its plane or exited after arriving; its own error says why)"
+                ) from exc
             try:
                 size = os.fstat(fd).st_size
                 seg, seg_np = _map(fd, size)
