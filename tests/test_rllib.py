@@ -5,6 +5,7 @@ clear errors, and RLlib's DQN running with the buffer selected by configuration.
 
 from __future__ import annotations
 
+import gc
 import io
 
 import numpy as np
@@ -158,6 +159,51 @@ def test_a_fixed_n_step_and_one_step_items():
     for eid, t, n, _, item in got:
         assert n == 1
         check_item(item, eid, t, 1, lengths)
+
+
+def test_items_equal_rllibs_constructor_slot_by_slot_and_are_independent():
+    """Items are built from a template (``_Items``): each must equal what RLlib's constructor
+    gives for the same values, in every slot, with ids of their own and nothing shared that a
+    learner could mutate."""
+    buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=500, alpha=0.5, n_step=(2, 4), seed=3)
+    store(buffer)
+    assert buffer._rows.maker.fast  # the pinned RLlib's episode: the template path runs
+    items = buffer.sample(num_items=40, n_step=(2, 4), gamma=GAMMA, beta=0.4)
+    assert len({item.id_ for item in items}) == 40
+    for item in items:
+        item.validate()
+        want = SingleAgentEpisode(
+            observations=list(item.get_observations()), observation_space=OBS,
+            actions=list(item.get_actions()), action_space=Discrete(2),
+            rewards=list(item.get_rewards()), terminated=item.is_terminated,
+            truncated=item.is_truncated, len_lookback_buffer=0, t_started=item.t_started,
+            extra_model_outputs={k: list(item.get_extra_model_outputs(k))
+                                 for k in ("weights", "n_step")},
+        )  # fmt: skip
+        for slot in SingleAgentEpisode.__slots__:
+            if slot != "id_":
+                assert getattr(item, slot) == getattr(want, slot), slot
+    a, b = items[1], items[2]
+    a.extra_model_outputs["weights"].data.append(9.0)
+    a.get_infos()[0]["x"] = 1
+    a.custom_data["y"] = 2
+    assert len(b.extra_model_outputs["weights"].data) == 1 and b.get_infos()[0] == {}
+    assert b.custom_data == {}
+    # the collector, paused while the items are built, is left as it was found
+    assert gc.isenabled()
+    buffer.sample(num_items=8, n_step=(2, 4), gamma=GAMMA, beta=0.4)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        buffer.sample(num_items=8, n_step=(2, 4), gamma=GAMMA, beta=0.4)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    # an RLlib without the slots the template path knows: the constructor builds every item
+    slow = buffer._rows.maker
+    slow.fast = False
+    again = buffer.sample(num_items=8, n_step=(2, 4), gamma=GAMMA, beta=0.4)
+    assert len(again) == 8 and all(isinstance(x, SingleAgentEpisode) for x in again)
 
 
 def test_state_round_trips_through_torch_load_weights_only_and_draws_resume_alike():
