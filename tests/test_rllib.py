@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import io
+import uuid
 
 import numpy as np
 import pytest
@@ -161,7 +162,7 @@ def test_a_fixed_n_step_and_one_step_items():
         check_item(item, eid, t, 1, lengths)
 
 
-def test_items_equal_rllibs_constructor_slot_by_slot_and_are_independent():
+def test_items_equal_rllibs_constructor_slot_by_slot_and_are_independent(monkeypatch):
     """Items are built from a template (``_Items``): each must equal what RLlib's constructor
     gives for the same values, in every slot, with ids of their own and nothing shared that a
     learner could mutate."""
@@ -189,6 +190,11 @@ def test_items_equal_rllibs_constructor_slot_by_slot_and_are_independent():
     a.custom_data["y"] = 2
     assert len(b.extra_model_outputs["weights"].data) == 1 and b.get_infos()[0] == {}
     assert b.custom_data == {}
+    # ids stay unique where the constructor's uuid4 ends as a copy's counter would
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID("0123456789abcdef0123456700000001"))
+    again = buffer.sample(num_items=16, n_step=(2, 4), gamma=GAMMA, beta=0.4)
+    assert len({item.id_ for item in again}) == 16
+    monkeypatch.undo()
     # the collector, paused while the items are built, is left as it was found
     assert gc.isenabled()
     buffer.sample(num_items=8, n_step=(2, 4), gamma=GAMMA, beta=0.4)

@@ -146,8 +146,9 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
             deadline = time.monotonic() + 45  # within the other ranks' barrier timeout
             _wait_for(procs, "ready", deadline)
             if name == "fixed":  # attached before the first step (the welcome needs no round)
-                for p in procs:
-                    p.go()
+                for p in procs:  # one that died or is late: producers_attached says so
+                    if p.ready and p.proc.poll() is None:
+                        p.go()
                 _wait_for(procs, "attached", deadline)
         dist.barrier()
         if rank == 0 and name == "churn":

@@ -13,7 +13,8 @@ of 32 (the tuned example's) and 256. Beside them, what building ``B`` of RLlib's
 ``SingleAgentEpisode`` items from ready arrays costs alone, which any buffer behind these calls
 does per sample: through RLlib's constructor (``floor_ms_b*``, as RLlib's buffer builds them)
 and as the plane's buffer builds them (``items_ms_b*``: one through the constructor, the rest
-copies of it with their own values; ``bound_speedup_b*``: RLlib's step over that).
+copies of it with their own values, the cyclic collector paused meanwhile, so it holds both
+effects; ``bound_speedup_b*``: RLlib's step over that).
 """
 
 from __future__ import annotations

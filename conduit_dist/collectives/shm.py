@@ -291,7 +291,7 @@ class SharedMemory:
                 raise RuntimeError(
                     f"shared-memory all_to_all on rank {self.rank}: rank {p}'s file of "
                     f"generation {gen} was removed before this rank mapped it (rank {p} closed "
-                    "its plane or exited after arriving; its own error says why)"
+                    f"its plane or exited after arriving, or the file was removed from {SHM_DIR})"
                 ) from exc
             try:
                 size = os.fstat(fd).st_size

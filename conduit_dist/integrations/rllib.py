@@ -119,7 +119,8 @@ def _field(name: str, value: np.ndarray) -> tuple[tuple[int, ...], torch.dtype]:
 
 
 # SingleAgentEpisode's slots an item sets per item, and those it shares with a template the
-# constructor built (immutable values, or the spaces every item of RLlib's buffer shares too)
+# constructor built (immutable values, or the spaces every item of RLlib's buffer shares too;
+# the lookback buffers' space structures are shared as well, which nothing in RLlib mutates)
 _PER_ITEM = frozenset((
     "id_", "observations", "infos", "actions", "rewards", "extra_model_outputs",
     "is_terminated", "is_truncated", "t_started", "t", "_custom_data",
@@ -129,15 +130,27 @@ _SHARED = frozenset((
     "_last_added_observation", "_last_added_infos", "_last_step_time", "_start_time",
 ))  # fmt: skip
 _BUFFER_KEYS = frozenset(("data", "lookback", "finalized", "_space", "_space_struct"))
-_WARNED: list[bool] = []  # the slower path's warning, once per process
+_warned = False  # the slower path's warning, once per process
 log = logging.getLogger("conduit_dist")
+
+
+def _warn_slow() -> None:
+    """Say once per process that items are built through RLlib's constructor."""
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning(
+            "rllib buffer: this RLlib's SingleAgentEpisode has other slots than the ones the "
+            "buffer copies (ray 2.60's); every sampled item is built through its constructor "
+            "instead (~4x slower per item)"
+        )
 
 
 class _Items:
     """RLlib's 1-step ``SingleAgentEpisode`` items ``(o_t, a_t, R, o_(t+n))``, built as RLlib's
     buffers build them, at a quarter of the constructor's cost.
 
-    The constructor spends most of an item's ~18 us deriving each lookback buffer's space
+    The constructor spends most of an item's ~17 us deriving each lookback buffer's space
     structure again (``get_base_struct_from_space``, 8 times) and validating. Here one item per
     :meth:`items` call goes through the constructor (validated), and the others are that
     template's copies with their own values: fresh lookback buffers (the template's spaces and
@@ -157,15 +170,10 @@ class _Items:
         self._buffer = InfiniteLookbackBuffer
         probe = self._made(np.zeros(1), np.zeros(1), 0, 0.0, False, False, 1.0, 1, 0)
         self.fast = set(SingleAgentEpisode.__slots__) == _PER_ITEM | _SHARED and all(
-            set(vars(b)) == _BUFFER_KEYS for b in self._buffers(probe)
+            set(getattr(b, "__dict__", ())) == _BUFFER_KEYS for b in self._buffers(probe)
         )
-        if not self.fast and not _WARNED:
-            _WARNED.append(True)
-            log.warning(
-                "rllib buffer: this RLlib's SingleAgentEpisode has other slots than the ones "
-                "the buffer copies (ray 2.60's); every sampled item is built through its "
-                "constructor instead (~4x slower per item)"
-            )
+        if not self.fast and obs_space is not None:
+            _warn_slow()
 
     @staticmethod
     def _buffers(item) -> list:
@@ -195,7 +203,9 @@ class _Items:
         threshold several times; each collection finds the items built so far alive and moves
         them to an older generation, until a full collection walks the whole heap (RLlib's
         imports alone are ~300,000 objects). Measured at 256 items: 5.9 ms with the collector
-        running, 1.0 ms paused. A collection is deferred by the build's time at most."""
+        running, 1.0 ms paused (means, a full collection every few calls). A collection is deferred
+        by the build's time at most. The collector is enabled again only where it was: a
+        thread that disables it during a build finds it enabled after."""
         was = gc.isenabled()
         gc.disable()
         try:
@@ -216,7 +226,8 @@ class _Items:
         shared = [(k, getattr(made, k)) for k in _SHARED]
         bo, bi, ba, br, bw, bn = (vars(b) for b in self._buffers(made))
         new, buf, episode = object.__new__, self._buffer, SingleAgentEpisode
-        prefix = made.id_[:24]
+        prefix = made.id_[:24]  # a fresh uuid4's: every id of this call is new in the process
+        made.id_ = f"{prefix}{0:08x}"  # the template's too (its own tail could equal a copy's)
         for k, (o, x, a, r, te, tr, w, n, t) in enumerate(rows, 1):
             e = new(episode)
             for key, v in shared:
@@ -268,7 +279,7 @@ class _PlaneRows:
         self.seed = int(seed)
         self.plane = None  # built at the first add (the spaces come with the episodes)
         self.spec_desc: dict[str, tuple[tuple[int, ...], str]] | None = None
-        self.spaces, self.spaced = (None, None), False  # the episodes' (from an add)
+        self.spaces, self.have_spaces = (None, None), False  # the episodes' (from an add)
         self.maker = _Items(None, None)
         self.eids: dict[str, int] = {}  # open episodes' streams
         self.next_eid = 0
@@ -338,8 +349,8 @@ class _PlaneRows:
             actions = np.asarray(eps.get_actions(slice(0, n)))
             rewards = np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float32)
             desc = self._describe(obs, actions)
-            if not self.spaced:  # the first add, also the first after a restore
-                self.spaces, self.spaced = (eps.observation_space, eps.action_space), True
+            if not self.have_spaces:  # the first add (a restored buffer's too, if it is new)
+                self.spaces, self.have_spaces = (eps.observation_space, eps.action_space), True
                 self.maker = _Items(*self.spaces)
             if self.spec_desc is None:
                 self._build(desc)
