@@ -203,9 +203,9 @@ class _Items:
         threshold several times; each collection finds the items built so far alive and moves
         them to an older generation, until a full collection walks the whole heap (RLlib's
         imports alone are ~300,000 objects). Measured at 256 items: 5.9 ms with the collector
-        running, 1.0 ms paused (means, a full collection every few calls). A collection is deferred
-        by the build's time at most. The collector is enabled again only where it was: a
-        thread that disables it during a build finds it enabled after."""
+        running, 1.0 ms paused (means, a full collection every few calls). A collection is
+        deferred by the build's time at most. The collector is enabled again only where it
+        was: a thread that disables it during a build finds it enabled after."""
         was = gc.isenabled()
         gc.disable()
         try:
