@@ -279,8 +279,8 @@ class _PlaneRows:
         self.seed = int(seed)
         self.plane = None  # built at the first add (the spaces come with the episodes)
         self.spec_desc: dict[str, tuple[tuple[int, ...], str]] | None = None
-        self.spaces, self.have_spaces = (None, None), False  # the episodes' (from an add)
-        self.maker = _Items(None, None)
+        # RLlib's items, with the episodes' spaces once an add brought them
+        self.maker, self.have_spaces = _Items(None, None), False
         self.eids: dict[str, int] = {}  # open episodes' streams
         self.next_eid = 0
         self.last_index: torch.Tensor | None = None  # the last sample's accepted items
@@ -350,8 +350,8 @@ class _PlaneRows:
             rewards = np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float32)
             desc = self._describe(obs, actions)
             if not self.have_spaces:  # the first add (a restored buffer's too, if it is new)
-                self.spaces, self.have_spaces = (eps.observation_space, eps.action_space), True
-                self.maker = _Items(*self.spaces)
+                self.maker = _Items(eps.observation_space, eps.action_space)
+                self.have_spaces = True
             if self.spec_desc is None:
                 self._build(desc)
             elif desc != self.spec_desc:
