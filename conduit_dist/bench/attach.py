@@ -63,19 +63,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 class _Proc:
-    """A producer process, its JSON lines read by a thread (``standby``: it waits for
-    :meth:`go` before it attaches)."""
+    """A producer process on standby (imported, it waits for :meth:`go` before it attaches),
+    its JSON lines read by a thread."""
 
-    def __init__(self, args: list[str], standby: bool = False) -> None:
+    def __init__(self, args: list[str]) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
-        cmd = [sys.executable, "-m", "conduit_dist.bench.attach_producer", *args]
-        cmd.append("1" if standby else "0")
+        cmd = [sys.executable, "-m", "conduit_dist.bench.attach_producer", *args, "1"]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, env=env
         )
-        self.started, self.ready = not standby, not standby
+        self.started = self.ready = False
         self.attached = False  # its attach line was read
         self.lines: queue.Queue = queue.Queue()
         start_thread(self._read, "conduit-bench-attach-read", None)
@@ -116,12 +115,12 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
     procs: list[_Proc] = []
     nxt = [base]
 
-    def start(standby: bool = False) -> None:
+    def start() -> None:
         k = len(procs)
         count = a.groups_per_producer if name == "churn" else 0
         args = [run_dir, f"{name}{k}", str(k % world), str(nxt[0]), str(count),
                 str(a.interval_ms / 1e3), str(a.group_size), str(a.median)]  # fmt: skip
-        procs.append(_Proc(args, standby))
+        procs.append(_Proc(args))
         nxt[0] += 10_000
 
     stop = threading.Event()
@@ -133,7 +132,7 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
             for p in [p for p in spare if p.ready][: a.producers - len(live)]:
                 p.go()
             if not spare:  # more leave than planned: one more (its import is timed)
-                start(standby=True)
+                start()
 
     try:
         tp.open_ingress(run_dir, grace_s=5)
@@ -142,7 +141,7 @@ def _phase(a, name: str, run_dir: str, base: int) -> dict:
             if name == "churn":
                 need = -(-(a.warmup + a.steps) * a.groups // a.groups_per_producer) + 1
             for _ in range(need):
-                start(standby=True)
+                start()
             deadline = time.monotonic() + 45  # within the other ranks' barrier timeout
             _wait_for(procs, "ready", deadline)
             if name == "fixed":  # attached before the first step (the welcome needs no round)
