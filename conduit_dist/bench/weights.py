@@ -55,7 +55,7 @@ from torch import nn
 import conduit_dist as cd
 from conduit_dist.bench.common import emit, number
 from conduit_dist.flow.weights import WeightsState, parts
-from conduit_dist.flow.weights_format import buffer_bytes
+from conduit_dist.flow.weights_format import buffer_bytes, is_dtensor
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -120,7 +120,7 @@ def _digest(module: nn.Module) -> str:
     learners, which all call it in the same order)."""
     h = hashlib.blake2b(digest_size=16)
     for k, t in module.state_dict().items():
-        if hasattr(t, "full_tensor"):
+        if is_dtensor(t):
             t = t.full_tensor()
         h.update(k.encode())
         h.update(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))

@@ -41,7 +41,7 @@ from conduit_dist.flow.weights_format import (
     shards_of,
 )
 from conduit_dist.records.buffers import Pooled, keep, lasting_empty, use_count
-from conduit_dist.records.spec import ALIGN
+from conduit_dist.records.spec import ALIGN, align
 from conduit_dist.syncs import SYNCS
 
 # the default largest piece of a weights transfer: on 2 shared cores (bench weights, loopback)
@@ -234,9 +234,9 @@ class WeightsState:
         self.files: WeightFiles | None = None
         self.slot = -1  # the file the current buffer is (shared memory)
         self.shard_head = 0  # a sharded buffer's header bytes (WeightsSnapshot.shard_head)
-        # read in place from other ranks' files (shared memory): the versions this rank holds
-        # whole there, is pulling, and its module views since its last in-place pull (0: none)
-        self._whole_files = self._pulling = 0
+        # read in place from other ranks' files (shared memory): the version this rank is
+        # pulling (0: none), and its module views since its last in-place pull
+        self._pulling = 0
         # modules loaded in place from files: (version, the mappings' pooled use counts)
         self._views: list[tuple[int, list[Pooled]]] = []
         self._read_lock = threading.Lock()  # reads of files: one at a time (_pulling)
@@ -291,7 +291,6 @@ class WeightsState:
         caller holds :attr:`_lock`; a round finishing late never moves it back)."""
         if self._whole is None or version > self._whole[0]:
             self._whole = (version, buf, head)
-            self._whole_files = version if isinstance(buf, InFiles) else 0
 
     def whole(self) -> tuple[int, torch.Tensor | None]:
         """The newest version held complete, and its buffer (``(0, None)``: none yet): what
@@ -391,7 +390,7 @@ class WeightsState:
                 self._pending = (buf, head, entries, state, lo, hi)
             self.buf, self.part = buf, (index, count)  # complete (its part) before current
             self.head = digest  # 0 on a host plane: receivers read the header in place
-            self.shard_head = 0 if shards is None else len(head) + (-len(head)) % ALIGN
+            self.shard_head = 0 if shards is None else align(len(head))
             self.version += 1
             if count == 1 and not lazy:
                 self._hold_whole(self.version, buf, digest)
@@ -462,7 +461,9 @@ class WeightsState:
             self.broadcast = version
             return
         if shard_head:
-            ranges = self._shard_ranges(ex, owners, receivers, buf, shard_head, slots, r, nbytes)
+            ranges = self._shard_ranges(
+                ex, owners, receivers, buf, shard_head, slots, r, nbytes, schedule
+            )
         else:
             ranges = [[p] for p in parts(nbytes, len(owners))]
         pack = snap.pack if rank in owners else None
@@ -541,30 +542,20 @@ class WeightsState:
         return sent, received, count
 
     def _shard_ranges(
-        self, ex, owners, receivers, buf, head, slots, r, nbytes
+        self, ex, owners, receivers, buf, head, slots, r, nbytes, schedule: str
     ) -> list[list[tuple]]:
         """A sharded state's header to every receiver (from the first owner, by the round's
-        schedule), and from it each owner's byte ranges (:class:`~conduit_dist.flow.
+        ``schedule``), and from it each owner's byte ranges (:class:`~conduit_dist.flow.
         weights_format.Shards`: holders are global ranks, owners the group's)."""
-        rank, src = ex.rank, owners[0]
-        if self.files is not None:  # shm: an owner's file holds the header; a receiver reads
-            if buf is None:  # the first owner's in place
+        src = owners[0]
+        if schedule == "shm":  # an owner's file holds the header; a receiver reads the first
+            if buf is None:  # owner's in place
                 buf = self.files.peer(src, int(slots[0]), nbytes)
-        elif weights_schedule(ex, buf.is_cuda) == "broadcast":
-            ex.broadcast(buf[:head], src, r)
-        else:
-            ops = [
-                dist.P2POp(dist.isend, buf[:head], d, ex.group)
-                for d in receivers
-                if rank == src and d not in owners
-            ]
-            if rank not in owners:
-                ops.append(dist.P2POp(dist.irecv, buf[:head], src, ex.group))
-            if ops:
-                ex.wait_works(
-                    ex.send_recv_start(ops, "weights[header]", r), "weights[header]", r,
-                    buf.is_cuda,
-                )  # fmt: skip
+        elif schedule == "broadcast":
+            self._broadcasts(ex, [src], [[(0, head)]], buf, None, r)
+        else:  # p2p (a header is not worth a relay)
+            self._sends(ex, [[(src, d, 0, head) for d in receivers if d not in owners]], buf,
+                        None, r)  # fmt: skip
         raw = buf[:head]
         if raw.is_cuda:
             raw = raw.cpu()
@@ -678,7 +669,8 @@ class WeightsState:
                            if not all(p.free() for p in bases)]  # fmt: skip
             viewed = [v for v, _ in self._views]
             lo, hi = (min(viewed), max(viewed)) if viewed else (0, 0)
-            return self._whole_files, self._pulling, lo, hi
+            v, b, _ = self._whole or (0, None, 0)  # held whole in other ranks' files
+            return v if isinstance(b, InFiles) else 0, self._pulling, lo, hi
 
     def close(self) -> None:
         """Remove this rank's weights files (shared memory); nothing otherwise."""
@@ -717,7 +709,6 @@ class WeightsState:
         with self._lock:
             self.buf, self.version, self.head, self.part = buf, version, head, (0, 1)
             self._whole = (version, buf, head)
-            self._whole_files = 0
 
     def pull(self, module: nn.Module, in_place: bool = False) -> int:
         """Load the newest whole version into ``module`` after checking their layout against
@@ -810,13 +801,13 @@ class WeightsState:
             else:
                 raw = buf[at : at + e.nbytes]
             views[name] = raw.view(e.dtype).view(e.shape)
-        with self._lock:  # the mappings modules loaded in place view (a copy replaces them)
-            spans = [(p.buf.data_ptr(), p.buf.data_ptr() + p.buf.numel())
-                     for _, bases in self._views for p in bases]  # fmt: skip
         fresh = {}
         if in_place:
             module.load_state_dict(views, strict=True, assign=True)
         else:
+            with self._lock:  # the mappings modules loaded in place view (a copy replaces them)
+                spans = [(p.buf.data_ptr(), p.buf.data_ptr() + p.buf.numel())
+                         for _, viewed in self._views for p in viewed]  # fmt: skip
             with torch.no_grad():
                 for name, t in state.items():
                     if is_dtensor(t):  # this rank's rows of it (or all, replicated)

@@ -161,9 +161,9 @@ def shards_of(state: dict[str, torch.Tensor], entries: dict[str, Entry]) -> Shar
             continue
         if is_dtensor(t) and _sharded_rows(name, t):
             n = e.shape[0]
-            row, chunk = e.nbytes // n, -(-n // count)
+            row = e.nbytes // n
             for c in range(count):
-                r0, r1 = min(c * chunk, n), min((c + 1) * chunk, n)
+                r0, r1 = _chunk_rows(n, count, c)
                 if r0 < r1:
                     got[c].append((at + r0 * row, end if r1 == n else at + r1 * row))
                     load[c] += (r1 - r0) * row
@@ -172,6 +172,13 @@ def shards_of(state: dict[str, torch.Tensor], entries: dict[str, Entry]) -> Shar
             got[c].append((at, end))
             load[c] += end - at
     return Shards(holders, tuple(tuple(_merged(rs)) for rs in got))
+
+
+def _chunk_rows(n: int, count: int, c: int) -> tuple[int, int]:
+    """Rows ``[r0, r1)`` of ``n`` that ``torch.chunk`` gives part ``c`` of ``count`` (FSDP2's
+    ``Shard(0)`` split: parts of ``ceil(n / count)`` rows, the last ones short or empty)."""
+    chunk = -(-n // count)
+    return min(c * chunk, n), min((c + 1) * chunk, n)
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -199,8 +206,7 @@ def local_rows(name: str, t, e: Entry) -> tuple[torch.Tensor, int]:
         return local, 0
     n, count = e.shape[0], t.device_mesh.size()
     c = t.device_mesh.get_coordinate()[0]
-    chunk = -(-n // count)
-    r0, r1 = min(c * chunk, n), min((c + 1) * chunk, n)
+    r0, r1 = _chunk_rows(n, count, c)
     if tuple(local.shape) != (r1 - r0, *e.shape[1:]):
         raise SpecError(
             f"weights: state {name!r}: mesh coordinate {c} of {count} holds a shard of shape "
@@ -270,7 +276,7 @@ def fill_shards(buf: torch.Tensor, head: bytes, entries: dict[str, Entry], state
     a sharded ``state``'s buffer: each tensor's local rows at their global offset, as raw bytes,
     and its alignment padding as zeros."""
     start = align(len(head))
-    buf[:start].copy_(torch.frombuffer(bytearray(head.ljust(start, b"\0")), dtype=torch.uint8))
+    fill(buf, head, {}, {}, 0, start)  # the header and its padding
     spans = [(start + a, start + b) for a, b in mine]
     starts = [a for a, _ in spans]
     for name, t in state.items():
